@@ -1,0 +1,1 @@
+"""Data: text sources, tokenizers, token files and batches."""

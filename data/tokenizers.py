@@ -1,0 +1,80 @@
+"""Text <-> token ids: characters of the corpus, or a tiktoken BPE encoding (GPT-2's is r50k_base)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import tiktoken
+
+from data.errors import DataError
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def metadata(self) -> dict[str, Any]: ...
+
+
+class CharTokenizer:
+    def __init__(self, chars: list[str]) -> None:
+        self.chars = chars
+        self.vocab_size = len(chars)
+        self._index = {c: i for i, c in enumerate(chars)}
+
+    @classmethod
+    def from_text(cls, text: str) -> CharTokenizer:
+        return cls(sorted(set(text)))
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self._index[c] for c in text]
+        except KeyError as err:
+            raise DataError(
+                f"character {err.args[0]!r} is not in the model's vocabulary of {self.vocab_size} characters; "
+                "remove it from the text"
+            ) from None
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+    def metadata(self) -> dict[str, Any]:
+        return {"kind": "char", "chars": self.chars}
+
+
+class BpeTokenizer:
+    def __init__(self, encoding: tiktoken.Encoding) -> None:
+        self.encoding = encoding
+        self.vocab_size = encoding.n_vocab
+
+    @classmethod
+    def from_name(cls, name: str) -> BpeTokenizer:
+        try:
+            return cls(tiktoken.get_encoding(name))
+        except ValueError:  # unknown encoding name
+            raise DataError(
+                f"data.tokenizer={name} is not a tiktoken encoding; "
+                f"use char or one of {', '.join(tiktoken.list_encoding_names())}"
+            ) from None
+        except Exception as err:  # tiktoken downloads its ranks on first use
+            raise DataError(
+                f"could not load the tiktoken encoding {name!r} ({type(err).__name__}); offline, set "
+                "TIKTOKEN_CACHE_DIR to a folder holding its ranks file named by the sha1 hex of its URL"
+            ) from None
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode_ordinary(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.encoding.decode(ids)
+
+    def metadata(self) -> dict[str, Any]:
+        return {"kind": "bpe", "encoding": self.encoding.name}
+
+
+def tokenizer_from_metadata(meta: dict[str, Any]) -> Tokenizer:
+    """Rebuild the tokenizer a dataset or checkpoint was made with."""
+    if meta["kind"] == "char":
+        return CharTokenizer(list(meta["chars"]))
+    return BpeTokenizer.from_name(meta["encoding"])

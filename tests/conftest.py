@@ -1,0 +1,98 @@
+"""Shared fixtures. Everything runs offline on CPU with text made or carried here.
+
+Stronger checks use the real corpus and GPT-2 ranks when .ci/run points at them:
+GPT_TEST_CORPUS=path/to/tinyshakespeare.txt and TIKTOKEN_CACHE_DIR holding r50k_base's ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import pydoc_data.topics
+from pathlib import Path
+
+import pytest
+import tiktoken
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+from tiktoken_ext.openai_public import r50k_pat_str
+
+from training.schema import register_schemas
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "configs"
+TINY_BPE = "tiny_test_bpe"
+# Merges in rank order; each is the concatenation of two earlier tokens, as BPE learns them.
+_TINY_MERGES = [
+    b"th",
+    b"he",
+    b"in",
+    b"er",
+    b"an",
+    b" t",
+    b" a",
+    b"the",
+    b" the",
+    b"ou",
+    b"on",
+    b"re",
+    b"nd",
+    b"and",
+    b" and",
+]
+
+register_schemas()
+
+
+def tiny_encoding() -> tiktoken.Encoding:
+    """A real tiktoken BPE with GPT-2's pre-tokenizer and a handful of merges, built without any download."""
+    ranks = {bytes([b]): b for b in range(256)}
+    for token in _TINY_MERGES:
+        ranks[token] = len(ranks)
+    return tiktoken.Encoding(
+        name=TINY_BPE, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": len(ranks)}
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _register_tiny_bpe() -> None:
+    """Make `data.tokenizer=tiny_test_bpe` resolve by name, like any installed tiktoken encoding."""
+    tiktoken.registry.ENCODINGS[TINY_BPE] = tiny_encoding()
+
+
+@pytest.fixture(scope="session")
+def corpus_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Shakespeare where CI provides it, else Python's own help topics (465k characters of English)."""
+    shared = os.environ.get("GPT_TEST_CORPUS")
+    if shared and Path(shared).is_file():
+        return Path(shared)
+    path = tmp_path_factory.mktemp("corpus") / "pydoc_topics.txt"
+    path.write_text("".join(pydoc_data.topics.topics.values()), encoding="utf-8")
+    return path
+
+
+def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:
+    """The config a script would see (train.py's by default; config_name="sample" for sample.py's)."""
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides)
+
+
+def tiny_run_overrides(tmp_path: Path, corpus: Path, **extra: object) -> list[str]:
+    """A run small enough to take seconds on CPU."""
+    base = {
+        "out_dir": tmp_path / "run",
+        "device": "cpu",
+        "data.input": corpus,
+        "data.dir": tmp_path / "data",
+        "model.n_layer": 2,
+        "model.n_head": 2,
+        "model.n_embd": 32,
+        "model.block_size": 32,
+        "train.batch_size": 8,
+        "train.max_iters": 20,
+        "train.eval_interval": 10,
+        "train.eval_iters": 4,
+        "train.log_interval": 5,
+        "train.warmup_iters": 2,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]

@@ -1,0 +1,139 @@
+import math
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig, causal_mask, masked_attention
+
+SMALL = dict(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)
+
+
+def _pair(**overrides: object) -> tuple[GPT, GPT]:
+    """The same random weights behind the flash and the math path."""
+    torch.manual_seed(0)
+    flash = GPT(GPTConfig(**{**SMALL, **overrides, "attn_impl": "flash"}))
+    math_ = GPT(GPTConfig(**{**SMALL, **overrides, "attn_impl": "math"}))
+    math_.load_state_dict(flash.state_dict())
+    return flash, math_
+
+
+def test_flash_and_math_paths_agree_on_logits_and_gradients() -> None:
+    flash, math_ = _pair()
+    idx = torch.randint(SMALL["vocab_size"], (3, SMALL["block_size"]))
+    targets = torch.randint(SMALL["vocab_size"], (3, SMALL["block_size"]))
+    results = []
+    for model in (flash, math_):
+        logits, loss = model(idx, targets)
+        loss.backward()
+        results.append((logits, {n: p.grad for n, p in model.named_parameters()}))
+    (logits_f, grads_f), (logits_m, grads_m) = results
+    torch.testing.assert_close(logits_f, logits_m, atol=1e-5, rtol=0)
+    assert grads_f.keys() == grads_m.keys()
+    for name in grads_f:
+        torch.testing.assert_close(grads_f[name], grads_m[name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("attn_impl", ["flash", "math"])
+def test_changing_a_token_never_changes_earlier_logits(attn_impl: str) -> None:
+    torch.manual_seed(1)
+    model = GPT(GPTConfig(**SMALL, attn_impl=attn_impl)).eval()
+    idx = torch.randint(SMALL["vocab_size"], (1, SMALL["block_size"]))
+    t = 7
+    changed = idx.clone()
+    changed[0, t] = (idx[0, t] + 1) % SMALL["vocab_size"]
+    with torch.no_grad():
+        before, _ = model(idx)
+        after, _ = model(changed)
+    assert torch.equal(before[0, :t], after[0, :t])
+    per_position_change = (before[0, t:] - after[0, t:]).abs().amax(dim=-1)
+    assert bool((per_position_change > 0).all())
+
+
+def test_loss_is_mean_cross_entropy_and_none_without_targets() -> None:
+    model, _ = _pair()
+    idx = torch.randint(SMALL["vocab_size"], (2, 8))
+    logits, loss = model(idx)
+    assert logits.shape == (2, 8, SMALL["vocab_size"]) and loss is None
+    logits, loss = model(idx, idx)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, SMALL["vocab_size"]), idx.reshape(-1))
+    torch.testing.assert_close(loss, expected)
+    # At initialisation the prediction is close to uniform.
+    assert abs(loss.item() - math.log(SMALL["vocab_size"])) < 0.5
+
+
+def test_gpt2_initialisation_tying_and_parameter_count() -> None:
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=500, block_size=64, n_layer=8, n_head=4, n_embd=64)
+    model = GPT(config)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    residual = model.transformer.h[0].attn.c_proj.weight
+    assert residual.std().item() == pytest.approx(0.02 / math.sqrt(2 * 8), rel=0.1)
+    assert model.transformer.h[0].mlp.c_fc.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    per_block = 12 * 64 * 64 + 13 * 64  # qkv, proj, mlp weights + biases and two LayerNorms
+    assert model.num_params() == 500 * 64 + 8 * per_block + 2 * 64
+    assert model.num_params(non_embedding=False) == model.num_params() + 64 * 64
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [({"n_embd": 30, "n_head": 4}, "n_embd"), ({"attn_impl": "fast"}, "attn_impl"), ({"n_layer": 0}, "n_layer")],
+)
+def test_impossible_configs_raise_value_error_naming_the_field(overrides: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        GPTConfig(**{**SMALL, **overrides})
+
+
+def test_sequence_longer_than_block_size_is_refused() -> None:
+    model, _ = _pair()
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, SMALL["block_size"] + 1, dtype=torch.long))
+
+
+def test_generate_crops_the_context_and_is_seeded() -> None:
+    model, _ = _pair()
+    idx = torch.zeros(2, 3, dtype=torch.long)
+    torch.manual_seed(5)
+    out = model.generate(idx, max_new_tokens=2 * SMALL["block_size"], temperature=0.9, top_k=5)
+    assert out.shape == (2, 3 + 2 * SMALL["block_size"])
+    assert torch.equal(out[:, :3], idx)
+    torch.manual_seed(5)
+    assert torch.equal(out, model.generate(idx, max_new_tokens=2 * SMALL["block_size"], temperature=0.9, top_k=5))
+
+
+def test_top_k_one_is_greedy() -> None:
+    model, _ = _pair()
+    idx = torch.tensor([[1, 2, 3]])
+    out = model.generate(idx, max_new_tokens=1, top_k=1)
+    logits, _ = model(idx)
+    assert out[0, -1].item() == logits[0, -1].argmax().item()
+
+
+@pytest.mark.parametrize("attn_impl", ["flash", "math"])
+def test_tiny_model_overfits_one_batch(attn_impl: str) -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL, attn_impl=attn_impl))
+    idx = torch.randint(SMALL["vocab_size"], (4, SMALL["block_size"] + 1))
+    x, y = idx[:, :-1], idx[:, 1:]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        _, loss = model(x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.1
+
+
+def test_masked_attention_matches_the_textbook() -> None:
+    # Weights 0.25 / 0.75 over values [2, 0] and [0, 4] give [0.5, 3].
+    q = torch.tensor([[[1.0]]])
+    k = torch.tensor([[[0.0], [math.log(3.0)]]])
+    v = torch.tensor([[[2.0, 0.0], [0.0, 4.0]]])
+    out, weights = masked_attention(q, k, v, torch.ones(1, 2, dtype=torch.bool))
+    torch.testing.assert_close(weights, torch.tensor([[[0.25, 0.75]]]))
+    torch.testing.assert_close(out, torch.tensor([[[0.5, 3.0]]]))
+
+
+def test_causal_mask_is_lower_triangular_and_aligned_to_the_last_keys() -> None:
+    assert torch.equal(causal_mask(3, 3), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool))
+    # Two new queries after three cached keys see everything up to themselves.
+    assert torch.equal(causal_mask(2, 5), torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool))

@@ -1,0 +1,101 @@
+"""train.py and sample.py as a user runs them: subprocesses, from another working directory."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, tiny_run_overrides
+
+
+def run_script(script: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / script), *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
+    tmp = tmp_path_factory.mktemp("cli")
+    result = run_script("train.py", tiny_run_overrides(tmp, corpus_path), cwd=tmp)
+    assert result.returncode == 0, result.stderr
+    assert "step 20: train loss" in result.stdout and "tok/s" in result.stdout
+    return tmp / "run"
+
+
+def _samples(stdout: str) -> list[str]:
+    return stdout.split("\n---------------\n")[:-1]
+
+
+def test_train_then_sample_end_to_end(trained_run: Path, tmp_path: Path) -> None:
+    for name in ("ckpt.pt", "metrics.jsonl", "config.yaml", ".hydra/config.yaml"):
+        assert (trained_run / name).is_file(), name
+    args = [f"out_dir={trained_run}", "start=The", "num_samples=3", "max_new_tokens=40", "seed=7", "device=cpu"]
+    first = run_script("sample.py", args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    samples = _samples(first.stdout)
+    assert len(samples) == 3 and all(s.startswith("The") and len(s) == len("The") + 40 for s in samples)
+    assert len(set(samples)) > 1
+    assert run_script("sample.py", args, cwd=tmp_path).stdout == first.stdout  # same seed, same text
+    assert run_script("sample.py", [*args[:-2], "seed=8", "device=cpu"], cwd=tmp_path).stdout != first.stdout
+    assert not list(tmp_path.iterdir())  # sample.py writes nothing
+
+
+def test_sample_reads_the_prompt_from_a_file_and_runs_either_attention_path(trained_run: Path, tmp_path: Path) -> None:
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The end, or not")
+    base = [f"out_dir={trained_run}", f"start=FILE:{prompt}", "num_samples=1", "max_new_tokens=30", "top_k=1"]
+    flash = run_script("sample.py", [*base, "attn_impl=flash"], cwd=tmp_path)
+    math_ = run_script("sample.py", [*base, "attn_impl=math"], cwd=tmp_path)
+    assert flash.returncode == 0, flash.stderr
+    assert flash.stdout.startswith("The end, or not") and flash.stdout == math_.stdout
+
+
+def test_sample_explains_how_to_quote_a_prompt_with_commas(trained_run: Path, tmp_path: Path) -> None:
+    result = run_script("sample.py", [f"out_dir={trained_run}", "start=To", "be,", "or", "not"], cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert "start=\"'To be, or not'\"" in result.stderr
+    quoted = run_script(
+        "sample.py",
+        [f"out_dir={trained_run}", "start='To be, or not'", "max_new_tokens=5", "num_samples=1"],
+        cwd=tmp_path,
+    )
+    assert quoted.returncode == 0 and quoted.stdout.startswith("To be, or not")
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        ("train.py", ["model.n_head=3"], "error: model.n_embd=32 is not divisible by n_head=3"),
+        ("train.py", ["data.input=/no/such/file.txt"], "error: data.input=/no/such/file.txt does not exist"),
+        ("sample.py", ["out_dir=/no/such/run"], "error: no checkpoint at /no/such/run/ckpt.pt"),
+        ("sample.py", ["start='Zebra\u00e9'"], "error: character '\u00e9' is not in the model's vocabulary"),
+    ],
+)
+def test_user_errors_are_one_line_without_traceback(
+    trained_run: Path, tmp_path: Path, corpus_path: Path, script: str, args: list[str], message: str
+) -> None:
+    if script == "train.py":
+        args = tiny_run_overrides(tmp_path, corpus_path) + args
+    elif not any(a.startswith("out_dir=") for a in args):
+        args = [f"out_dir={trained_run}", *args]
+    result = run_script(script, args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith(message) and len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_misspelt_key_fails_at_start_with_hydras_message(tmp_path: Path) -> None:
+    result = run_script("train.py", ["train.lerning_rate=1e-3", "out_dir=run"], cwd=tmp_path)
+    assert result.returncode != 0 and "lerning_rate" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_data_can_be_prepared_on_its_own(tmp_path: Path, corpus_path: Path) -> None:
+    args = [f"data.input={corpus_path}", f"data.dir={tmp_path / 'prepared'}"]
+    result = subprocess.run(
+        [sys.executable, "-m", "data.prepare", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "train and" in result.stdout and "val tokens" in result.stdout
+    assert all((tmp_path / "prepared" / name).is_file() for name in ("train.bin", "val.bin", "meta.json"))

@@ -1,0 +1,154 @@
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CONFIGS, TINY_BPE, compose_config, tiny_run_overrides
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from training.checkpoint import CKPT_NAME, load_checkpoint
+from training.errors import CheckpointError, ConfigError
+from training.loop import train
+from training.optim import lr_at
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("group", ["model", "data", "experiment"])
+def test_every_preset_composes(group: str) -> None:
+    names = sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+    assert names
+    for name in names:
+        cfg = compose_config([f"{group}={name}"])
+        OmegaConf.to_container(cfg.model, throw_on_missing=True)
+
+
+def test_cpu_preset_is_nanogpts_recipe() -> None:
+    cfg = compose_config(["experiment=shakespeare_char_cpu"])
+    assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size) == (4, 4, 128, 64)
+    assert cfg.model.dropout == 0.0 and cfg.data.tokenizer == "char"
+    t = cfg.train
+    assert (t.batch_size, t.max_iters, t.lr_decay_iters, t.warmup_iters) == (12, 2000, 2000, 100)
+    assert (t.learning_rate, t.min_lr, t.compile) == (1e-3, 1e-4, False)
+
+
+def test_command_line_overrides_beat_the_preset() -> None:
+    cfg = compose_config(["experiment=shakespeare_char_cpu", "train.max_iters=7", "model=shakespeare"])
+    assert cfg.train.max_iters == 7
+    # model= on the command line replaces the preset's model group; the preset's own values still apply on top.
+    assert (cfg.model.n_embd, cfg.model.block_size) == (384, 64)
+
+
+@pytest.mark.parametrize("override", ["train.lerning_rate=1e-3", "train.batch_size=twelve", "model.n_layers=2"])
+def test_misspelt_keys_and_wrong_types_fail_at_composition(override: str) -> None:
+    with pytest.raises(ConfigCompositionException):
+        compose_config([override])
+
+
+def test_learning_rate_schedule_warms_up_then_decays_to_min_lr() -> None:
+    schedule = [lr_at(s, 1e-3, 1e-4, 10, 100) for s in range(120)]
+    assert schedule[0] == pytest.approx(1e-3 / 11) and schedule[9] == pytest.approx(1e-3 * 10 / 11)
+    assert schedule[10] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(schedule[10:], schedule[11:], strict=False))
+    assert schedule[55] == pytest.approx(1e-4 + 0.5 * 9e-4)
+    assert schedule[100:] == [1e-4] * 20
+
+
+def test_short_real_run_learns_and_writes_its_run_directory(tmp_path: Path, corpus_path: Path) -> None:
+    cfg = compose_config(
+        tiny_run_overrides(
+            tmp_path,
+            corpus_path,
+            **{
+                "model.n_embd": 64,
+                "model.block_size": 64,
+                "train.max_iters": 150,
+                "train.eval_interval": 50,
+                "train.eval_iters": 10,
+                "train.learning_rate": 3e-3,
+                "train.warmup_iters": 10,
+            },
+        )
+    )
+    result = train(cfg)
+    vocab = json.loads((tmp_path / "data" / "meta.json").read_text())["vocab_size"]
+    assert result.iters == 150
+    assert result.val_loss < 0.7 * math.log(vocab)
+
+    run = tmp_path / "run"
+    records = _records(run)
+    evals = [r for r in records if "val_loss" in r]
+    logs = [r for r in records if "val_loss" not in r]
+    assert [r["iter"] for r in evals] == [0, 50, 100, 150]
+    assert evals[-1]["val_loss"] == pytest.approx(result.val_loss)
+    assert evals[0]["val_loss"] == pytest.approx(math.log(vocab), abs=0.3)
+    assert [r["iter"] for r in logs] == list(range(5, 151, 5))
+    assert all(r["tokens_per_sec"] > 0 and r["lr"] > 0 and math.isfinite(r["train_loss"]) for r in logs)
+    assert OmegaConf.load(run / "config.yaml").train.max_iters == 150
+
+    ckpt = load_checkpoint(run / CKPT_NAME)
+    assert ckpt["iter"] == 150 and ckpt["best_val_loss"] == pytest.approx(min(r["val_loss"] for r in evals))
+    assert ckpt["tokenizer"]["kind"] == "char" and ckpt["model_config"]["vocab_size"] == vocab
+    assert not any(k.startswith("_orig_mod.") for k in ckpt["model"])
+    assert ckpt["config"]["model"]["n_embd"] == 64
+
+
+def test_resume_continues_the_run_and_appends_metrics(tmp_path: Path, corpus_path: Path) -> None:
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path)))
+    first = len(_records(tmp_path / "run"))
+    result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, **{"train.max_iters": 30})))
+    records = _records(tmp_path / "run")
+    assert result.iters == 30 and load_checkpoint(tmp_path / "run" / CKPT_NAME)["iter"] == 30
+    assert [r["iter"] for r in records[first:] if "val_loss" in r] == [30]
+    assert len(records) > first
+
+
+def test_resume_with_a_different_model_shape_names_the_keys(tmp_path: Path, corpus_path: Path) -> None:
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 10})))
+    changed = tiny_run_overrides(tmp_path, corpus_path, resume=True, **{"model.n_layer": 3})
+    with pytest.raises(CheckpointError, match="n_layer: 2 -> 3"):
+        train(compose_config(changed))
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"model.n_head": 3}, "model.n_embd=32 is not divisible by n_head=3"),
+        ({"model.attn_impl": "fast"}, "attn_impl='fast'"),
+        ({"model.block_size": 10_000_000}, "model.block_size=10000000"),
+        ({"device": "cuda"} if not torch.cuda.is_available() else {"device": "tpu"}, "device="),
+        ({"train.batch_size": 0}, "train.batch_size=0"),
+        ({"train.dtype": "fp8"}, "dtype=fp8"),
+    ],
+)
+def test_bad_config_values_are_config_errors(tmp_path: Path, corpus_path: Path, extra: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)))
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path: Path, corpus_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True)))
+
+
+def test_bpe_run_trains_and_samples(tmp_path: Path, corpus_path: Path) -> None:
+    from training.sampling import sample
+
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"data.tokenizer": TINY_BPE})))
+    ckpt = load_checkpoint(tmp_path / "run" / CKPT_NAME)
+    assert ckpt["tokenizer"] == {"kind": "bpe", "encoding": TINY_BPE}
+    overrides = [f"out_dir={tmp_path / 'run'}", "start=The", "num_samples=2", "max_new_tokens=12", "device=cpu"]
+    cfg = compose_config(overrides, config_name="sample")
+    samples = list(sample(cfg))
+    assert len(samples) == 2 and all(s.startswith("The") and len(s) > len("The") for s in samples)
+
+
+def test_wandb_offline_run_leaves_its_files_in_the_run_directory(tmp_path: Path, corpus_path: Path) -> None:
+    extra = {"wandb.enabled": True, "wandb.mode": "offline", "train.max_iters": 10, "wandb.run_name": "tiny"}
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)))
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))

@@ -1,0 +1,25 @@
+"""Train a GPT. Examples:
+
+python train.py experiment=shakespeare_char_cpu        # CPU, a few minutes
+python train.py model=shakespeare train.max_iters=5000  # GPU
+python train.py --cfg job                              # show the resolved config
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+from training.cli import exit_on_user_error
+from training.loop import train
+from training.schema import register_schemas
+
+register_schemas()
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    with exit_on_user_error():
+        train(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Training and sampling plumbing: config schema, runtime, optimizer, checkpoints, metrics, the loop."""

@@ -1,0 +1,36 @@
+"""What the command-line scripts share: user errors become one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+from training.errors import USER_ERRORS
+
+
+@contextlib.contextmanager
+def exit_on_user_error() -> Iterator[None]:
+    try:
+        yield
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def explain_unparsable_overrides(args: list[str]) -> None:
+    """Hydra's grammar rejects unquoted values with commas, spaces or symbols: say how to quote them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    overrides = [a for a in args if not a.startswith("-")]
+    try:
+        OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException:
+        text = " ".join(overrides)
+        print(
+            f"error: can't parse the overrides `{text}`. Quote values with spaces, commas or symbols "
+            "twice, once for the shell and once for Hydra: start=\"'To be, or not'\"",
+            file=sys.stderr,
+        )
+        sys.exit(2)

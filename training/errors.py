@@ -1,0 +1,14 @@
+"""Errors a user can cause: the scripts print them as one line and exit non-zero, without a traceback."""
+
+from data.errors import DataError
+
+
+class ConfigError(ValueError):
+    """A config value that can't work."""
+
+
+class CheckpointError(ValueError):
+    """A missing, unreadable or mismatched checkpoint."""
+
+
+USER_ERRORS = (ConfigError, CheckpointError, DataError)

@@ -1,0 +1,75 @@
+"""Where the model runs and in which precision: device detection, autocast, TF32, MFU peaks."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from training.errors import ConfigError
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Dense bf16/fp16 tensor-core peaks from the datasheets, by a substring of torch.cuda.get_device_name().
+_GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "4090": 165e12}
+
+
+@dataclass(frozen=True)
+class Runtime:
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def peak_flops(self) -> float | None:
+        """The GPU's datasheet peak for half precision, or None where MFU wouldn't mean anything yet."""
+        if not self.is_cuda or self.dtype == torch.float32:
+            return None
+        name = torch.cuda.get_device_name(self.device)
+        return next((peak for key, peak in _GPU_PEAK_FLOPS.items() if key in name), None)
+
+
+def make_runtime(device: str, dtype: str) -> Runtime:
+    dev = _resolve_device(device)
+    if dtype == "auto":
+        if dev.type == "cuda":
+            resolved = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        else:
+            resolved = torch.float32
+    elif dtype in DTYPES:
+        resolved = DTYPES[dtype]
+    else:
+        raise ConfigError(f"dtype={dtype} is unknown; use auto, {', '.join(DTYPES)}")
+    if dev.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls
+        torch.backends.cudnn.allow_tf32 = True
+    return Runtime(dev, resolved)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name not in DEVICES:
+        raise ConfigError(f"device={name} is unknown; use one of {', '.join(DEVICES)}")
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA GPU is available; use device=cpu or device=auto")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device=mps but MPS is not available; use device=cpu or device=auto")
+    return torch.device(name)

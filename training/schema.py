@@ -1,0 +1,98 @@
+"""Typed config schemas, registered with Hydra's ConfigStore so a misspelt key or wrong type fails at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    dropout: float = 0.0
+    bias: bool = True
+    attn_impl: str = "flash"  # flash | math
+
+
+@dataclass
+class DataConfig:
+    name: str = "shakespeare_char"  # folder under data/cache unless data.dir is set
+    tokenizer: str = "char"  # char, or a tiktoken encoding (r50k_base is GPT-2's BPE)
+    input: str | None = None  # a UTF-8 text file to train on instead of the download
+    url: str | None = SHAKESPEARE_URL
+    dir: str | None = None  # where train.bin / val.bin / meta.json live
+    val_fraction: float = 0.1
+
+
+@dataclass
+class OptimConfig:
+    batch_size: int = 12  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    learning_rate: float = 1e-3
+    min_lr: float = 1e-4  # the cosine decays to this
+    max_iters: int = 2000
+    lr_decay_iters: int | None = None  # default: max_iters
+    warmup_iters: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # 0 disables clipping
+    eval_interval: int = 250
+    eval_iters: int = 100  # batches per split in each evaluation
+    log_interval: int = 10
+    compile: bool | None = None  # default: on for CUDA, off elsewhere
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "gpt"
+    entity: str | None = None
+    run_name: str | None = None
+    mode: str | None = None  # online | offline | disabled; default: $WANDB_MODE, else online
+
+
+@dataclass
+class TrainRunConfig:
+    out_dir: str = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
+    device: str = "auto"  # auto | cpu | cuda | mps (auto: cuda > mps > cpu)
+    seed: int = 1337
+    resume: bool = False  # continue the run in out_dir from its ckpt.pt
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: OptimConfig = field(default_factory=OptimConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class PrepareConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+@dataclass
+class SampleConfig:
+    out_dir: str = MISSING  # a train.py run directory holding ckpt.pt
+    start: str = "\n"  # the prompt, or FILE:path to read it from a file
+    num_samples: int = 3
+    max_new_tokens: int = 500
+    temperature: float = 0.8
+    top_k: int | None = 200
+    seed: int = 1337
+    device: str = "auto"
+    dtype: str = "auto"
+    attn_impl: str | None = None  # default: the checkpoint's
+
+
+def register_schemas() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainRunConfig)
+    cs.store(name="prepare_schema", node=PrepareConfig)
+    cs.store(name="sample_schema", node=SampleConfig)

@@ -126,6 +126,8 @@ if __name__ == "__main__":
         with exit_on_user_error():
             data = ensure_prepared(**cfg.data)
         m = data.meta
-        print(f"{data.dir}: {m['train_tokens']:,} train and {m['val_tokens']:,} val tokens, vocabulary {m['vocab_size']}")
+        print(
+            f"{data.dir}: {m['train_tokens']:,} train and {m['val_tokens']:,} val tokens, vocabulary {m['vocab_size']}"
+        )
 
     main()

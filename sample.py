@@ -1,17 +1,28 @@
-"""Generate text from a trained run. Only the samples go to stdout.
+"""Generate text from a trained run; optionally look inside the model. Only the samples go to stdout.
 
-python sample.py out_dir=RUN start="ROMEO:" num_samples=3 max_new_tokens=500
-python sample.py out_dir=RUN start=FILE:prompt.txt
-python sample.py out_dir=RUN start="'To be, or not'"   # quote prompts with commas, spaces or symbols
+    python sample.py out_dir=RUN start="ROMEO:" num_samples=3 max_new_tokens=500
+    python sample.py out_dir=RUN start=FILE:prompt.txt
+    python sample.py out_dir=RUN start="'To be, or not'"   # quote prompts with commas, spaces or symbols
+    python sample.py out_dir=RUN start="ROMEO:" max_new_tokens=60 attention_dir=DIR   # attention maps
+    python sample.py out_dir=RUN start="ROMEO:" check_causal=true   # prove the causal mask holds
+
+attention_dir=DIR runs the prompt and the first sample's continuation through the math path of the same
+weights and writes DIR/attention.npz (weights: (n_layer, n_head, T, T), tokens) and one PNG per layer.
+In each heat map row i is a query position and column j a key position; each row is a softmax over
+tokens 0..i, so it sums to 1, and everything above the diagonal is 0 (black): the causal mask.
+
+check_causal=true changes the middle token of that sequence and prints, position by position, the
+largest change of the logits on both attention paths: zero before the change, non-zero from it on.
 """
 
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from training.cli import exit_on_user_error, explain_unparsable_overrides
-from training.sampling import sample
+from training.sampling import load_sampler, warn
 from training.schema import register_schemas
 
 register_schemas()
@@ -20,9 +31,34 @@ register_schemas()
 @hydra.main(version_base="1.3", config_path="configs", config_name="sample")
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
-        for text in sample(cfg):
-            print(text)
+        sampler = load_sampler(cfg)
+        prompt = sampler.encode_prompt(cfg.start)
+        first = None
+        for ids in sampler.generate(
+            prompt, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.use_cache
+        ):
+            print(sampler.tokenizer.decode(ids))
             print("---------------")
+            first = first or ids
+        if first is None or not (cfg.attention_dir or cfg.check_causal):
+            return
+        decode_each = [sampler.tokenizer.decode([i]) for i in first]
+        if cfg.attention_dir:
+            from analysis.attention_maps import save_attention_maps
+
+            window = sampler.last_window(first, "attention maps")
+            paths = save_attention_maps(sampler.model, window, decode_each[-len(window) :], Path(cfg.attention_dir))
+            print(f"wrote {Path(cfg.attention_dir) / 'attention.npz'} and {len(paths)} PNGs", file=sys.stderr)
+        if cfg.check_causal:
+            from analysis.causality import check_causality, format_report
+
+            window = sampler.last_window(first, "causality check")
+            if len(window) < 2:
+                warn("causality check: needs at least 2 tokens; raise max_new_tokens")
+                return
+            report = check_causality(sampler.model, window)
+            changed_to = sampler.tokenizer.decode([(window[report.position] + 1) % sampler.model.config.vocab_size])
+            print(format_report(report, decode_each[-len(window) :], changed_to))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import GPTConfig
+from model.kv_cache import KVCache
 
 
 def masked_attention(
@@ -17,7 +18,8 @@ def masked_attention(
     """softmax(QKᵀ/√d_k, masked to -inf where `mask` is False) @ V, for m queries against n keys.
 
     q: (..., m, d); k, v: (..., n, d); mask: boolean, broadcastable to (..., m, n), True where a
-    query may attend. Returns the output and the (pre-dropout) attention weights, whose rows sum to 1.
+    query may attend: causal, a KV-cache decode, cross-attention or a sliding window are all masks.
+    Returns the output and the (pre-dropout) attention weights, whose rows sum to 1.
     This is the only place the formula is written out.
     """
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
@@ -34,26 +36,40 @@ def causal_mask(n_queries: int, n_keys: int, device: torch.device | str | None =
 class CausalSelfAttention(nn.Module):
     """Both paths share the same parameters, so weights trained with one run with the other."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, layer_index: int) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
         self.attn_impl = config.attn_impl
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, need_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: (B, T, C) for T new tokens. need_weights computes through the math path and returns the
+        weights (B, n_head, T, n_keys); otherwise the second value is None."""
         B, T, C = x.shape
-        q, k, v = (
-            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-            for t in self.c_attn(x).split(self.n_embd, dim=2)
-        )
-        dropout_p = self.dropout if self.training else 0.0
-        if self.attn_impl == "flash":
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        # (3, B, n_head, T, head_dim): one reshape for queries, keys and values
+        qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        n_past = 0 if cache is None else cache.length
+        if cache is None:
+            q, k, v = qkv.unbind(0)
         else:
-            y, _ = masked_attention(q, k, v, causal_mask(T, T, x.device), dropout_p)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+            q = qkv[0]
+            k, v = cache.extend(self.layer_index, qkv[1:])
+        dropout_p = self.dropout if self.training else 0.0
+        weights = None
+        if self.attn_impl == "math" or need_weights:
+            y, weights = masked_attention(q, k, v, causal_mask(T, n_past + T, x.device), dropout_p)
+        elif n_past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        elif T == 1:
+            # is_causal aligns the mask to the first key; a single query after the cache may see every key.
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        else:
+            raise ValueError("the flash path extends a non-empty KV cache one token at a time")
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return F.dropout(self.c_proj(y), dropout_p), weights if need_weights else None

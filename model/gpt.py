@@ -10,31 +10,35 @@ from torch import nn
 
 from model.attention import CausalSelfAttention
 from model.config import GPTConfig
+from model.kv_cache import KVCache
 
 
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU()
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        # Functional GELU and dropout: a module call costs more than the op itself when decoding one token.
+        return F.dropout(self.c_proj(F.gelu(self.c_fc(x))), self.dropout, self.training)
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, layer_index: int) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer_index)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, need_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attended, weights = self.attn(self.ln_1(x), cache, need_weights)
+        x = x + attended
+        return x + self.mlp(self.ln_2(x)), weights
 
 
 class GPT(nn.Module):
@@ -45,8 +49,7 @@ class GPT(nn.Module):
             dict(
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
                 wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+                h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
                 ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
             )
         )
@@ -77,35 +80,70 @@ class GPT(nn.Module):
         c = self.config
         return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size
 
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _hidden(
+        self, idx: torch.Tensor, cache: KVCache | None = None, need_weights: bool = False
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Final hidden states (B, T, C) of the new tokens `idx`, after those already in `cache`."""
+        n_past = 0 if cache is None else cache.length
         T = idx.size(1)
-        if T > self.config.block_size:
+        if n_past + T > self.config.block_size:
             raise ValueError(
-                f"sequence length {T} exceeds block_size={self.config.block_size}; "
+                f"sequence length {n_past + T} exceeds block_size={self.config.block_size}; "
                 "crop the input to the last block_size tokens"
             )
-        pos = torch.arange(T, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        pos = torch.arange(n_past, n_past + T, device=idx.device)
+        x = F.dropout(self.transformer.wte(idx) + self.transformer.wpe(pos), self.config.dropout, self.training)
+        weights = []
         for block in self.transformer.h:
-            x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
+            x, w = block(x, cache, need_weights)
+            weights.append(w)
+        if cache is not None:
+            cache.advance(T)
+        return self.transformer.ln_f(x), weights
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, T, vocab_size) for every position of idx, and the mean cross-entropy if targets."""
+        logits = self.lm_head(self._hidden(idx, cache)[0])
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     @torch.no_grad()
+    def attention_weights(self, idx: torch.Tensor) -> torch.Tensor:
+        """Softmax weights of every layer and head, (n_layer, B, n_head, T, T), through the math path
+        of these same weights whatever attn_impl is: row i is query i's distribution over keys 0..i."""
+        _, weights = self._hidden(idx, need_weights=True)
+        return torch.stack(weights)
+
+    @torch.inference_mode()
     def generate(
-        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        use_cache: bool = True,
     ) -> torch.Tensor:
-        """Sample `max_new_tokens` tokens after `idx` (B, T), feeding back the last block_size tokens."""
+        """Sample `max_new_tokens` tokens after `idx` (B, T), feeding back the last block_size tokens.
+
+        With the cache the prompt is run once, then each step runs only the newest token. Learned
+        positions can't slide, so once the sequence outgrows block_size every step recomputes the
+        cropped window, exactly as use_cache=False does.
+        """
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0; use top_k=1 for greedy decoding")
+        block_size = self.config.block_size
+        cache = KVCache(self.config) if use_cache else None
         for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.config.block_size :])
-            logits = logits[:, -1, :] / temperature
+            if cache is not None and idx.size(1) <= block_size:
+                new_tokens = idx[:, cache.length :]
+                hidden, _ = self._hidden(new_tokens, cache)
+            else:
+                hidden, _ = self._hidden(idx[:, -block_size:])
+            logits = self.lm_head(hidden[:, -1, :]) / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import pydoc_data.topics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,6 +70,21 @@ def corpus_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "pydoc_topics.txt"
     path.write_text("".join(pydoc_data.topics.topics.values()), encoding="utf-8")
     return path
+
+
+def run_script(script: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / script), *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
+    """A tiny char-level run made by train.py itself, shared by the tests that sample from it."""
+    tmp = tmp_path_factory.mktemp("trained")
+    result = run_script("train.py", tiny_run_overrides(tmp, corpus_path, **{"train.max_iters": 60}), cwd=tmp)
+    assert result.returncode == 0, result.stderr
+    return tmp / "run"
 
 
 def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:

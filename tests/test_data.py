@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_BPE, tiny_encoding
 
 import data.prepare as prepare
+from conftest import TINY_BPE, tiny_encoding
 from data.batches import get_batch
 from data.errors import DataError
 from data.prepare import ensure_prepared, write_dataset

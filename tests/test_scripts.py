@@ -5,22 +5,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, tiny_run_overrides
+
+from conftest import REPO, run_script, tiny_run_overrides
 
 
-def run_script(script: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / script), *args], cwd=cwd, capture_output=True, text=True, timeout=300
-    )
-
-
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
-    tmp = tmp_path_factory.mktemp("cli")
-    result = run_script("train.py", tiny_run_overrides(tmp, corpus_path), cwd=tmp)
-    assert result.returncode == 0, result.stderr
-    assert "step 20: train loss" in result.stdout and "tok/s" in result.stdout
-    return tmp / "run"
+def test_train_py_logs_readable_lines(trained_run: Path) -> None:
+    log = (trained_run / "train.log").read_text()
+    assert "step 20: train loss" in log and "ms/iter" in log and "tok/s" in log and "parameters" in log
 
 
 def _samples(stdout: str) -> list[str]:

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, TINY_BPE, compose_config, tiny_run_overrides
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from conftest import CONFIGS, TINY_BPE, compose_config, tiny_run_overrides
 from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.errors import CheckpointError, ConfigError
 from training.loop import train
@@ -136,14 +136,17 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path: Path, corpus_pat
 
 
 def test_bpe_run_trains_and_samples(tmp_path: Path, corpus_path: Path) -> None:
-    from training.sampling import sample
+    from training.sampling import load_sampler
 
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"data.tokenizer": TINY_BPE})))
     ckpt = load_checkpoint(tmp_path / "run" / CKPT_NAME)
     assert ckpt["tokenizer"] == {"kind": "bpe", "encoding": TINY_BPE}
     overrides = [f"out_dir={tmp_path / 'run'}", "start=The", "num_samples=2", "max_new_tokens=12", "device=cpu"]
     cfg = compose_config(overrides, config_name="sample")
-    samples = list(sample(cfg))
+    sampler = load_sampler(cfg)
+    samples = [
+        sampler.tokenizer.decode(ids) for ids in sampler.generate(sampler.encode_prompt("The"), 2, 12, 1.0, None, True)
+    ]
     assert len(samples) == 2 and all(s.startswith("The") and len(s) > len("The") for s in samples)
 
 

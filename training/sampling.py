@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.errors import DataError
-from data.tokenizers import tokenizer_from_metadata
+from data.tokenizers import Tokenizer, tokenizer_from_metadata
+from model import GPT
 from training.checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint
 from training.errors import ConfigError
-from training.runtime import make_runtime
+from training.runtime import Runtime, make_runtime
 
 
 def read_prompt(start: str) -> str:
@@ -26,7 +28,45 @@ def read_prompt(start: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def sample(cfg: DictConfig) -> Iterator[str]:
+@dataclass
+class Sampler:
+    model: GPT
+    tokenizer: Tokenizer
+    runtime: Runtime
+
+    def encode_prompt(self, start: str) -> list[int]:
+        ids = self.tokenizer.encode(read_prompt(start))
+        if not ids:
+            raise ConfigError('start is empty; give a prompt such as start="ROMEO:"')
+        block_size = self.model.config.block_size
+        if len(ids) > block_size:
+            warn(f"the prompt has {len(ids)} tokens; the model sees only its last {block_size} (block_size)")
+        return ids
+
+    def generate(
+        self,
+        prompt: list[int],
+        num_samples: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        use_cache: bool,
+    ) -> Iterator[list[int]]:
+        idx = torch.tensor([prompt], dtype=torch.long, device=self.runtime.device)
+        with self.runtime.autocast():
+            for _ in range(num_samples):
+                out = self.model.generate(idx, max_new_tokens, temperature, top_k, use_cache=use_cache)
+                yield out[0].tolist()
+
+    def last_window(self, ids: list[int], purpose: str) -> list[int]:
+        """The last block_size tokens, which is all the model can look at in one pass."""
+        block_size = self.model.config.block_size
+        if len(ids) > block_size:
+            warn(f"{purpose}: the sequence has {len(ids)} tokens; using its last {block_size} (block_size)")
+        return ids[-block_size:]
+
+
+def load_sampler(cfg: DictConfig) -> Sampler:
     if OmegaConf.is_missing(cfg, "out_dir"):
         raise ConfigError("out_dir is required: pass out_dir=RUN, a directory written by train.py")
     if cfg.temperature <= 0:
@@ -39,21 +79,9 @@ def sample(cfg: DictConfig) -> Iterator[str]:
         model = model_from_checkpoint(ckpt, cfg.attn_impl)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    model.to(runtime.device).eval()
-    tokenizer = tokenizer_from_metadata(ckpt["tokenizer"])
-
-    prompt_ids = tokenizer.encode(read_prompt(cfg.start))
-    if not prompt_ids:
-        raise ConfigError('start is empty; give a prompt such as start="ROMEO:"')
-    block_size = model.config.block_size
-    if len(prompt_ids) > block_size:
-        print(
-            f"warning: the prompt has {len(prompt_ids)} tokens; the model sees only its last {block_size}",
-            file=sys.stderr,
-        )
     torch.manual_seed(cfg.seed)
-    idx = torch.tensor([prompt_ids], dtype=torch.long, device=runtime.device)
-    with runtime.autocast():
-        for _ in range(cfg.num_samples):
-            out = model.generate(idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k)
-            yield tokenizer.decode(out[0].tolist())
+    return Sampler(model.to(runtime.device).eval(), tokenizer_from_metadata(ckpt["tokenizer"]), runtime)
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)

@@ -89,6 +89,9 @@ class SampleConfig:
     device: str = "auto"
     dtype: str = "auto"
     attn_impl: str | None = None  # default: the checkpoint's
+    use_cache: bool = True  # KV cache: run the prompt once, then one token per step
+    attention_dir: str | None = None  # write attention.npz and one PNG per layer here
+    check_causal: bool = False  # print the causality demonstration after the samples
 
 
 def register_schemas() -> None:

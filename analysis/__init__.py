@@ -1,0 +1,1 @@
+"""Looking inside a trained model: attention maps and the causality demonstration."""

@@ -1,0 +1,66 @@
+"""Attention weights of a trained model, saved as numbers (attention.npz) and pictures (one PNG per layer).
+
+How to read a picture: one heat map per head; row i is query position i, column j key position j, and the
+colour is how much token i attends to token j. Each row is a softmax over tokens 0..i, so it sums to 1,
+and everything above the diagonal is exactly 0 (black): the causal mask, made visible.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model import GPT
+
+LABELS_UP_TO = 48  # token labels on the axes only while they stay readable
+
+
+def save_attention_maps(model: GPT, ids: list[int], tokens: list[str], out_dir: Path) -> list[Path]:
+    """Write out_dir/attention.npz (weights: float32 (n_layer, n_head, T, T), tokens) and the PNGs."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    weights = model.attention_weights(idx)[:, 0].float().cpu().numpy()
+    np.savez(out_dir / "attention.npz", weights=weights, tokens=np.array(tokens))
+    return [_plot_layer(weights[layer], tokens, layer, out_dir) for layer in range(len(weights))]
+
+
+def _plot_layer(weights: np.ndarray, tokens: list[str], layer: int, out_dir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import PowerNorm
+
+    n_head, T, _ = weights.shape
+    cols = min(n_head, 4)
+    rows = -(-n_head // cols)
+    size = 3.2 if T <= LABELS_UP_TO // 2 else 4.2
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(size * cols + 1, size * rows + 0.6), squeeze=False, layout="constrained"
+    )
+    norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)  # stretch small weights; 0 stays black
+    labels = [_readable(t) for t in tokens]
+    for head, ax in enumerate(axes.flat):
+        if head >= n_head:
+            ax.axis("off")
+            continue
+        image = ax.imshow(weights[head], cmap="inferno", norm=norm, interpolation="nearest")
+        ax.set_title(f"head {head}", fontsize=9)
+        if T <= LABELS_UP_TO:
+            ax.set_xticks(range(T), labels, rotation=90, fontsize=6, family="monospace")
+            ax.set_yticks(range(T), labels, fontsize=6, family="monospace")
+        else:
+            ax.set_xlabel("key position", fontsize=8)
+            ax.set_ylabel("query position", fontsize=8)
+    fig.suptitle(f"layer {layer}: attention weights (rows: queries, columns: keys)", fontsize=10)
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="weight")
+    path = out_dir / f"attention_layer{layer}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _readable(token: str) -> str:
+    return token.replace("\n", "\\n").replace(" ", "\u2423") or "\u2205"

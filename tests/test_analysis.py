@@ -1,0 +1,113 @@
+"""Attention maps, the causality demonstration and bench.py, on a real (tiny) trained checkpoint."""
+
+import json
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+import pytest
+import torch
+
+import model.attention
+from analysis.attention_maps import save_attention_maps
+from analysis.causality import check_causality, format_report
+from conftest import REPO, run_script
+from training.checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint
+
+
+@pytest.fixture(scope="module")
+def trained_model(trained_run: Path) -> model.GPT:
+    return model_from_checkpoint(load_checkpoint(trained_run / CKPT_NAME)).eval()
+
+
+def test_attention_maps_are_causal_softmax_rows(trained_model: model.GPT, tmp_path: Path) -> None:
+    ids = list(range(10, 30))
+    tokens = [f"t{i}" for i in ids]
+    pngs = save_attention_maps(trained_model, ids, tokens, tmp_path)
+    saved = np.load(tmp_path / "attention.npz")
+    weights = saved["weights"]
+    c = trained_model.config
+    assert weights.dtype == np.float32 and weights.shape == (c.n_layer, c.n_head, 20, 20)
+    assert list(saved["tokens"]) == tokens
+    upper = np.triu(np.ones((20, 20), dtype=bool), k=1)
+    assert np.all(weights[..., upper] == 0)
+    np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
+    assert np.all(weights[..., ~upper] > 0)
+    assert [p.name for p in pngs] == [f"attention_layer{i}.png" for i in range(c.n_layer)]
+    for png in pngs:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert matplotlib.image.imread(png).shape[0] > 200
+
+
+def test_causality_check_finds_no_leak_in_a_trained_model(trained_model: model.GPT) -> None:
+    ids = list(range(5, 35))
+    report = check_causality(trained_model, ids)
+    assert report.position == 15 and set(report.changes) == {"flash", "math"}
+    assert report.mask_held and report.information_flows
+    text = format_report(report, [str(i) for i in ids], "x")
+    assert text.splitlines()[-1].startswith("mask held: positions 0-14 are unchanged on flash and math")
+    assert len(text.splitlines()) == 2 + len(ids) + 1
+
+
+def test_causality_check_reports_a_leak_when_the_mask_is_removed(
+    trained_model: model.GPT, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def no_mask(n_queries: int, n_keys: int, device: object = None) -> torch.Tensor:
+        return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device)
+
+    monkeypatch.setattr(model.attention, "causal_mask", no_mask)
+    monkeypatch.setattr(
+        model.attention.F, "scaled_dot_product_attention", lambda *a, **kw: sdpa(*a, **{**kw, "is_causal": False})
+    )
+    report = check_causality(trained_model, list(range(5, 35)))
+    assert not report.mask_held
+    assert all(bool((c[: report.position] > 0).any()) for c in report.changes.values())
+    assert "MASK LEAKED" in format_report(report, [str(i) for i in range(30)], "x")
+
+
+def test_sample_py_draws_attention_maps_and_proves_causality(trained_run: Path, tmp_path: Path) -> None:
+    args = [
+        f"out_dir={trained_run}",
+        "start=The",
+        "num_samples=1",
+        "max_new_tokens=20",
+        "seed=3",
+        f"attention_dir={tmp_path / 'maps'}",
+        "check_causal=true",
+    ]
+    result = run_script("sample.py", args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    sample, report = result.stdout.split("\n---------------\n")
+    assert sample.startswith("The") and len(sample) == 23
+    assert "causality check: token 11" in report and report.rstrip().splitlines()[-1].startswith("mask held")
+    weights = np.load(tmp_path / "maps" / "attention.npz")["weights"]
+    assert weights.shape[-2:] == (23, 23)
+    assert len(list((tmp_path / "maps").glob("attention_layer*.png"))) == weights.shape[0]
+
+
+def test_bench_py_runs_the_sampling_benchmark_on_a_tiny_model(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = [
+        "sampling",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "16",
+        "--n-head",
+        "2",
+        "--block-size",
+        "32",
+        "--new-tokens",
+        "8",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+    ]
+    result = run_script("bench.py", args, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())
+    assert {(r["attn_impl"], r["kv_cache"]) for r in rows} == {(a, c) for a in ("flash", "math") for c in (False, True)}
+    assert all(r["tokens_per_sec"] > 0 for r in rows) and "speedup" in result.stdout

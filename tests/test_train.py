@@ -155,3 +155,12 @@ def test_wandb_offline_run_leaves_its_files_in_the_run_directory(tmp_path: Path,
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)))
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
+
+
+def test_model_keys_are_gptconfig_without_vocab_size() -> None:
+    from dataclasses import fields
+
+    from model import GPTConfig
+    from training.schema import ModelConfig
+
+    assert {f.name for f in fields(ModelConfig)} == {f.name for f in fields(GPTConfig)} - {"vocab_size"}

@@ -12,6 +12,8 @@ SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/da
 
 @dataclass
 class ModelConfig:
+    """The user-facing keys of model.GPTConfig (its vocab_size comes from the data); defaults: the baby model."""
+
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128

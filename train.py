@@ -5,6 +5,9 @@ python train.py model=shakespeare train.max_iters=5000  # GPU
 python train.py --cfg job                              # show the resolved config
 """
 
+import signal
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
@@ -18,7 +21,9 @@ register_schemas()
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
-        train(cfg)
+        result = train(cfg)
+    if result.stopped_by is not None:
+        sys.exit(128 + signal.Signals[result.stopped_by].value)  # the shell's convention for "killed by"
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""What the command-line scripts share: user errors become one line on stderr and exit status 2."""
+"""What the command-line scripts share: user errors become one line on stderr and exit status 2;
+Ctrl-C (a second one, during training) exits with status 130 without a traceback."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ def exit_on_user_error() -> Iterator[None]:
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 def explain_unparsable_overrides(args: list[str]) -> None:

@@ -11,4 +11,8 @@ class CheckpointError(ValueError):
     """A missing, unreadable or mismatched checkpoint."""
 
 
-USER_ERRORS = (ConfigError, CheckpointError, DataError)
+class TrainingDiverged(ValueError):
+    """The loss became NaN or infinite."""
+
+
+USER_ERRORS = (ConfigError, CheckpointError, DataError, TrainingDiverged)

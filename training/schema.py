@@ -51,6 +51,7 @@ class OptimConfig:
     log_interval: int = 10
     compile: bool | None = None  # default: on for CUDA, off elsewhere
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    on_nonfinite: str = "stop"  # a NaN/Inf loss: stop (the last checkpoint stays) | skip (drop that step)
 
 
 @dataclass

@@ -1,0 +1,238 @@
+"""Nothing a user does should cost them a run: exact resume, preemption, atomic checkpoints, safe loading."""
+
+import json
+import logging
+import math
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import training.loop
+from conftest import REPO, compose_config, run_script, tiny_run_overrides
+from training.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
+from training.errors import CheckpointError, TrainingDiverged
+from training.loop import train
+
+# Dropout on, so the restored random state matters; 40 iterations, evaluated every 10.
+EXACT = {"model.dropout": 0.1, "train.max_iters": 40, "train.eval_interval": 10, "train.log_interval": 1}
+
+
+def _val_losses(run: Path) -> list[tuple[int, float]]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["iter"], r["val_loss"]) for r in records if "val_loss" in r]
+
+
+def _signal_at_step(monkeypatch: pytest.MonkeyPatch, step: int, sig: signal.Signals, times: int = 1) -> None:
+    """Deliver a real signal to this process while the loop is at `step`."""
+    lr_at = training.loop.lr_at
+
+    def lr_at_with_signal(s: int, *args: float) -> float:
+        if s == step:
+            for _ in range(times):
+                signal.raise_signal(sig)
+        return lr_at(s, *args)
+
+    monkeypatch.setattr(training.loop, "lr_at", lr_at_with_signal)
+
+
+@pytest.mark.parametrize("stop_at", [7, 19, 30])
+def test_interrupted_and_resumed_equals_uninterrupted(
+    tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch, stop_at: int
+) -> None:
+    reference = train(compose_config(tiny_run_overrides(tmp_path / "a", corpus_path, **EXACT)))
+
+    with monkeypatch.context() as patch:
+        _signal_at_step(patch, stop_at, signal.SIGTERM)
+        stopped = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, **EXACT)))
+    assert stopped.stopped_by == "SIGTERM" and stopped.iters == stop_at + 1
+    assert load_checkpoint(tmp_path / "b" / "run" / CKPT_NAME)["iter"] == stop_at + 1
+    resumed = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, **EXACT)))
+
+    assert resumed.iters == reference.iters == 40
+    assert _val_losses(tmp_path / "b" / "run") == _val_losses(tmp_path / "a" / "run")  # bit-identical
+    final_a = load_checkpoint(tmp_path / "a" / "run" / CKPT_NAME)["model"]
+    final_b = load_checkpoint(tmp_path / "b" / "run" / CKPT_NAME)["model"]
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+
+
+def test_sigterm_stops_the_script_promptly_and_the_run_resumes(tmp_path: Path, corpus_path: Path) -> None:
+    args = tiny_run_overrides(tmp_path, corpus_path, **{**EXACT, "train.max_iters": 100_000})
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and '"lr"' in metrics.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=60)
+    assert time.monotonic() - signalled < 30
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+    assert "stopped by SIGTERM" in stdout and "resume=true" in stdout
+    stopped_at = load_checkpoint(tmp_path / "run" / CKPT_NAME)["iter"]
+    assert 0 < stopped_at < 100_000
+
+    finish = tiny_run_overrides(tmp_path, corpus_path, resume=True, **{**EXACT, "train.max_iters": stopped_at + 5})
+    result = run_script("train.py", finish, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"resuming {tmp_path / 'run'} at iter {stopped_at}" in result.stdout
+    assert "train.max_iters changed from 100000 to" in result.stdout
+    assert _val_losses(tmp_path / "run")[-1][0] == stopped_at + 5  # one metrics.jsonl for the whole run
+
+
+def test_a_second_ctrl_c_quits_at_once_and_keeps_the_last_checkpoint(
+    tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _signal_at_step(monkeypatch, 25, signal.SIGINT, times=2)
+    with pytest.raises(KeyboardInterrupt):
+        train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **EXACT)))
+    ckpt = load_checkpoint(tmp_path / "run" / CKPT_NAME)
+    assert ckpt["iter"] == 20  # the evaluation before the interruption
+    assert not list((tmp_path / "run").glob("*.tmp"))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
+def test_an_interrupted_checkpoint_write_leaves_the_previous_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / CKPT_NAME
+    save_checkpoint(path, {"model": {"w": torch.ones(3)}, "model_config": {}, "iter": 1})
+    before = path.read_bytes()
+
+    def half_written(obj: object, f) -> None:  # noqa: ANN001
+        f.write(b"PK\x03\x04 half a zip file")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", half_written)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(path, {"model": {"w": torch.zeros(3)}, "model_config": {}, "iter": 2})
+    assert path.read_bytes() == before and not list(tmp_path.glob("*.tmp"))
+    assert load_checkpoint(path)["iter"] == 1
+
+
+_WRITER = """
+import sys, torch
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from training.checkpoint import save_checkpoint
+path = Path({path!r})
+states = [{{"model": {{"w": torch.full((4_000_000,), float(i))}}, "model_config": {{}}, "iter": i}} for i in (1, 2)]
+save_checkpoint(path, states[0])
+print("ready", flush=True)
+i = 0
+while True:
+    i += 1
+    save_checkpoint(path, states[i % 2])
+"""
+
+
+def test_kill_9_during_checkpoint_writes_leaves_a_complete_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / CKPT_NAME
+    for delay in (0.13, 0.37, 0.71):
+        process = subprocess.Popen(
+            [sys.executable, "-c", _WRITER.format(repo=str(REPO), path=str(path))], stdout=subprocess.PIPE, text=True
+        )
+        assert process.stdout.readline().strip() == "ready"
+        time.sleep(delay)
+        process.kill()
+        process.wait()
+        ckpt = load_checkpoint(path)
+        assert ckpt["iter"] in (1, 2)
+        assert torch.equal(ckpt["model"]["w"], torch.full((4_000_000,), float(ckpt["iter"])))
+
+
+def test_a_diverging_run_stops_naming_the_iteration(tmp_path: Path, corpus_path: Path) -> None:
+    extra = {"train.learning_rate": 1e30, "train.warmup_iters": 0, "train.eval_interval": 1}
+    with pytest.raises(TrainingDiverged, match=r"the loss is (nan|inf) at iter \d+; ckpt.pt keeps the last good"):
+        train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)))
+    ckpt_path = tmp_path / "run" / CKPT_NAME
+    if ckpt_path.exists():
+        ckpt = load_checkpoint(ckpt_path)
+        assert math.isfinite(ckpt["val_loss"])
+        assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+
+
+def test_on_nonfinite_skip_drops_the_bad_steps(
+    tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    extra = {"train.learning_rate": 1e30, "train.warmup_iters": 0, "train.on_nonfinite": "skip"}
+    with caplog.at_level(logging.WARNING, logger="train"):
+        result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)))
+    assert result.iters == 20
+    assert any(m.startswith("skipped iter") for m in caplog.messages)
+
+
+class _RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (Path.touch, (self.marker,))
+
+
+def test_a_pickle_that_would_run_code_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "code_ran"
+    path = tmp_path / CKPT_NAME
+    torch.save({"model": _RunsCode(marker), "model_config": {}}, path)
+    with pytest.raises(CheckpointError, match=f"{path} is not a readable checkpoint") as info:
+        load_checkpoint(path)
+    assert "\n" not in str(info.value)
+    assert not marker.exists()
+    pickle.loads(pickle.dumps(_RunsCode(marker)))  # the payload is real: plain unpickling runs it
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("content", ["truncated", "text", "empty"])
+def test_truncated_or_foreign_checkpoints_are_one_line_errors(tmp_path: Path, content: str) -> None:
+    path = tmp_path / CKPT_NAME
+    save_checkpoint(path, {"model": {"w": torch.ones(1000)}, "model_config": {}, "iter": 1})
+    data = {
+        "truncated": path.read_bytes()[: path.stat().st_size // 2],
+        "text": b"hello, not a checkpoint\n",
+        "empty": b"",
+    }[content]
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError, match=str(path)) as info:
+        load_checkpoint(path)
+    assert "\n" not in str(info.value)
+
+
+def test_sample_py_names_a_broken_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / CKPT_NAME).write_text("not a checkpoint")
+    result = run_script("sample.py", [f"out_dir={tmp_path}"], cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"error: {tmp_path / CKPT_NAME} is not a readable checkpoint")
+
+
+def test_a_prompt_longer_than_the_context_is_cropped_with_a_warning(trained_run: Path, tmp_path: Path) -> None:
+    prompt = tmp_path / "long.txt"
+    prompt.write_text("the " * 20)  # 80 characters, block_size 32
+    args = [f"out_dir={trained_run}", f"start=FILE:{prompt}", "num_samples=1", "max_new_tokens=5"]
+    result = run_script("sample.py", args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "warning: the prompt has 80 tokens; the model sees only its last 32" in result.stderr
+    assert result.stdout.startswith("the " * 20)
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+def test_an_unavailable_device_is_a_one_line_error(
+    trained_run: Path, tmp_path: Path, corpus_path: Path, script: str
+) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    args = tiny_run_overrides(tmp_path, corpus_path) if script == "train.py" else [f"out_dir={trained_run}"]
+    result = run_script(script, [*args, "device=cuda"], cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "error: device=cuda but no CUDA GPU is available; use device=cpu or device=auto"
+    )

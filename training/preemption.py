@@ -1,0 +1,36 @@
+"""SIGTERM and Ctrl-C: finish the optimizer step, write a checkpoint, say how to resume, exit.
+
+A second signal exits at once; the checkpoint on disk stays the last complete one.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from types import FrameType, TracebackType
+
+log = logging.getLogger("train")
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequests:
+    """Installed for the duration of a run (main thread only); the previous handlers come back after."""
+
+    def __init__(self) -> None:
+        self.signal: signal.Signals | None = None
+        self._previous: dict[signal.Signals, object] = {}
+
+    def __enter__(self) -> StopRequests:
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt  # the second one: quit now
+        self.signal = signal.Signals(signum)
+        log.warning(f"{self.signal.name}: finishing this step and writing a checkpoint (again to quit at once)")

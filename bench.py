@@ -1,11 +1,15 @@
 """Benchmarks (not tests): timings on this machine, printed as a table, optionally saved as JSON.
 
-    python bench.py                      # every section
-    python bench.py sampling --json out.json
+    python bench.py                                   # every section
+    python bench.py train --experiment shakespeare_char_cpu --json out.json
+    python bench.py attention --lengths 256 1024 2048
+    python bench.py sampling
 
-sampling: tokens/s of model.generate with and without the KV cache, on both attention paths, for a
-random-weight GPT (4 layers, width 128, block 256 by default) writing 240 tokens after an 8-token prompt.
-Speed doesn't depend on the weights. Each figure is the best of --repeats runs.
+train: tokens/s, ms/iter and MFU of train.py's loop for an experiment, against a plain eager nanoGPT-style
+  loop on the same model, data and machine, measured in the same run (warm-up excluded). MFU's peak comes
+  from a datasheet for known GPUs, else from a matmul measured here; the table says which.
+attention: the flash path against the math path, forward + backward, time and peak memory.
+sampling: tokens/s of model.generate with and without the KV cache, on both attention paths.
 """
 
 from __future__ import annotations
@@ -13,13 +17,174 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import resource
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
-from model import ATTN_IMPLS, GPT, GPTConfig
+from model import ATTN_IMPLS, GPT, GPTConfig, causal_mask, masked_attention
+
+REPO = Path(__file__).resolve().parent
+
+
+def bench_train(args: argparse.Namespace) -> list[dict]:
+    from hydra import compose, initialize_config_dir
+
+    from data.prepare import ensure_prepared
+    from training.loop import train
+    from training.mfu import peak_flops
+    from training.runtime import make_runtime
+    from training.schema import register_schemas
+
+    register_schemas()
+    out_dir = Path(tempfile.mkdtemp(prefix="bench-"))
+    n = args.train_iters
+    overrides = [
+        f"experiment={args.experiment}",
+        f"device={args.device}",
+        *args.override,
+        f"out_dir={out_dir}",
+        f"train.max_iters={2 * n}",
+        f"train.log_interval={n}",
+        f"train.eval_interval={10 * n}",
+        "train.eval_iters=1",
+        "train.target_val_loss=null",
+    ]
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    train(cfg)  # the first n iterations warm up (and compile); the second n are measured
+    ours = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()][-2]
+
+    runtime = make_runtime(cfg.device, cfg.train.dtype)
+    data = ensure_prepared(**cfg.data)
+    model_config = GPTConfig(vocab_size=data.meta["vocab_size"], **cfg.model)
+    reference_tps = _nanogpt_style_tokens_per_sec(cfg, model_config, data.train_bin, runtime, n)
+    peak = peak_flops(runtime.device, runtime.dtype)
+    flops_per_token = GPT(model_config).flops_per_token()
+    rows = []
+    for loop, tps in (("nanogpt-style eager", reference_tps), ("train.py", ours["tokens_per_sec"])):
+        rows.append(
+            {
+                "section": "train",
+                "experiment": args.experiment,
+                "loop": loop,
+                "tokens_per_sec": tps,
+                "ms_per_iter": 1000 * _tokens_per_iter(cfg) / tps,
+                "mfu": flops_per_token * tps / peak.flops,
+                "peak": peak.source,
+                "speedup": tps / reference_tps,
+            }
+        )
+    return rows
+
+
+def _tokens_per_iter(cfg) -> int:  # noqa: ANN001
+    return cfg.train.batch_size * cfg.train.grad_accum * cfg.model.block_size
+
+
+def _nanogpt_style_tokens_per_sec(cfg, model_config: GPTConfig, train_bin: Path, runtime, n: int) -> float:  # noqa: ANN001
+    """The reference: nanoGPT's train.py loop as written, eager, with its batch assembly and optimizer."""
+    t = cfg.train
+    torch.manual_seed(0)
+    model = GPT(model_config).to(runtime.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.beta1, t.beta2), fused=runtime.is_cuda)
+    scaler = torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16)
+    block = model_config.block_size
+
+    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        data = np.memmap(train_bin, dtype=np.uint16, mode="r")
+        ix = torch.randint(len(data) - block, (t.batch_size,))
+        x = torch.stack([torch.from_numpy(data[i : i + block].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + block].astype(np.int64)) for i in ix])
+        return x.to(runtime.device), y.to(runtime.device)
+
+    def step() -> torch.Tensor:
+        for _ in range(t.grad_accum):
+            x, y = get_batch()
+            with runtime.autocast():
+                _, loss = model(x, y)
+            scaler.scale(loss / t.grad_accum).backward()
+        if t.grad_clip > 0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(n):
+        step()
+    runtime.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        loss = step()
+    loss.item()
+    runtime.synchronize()
+    return _tokens_per_iter(cfg) * n / (time.perf_counter() - start)
+
+
+def bench_attention(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for length in args.lengths:
+        for impl in ATTN_IMPLS:
+            probe = [
+                sys.executable,
+                str(REPO / "bench.py"),
+                "--attention-probe",
+                impl,
+                str(length),
+                "--device",
+                args.device,
+                "--repeats",
+                str(args.repeats),
+                "--attn-shape",
+                *(str(v) for v in args.attn_shape),
+            ]
+            result = subprocess.run(probe, capture_output=True, text=True, check=True)  # fresh process: clean peak
+            rows.append({"section": "attention", "attn_impl": impl, "T": length, **json.loads(result.stdout)})
+        flash, math_ = rows[-2], rows[-1]
+        for row in (flash, math_):
+            row["math_over_flash_time"] = math_["seconds"] / flash["seconds"]
+    return rows
+
+
+def attention_probe(impl: str, length: int, device: str, repeats: int, shape: list[int]) -> dict:
+    """Forward + backward of causal attention alone; peak memory above the inputs, in MiB."""
+    batch, heads, head_dim = shape
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, length, head_dim, device=device, requires_grad=True) for _ in range(3))
+
+    def run() -> None:
+        if impl == "flash":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out, _ = masked_attention(q, k, v, causal_mask(length, length, device))
+        out.backward(torch.ones_like(out))
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        run()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        run()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    seconds = min(_timed(run, device) for _ in range(repeats))
+    return {"seconds": seconds, "peak_mib": peak / 2**20}
 
 
 def bench_sampling(args: argparse.Namespace) -> list[dict]:
@@ -57,48 +222,71 @@ def bench_sampling(args: argparse.Namespace) -> list[dict]:
 
 
 def _timed(fn: Callable[[], object], device: str) -> float:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    from training.runtime import synchronize
+
+    synchronize(torch.device(device))
     start = time.perf_counter()
     fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    synchronize(torch.device(device))
     return time.perf_counter() - start
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {"sampling": bench_sampling}
+SECTIONS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {
+    "train": bench_train,
+    "attention": bench_attention,
+    "sampling": bench_sampling,
+}
 
 
 def print_table(rows: list[dict]) -> None:
-    columns = list(dict.fromkeys(k for row in rows for k in row))
-    cells = [[_cell(row.get(c, "")) for c in columns] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
-    for r in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)))
+    for section in dict.fromkeys(row["section"] for row in rows):
+        part = [row for row in rows if row["section"] == section]
+        columns = list(dict.fromkeys(k for row in part for k in row))
+        cells = [[_cell(row.get(c, "")) for c in columns] for row in part]
+        widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+        print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
+        for r in cells:
+            print("  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)))
+        print()
 
 
 def _cell(value: object) -> str:
     if isinstance(value, float):
-        return f"{value:.4g}" if value < 1000 else f"{value:,.0f}"
+        return f"{value:.4g}" if abs(value) < 1000 else f"{value:,.0f}"
     return str(value)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sections", nargs="*", choices=[*SECTIONS, []], help="default: all")
+    parser.add_argument("sections", nargs="*", help=f"any of {', '.join(SECTIONS)}; default: all")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=256)
-    parser.add_argument("--prompt-tokens", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=240)
+    train_args = parser.add_argument_group("train")
+    train_args.add_argument("--experiment", default="shakespeare_char_cpu")
+    train_args.add_argument("--override", action="append", default=[], help="a Hydra override, repeatable")
+    train_args.add_argument("--train-iters", type=int, default=30, help="measured after as many warm-up ones")
+    attention_args = parser.add_argument_group("attention")
+    attention_args.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
+    attention_args.add_argument("--attn-shape", type=int, nargs=3, default=[4, 6, 64], metavar=("B", "H", "D"))
+    attention_args.add_argument("--attention-probe", nargs=2, metavar=("IMPL", "T"), help=argparse.SUPPRESS)
+    sampling_args = parser.add_argument_group("sampling")
+    sampling_args.add_argument("--n-layer", type=int, default=4)
+    sampling_args.add_argument("--n-head", type=int, default=4)
+    sampling_args.add_argument("--n-embd", type=int, default=128)
+    sampling_args.add_argument("--block-size", type=int, default=256)
+    sampling_args.add_argument("--prompt-tokens", type=int, default=8)
+    sampling_args.add_argument("--new-tokens", type=int, default=240)
     args = parser.parse_args()
+    unknown = set(args.sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown section {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+    if args.attention_probe:
+        impl, length = args.attention_probe
+        print(json.dumps(attention_probe(impl, int(length), args.device, args.repeats, args.attn_shape)))
+        return
     rows = [row for name in (args.sections or SECTIONS) for row in SECTIONS[name](args)]
-    print(f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
+    print(f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads\n")
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -1,4 +1,6 @@
-"""Generate text from a trained run; optionally look inside the model. Only the samples go to stdout.
+"""Generate text from a trained run; optionally look inside the model.
+
+Only the samples, and the causality report when asked for, go to stdout.
 
     python sample.py out_dir=RUN start="ROMEO:" num_samples=3 max_new_tokens=500
     python sample.py out_dir=RUN start=FILE:prompt.txt

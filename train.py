@@ -11,7 +11,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from training.cli import exit_on_user_error
+from training.cli import exit_on_user_error, explain_unparsable_overrides
 from training.loop import train
 from training.schema import register_schemas
 
@@ -27,4 +27,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    explain_unparsable_overrides(sys.argv[1:])
     main()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,3 +25,13 @@ def get_batch(
     windows = np.stack([data[s : s + block_size + 1] for s in starts]).astype(np.int64)
     windows = torch.from_numpy(windows)
     return windows[:, :-1], windows[:, 1:]
+
+
+def every_window(bin_path: Path, batch_size: int, block_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """All consecutive non-overlapping windows of the file, in order and in batches: a full-split loss."""
+    data = np.memmap(bin_path, dtype=np.uint16, mode="r")
+    n_windows = (len(data) - 1) // block_size
+    for first in range(0, n_windows, batch_size):
+        count = min(batch_size, n_windows - first)
+        tokens = torch.from_numpy(data[first * block_size : (first + count) * block_size + 1].astype(np.int64))
+        yield tokens[:-1].view(count, block_size), tokens[1:].view(count, block_size)

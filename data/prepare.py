@@ -65,6 +65,7 @@ def write_dataset(
     if tokenizer.vocab_size > np.iinfo(np.uint16).max + 1:
         raise DataError(f"vocabulary of {tokenizer.vocab_size} tokens does not fit in uint16 token files")
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "meta.json").unlink(missing_ok=True)  # no meta.json: the folder is not a finished dataset
     split = int(len(text) * (1 - val_fraction))
     counts = {}
     with tqdm(
@@ -80,7 +81,9 @@ def write_dataset(
             np.asarray(ids, dtype=np.uint16).tofile(tmp)
             os.replace(tmp, out_dir / f"{name}.bin")
     meta = {"tokenizer": tokenizer.metadata(), "vocab_size": tokenizer.vocab_size, **counts, **extra_meta}
-    (out_dir / "meta.json").write_text(json.dumps(meta, ensure_ascii=False))
+    tmp = out_dir / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, ensure_ascii=False))
+    os.replace(tmp, out_dir / "meta.json")  # last: only now do the bins count as prepared
     return PreparedData(out_dir, meta)
 
 
@@ -103,7 +106,10 @@ def ensure_prepared(
     fingerprint = {"source": source_fingerprint(input, url), "tokenizer_spec": tokenizer, "val_fraction": val_fraction}
     meta_path = out_dir / "meta.json"
     if meta_path.is_file() and (out_dir / "train.bin").is_file() and (out_dir / "val.bin").is_file():
-        meta = json.loads(meta_path.read_text())
+        try:
+            meta = json.loads(meta_path.read_text())
+        except json.JSONDecodeError:
+            meta = {}  # damaged: prepare again
         if all(meta.get(k) == v for k, v in fingerprint.items()):
             return PreparedData(out_dir, meta)
     text = read_text(input, out_dir / "input.txt", url)

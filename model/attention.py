@@ -40,7 +40,6 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.layer_index = layer_index
         self.n_head = config.n_head
-        self.n_embd = config.n_embd
         self.dropout = config.dropout
         self.attn_impl = config.attn_impl
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)

@@ -31,7 +31,3 @@ class GPTConfig:
             raise ValueError(f"attn_impl={self.attn_impl!r} is unknown; use one of {', '.join(ATTN_IMPLS)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head

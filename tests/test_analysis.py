@@ -1,6 +1,5 @@
-"""Attention maps, the causality demonstration and bench.py, on a real (tiny) trained checkpoint."""
+"""Attention maps and the causality demonstration, on a real (tiny) trained checkpoint."""
 
-import json
 from pathlib import Path
 
 import matplotlib.image
@@ -11,7 +10,7 @@ import torch
 import model.attention
 from analysis.attention_maps import save_attention_maps
 from analysis.causality import check_causality, format_report
-from conftest import REPO, run_script
+from conftest import run_script
 from training.checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint
 
 
@@ -85,29 +84,3 @@ def test_sample_py_draws_attention_maps_and_proves_causality(trained_run: Path, 
     weights = np.load(tmp_path / "maps" / "attention.npz")["weights"]
     assert weights.shape[-2:] == (23, 23)
     assert len(list((tmp_path / "maps").glob("attention_layer*.png"))) == weights.shape[0]
-
-
-def test_bench_py_runs_the_sampling_benchmark_on_a_tiny_model(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    args = [
-        "sampling",
-        "--n-layer",
-        "1",
-        "--n-embd",
-        "16",
-        "--n-head",
-        "2",
-        "--block-size",
-        "32",
-        "--new-tokens",
-        "8",
-        "--repeats",
-        "1",
-        "--json",
-        str(out),
-    ]
-    result = run_script("bench.py", args, cwd=REPO)
-    assert result.returncode == 0, result.stderr
-    rows = json.loads(out.read_text())
-    assert {(r["attn_impl"], r["kv_cache"]) for r in rows} == {(a, c) for a in ("flash", "math") for c in (False, True)}
-    assert all(r["tokens_per_sec"] > 0 for r in rows) and "speedup" in result.stdout

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from model import GPT, GPTConfig, causal_mask, masked_attention
+from model import GPT, GPTConfig
 
 SMALL = dict(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)
 
@@ -121,19 +121,3 @@ def test_tiny_model_overfits_one_batch(attn_impl: str) -> None:
         loss.backward()
         optimizer.step()
     assert loss.item() < 0.1
-
-
-def test_masked_attention_matches_the_textbook() -> None:
-    # Weights 0.25 / 0.75 over values [2, 0] and [0, 4] give [0.5, 3].
-    q = torch.tensor([[[1.0]]])
-    k = torch.tensor([[[0.0], [math.log(3.0)]]])
-    v = torch.tensor([[[2.0, 0.0], [0.0, 4.0]]])
-    out, weights = masked_attention(q, k, v, torch.ones(1, 2, dtype=torch.bool))
-    torch.testing.assert_close(weights, torch.tensor([[[0.25, 0.75]]]))
-    torch.testing.assert_close(out, torch.tensor([[[0.5, 3.0]]]))
-
-
-def test_causal_mask_is_lower_triangular_and_aligned_to_the_last_keys() -> None:
-    assert torch.equal(causal_mask(3, 3), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool))
-    # Two new queries after three cached keys see everything up to themselves.
-    assert torch.equal(causal_mask(2, 5), torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -13,12 +14,13 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.batches import get_batch, num_tokens
+from data.batches import every_window, get_batch, num_tokens
 from data.prepare import PreparedData, ensure_prepared
 from model import GPT, GPTConfig
 from training.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
 from training.errors import CheckpointError, ConfigError, TrainingDiverged
 from training.metrics import MetricsLog, open_wandb
+from training.mfu import peak_flops
 from training.optim import lr_at, make_optimizer
 from training.preemption import StopRequests
 from training.runtime import Runtime, make_runtime
@@ -63,16 +65,24 @@ def train(cfg: DictConfig) -> TrainResult:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     if ckpt is not None:
         _check_same_shape(ckpt["model_config"], asdict(model_config))
+        if ckpt["tokenizer"] != data.meta["tokenizer"]:
+            raise CheckpointError("resume=true with data tokenized differently from the checkpoint's; use its data")
         _log_changed_keys(ckpt["config"], resolved)
 
     model = GPT(model_config).to(runtime.device)
     optimizer = make_optimizer(model, opt.learning_rate, opt.weight_decay, (opt.beta1, opt.beta2), runtime.device)
     scaler = torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16)
     it, best_val, val_loss, last_eval_iter = 0, math.inf, math.nan, -1
+    elapsed_before = 0.0  # wall time of the run before this resume
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
-        scaler.load_state_dict(ckpt["scaler"])
+        for group in optimizer.param_groups:  # the config's hyperparameters, not the saved ones
+            group["betas"] = (opt.beta1, opt.beta2)
+        optimizer.param_groups[0]["weight_decay"] = opt.weight_decay
+        if ckpt["scaler"]:  # empty when the checkpoint's run didn't use fp16
+            scaler.load_state_dict(ckpt["scaler"])
+        elapsed_before = ckpt["elapsed_s"]
         it, best_val, val_loss, last_eval_iter = (
             ckpt["iter"],
             ckpt["best_val_loss"],
@@ -80,6 +90,7 @@ def train(cfg: DictConfig) -> TrainResult:
             ckpt["last_eval_iter"],
         )
         _restore_rng(ckpt["rng"])
+        _drop_records_after(out_dir / "metrics.jsonl", it)  # written after the checkpoint by a killed run
         log.info(f"resuming {out_dir} at iter {it}")
     use_compile = runtime.is_cuda if opt.compile is None else opt.compile
     step_model = torch.compile(model) if use_compile else model
@@ -91,6 +102,9 @@ def train(cfg: DictConfig) -> TrainResult:
         f"out_dir {out_dir}"
     )
     metrics = MetricsLog(out_dir, open_wandb(**cfg.wandb, config=resolved, out_dir=out_dir))
+
+    def elapsed() -> float:
+        return round(elapsed_before + time.perf_counter() - t_start, 3)
 
     def save() -> None:
         save_checkpoint(
@@ -105,6 +119,7 @@ def train(cfg: DictConfig) -> TrainResult:
                 "val_loss": val_loss,
                 "best_val_loss": best_val,
                 "rng": _rng_state(),
+                "elapsed_s": elapsed(),
                 "tokenizer": data.meta["tokenizer"],
                 "config": resolved,
             },
@@ -112,8 +127,10 @@ def train(cfg: DictConfig) -> TrainResult:
 
     tokens_per_iter = opt.batch_size * opt.grad_accum * model_config.block_size
     decay_iters = opt.max_iters if opt.lr_decay_iters is None else opt.lr_decay_iters
-    peak = runtime.peak_flops()
-    loss_sum, train_s, steps_in_window = torch.zeros((), device=runtime.device), 0.0, 0
+    peak = peak_flops(runtime.device, runtime.dtype)
+    log.info(f"MFU against {peak.flops / 1e12:.3g} TFLOP/s ({peak.source})")
+    loss_sum, steps_in_window = torch.zeros((), device=runtime.device), 0
+    train_s, timed_steps, first_step = 0.0, 0, it  # the first step compiles and warms up: not timed
     stopped_by = None
     model.train()
     with StopRequests() as stop:
@@ -122,18 +139,26 @@ def train(cfg: DictConfig) -> TrainResult:
                 losses = _evaluate(step_model, data, cfg, runtime)
                 val_loss, last_eval_iter = losses["val"], it
                 best_val = min(best_val, val_loss)
-                metrics.write(
-                    {
-                        "iter": it,
-                        "train_loss": losses["train"],
-                        "val_loss": val_loss,
-                        "elapsed_s": round(time.perf_counter() - t_start, 3),
-                    }
-                )
+                record = {
+                    "iter": it,
+                    "train_loss": losses["train"],
+                    "val_loss": val_loss,
+                    "elapsed_s": elapsed(),
+                }
+                reached = opt.target_val_loss is not None and val_loss <= opt.target_val_loss
+                if reached:
+                    record["time_to_target_s"] = record["elapsed_s"]
+                metrics.write(record)
                 if not math.isfinite(val_loss):
                     log.warning(f"val loss is {val_loss} at iter {it}: keeping the previous checkpoint")
                 elif it > 0:
                     save()
+                if reached:
+                    log.info(
+                        f"reached val loss {val_loss:.4f} <= {opt.target_val_loss} at iter {it}, "
+                        f"{record['elapsed_s']:.1f} s after the start"
+                    )
+                    break
             if it >= opt.max_iters:
                 break
 
@@ -172,22 +197,18 @@ def train(cfg: DictConfig) -> TrainResult:
             logging_now = it % opt.log_interval == 0 and steps_in_window > 0
             if logging_now:
                 train_loss = loss_sum.item() / steps_in_window  # .item() waits for the GPU: timed as training
-                runtime.synchronize()
-            train_s += time.perf_counter() - t0
+            if it - 1 != first_step:
+                train_s += time.perf_counter() - t0
+                timed_steps += 1
             if logging_now:
-                record: dict[str, Any] = {
-                    "iter": it,
-                    "train_loss": train_loss,
-                    "lr": lr,
-                    "ms_per_iter": 1000 * train_s / steps_in_window,
-                    "tokens_per_sec": tokens_per_iter * steps_in_window / train_s,
-                    "elapsed_s": round(time.perf_counter() - t_start, 3),
-                }
-                if peak is not None:
-                    record["mfu"] = model.flops_per_token() * record["tokens_per_sec"] / peak
+                record: dict[str, Any] = {"iter": it, "train_loss": train_loss, "lr": lr, "elapsed_s": elapsed()}
+                if timed_steps:
+                    record["ms_per_iter"] = 1000 * train_s / timed_steps
+                    record["tokens_per_sec"] = tokens_per_iter * timed_steps / train_s
+                    record["mfu"] = model.flops_per_token() * record["tokens_per_sec"] / peak.flops
                 metrics.write(record)
                 loss_sum.zero_()
-                train_s, steps_in_window = 0.0, 0
+                steps_in_window, train_s, timed_steps = 0, 0.0, 0
             if stop.signal is not None:
                 save()
                 stopped_by = stop.signal.name
@@ -198,29 +219,36 @@ def train(cfg: DictConfig) -> TrainResult:
                 break
 
     metrics.close()
-    elapsed = time.perf_counter() - t_start
     if stopped_by is None:
         log.info(
-            f"done: {it} iters, val loss {val_loss:.4f} (best {best_val:.4f}), {elapsed:.1f} s; "
+            f"done: {it} iters, val loss {val_loss:.4f} (best {best_val:.4f}), {elapsed():.1f} s; "
             f"checkpoint {out_dir / CKPT_NAME}"
         )
-    return TrainResult(out_dir, it, val_loss, best_val, elapsed, stopped_by)
+    return TrainResult(out_dir, it, val_loss, best_val, elapsed(), stopped_by)
 
 
 @torch.no_grad()
 def _evaluate(model: torch.nn.Module, data: PreparedData, cfg: DictConfig, runtime: Runtime) -> dict[str, float]:
-    """Mean loss over the same eval_iters random windows of each split at every evaluation."""
+    """Mean loss over the same eval_iters random windows of each split at every evaluation, or over
+    every block of the val split with train.full_val."""
     model.eval()
     out = {}
     for split_index, (split, path) in enumerate((("train", data.train_bin), ("val", data.val_bin))):
-        generator = batch_generator(cfg.seed, 1, split_index)
-        total = torch.zeros((), device=runtime.device)
-        for _ in range(cfg.train.eval_iters):
-            x, y = get_batch(path, cfg.train.batch_size, cfg.model.block_size, generator)
+        if split == "val" and cfg.train.full_val:
+            batches = every_window(path, cfg.train.batch_size, cfg.model.block_size)
+        else:
+            generator = batch_generator(cfg.seed, 1, split_index)
+            batches = (
+                get_batch(path, cfg.train.batch_size, cfg.model.block_size, generator)
+                for _ in range(cfg.train.eval_iters)
+            )
+        total, count = torch.zeros((), device=runtime.device), 0
+        for x, y in batches:
             with runtime.autocast():
                 _, loss = model(x.to(runtime.device), y.to(runtime.device))
-            total += loss.float()
-        out[split] = total.item() / cfg.train.eval_iters
+            total += loss.float() * x.size(0)
+            count += x.size(0)
+        out[split] = total.item() / count
     model.train()
     return out
 
@@ -258,12 +286,18 @@ def _check_data_fits(data: PreparedData, block_size: int) -> None:
 
 
 def _check_same_shape(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    changed = [k for k in saved if k != "attn_impl" and saved[k] != current.get(k)]
+    changed = [k for k in saved if k not in ("attn_impl", "dropout") and saved[k] != current.get(k)]
     if changed:
         diffs = ", ".join(f"{k}: {saved[k]} -> {current.get(k)}" for k in changed)
         raise CheckpointError(
             f"resume=true with a model that differs from the checkpoint's ({diffs}); drop those overrides"
         )
+
+
+def _drop_records_after(path: Path, last_iter: int) -> None:
+    if path.is_file():
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(line for line in lines if json.loads(line)["iter"] <= last_iter))
 
 
 def _log_changed_keys(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> None:

@@ -30,11 +30,10 @@ class MetricsLog:
 def _readable(r: dict[str, Any]) -> str:
     if "val_loss" in r:
         return f"step {r['iter']}: train loss {r['train_loss']:.4f}, val loss {r['val_loss']:.4f}"
-    line = (
-        f"iter {r['iter']}: loss {r['train_loss']:.4f}, lr {r['lr']:.2e}, "
-        f"{r['ms_per_iter']:.1f} ms/iter, {r['tokens_per_sec']:,.0f} tok/s"
-    )
-    return line + (f", mfu {100 * r['mfu']:.1f}%" if "mfu" in r else "")
+    line = f"iter {r['iter']}: loss {r['train_loss']:.4f}, lr {r['lr']:.2e}"
+    if "tokens_per_sec" not in r:
+        return line + " (warm-up, not timed)"
+    return line + f", {r['ms_per_iter']:.1f} ms/iter, {r['tokens_per_sec']:,.0f} tok/s, mfu {100 * r['mfu']:.1f}%"
 
 
 def open_wandb(

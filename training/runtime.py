@@ -1,4 +1,4 @@
-"""Where the model runs and in which precision: device detection, autocast, TF32, MFU peaks."""
+"""Where the model runs and in which precision: device detection, autocast, TF32."""
 
 from __future__ import annotations
 
@@ -12,9 +12,6 @@ from training.errors import ConfigError
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Dense bf16/fp16 tensor-core peaks from the datasheets, by a substring of torch.cuda.get_device_name().
-_GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "4090": 165e12}
-
 
 @dataclass(frozen=True)
 class Runtime:
@@ -25,28 +22,29 @@ class Runtime:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    def synchronize(self) -> None:
+        synchronize(self.device)
+
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
-    def synchronize(self) -> None:
-        if self.is_cuda:
-            torch.cuda.synchronize(self.device)
 
-    def peak_flops(self) -> float | None:
-        """The GPU's datasheet peak for half precision, or None where MFU wouldn't mean anything yet."""
-        if not self.is_cuda or self.dtype == torch.float32:
-            return None
-        name = torch.cuda.get_device_name(self.device)
-        return next((peak for key, peak in _GPU_PEAK_FLOPS.items() if key in name), None)
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so a timer measures it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def make_runtime(device: str, dtype: str) -> Runtime:
     dev = _resolve_device(device)
     if dtype == "auto":
         if dev.type == "cuda":
-            resolved = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)  # Ampere and newer
+            resolved = torch.bfloat16 if native_bf16 else torch.float16
         else:
             resolved = torch.float32
     elif dtype in DTYPES:
@@ -55,7 +53,6 @@ def make_runtime(device: str, dtype: str) -> Runtime:
         raise ConfigError(f"dtype={dtype} is unknown; use auto, {', '.join(DTYPES)}")
     if dev.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls
-        torch.backends.cudnn.allow_tf32 = True
     return Runtime(dev, resolved)
 
 

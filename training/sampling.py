@@ -53,10 +53,10 @@ class Sampler:
         use_cache: bool,
     ) -> Iterator[list[int]]:
         idx = torch.tensor([prompt], dtype=torch.long, device=self.runtime.device)
-        with self.runtime.autocast():
-            for _ in range(num_samples):
+        for _ in range(num_samples):
+            with self.runtime.autocast():
                 out = self.model.generate(idx, max_new_tokens, temperature, top_k, use_cache=use_cache)
-                yield out[0].tolist()
+            yield out[0].tolist()
 
     def last_window(self, ids: list[int], purpose: str) -> list[int]:
         """The last block_size tokens, which is all the model can look at in one pass."""

@@ -48,6 +48,8 @@ class OptimConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     eval_interval: int = 250
     eval_iters: int = 100  # batches per split in each evaluation
+    full_val: bool = False  # evaluate val on every block of the split, in order, instead of eval_iters batches
+    target_val_loss: float | None = None  # stop once an evaluation reaches it; metrics get time_to_target_s
     log_interval: int = 10
     compile: bool | None = None  # default: on for CUDA, off elsewhere
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16

@@ -1,0 +1,173 @@
+"""Every GPU check in one run of a few minutes, for a lent GPU (H200-class):
+
+1. the flash and math attention paths agree, in fp32 and in bf16 autocast;
+2. experiment=shakespeare (compile + bf16 + flash) trains to val <= 1.47: time to target;
+3. GPT-2 124M (experiment=gpt2) at block 1024: training tokens/s and MFU (bench.py train).
+
+    python scripts/gpu_check.py --text input.txt --out gpu_check.json     # on the GPU
+    python scripts/gpu_check.py --dry-run --text input.txt                 # the same steps, tiny, on CPU
+
+--text is tiny Shakespeare (no download is attempted then). GPT-2's BPE needs its ranks: offline, set
+TIKTOKEN_CACHE_DIR as the README says. Exits 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from model import GPT, GPTConfig  # noqa: E402
+
+TINY_MODEL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
+
+
+def paths_agree(device: str, dtype: torch.dtype, config: GPTConfig, tolerance: float) -> dict:
+    """Largest difference of logits and gradients between the paths, relative to the largest value."""
+    torch.manual_seed(0)
+    models = {impl: GPT(replace(config, attn_impl=impl)).to(device) for impl in ("flash", "math")}
+    models["math"].load_state_dict(models["flash"].state_dict())
+    idx = torch.randint(config.vocab_size, (4, config.block_size), device=device)
+    results = {}
+    for impl, model in models.items():
+        with torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32):
+            logits, loss = model(idx, idx)
+        loss.backward()
+        results[impl] = (logits.float(), torch.cat([p.grad.flatten() for p in model.parameters()]).float())
+    rel = {
+        name: ((results["flash"][i] - results["math"][i]).abs().max() / results["math"][i].abs().max()).item()
+        for i, name in enumerate(("logits", "grads"))
+    }
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
+        "check": f"flash = math ({dtype_name})",
+        "ok": max(rel.values()) <= tolerance,
+        **rel,
+        "tolerance": tolerance,
+    }
+
+
+def train_to_target(args: argparse.Namespace, workdir: Path) -> dict:
+    target = 4.0 if args.dry_run else 1.47
+    overrides = [
+        "experiment=shakespeare",
+        f"out_dir={workdir / 'shakespeare'}",
+        f"data.dir={workdir / 'data'}",
+        f"train.target_val_loss={target}",
+        "model.attn_impl=flash",
+    ]
+    if args.text:
+        overrides.append(f"data.input={args.text}")
+    if args.dry_run:
+        overrides += [
+            *TINY_MODEL,
+            "device=cpu",
+            "train.batch_size=8",
+            "train.max_iters=40",
+            "train.eval_interval=10",
+            "train.eval_iters=4",
+            "train.warmup_iters=5",
+        ]
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), *overrides], capture_output=True, text=True)
+    records = [json.loads(line) for line in (workdir / "shakespeare" / "metrics.jsonl").read_text().splitlines()]
+    reached = [r for r in records if "time_to_target_s" in r]
+    evals = [r for r in records if "val_loss" in r]
+    return {
+        "check": f"shakespeare to val <= {target}",
+        "ok": result.returncode == 0 and bool(reached),
+        "time_to_target_s": reached[0]["time_to_target_s"] if reached else None,
+        "val_loss": evals[-1]["val_loss"] if evals else None,
+        "iters": evals[-1]["iter"] if evals else None,
+        "wall_s": time.perf_counter() - start,
+        "stderr_tail": result.stderr[-500:] if result.returncode else "",
+    }
+
+
+def gpt2_throughput(args: argparse.Namespace, workdir: Path) -> dict:
+    overrides = [f"data.dir={workdir / 'data_bpe'}", "train.grad_accum=4"]
+    if args.text:
+        overrides.append(f"data.input={args.text}")
+    if args.dry_run:
+        overrides = [
+            *TINY_MODEL,
+            "data=shakespeare_char",
+            f"data.dir={workdir / 'data'}",
+            "device=cpu",
+            "train.batch_size=4",
+            "train.grad_accum=1",
+            *overrides[2:],
+        ]
+    command = [
+        sys.executable,
+        str(REPO / "bench.py"),
+        "train",
+        "--experiment",
+        "gpt2",
+        "--train-iters",
+        "3" if args.dry_run else "10",
+        "--json",
+        str(workdir / "gpt2.json"),
+    ]
+    for override in overrides:
+        command += ["--override", override]
+    result = subprocess.run(command, capture_output=True, text=True)
+    rows = json.loads((workdir / "gpt2.json").read_text()) if result.returncode == 0 else []
+    ours = next((r for r in rows if r["loop"] == "train.py"), {})
+    return {
+        "check": "GPT-2 124M throughput" + (" (tiny stand-in)" if args.dry_run else ""),
+        "ok": result.returncode == 0,
+        "tokens_per_sec": ours.get("tokens_per_sec"),
+        "mfu": ours.get("mfu"),
+        "peak": ours.get("peak"),
+        "stderr_tail": result.stderr[-500:] if result.returncode else "",
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU: checks that the script works")
+    parser.add_argument("--text", type=Path, help="tiny Shakespeare's input.txt")
+    parser.add_argument("--out", type=Path, help="write the results as JSON")
+    args = parser.parse_args()
+    device = "cpu" if args.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: no CUDA GPU here; use --dry-run to check the script on CPU")
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 comparison means fp32
+    workdir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    config = (
+        GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32)
+        if args.dry_run
+        else GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)
+    )
+    results = [
+        paths_agree(device, torch.float32, config, tolerance=1e-4),
+        paths_agree(device, torch.bfloat16, config, tolerance=5e-2),
+        train_to_target(args, workdir),
+        gpt2_throughput(args, workdir),
+    ]
+    for r in results:
+        details = ", ".join(
+            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in r.items()
+            if k not in ("check", "ok") and v not in (None, "")
+        )
+        print(f"{'PASS' if r['ok'] else 'FAIL'}  {r['check']}: {details}")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    sys.exit(0 if all(r["ok"] for r in results) else 1)
+
+
+if __name__ == "__main__":
+    main()

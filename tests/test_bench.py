@@ -1,0 +1,134 @@
+"""bench.py and the GPU check run end to end on tiny sizes (their figures are for real sizes, not tests)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import training.mfu as mfu
+from conftest import REPO, run_script
+
+
+def test_bench_py_runs_every_section_on_tiny_sizes(tmp_path: Path, corpus_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    tiny_train = [
+        "model.n_layer=1",
+        "model.n_head=2",
+        "model.n_embd=16",
+        "model.block_size=16",
+        "train.batch_size=4",
+        f"data.input={corpus_path}",
+        f"data.dir={tmp_path / 'data'}",
+    ]
+    args = [
+        "train",
+        "attention",
+        "sampling",
+        "--device",
+        "cpu",
+        "--repeats",
+        "1",
+        "--train-iters",
+        "3",
+        "--lengths",
+        "16",
+        "32",
+        "--attn-shape",
+        "1",
+        "2",
+        "8",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "16",
+        "--n-head",
+        "2",
+        "--block-size",
+        "32",
+        "--new-tokens",
+        "8",
+        "--json",
+        str(out),
+    ]
+    for override in tiny_train:
+        args += ["--override", override]
+    result = run_script("bench.py", args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())
+    train_rows = [r for r in rows if r["section"] == "train"]
+    assert [r["loop"] for r in train_rows] == ["nanogpt-style eager", "train.py"]
+    assert all(
+        r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1 and r["peak"] == "measured float32 matmul" for r in train_rows
+    )
+    attention = [r for r in rows if r["section"] == "attention"]
+    assert {(r["attn_impl"], r["T"]) for r in attention} == {(i, t) for i in ("flash", "math") for t in (16, 32)}
+    assert all(r["seconds"] > 0 and r["peak_mib"] >= 0 for r in attention)
+    sampling = [r for r in rows if r["section"] == "sampling"]
+    assert {(r["attn_impl"], r["kv_cache"]) for r in sampling} == {
+        (a, c) for a in ("flash", "math") for c in (False, True)
+    }
+    assert "speedup" in result.stdout and "math_over_flash_time" in result.stdout
+
+
+def test_bench_py_rejects_an_unknown_section(tmp_path: Path) -> None:
+    result = run_script("bench.py", ["trian"], cwd=tmp_path)
+    assert result.returncode == 2 and "unknown section trian" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "source"),
+    [
+        ("NVIDIA H200", torch.bfloat16, "datasheet H200 bfloat16"),
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, "datasheet H100 bfloat16"),
+        ("NVIDIA H100 PCIe", torch.float32, "datasheet H100 PCIe tf32"),
+        ("NVIDIA L40S", torch.bfloat16, "datasheet L40S bfloat16"),
+        ("NVIDIA L4", torch.float16, "datasheet L4 float16"),
+        ("Tesla T4", torch.float16, "measured float16 matmul"),
+    ],
+)
+def test_mfu_peak_comes_from_the_datasheet_by_whole_name_else_is_measured(
+    monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype, source: str
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(mfu, "measure_matmul_flops", lambda device, dtype: 65e12)
+    peak = mfu.peak_flops(torch.device("cuda"), dtype)
+    assert peak.source == source
+    if name == "NVIDIA H200":
+        assert peak.flops == 989e12
+
+
+def test_measured_peak_leaves_the_global_random_state_alone() -> None:
+    state = torch.get_rng_state()
+    assert mfu.measure_matmul_flops(torch.device("cpu"), torch.float32, n=64, repeats=1) > 0
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_gpu_check_dry_run_passes_on_cpu(tmp_path: Path, corpus_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "gpu_check.py"),
+            "--dry-run",
+            "--text",
+            str(corpus_path),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    checks = json.loads(out.read_text())
+    assert [c["check"] for c in checks] == [
+        "flash = math (float32)",
+        "flash = math (bfloat16)",
+        "shakespeare to val <= 4.0",
+        "GPT-2 124M throughput (tiny stand-in)",
+    ]
+    assert all(c["ok"] for c in checks)
+    assert checks[2]["time_to_target_s"] > 0 and checks[3]["tokens_per_sec"] > 0

@@ -10,6 +10,7 @@ from torch import nn
 
 from model.config import GPTConfig
 from model.kv_cache import KVCache
+from model.rotary import Rotary
 
 
 def masked_attention(
@@ -44,6 +45,8 @@ class CausalSelfAttention(nn.Module):
         self.attn_impl = config.attn_impl
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        head_size = config.n_embd // config.n_head
+        self.rotary = Rotary(head_size, config.block_size) if config.pos_emb == "rope" else None
 
     def forward(
         self, x: torch.Tensor, cache: KVCache | None = None, need_weights: bool = False
@@ -53,12 +56,12 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         # (3, B, n_head, T, head_dim): one reshape for queries, keys and values
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
         n_past = 0 if cache is None else cache.length
-        if cache is None:
-            q, k, v = qkv.unbind(0)
-        else:
-            q = qkv[0]
-            k, v = cache.extend(self.layer_index, qkv[1:])
+        if self.rotary is not None:
+            q, k = self.rotary(q, n_past), self.rotary(k, n_past)
+        if cache is not None:
+            k, v = cache.extend(self.layer_index, k, v)
         dropout_p = self.dropout if self.training else 0.0
         weights = None
         if self.attn_impl == "math" or need_weights:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ATTN_IMPLS = ("flash", "math")
+ACTIVATIONS = ("gelu", "relu2")  # relu2: ReLU(x)², as in modded-nanogpt; cheaper than GELU's erf on CPU
+POS_EMBS = ("learned", "rope")  # rope: rotary embeddings on queries and keys instead of a learned table
 
 
 @dataclass
@@ -17,6 +19,8 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     attn_impl: str = "flash"
+    activation: str = "gelu"
+    pos_emb: str = "learned"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -29,5 +33,11 @@ class GPTConfig:
             )
         if self.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl={self.attn_impl!r} is unknown; use one of {', '.join(ATTN_IMPLS)}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r} is unknown; use one of {', '.join(ACTIVATIONS)}")
+        if self.pos_emb not in POS_EMBS:
+            raise ValueError(f"pos_emb={self.pos_emb!r} is unknown; use one of {', '.join(POS_EMBS)}")
+        if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"pos_emb=rope needs an even head size; n_embd/n_head is {self.n_embd // self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")

@@ -19,10 +19,13 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
+        self.activation = config.activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Functional GELU and dropout: a module call costs more than the op itself when decoding one token.
-        return F.dropout(self.c_proj(F.gelu(self.c_fc(x))), self.dropout, self.training)
+        # Functional activation and dropout: a module call costs more than the op itself when decoding one token.
+        h = self.c_fc(x)
+        h = F.gelu(h) if self.activation == "gelu" else F.relu(h).square()
+        return F.dropout(self.c_proj(h), self.dropout, self.training)
 
 
 class Block(nn.Module):
@@ -48,7 +51,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None,
                 h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
                 ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
             )
@@ -73,7 +76,8 @@ class GPT(nn.Module):
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; position embeddings excluded by default (token ones are tied to the head)."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        wpe = self.transformer.wpe
+        return n - wpe.weight.numel() if non_embedding and wpe is not None else n
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token (forward + backward), as in the PaLM paper's appendix B."""
@@ -91,8 +95,10 @@ class GPT(nn.Module):
                 f"sequence length {n_past + T} exceeds block_size={self.config.block_size}; "
                 "crop the input to the last block_size tokens"
             )
-        pos = torch.arange(n_past, n_past + T, device=idx.device)
-        x = F.dropout(self.transformer.wte(idx) + self.transformer.wpe(pos), self.config.dropout, self.training)
+        x = self.transformer.wte(idx)
+        if self.transformer.wpe is not None:  # with rope, positions enter through the attention instead
+            x = x + self.transformer.wpe(torch.arange(n_past, n_past + T, device=idx.device))
+        x = F.dropout(x, self.config.dropout, self.training)
         weights = []
         for block in self.transformer.h:
             x, w = block(x, cache, need_weights)

@@ -15,15 +15,16 @@ class KVCache:
         self.kv: list[torch.Tensor | None] = [None] * config.n_layer  # per layer: (2, B, n_head, capacity, head_dim)
         self.length = 0  # tokens already cached; new queries sit at positions length, length + 1, ...
 
-    def extend(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this layer's keys and values (2, B, n_head, T, head_dim) for the T new tokens; return the
-        keys and the values of every cached token."""
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this layer's keys and values (B, n_head, T, head_dim) for the T new tokens; return the keys
+        and the values of every cached token."""
         if self.kv[layer] is None:  # allocated on first use: batch, device and dtype (autocast) as given
-            _, B, n_head, _, head_dim = kv.shape
-            self.kv[layer] = kv.new_empty(2, B, n_head, self.capacity, head_dim)
-        end = self.length + kv.size(3)
-        self.kv[layer][:, :, :, self.length : end] = kv
-        keys, values = self.kv[layer][:, :, :, :end].unbind(0)
+            B, n_head, _, head_dim = k.shape
+            self.kv[layer] = k.new_empty(2, B, n_head, self.capacity, head_dim)
+        buffer, end = self.kv[layer], self.length + k.size(2)
+        buffer[0, :, :, self.length : end] = k
+        buffer[1, :, :, self.length : end] = v
+        keys, values = buffer[:, :, :, :end].unbind(0)
         return keys, values
 
     def advance(self, n_tokens: int) -> None:

@@ -7,15 +7,16 @@ from model.kv_cache import KVCache
 CONFIG = dict(vocab_size=40, block_size=24, n_layer=2, n_head=4, n_embd=32)
 
 
-def _model(attn_impl: str) -> GPT:
+def _model(attn_impl: str, pos_emb: str = "learned") -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(**CONFIG, attn_impl=attn_impl)).eval()
+    return GPT(GPTConfig(**CONFIG, attn_impl=attn_impl, pos_emb=pos_emb)).eval()
 
 
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
 @pytest.mark.parametrize("attn_impl", ["flash", "math"])
 @pytest.mark.parametrize("prompt_length", [1, 7])
-def test_cached_logits_match_recomputation(attn_impl: str, prompt_length: int) -> None:
-    model = _model(attn_impl)
+def test_cached_logits_match_recomputation(attn_impl: str, prompt_length: int, pos_emb: str) -> None:
+    model = _model(attn_impl, pos_emb)
     idx = torch.randint(CONFIG["vocab_size"], (2, CONFIG["block_size"]))
     with torch.no_grad():
         full, _ = model(idx)
@@ -28,10 +29,13 @@ def test_cached_logits_match_recomputation(attn_impl: str, prompt_length: int) -
     assert cache.length == CONFIG["block_size"]
 
 
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
 @pytest.mark.parametrize("attn_impl", ["flash", "math"])
 @pytest.mark.parametrize("prompt_length", [1, 5])
-def test_greedy_tokens_are_identical_with_and_without_the_cache(attn_impl: str, prompt_length: int) -> None:
-    model = _model(attn_impl)
+def test_greedy_tokens_are_identical_with_and_without_the_cache(
+    attn_impl: str, prompt_length: int, pos_emb: str
+) -> None:
+    model = _model(attn_impl, pos_emb)
     prompt = torch.randint(CONFIG["vocab_size"], (1, prompt_length))
     new = 2 * CONFIG["block_size"]  # crosses block_size: the cache gives way to recomputing the window
     cached = model.generate(prompt, new, top_k=1, use_cache=True)

@@ -17,8 +17,9 @@ def _pair(**overrides: object) -> tuple[GPT, GPT]:
     return flash, math_
 
 
-def test_flash_and_math_paths_agree_on_logits_and_gradients() -> None:
-    flash, math_ = _pair()
+@pytest.mark.parametrize("options", [{}, {"activation": "relu2"}, {"pos_emb": "rope"}])
+def test_flash_and_math_paths_agree_on_logits_and_gradients(options: dict) -> None:
+    flash, math_ = _pair(**options)
     idx = torch.randint(SMALL["vocab_size"], (3, SMALL["block_size"]))
     targets = torch.randint(SMALL["vocab_size"], (3, SMALL["block_size"]))
     results = []
@@ -33,10 +34,11 @@ def test_flash_and_math_paths_agree_on_logits_and_gradients() -> None:
         torch.testing.assert_close(grads_f[name], grads_m[name], atol=1e-5, rtol=0, msg=name)
 
 
+@pytest.mark.parametrize("options", [{}, {"activation": "relu2"}, {"pos_emb": "rope"}])
 @pytest.mark.parametrize("attn_impl", ["flash", "math"])
-def test_changing_a_token_never_changes_earlier_logits(attn_impl: str) -> None:
+def test_changing_a_token_never_changes_earlier_logits(attn_impl: str, options: dict) -> None:
     torch.manual_seed(1)
-    model = GPT(GPTConfig(**SMALL, attn_impl=attn_impl)).eval()
+    model = GPT(GPTConfig(**SMALL, attn_impl=attn_impl, **options)).eval()
     idx = torch.randint(SMALL["vocab_size"], (1, SMALL["block_size"]))
     t = 7
     changed = idx.clone()
@@ -76,7 +78,14 @@ def test_gpt2_initialisation_tying_and_parameter_count() -> None:
 
 @pytest.mark.parametrize(
     ("overrides", "field"),
-    [({"n_embd": 30, "n_head": 4}, "n_embd"), ({"attn_impl": "fast"}, "attn_impl"), ({"n_layer": 0}, "n_layer")],
+    [
+        ({"n_embd": 30, "n_head": 4}, "n_embd"),
+        ({"attn_impl": "fast"}, "attn_impl"),
+        ({"n_layer": 0}, "n_layer"),
+        ({"activation": "swish"}, "activation"),
+        ({"pos_emb": "alibi"}, "pos_emb"),
+        ({"pos_emb": "rope", "n_embd": 36, "n_head": 4}, "even head size"),
+    ],
 )
 def test_impossible_configs_raise_value_error_naming_the_field(overrides: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
@@ -100,6 +109,32 @@ def test_generate_crops_the_context_and_is_seeded() -> None:
     assert torch.equal(out, model.generate(idx, max_new_tokens=2 * SMALL["block_size"], temperature=0.9, top_k=5))
 
 
+def test_relu2_is_relu_squared() -> None:
+    from model.gpt import MLP
+
+    torch.manual_seed(0)
+    mlp = MLP(GPTConfig(**SMALL, activation="relu2"))
+    x = torch.randn(2, 3, SMALL["n_embd"])
+    torch.testing.assert_close(mlp(x), mlp.c_proj(torch.relu(mlp.c_fc(x)) ** 2))
+
+
+def test_rope_replaces_the_position_table_and_scores_depend_on_relative_positions() -> None:
+    from model.rotary import Rotary
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL, pos_emb="rope"))
+    assert model.transformer.wpe is None and not any("wpe" in k or "rotary" in k for k in model.state_dict())
+    assert model.num_params() == model.num_params(non_embedding=False)
+    rotary = Rotary(head_dim=8, max_positions=32)
+    q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+
+    def score(i: int, j: int) -> torch.Tensor:
+        return (rotary(q, i) * rotary(k, j)).sum()
+
+    torch.testing.assert_close(score(3, 1), score(13, 11))  # same distance, same score
+    assert not torch.allclose(score(3, 1), score(3, 2))
+
+
 def test_top_k_one_is_greedy() -> None:
     model, _ = _pair()
     idx = torch.tensor([[1, 2, 3]])
@@ -108,10 +143,11 @@ def test_top_k_one_is_greedy() -> None:
     assert out[0, -1].item() == logits[0, -1].argmax().item()
 
 
+@pytest.mark.parametrize("options", [{}, {"activation": "relu2"}, {"pos_emb": "rope"}])
 @pytest.mark.parametrize("attn_impl", ["flash", "math"])
-def test_tiny_model_overfits_one_batch(attn_impl: str) -> None:
+def test_tiny_model_overfits_one_batch(attn_impl: str, options: dict) -> None:
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**SMALL, attn_impl=attn_impl))
+    model = GPT(GPTConfig(**SMALL, attn_impl=attn_impl, **options))
     idx = torch.randint(SMALL["vocab_size"], (4, SMALL["block_size"] + 1))
     x, y = idx[:, :-1], idx[:, 1:]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

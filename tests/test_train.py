@@ -235,3 +235,15 @@ def test_resume_drops_records_written_after_the_checkpoint(tmp_path: Path, corpu
     iters = [r["iter"] for r in records if "val_loss" not in r]
     assert iters == sorted(iters) and len(iters) == len(set(iters))
     assert records[-1]["elapsed_s"] > saved_elapsed  # wall time continues across the resume
+
+
+def test_speedrun_preset_uses_the_options_and_stops_at_the_target() -> None:
+    cfg = compose_config(["experiment=speedrun_cpu"])
+    assert (cfg.model.pos_emb, cfg.model.activation, cfg.model.n_embd, cfg.model.block_size) == (
+        "rope",
+        "relu2",
+        128,
+        64,
+    )
+    assert cfg.train.full_val and cfg.train.target_val_loss == 1.89
+    assert compose_config([]).model.pos_emb == "learned" and compose_config([]).model.activation == "gelu"

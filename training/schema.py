@@ -21,6 +21,8 @@ class ModelConfig:
     dropout: float = 0.0
     bias: bool = True
     attn_impl: str = "flash"  # flash | math
+    activation: str = "gelu"  # gelu | relu2 (ReLU squared)
+    pos_emb: str = "learned"  # learned | rope (rotary)
 
 
 @dataclass

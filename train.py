@@ -3,12 +3,15 @@
 python train.py experiment=shakespeare_char_cpu        # CPU, a few minutes
 python train.py model=shakespeare train.max_iters=5000  # GPU
 python train.py --cfg job                              # show the resolved config
+python train.py -m train.learning_rate=1e-3,3e-3       # a sweep: one run directory per job under multirun/
 """
 
 import signal
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from training.cli import exit_on_user_error, explain_unparsable_overrides
@@ -20,7 +23,13 @@ register_schemas()
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    with exit_on_user_error():
+    hydra_cfg = HydraConfig.get()
+    job = None
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        job = f"job {hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)})"
+        if not any(o.startswith("out_dir=") for o in hydra_cfg.overrides.task):
+            cfg.out_dir = hydra_cfg.runtime.output_dir  # one run directory per job, under the sweep directory
+    with exit_on_user_error(job):
         result = train(cfg)
     if result.stopped_by is not None:
         sys.exit(128 + signal.Signals[result.stopped_by].value)  # the shell's convention for "killed by"

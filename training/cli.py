@@ -11,11 +11,12 @@ from training.errors import USER_ERRORS
 
 
 @contextlib.contextmanager
-def exit_on_user_error() -> Iterator[None]:
+def exit_on_user_error(job: str | None = None) -> Iterator[None]:
+    """`job` names the sweep job, so a failing one says which it is (the sweep stops there)."""
     try:
         yield
     except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {job + ': ' if job else ''}{err}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

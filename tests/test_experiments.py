@@ -1,0 +1,87 @@
+"""Sweeps with Hydra's basic sweeper, and plot.py comparing their runs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import REPO, run_script
+
+TINY = [
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.block_size=32",
+    "train.batch_size=8",
+    "train.max_iters=10",
+    "train.eval_interval=5",
+    "train.eval_iters=2",
+    "train.log_interval=5",
+]
+
+
+def sweep(tmp_path: Path, corpus: Path, *params: str) -> subprocess.CompletedProcess:
+    args = [
+        "-m",
+        *params,
+        *TINY,
+        f"data.input={corpus}",
+        f"data.dir={tmp_path / 'data'}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
+    return run_script("train.py", args, cwd=tmp_path)
+
+
+@pytest.fixture(scope="module")
+def two_run_sweep(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
+    tmp = tmp_path_factory.mktemp("sweep")
+    result = sweep(tmp, corpus_path, "model.n_layer=1,2")
+    assert result.returncode == 0, result.stderr
+    return tmp / "sweep"
+
+
+def test_a_sweep_writes_one_complete_run_per_job(two_run_sweep: Path) -> None:
+    for job, n_layer in (("0", 1), ("1", 2)):
+        run = two_run_sweep / job
+        assert (run / "ckpt.pt").is_file()
+        assert OmegaConf.load(run / "config.yaml").model.n_layer == n_layer
+        evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["iter"] for r in evals if "val_loss" in r] == [0, 5, 10]
+    assert not (two_run_sweep.parent / "outputs").exists()
+
+
+def test_a_failing_job_is_named_and_fails_the_sweep(tmp_path: Path, corpus_path: Path) -> None:
+    result = sweep(tmp_path, corpus_path, "model.n_layer=1,0")
+    assert result.returncode == 2
+    assert "error: job 1 (model.n_layer=0 " in result.stderr
+    assert "model.n_layer=0 must be a positive integer" in result.stderr and "Traceback" not in result.stderr
+    assert (tmp_path / "sweep" / "0" / "ckpt.pt").is_file()
+
+
+@pytest.mark.parametrize("x_axis", ["iter", "time", "tokens"])
+def test_plot_py_draws_a_sweep_and_prints_a_summary(two_run_sweep: Path, tmp_path: Path, x_axis: str) -> None:
+    out = tmp_path / "loss.png"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "plot.py"), str(two_run_sweep), "-o", str(out), "--x", x_axis],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    header, *rows = result.stdout.strip().splitlines()
+    assert header.split()[:3] == ["run", "differing", "keys"] and len(rows) == 2
+    assert "model.n_layer=1" in rows[0] and "model.n_layer=2" in rows[1]
+    for row, job in zip(rows, ("0", "1"), strict=True):
+        metrics = (two_run_sweep / job / "metrics.jsonl").read_text().splitlines()
+        best = min(json.loads(line)["val_loss"] for line in metrics if "val_loss" in line)
+        assert f"{best:.4f}" in row and " 10 " in row
+    image = matplotlib.image.imread(out)
+    assert image.shape[0] > 300 and image.shape[1] > 500
+
+
+def test_plot_py_says_when_there_is_no_run(tmp_path: Path) -> None:
+    result = run_script("plot.py", [str(tmp_path)], cwd=tmp_path)
+    assert result.returncode == 1 and result.stderr.startswith("error: no metrics.jsonl in or under")

@@ -85,3 +85,10 @@ def test_plot_py_draws_a_sweep_and_prints_a_summary(two_run_sweep: Path, tmp_pat
 def test_plot_py_says_when_there_is_no_run(tmp_path: Path) -> None:
     result = run_script("plot.py", [str(tmp_path)], cwd=tmp_path)
     assert result.returncode == 1 and result.stderr.startswith("error: no metrics.jsonl in or under")
+
+
+def test_a_sweep_written_in_a_config_runs_its_grid(tmp_path: Path, corpus_path: Path) -> None:
+    result = sweep(tmp_path, corpus_path, "experiment=lr_sweep", "device=cpu")
+    assert result.returncode == 0, result.stderr
+    rates = [OmegaConf.load(tmp_path / "sweep" / job / "config.yaml").train.learning_rate for job in ("0", "1")]
+    assert rates == [1e-3, 3e-3]

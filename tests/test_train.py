@@ -149,10 +149,22 @@ def test_bpe_run_trains_and_samples(tmp_path: Path, corpus_path: Path) -> None:
 
 
 def test_wandb_offline_run_leaves_its_files_in_the_run_directory(tmp_path: Path, corpus_path: Path) -> None:
-    extra = {"wandb.enabled": True, "wandb.mode": "offline", "train.max_iters": 10, "wandb.run_name": "tiny"}
+    extra = {
+        "wandb.enabled": True,
+        "wandb.mode": "offline",
+        "train.max_iters": 10,
+        "wandb.run_name": "tiny",
+        "wandb.tags": "[tiny,test]",
+        "wandb.group": "tests",
+    }
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)))
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
+    tables = list(runs[0].glob("files/media/table/samples_*.table.json"))
+    assert len(tables) == 1
+    table = json.loads(tables[0].read_text())
+    assert table["columns"] == ["prompt", "sample"] and len(table["data"]) == 3
+    assert all(len(sample) == 201 and sample.startswith(prompt) for prompt, sample in table["data"])
 
 
 def test_model_keys_are_gptconfig_without_vocab_size() -> None:

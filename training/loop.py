@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.batches import every_window, get_batch, num_tokens
 from data.prepare import PreparedData, ensure_prepared
+from data.tokenizers import tokenizer_from_metadata
 from model import GPT, GPTConfig
 from training.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
 from training.errors import CheckpointError, ConfigError, TrainingDiverged
@@ -218,6 +219,8 @@ def train(cfg: DictConfig) -> TrainResult:
                 )
                 break
 
+    if metrics.wandb_run is not None:
+        metrics.log_samples(it, _samples(model, data, runtime))
     metrics.close()
     if stopped_by is None:
         log.info(
@@ -252,6 +255,18 @@ def _evaluate(model: torch.nn.Module, data: PreparedData, cfg: DictConfig, runti
         out[split] = total.item() / count
     model.train()
     return out
+
+
+def _samples(model: GPT, data: PreparedData, runtime: Runtime, count: int = 3, tokens: int = 200) -> list:
+    """Continuations of the val split's first token, with sample.py's default temperature and top_k."""
+    tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
+    first = int(np.memmap(data.val_bin, dtype=np.uint16, mode="r")[0])
+    prompt = torch.tensor([[first]], device=runtime.device)
+    model.eval()
+    with runtime.autocast():  # after the last checkpoint: the random state it holds is already saved
+        texts = [tokenizer.decode(model.generate(prompt, tokens, 0.8, 200)[0].tolist()) for _ in range(count)]
+    model.train()
+    return [[tokenizer.decode([first]), text] for text in texts]
 
 
 def _rng_state() -> dict[str, Any]:

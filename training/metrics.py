@@ -22,6 +22,12 @@ class MetricsLog:
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
+    def log_samples(self, step: int, samples: list[tuple[str, str]]) -> None:
+        """A few (prompt, text) pairs as a wandb table, to see what the numbers mean."""
+        import wandb
+
+        self.wandb_run.log({"samples": wandb.Table(columns=["prompt", "sample"], data=samples)}, step=step)
+
     def close(self) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()
@@ -42,6 +48,8 @@ def open_wandb(
     entity: str | None,
     run_name: str | None,
     mode: str | None,
+    tags: list[str],
+    group: str | None,
     config: dict[str, Any],
     out_dir: Path,
 ) -> Any:
@@ -54,6 +62,8 @@ def open_wandb(
         entity=entity,
         name=run_name,
         mode=mode,  # None: wandb follows $WANDB_MODE, online by default
+        tags=list(tags),
+        group=group,
         config=config,
         dir=str(out_dir),
     )

@@ -65,6 +65,8 @@ class WandbConfig:
     entity: str | None = None
     run_name: str | None = None
     mode: str | None = None  # online | offline | disabled; default: $WANDB_MODE, else online
+    tags: list[str] = field(default_factory=list)
+    group: str | None = None
 
 
 @dataclass

@@ -8,7 +8,8 @@
 train: tokens/s, ms/iter and MFU of train.py's loop for an experiment, against a plain eager nanoGPT-style
   loop on the same model, data and machine, measured in the same run (warm-up excluded). MFU's peak comes
   from a datasheet for known GPUs, else from a matmul measured here; the table says which.
-attention: the flash path against the math path, forward + backward, time and peak memory.
+attention: the flash path against the math path, forward + backward, time and peak memory (bf16 on CUDA,
+  as training runs there; fp32 on CPU).
 sampling: tokens/s of model.generate with and without the KV cache, on both attention paths.
 """
 
@@ -164,7 +165,10 @@ def attention_probe(impl: str, length: int, device: str, repeats: int, shape: li
     """Forward + backward of causal attention alone; peak memory above the inputs, in MiB."""
     batch, heads, head_dim = shape
     torch.manual_seed(0)
-    q, k, v = (torch.randn(batch, heads, length, head_dim, device=device, requires_grad=True) for _ in range(3))
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32  # as training runs on each
+    q, k, v = (
+        torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
+    )
 
     def run() -> None:
         if impl == "flash":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import textwrap
 from pathlib import Path
@@ -50,7 +51,8 @@ def summarize(run: Path, config: dict[str, Any], keys: list[str]) -> dict[str, A
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "val_loss" in r]
     logs = [r for r in records if "tokens_per_sec" in r]
-    best = min(evals, key=lambda r: r["val_loss"]) if evals else None
+    finite = [r for r in evals if math.isfinite(r["val_loss"])]
+    best = min(finite, key=lambda r: r["val_loss"]) if finite else None
     speeds = sorted(r["tokens_per_sec"] for r in logs)
     tokens_per_iter = (
         config.get("train.batch_size", 0) * config.get("train.grad_accum", 0) * config.get("model.block_size", 0)

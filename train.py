@@ -27,7 +27,7 @@ def main(cfg: DictConfig) -> None:
     job = None
     if hydra_cfg.mode == RunMode.MULTIRUN:
         job = f"job {hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)})"
-        if not any(o.startswith("out_dir=") for o in hydra_cfg.overrides.task):
+        if not any(o.lstrip("+").startswith("out_dir=") for o in hydra_cfg.overrides.task):
             cfg.out_dir = hydra_cfg.runtime.output_dir  # one run directory per job, under the sweep directory
     with exit_on_user_error(job):
         result = train(cfg)

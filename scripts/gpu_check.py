@@ -80,7 +80,8 @@ def train_to_target(args: argparse.Namespace, workdir: Path) -> dict:
         ]
     start = time.perf_counter()
     result = subprocess.run([sys.executable, str(REPO / "train.py"), *overrides], capture_output=True, text=True)
-    records = [json.loads(line) for line in (workdir / "shakespeare" / "metrics.jsonl").read_text().splitlines()]
+    metrics = workdir / "shakespeare" / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     reached = [r for r in records if "time_to_target_s" in r]
     evals = [r for r in records if "val_loss" in r]
     return {

@@ -238,3 +238,27 @@ def test_an_unavailable_device_is_a_one_line_error(
     assert result.returncode == 2 and result.stderr.strip() == (
         "error: device=cuda but no CUDA GPU is available; use device=cpu or device=auto"
     )
+
+
+def test_a_new_run_refuses_a_directory_that_holds_one(tmp_path: Path, corpus_path: Path) -> None:
+    from training.errors import ConfigError
+
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 5})))
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match="already holds a run; pass resume=true"):
+        train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 5})))
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+
+
+def test_resuming_a_run_that_reached_its_target_does_nothing_more(tmp_path: Path, corpus_path: Path) -> None:
+    extra = {
+        "train.target_val_loss": 3.6,
+        "train.max_iters": 400,
+        "train.eval_interval": 5,
+        "train.learning_rate": 3e-3,
+    }
+    first = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)))
+    again = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, **extra)))
+    assert again.iters == first.iters < 400
+    records = (tmp_path / "run" / "metrics.jsonl").read_text().count("time_to_target_s")
+    assert records == 1

@@ -92,3 +92,17 @@ def test_a_sweep_written_in_a_config_runs_its_grid(tmp_path: Path, corpus_path: 
     assert result.returncode == 0, result.stderr
     rates = [OmegaConf.load(tmp_path / "sweep" / job / "config.yaml").train.learning_rate for job in ("0", "1")]
     assert rates == [1e-3, 3e-3]
+
+
+def test_plot_py_skips_non_finite_val_losses_when_marking_the_best(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [
+        {"iter": 0, "train_loss": 4.0, "val_loss": float("nan"), "elapsed_s": 1.0},
+        {"iter": 5, "train_loss": 3.0, "lr": 1e-3, "elapsed_s": 2.0, "tokens_per_sec": 100.0},
+        {"iter": 5, "train_loss": 3.0, "val_loss": 3.5, "elapsed_s": 3.0},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = run_script("plot.py", [str(run), "-o", str(tmp_path / "loss.png")], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "3.5000" in result.stdout and (tmp_path / "loss.png").is_file()

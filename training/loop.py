@@ -53,7 +53,13 @@ def train(cfg: DictConfig) -> TrainResult:
     _check_train_keys(opt)
     runtime = make_runtime(cfg.device, opt.dtype)
     out_dir = Path(cfg.out_dir)
-    ckpt = load_checkpoint(out_dir / CKPT_NAME) if cfg.resume else None
+    if cfg.resume:
+        ckpt = load_checkpoint(out_dir / CKPT_NAME)
+    elif (out_dir / CKPT_NAME).exists():
+        raise ConfigError(f"out_dir={out_dir} already holds a run; pass resume=true to continue it, or another out_dir")
+    else:
+        ckpt = None
+        (out_dir / "metrics.jsonl").unlink(missing_ok=True)  # from a run that died before its first checkpoint
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
 
@@ -83,7 +89,7 @@ def train(cfg: DictConfig) -> TrainResult:
         optimizer.param_groups[0]["weight_decay"] = opt.weight_decay
         if ckpt["scaler"]:  # empty when the checkpoint's run didn't use fp16
             scaler.load_state_dict(ckpt["scaler"])
-        elapsed_before = ckpt["elapsed_s"]
+        elapsed_before = ckpt.get("elapsed_s", 0.0)
         it, best_val, val_loss, last_eval_iter = (
             ckpt["iter"],
             ckpt["best_val_loss"],
@@ -134,8 +140,12 @@ def train(cfg: DictConfig) -> TrainResult:
     train_s, timed_steps, first_step = 0.0, 0, it  # the first step compiles and warms up: not timed
     stopped_by = None
     model.train()
+    target = opt.target_val_loss
+    already_reached = ckpt is not None and target is not None and last_eval_iter == it and val_loss <= target
+    if already_reached:
+        log.info(f"the run already reached val loss {val_loss:.4f} <= {target} at iter {it}")
     with StopRequests() as stop:
-        while True:
+        while not already_reached:
             if (it % opt.eval_interval == 0 or it == opt.max_iters) and last_eval_iter != it:
                 losses = _evaluate(step_model, data, cfg, runtime)
                 val_loss, last_eval_iter = losses["val"], it
@@ -219,7 +229,7 @@ def train(cfg: DictConfig) -> TrainResult:
                 )
                 break
 
-    if metrics.wandb_run is not None:
+    if metrics.wandb_run is not None and stopped_by is None:  # a preempted run has no time to spare
         metrics.log_samples(it, _samples(model, data, runtime))
     metrics.close()
     if stopped_by is None:
@@ -238,8 +248,9 @@ def _evaluate(model: torch.nn.Module, data: PreparedData, cfg: DictConfig, runti
     out = {}
     for split_index, (split, path) in enumerate((("train", data.train_bin), ("val", data.val_bin))):
         if split == "val" and cfg.train.full_val:
-            # The result doesn't depend on the batch size; at least 64 windows a batch keeps the matmuls efficient.
-            batches = every_window(path, max(cfg.train.batch_size, 64), cfg.model.block_size)
+            # The result doesn't depend on the batch size; bigger batches keep small models' matmuls efficient.
+            windows = max(cfg.train.batch_size, 4096 // cfg.model.block_size)  # at least 4096 tokens a batch
+            batches = every_window(path, windows, cfg.model.block_size)
         else:
             generator = batch_generator(cfg.seed, 1, split_index)
             batches = (
@@ -302,18 +313,26 @@ def _check_data_fits(data: PreparedData, block_size: int) -> None:
 
 
 def _check_same_shape(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    changed = [k for k in saved if k not in ("attn_impl", "dropout") and saved[k] != current.get(k)]
+    saved = {**asdict(GPTConfig()), **saved}  # keys added since the checkpoint was written: their defaults
+    changed = [k for k in current if k not in ("attn_impl", "dropout") and saved[k] != current[k]]
     if changed:
-        diffs = ", ".join(f"{k}: {saved[k]} -> {current.get(k)}" for k in changed)
+        diffs = ", ".join(f"{k}: {saved[k]} -> {current[k]}" for k in changed)
         raise CheckpointError(
             f"resume=true with a model that differs from the checkpoint's ({diffs}); drop those overrides"
         )
 
 
 def _drop_records_after(path: Path, last_iter: int) -> None:
+    """Also drops a line cut short by the kill."""
+
+    def kept(line: str) -> bool:
+        try:
+            return json.loads(line)["iter"] <= last_iter
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return False
+
     if path.is_file():
-        lines = path.read_text().splitlines(keepends=True)
-        path.write_text("".join(line for line in lines if json.loads(line)["iter"] <= last_iter))
+        path.write_text("".join(line for line in path.read_text().splitlines(keepends=True) if kept(line)))
 
 
 def _log_changed_keys(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> None:

@@ -16,6 +16,7 @@ from training.runtime import synchronize
 # Dense (no sparsity) tensor-core peaks in FLOP/s: (bf16/fp16, tf32), from NVIDIA's datasheets. Matched against
 # torch.cuda.get_device_name(), as whole words, most specific first; others get a measured peak.
 GPU_PEAKS: tuple[tuple[str, float, float], ...] = (
+    ("H200 NVL", 835e12, 417.5e12),
     ("H200", 989e12, 494.5e12),
     ("H100 PCIe", 756e12, 378e12),
     ("H100 NVL", 835e12, 418e12),
@@ -45,15 +46,20 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> Peak:
     return Peak(measure_matmul_flops(device, dtype), f"measured {str(dtype).removeprefix('torch.')} matmul")
 
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
-    """The best of a few n×n matmuls: a practical peak for CPUs and GPUs without a datasheet entry."""
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 5) -> float:
+    """The best of a few n×n matmuls: a practical peak for CPUs and GPUs without a datasheet entry.
+
+    On a GPU a single matmul is over before a launch and a sync are, so each timing covers ten."""
+    per_timing = 10 if device.type != "cpu" else 1
+    n = n or (4096 if device.type != "cpu" else 1024)
     a = torch.ones(n, n, device=device, dtype=dtype)  # values don't matter; the global RNG stays untouched
     b = torch.ones(n, n, device=device, dtype=dtype)
     best = float("inf")
     for _ in range(repeats + 1):  # the first one warms up
         synchronize(device)
         start = time.perf_counter()
-        a @ b
+        for _ in range(per_timing):
+            a @ b
         synchronize(device)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, (time.perf_counter() - start) / per_timing)
     return 2 * n**3 / best

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import training.loop
-from conftest import REPO, compose_config, run_script, tiny_run_overrides
+from conftest import REACHES_TARGET, REPO, compose_config, run_script, tiny_run_overrides
 from training.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
 from training.errors import CheckpointError, TrainingDiverged
 from training.loop import train
@@ -251,14 +251,8 @@ def test_a_new_run_refuses_a_directory_that_holds_one(tmp_path: Path, corpus_pat
 
 
 def test_resuming_a_run_that_reached_its_target_does_nothing_more(tmp_path: Path, corpus_path: Path) -> None:
-    extra = {
-        "train.target_val_loss": 3.6,
-        "train.max_iters": 400,
-        "train.eval_interval": 5,
-        "train.learning_rate": 3e-3,
-    }
-    first = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)))
-    again = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, **extra)))
+    first = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **REACHES_TARGET)))
+    again = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, **REACHES_TARGET)))
     assert again.iters == first.iters < 400
     records = (tmp_path / "run" / "metrics.jsonl").read_text().count("time_to_target_s")
     assert records == 1

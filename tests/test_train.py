@@ -7,7 +7,7 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from conftest import CONFIGS, TINY_BPE, compose_config, tiny_run_overrides
+from conftest import CONFIGS, REACHES_TARGET, TINY_BPE, compose_config, tiny_run_overrides
 from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.errors import CheckpointError, ConfigError
 from training.loop import train
@@ -187,13 +187,7 @@ def test_a_compiled_run_saves_the_plain_module_keys(
 
 
 def test_training_stops_at_the_target_val_loss(tmp_path: Path, corpus_path: Path) -> None:
-    extra = {
-        "train.target_val_loss": 3.6,
-        "train.max_iters": 400,
-        "train.eval_interval": 5,
-        "train.learning_rate": 3e-3,
-    }
-    result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)))
+    result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **REACHES_TARGET)))
     evals = [r for r in _records(tmp_path / "run") if "val_loss" in r]
     assert result.iters < 400 and result.iters == evals[-1]["iter"]
     assert evals[-1]["val_loss"] <= 3.6 and evals[-1]["time_to_target_s"] == evals[-1]["elapsed_s"]

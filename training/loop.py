@@ -135,6 +135,7 @@ def train(cfg: DictConfig) -> TrainResult:
     tokens_per_iter = opt.batch_size * opt.grad_accum * model_config.block_size
     decay_iters = opt.max_iters if opt.lr_decay_iters is None else opt.lr_decay_iters
     peak = peak_flops(runtime.device, runtime.dtype)
+    flops_per_token = model.flops_per_token()  # fixed for the run: not recounted at every log line
     log.info(f"MFU against {peak.flops / 1e12:.3g} TFLOP/s ({peak.source})")
     loss_sum, steps_in_window = torch.zeros((), device=runtime.device), 0
     train_s, timed_steps, first_step = 0.0, 0, it  # the first step compiles and warms up: not timed
@@ -216,7 +217,7 @@ def train(cfg: DictConfig) -> TrainResult:
                 if timed_steps:
                     record["ms_per_iter"] = 1000 * train_s / timed_steps
                     record["tokens_per_sec"] = tokens_per_iter * timed_steps / train_s
-                    record["mfu"] = model.flops_per_token() * record["tokens_per_sec"] / peak.flops
+                    record["mfu"] = flops_per_token * record["tokens_per_sec"] / peak.flops
                 metrics.write(record)
                 loss_sum.zero_()
                 steps_in_window, train_s, timed_steps = 0, 0.0, 0

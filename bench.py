@@ -66,7 +66,7 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
     runtime = make_runtime(cfg.device, cfg.train.dtype)
     data = ensure_prepared(**cfg.data)
     model_config = GPTConfig(vocab_size=data.meta["vocab_size"], **cfg.model)
-    reference_tps = _nanogpt_style_tokens_per_sec(cfg, model_config, data.train_bin, runtime, n)
+    reference_tps = _nanogpt_style_tokens_per_sec(cfg, model_config, data.train.paths[0], runtime, n)
     peak = peak_flops(runtime.device, runtime.dtype)
     flops_per_token = GPT(model_config).flops_per_token()
     rows = []

@@ -1,37 +1,73 @@
-"""Random training windows from a uint16 token file."""
+"""Training windows from one split's token files: train.bin alone, or a corpus's shards."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from data.shards import read_shard
 
-def num_tokens(bin_path: Path) -> int:
-    return bin_path.stat().st_size // np.dtype(np.uint16).itemsize
+
+@dataclass(frozen=True)
+class TokenFiles:
+    """A split as an ordered list of token files: raw uint16 streams, or shards with a header.
+
+    Files are opened per call: a long-lived memmap keeps every page it touched resident.
+    """
+
+    paths: tuple[Path, ...]
+    sharded: bool = False
+
+    def open(self, index: int) -> np.ndarray:
+        path = self.paths[index]
+        return read_shard(path) if self.sharded else np.memmap(path, dtype=np.uint16, mode="r")
+
+    def lengths(self) -> list[int]:
+        return list(self._lengths)
+
+    @cached_property
+    def _lengths(self) -> tuple[int, ...]:
+        """Read once: get_batch needs them on every call, and opening 100 shards costs milliseconds."""
+        return tuple(len(self.open(i)) for i in range(len(self.paths)))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths())
 
 
 def get_batch(
-    bin_path: Path, batch_size: int, block_size: int, generator: torch.Generator
+    files: TokenFiles, batch_size: int, block_size: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) int64 tensors of shape (batch_size, block_size), y shifted by one token.
 
-    The memmap is opened per call: a long-lived one keeps every page it touched resident.
+    Window starts are drawn uniformly over all files' starts (no window spans two files), from the generator
+    alone: the same generator state gives the same windows, whoever asks.
     """
-    data = np.memmap(bin_path, dtype=np.uint16, mode="r")
-    starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator).tolist()
-    windows = np.stack([data[s : s + block_size + 1] for s in starts]).astype(np.int64)
-    windows = torch.from_numpy(windows)
-    return windows[:, :-1], windows[:, 1:]
+    valid = np.maximum(np.asarray(files.lengths()) - block_size, 0)  # starts in each file
+    if valid.sum() == 0:
+        raise ValueError(f"no file of {files.paths[0].parent} holds more than block_size={block_size} tokens")
+    ends = np.cumsum(valid)
+    starts = torch.randint(int(ends[-1]), (batch_size,), generator=generator).numpy()
+    file_of = np.searchsorted(ends, starts, side="right")
+    opened = {int(i): files.open(int(i)) for i in np.unique(file_of)}
+    windows = [
+        opened[int(f)][s - (ends[f] - valid[f]) :][: block_size + 1] for f, s in zip(file_of, starts, strict=True)
+    ]
+    batch = torch.from_numpy(np.stack(windows).astype(np.int64))
+    return batch[:, :-1], batch[:, 1:]
 
 
-def every_window(bin_path: Path, batch_size: int, block_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """All consecutive non-overlapping windows of the file, in order and in batches: a full-split loss."""
-    data = np.memmap(bin_path, dtype=np.uint16, mode="r")
-    n_windows = (len(data) - 1) // block_size
-    for first in range(0, n_windows, batch_size):
-        count = min(batch_size, n_windows - first)
-        tokens = torch.from_numpy(data[first * block_size : (first + count) * block_size + 1].astype(np.int64))
-        yield tokens[:-1].view(count, block_size), tokens[1:].view(count, block_size)
+def every_window(files: TokenFiles, batch_size: int, block_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """All consecutive non-overlapping windows of each file, in order and in batches: a full-split loss."""
+    for index in range(len(files.paths)):
+        data = files.open(index)
+        n_windows = (len(data) - 1) // block_size
+        for first in range(0, n_windows, batch_size):
+            count = min(batch_size, n_windows - first)
+            tokens = torch.from_numpy(data[first * block_size : (first + count) * block_size + 1].astype(np.int64))
+            yield tokens[:-1].view(count, block_size), tokens[1:].view(count, block_size)

@@ -1,4 +1,4 @@
-"""Turn a text into train.bin / val.bin (uint16 token streams) and meta.json.
+"""Turn a text into train.bin / val.bin (uint16 token streams), or a corpus into shards (data.corpus), and meta.json.
 
 Runs on first use from train.py; on its own: `python -m data.prepare data=shakespeare`.
 """
@@ -11,12 +11,15 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
+from data import corpus
+from data.batches import TokenFiles
 from data.errors import DataError
 from data.source import input_file, read_text
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer
@@ -33,13 +36,19 @@ class PreparedData:
     dir: Path
     meta: dict[str, Any]
 
-    @property
-    def train_bin(self) -> Path:
-        return self.dir / "train.bin"
+    @cached_property  # one listing and one read of the lengths per run, not per batch
+    def train(self) -> TokenFiles:
+        return self.split("train")
 
-    @property
-    def val_bin(self) -> Path:
-        return self.dir / "val.bin"
+    @cached_property
+    def val(self) -> TokenFiles:
+        return self.split("val")
+
+    def split(self, name: str) -> TokenFiles:
+        """name.bin from a text, or the shards name_000000.bin, name_000001.bin, ... from a corpus."""
+        if self.meta.get("sharded"):
+            return TokenFiles(tuple(sorted(self.dir.glob(f"{name}_[0-9]*.bin"))), sharded=True)
+        return TokenFiles((self.dir / f"{name}.bin",))
 
 
 def dataset_dir(name: str, dir: str | None) -> Path:
@@ -99,23 +108,97 @@ def _chunks(text: str) -> Iterator[str]:
 
 
 def ensure_prepared(
-    name: str, tokenizer: str, input: str | None, url: str | None, dir: str | None, val_fraction: float
+    name: str,
+    tokenizer: str,
+    input: str | None,
+    url: str | None,
+    dir: str | None,
+    val_fraction: float,
+    hf_dataset: str | None = None,
+    hf_name: str | None = None,
+    shard_tokens: int = 100_000_000,
+    max_tokens: int | None = None,
+    num_proc: int | None = None,
 ) -> PreparedData:
-    """Reuse the token files in the dataset folder if they were made from the same text and tokenizer."""
+    """Reuse the token files in the dataset folder if they were made from the same source and tokenizer.
+
+    A text file (or the download) gives train.bin / val.bin; a directory of documents or a Hugging Face dataset
+    gives shards. Takes every key of DataConfig.
+    """
+    _check_corpus_keys(input, hf_dataset, hf_name, shard_tokens, max_tokens, num_proc)
     out_dir = dataset_dir(name, dir)
+    if hf_dataset or (input and Path(input).expanduser().is_dir()):
+        return _ensure_corpus(out_dir, tokenizer, input, hf_dataset, hf_name, shard_tokens, max_tokens, num_proc)
     fingerprint = {"source": source_fingerprint(input, url), "tokenizer_spec": tokenizer, "val_fraction": val_fraction}
-    meta_path = out_dir / "meta.json"
-    if meta_path.is_file() and (out_dir / "train.bin").is_file() and (out_dir / "val.bin").is_file():
-        try:
-            meta = json.loads(meta_path.read_text())
-        except json.JSONDecodeError:
-            meta = {}  # damaged: prepare again
-        if all(meta.get(k) == v for k, v in fingerprint.items()):
-            return PreparedData(out_dir, meta)
+    prepared = _reusable(out_dir, fingerprint)
+    if prepared:
+        return prepared
     text = read_text(input, out_dir / "input.txt", url)
     if not text:
         raise DataError(f"the text for dataset {name!r} is empty; pass a non-empty file with data.input=PATH")
     return write_dataset(text, make_tokenizer(tokenizer, text), out_dir, val_fraction, fingerprint)
+
+
+def _ensure_corpus(
+    out_dir: Path,
+    tokenizer: str,
+    input: str | None,
+    hf_dataset: str | None,
+    hf_name: str | None,
+    shard_tokens: int,
+    max_tokens: int | None,
+    num_proc: int | None,
+) -> PreparedData:
+    fingerprint = {
+        "source": corpus.source_fingerprint(input, hf_dataset, hf_name),
+        "tokenizer_spec": tokenizer,
+        "shard_tokens": shard_tokens,
+        "max_tokens": max_tokens,
+    }
+    prepared = _reusable(out_dir, fingerprint)
+    if prepared:
+        return prepared
+    bpe = corpus.corpus_tokenizer(tokenizer)
+    documents = corpus.hf_documents(hf_dataset, hf_name) if hf_dataset else corpus.local_documents(Path(input))
+    procs = num_proc or corpus.default_num_proc()
+    meta = corpus.write_corpus(documents, bpe, out_dir, shard_tokens, max_tokens, procs, fingerprint)
+    return PreparedData(out_dir, meta)
+
+
+def _reusable(out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData | None:
+    """The folder's dataset if meta.json matches the fingerprint and its token files are all there."""
+    try:
+        meta = json.loads((out_dir / "meta.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # none, or damaged: prepare again
+    if not all(meta.get(k) == v for k, v in fingerprint.items()):
+        return None
+    data = PreparedData(out_dir, meta)
+    if meta.get("sharded"):
+        complete = (len(data.train.paths), len(data.val.paths)) == (meta.get("train_shards"), meta.get("val_shards"))
+    else:
+        complete = all(p.is_file() for p in data.train.paths + data.val.paths)
+    return data if complete else None
+
+
+def _check_corpus_keys(
+    input: str | None,
+    hf_dataset: str | None,
+    hf_name: str | None,
+    shard_tokens: int,
+    max_tokens: int | None,
+    num_proc: int | None,
+) -> None:
+    if shard_tokens < 1:
+        raise DataError(f"data.shard_tokens={shard_tokens} must be >= 1 (tokens per shard, 100M in llm.c)")
+    if max_tokens is not None and max_tokens < 1:
+        raise DataError(f"data.max_tokens={max_tokens} must be >= 1, or null for the whole corpus")
+    if num_proc is not None and num_proc < 1:
+        raise DataError(f"data.num_proc={num_proc} must be >= 1, or null for the CPUs available less one")
+    if hf_name and not hf_dataset:
+        raise DataError(f"data.hf_name={hf_name} needs data.hf_dataset (say HuggingFaceFW/fineweb-edu)")
+    if hf_dataset and input:
+        raise DataError(f"data.input and data.hf_dataset={hf_dataset} are both set; keep one (data.hf_dataset=null)")
 
 
 if __name__ == "__main__":
@@ -132,8 +215,10 @@ if __name__ == "__main__":
         with exit_on_user_error():
             data = ensure_prepared(**cfg.data)
         m = data.meta
+        shards = f" in {m['train_shards'] + m['val_shards']} shards" if m.get("sharded") else ""
         print(
-            f"{data.dir}: {m['train_tokens']:,} train and {m['val_tokens']:,} val tokens, vocabulary {m['vocab_size']}"
+            f"{data.dir}: {m['train_tokens']:,} train and {m['val_tokens']:,} val tokens{shards}, "
+            f"vocabulary {m['vocab_size']}"
         )
 
     main()

@@ -11,7 +11,9 @@ from data.errors import DataError
 def input_file(input_path: str) -> Path:
     path = Path(input_path).expanduser()
     if not path.is_file():
-        raise DataError(f"data.input={input_path} does not exist; pass the path of a UTF-8 text file")
+        raise DataError(
+            f"data.input={input_path} does not exist; pass a UTF-8 text file or a directory of .txt / .jsonl documents"
+        )
     return path
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import numpy as np
 import tiktoken
 
 from data.errors import DataError
@@ -15,6 +16,7 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def metadata(self) -> dict[str, Any]: ...
+    def token_byte_lengths(self) -> np.ndarray: ...
 
 
 class CharTokenizer:
@@ -41,6 +43,10 @@ class CharTokenizer:
 
     def metadata(self) -> dict[str, Any]:
         return {"kind": "char", "chars": self.chars}
+
+    def token_byte_lengths(self) -> np.ndarray:
+        """UTF-8 bytes of each token, for bits per byte: a loss that doesn't depend on the vocabulary."""
+        return np.array([len(c.encode("utf-8")) for c in self.chars], dtype=np.int32)
 
 
 class BpeTokenizer:
@@ -71,6 +77,30 @@ class BpeTokenizer:
 
     def metadata(self) -> dict[str, Any]:
         return {"kind": "bpe", "encoding": self.encoding.name}
+
+    @property
+    def eot_token(self) -> int:
+        """<|endoftext|>, the token a corpus puts before each document."""
+        try:
+            return self.encoding.eot_token
+        except KeyError:
+            raise DataError(
+                f"the tiktoken encoding {self.encoding.name!r} has no <|endoftext|> token to separate documents; "
+                "use one that has, such as data.tokenizer=r50k_base"
+            ) from None
+
+    def token_byte_lengths(self) -> np.ndarray:
+        """UTF-8 bytes of each token, for bits per byte; special tokens (<|endoftext|>) and unused ids count 0."""
+        lengths = np.zeros(self.vocab_size, dtype=np.int32)
+        special = {self.encoding.encode_single_token(s) for s in self.encoding.special_tokens_set}
+        for token in range(self.vocab_size):
+            if token in special:
+                continue
+            try:
+                lengths[token] = len(self.encoding.decode_single_token_bytes(token))
+            except KeyError:  # a gap in the vocabulary (cl100k_base has some)
+                pass
+        return lengths
 
 
 def tokenizer_from_metadata(meta: dict[str, Any]) -> Tokenizer:

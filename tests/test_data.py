@@ -10,7 +10,7 @@ import torch
 
 import data.prepare as prepare
 from conftest import TINY_BPE, tiny_encoding
-from data.batches import get_batch
+from data.batches import TokenFiles, get_batch
 from data.errors import DataError
 from data.prepare import ensure_prepared, write_dataset
 from data.source import read_text
@@ -27,8 +27,8 @@ def _prepare(tmp_path: Path, input: Path, tokenizer: str = "char") -> prepare.Pr
 def test_char_dataset_round_trip_and_split(tmp_path: Path, corpus_path: Path) -> None:
     text = corpus_path.read_text(encoding="utf-8")
     data = _prepare(tmp_path, corpus_path)
-    train = np.fromfile(data.train_bin, dtype=np.uint16)
-    val = np.fromfile(data.val_bin, dtype=np.uint16)
+    train = np.fromfile(data.train.paths[0], dtype=np.uint16)
+    val = np.fromfile(data.val.paths[0], dtype=np.uint16)
     split = int(len(text) * 0.9)
     assert (len(train), len(val)) == (split, len(text) - split)
     tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
@@ -41,8 +41,8 @@ def test_bpe_dataset_round_trip_with_a_tiktoken_encoding(tmp_path: Path, corpus_
     data = _prepare(tmp_path, corpus_path, tokenizer=TINY_BPE)
     assert data.meta["tokenizer"] == {"kind": "bpe", "encoding": TINY_BPE}
     tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
-    train = np.fromfile(data.train_bin, dtype=np.uint16).tolist()
-    val = np.fromfile(data.val_bin, dtype=np.uint16).tolist()
+    train = np.fromfile(data.train.paths[0], dtype=np.uint16).tolist()
+    val = np.fromfile(data.val.paths[0], dtype=np.uint16).tolist()
     assert tokenizer.decode(train) + tokenizer.decode(val) == text
     assert len(train) + len(val) < 0.95 * len(text.encode())  # merges were applied
 
@@ -75,8 +75,8 @@ def test_prepared_files_are_reused_and_remade_when_the_input_changes(tmp_path: P
     first = tmp_path / "a.txt"
     first.write_text(TEXT)
     data = _prepare(tmp_path, first)
-    stamp = data.train_bin.stat().st_mtime_ns
-    assert _prepare(tmp_path, first).train_bin.stat().st_mtime_ns == stamp
+    stamp = data.train.paths[0].stat().st_mtime_ns
+    assert _prepare(tmp_path, first).train.paths[0].stat().st_mtime_ns == stamp
     second = tmp_path / "b.txt"
     second.write_text(TEXT.upper())
     remade = _prepare(tmp_path, second)
@@ -109,11 +109,11 @@ def test_non_utf8_input_is_a_clear_error(tmp_path: Path) -> None:
 def test_get_batch_gives_shifted_windows_and_depends_only_on_the_generator(tmp_path: Path) -> None:
     path = tmp_path / "tokens.bin"
     np.arange(1000, dtype=np.uint16).tofile(path)
-    x, y = get_batch(path, 5, 16, torch.Generator().manual_seed(3))
+    x, y = get_batch(TokenFiles((path,)), 5, 16, torch.Generator().manual_seed(3))
     assert x.shape == y.shape == (5, 16) and x.dtype == torch.int64
     assert torch.equal(y, x + 1)  # consecutive tokens: y is x shifted by one
     assert torch.equal(torch.diff(x, dim=1), torch.ones(5, 15, dtype=torch.int64))
-    x2, _ = get_batch(path, 5, 16, torch.Generator().manual_seed(3))
+    x2, _ = get_batch(TokenFiles((path,)), 5, 16, torch.Generator().manual_seed(3))
     assert torch.equal(x, x2)
 
 

@@ -1,0 +1,281 @@
+"""A corpus of documents -> token shards: val_000000.bin first, then train_000000.bin, train_000001.bin, ...
+
+Documents come from a local directory (each .txt file one document, each .jsonl line's "text" one document) or
+stream from a Hugging Face dataset. Each is encoded as <|endoftext|> + its tokens by a pool of processes, in
+document order, and the stream is cut into shards of a fixed size: the convention of llm.c's fineweb.py, whose
+shards these match byte for byte (build-nanogpt's cuts the same way, into .npy files). This module imports neither
+torch nor data.prepare, so that workers started fresh (spawn, forkserver) import little.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tiktoken
+from tqdm import tqdm
+
+from data.errors import DataError
+from data.shards import write_shard
+from data.tokenizers import BpeTokenizer
+
+DOCUMENT_SUFFIXES = (".txt", ".jsonl")
+_CHUNKSIZE = 16  # documents per task sent to a worker, as in llm.c's fineweb.py
+START_METHOD: str | None = None  # multiprocessing's: None is the platform's default (fork on Linux before 3.14)
+
+
+def default_num_proc() -> int:
+    """The CPUs this process may use, less one for the process that reads documents and writes shards."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus - 1)
+
+
+def document_files(root: Path) -> list[Path]:
+    """The .txt and .jsonl files under root, in the order of their relative paths: the corpus's document order."""
+    files = [p for p in root.rglob("*") if p.suffix in DOCUMENT_SUFFIXES and p.is_file()]
+    files.sort(key=lambda p: p.relative_to(root).as_posix())
+    if not files:
+        raise DataError(f"data.input={root} holds no .txt or .jsonl files; put the corpus's documents there")
+    return files
+
+
+def local_documents(root: Path) -> Iterator[str]:
+    for path in document_files(root):
+        if path.suffix == ".txt":
+            yield _read_utf8(path)
+        else:
+            yield from _jsonl_documents(path)
+
+
+def _jsonl_documents(path: Path) -> Iterator[str]:
+    """Line by line (a .jsonl can be gigabytes), split at newlines only: str.splitlines would also cut at
+    U+2028 and the like, which JSON strings may hold unescaped."""
+    number = 0
+    try:
+        with open(path, encoding="utf-8", newline="\n") as lines:
+            for number, line in enumerate(lines, start=1):
+                if line.strip():
+                    yield _text_field(_json_line(line, path, number), f"{path}:{number}")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path} is not UTF-8 text ({err.reason} after line {number})") from None
+
+
+def hf_documents(path: str, name: str | None) -> Iterator[str]:
+    """The "text" of each row of the dataset's train split, streamed: nothing is downloaded ahead."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f'data.hf_dataset={path} needs the datasets package: pip install ".[hf]"') from None
+    label = f"data.hf_dataset={path}" + (f" (data.hf_name={name})" if name else "")
+    try:
+        rows = iter(datasets.load_dataset(path, name=name, split="train", streaming=True))
+    except Exception as err:  # offline, a misspelt name, a private dataset: datasets raises many kinds
+        raise DataError(f"could not load {label}: {_first_line(err)}; offline, use data.input=DIR instead") from None
+    return _rows_text(rows, label)
+
+
+def _rows_text(rows: Iterator[dict[str, Any]], label: str) -> Iterator[str]:
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except Exception as err:  # the stream broke off (network)
+            raise DataError(f"reading {label} failed: {_first_line(err)}") from None
+        yield _text_field(row, label)
+
+
+def source_fingerprint(input: str | None, hf_dataset: str | None, hf_name: str | None) -> dict[str, Any]:
+    """What the shards were made from. A directory: its files' relative paths, sizes and modification times (not
+    their contents: a corpus can be gigabytes). A dataset: its name only, the hub's data is taken as fixed."""
+    if hf_dataset:
+        return {"hf_dataset": hf_dataset, "hf_name": hf_name}
+    root = Path(input).expanduser()  # type: ignore[arg-type]
+    listing = [(p.relative_to(root).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in document_files(root)]
+    return {"files_sha256": hashlib.sha256(json.dumps(listing).encode()).hexdigest(), "files": len(listing)}
+
+
+def corpus_tokenizer(spec: str) -> BpeTokenizer:
+    if spec == "char":
+        raise DataError(
+            "data.tokenizer=char can't encode a corpus (its vocabulary would need every character first); "
+            "use a BPE such as data.tokenizer=r50k_base"
+        )
+    tokenizer = BpeTokenizer.from_name(spec)
+    _ = tokenizer.eot_token  # fails here if there is none: a worker that fails to start is restarted forever
+    if tokenizer.vocab_size > np.iinfo(np.uint16).max + 1:
+        raise DataError(f"data.tokenizer={spec} has {tokenizer.vocab_size} tokens, too many for uint16 shards")
+    return tokenizer
+
+
+class DocumentEncoder:
+    """<|endoftext|> + the tokens of each document, in document order, from num_proc processes (1: this one).
+
+    The workers get the encoding's ranks through the pool's initializer rather than its name: a registered
+    encoding pickles as its name, which a fresh worker (spawn, forkserver) may not know, like the tests' own.
+    Python 3.11 on Linux forks; any start method works.
+    """
+
+    def __init__(self, tokenizer: BpeTokenizer, num_proc: int) -> None:
+        self.tokenizer = tokenizer
+        self.num_proc = num_proc
+        self._pool: Any = None
+
+    def __enter__(self) -> DocumentEncoder:
+        if self.num_proc > 1:
+            ctx = multiprocessing.get_context(START_METHOD)
+            self._pool = ctx.Pool(self.num_proc, initializer=_init_worker, initargs=(_encoding_args(self.tokenizer),))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.terminate()  # also when stopped early at data.max_tokens
+            self._pool.join()
+            self._pool = None
+
+    def encode(self, documents: Iterable[str]) -> Iterator[np.ndarray]:
+        if self._pool is None:
+            encoding, eot = self.tokenizer.encoding, self.tokenizer.eot_token
+            return (_encode(encoding, eot, doc) for doc in documents)
+        return self._pool.imap(_encode_in_worker, documents, chunksize=_CHUNKSIZE)
+
+
+_worker: tuple[tiktoken.Encoding, int] | None = None
+
+
+def _encoding_args(tokenizer: BpeTokenizer) -> dict[str, Any]:
+    enc = tokenizer.encoding
+    # tiktoken's own pickled form of an unregistered encoding (Encoding.__getstate__)
+    return {
+        "name": enc.name,
+        "pat_str": enc._pat_str,
+        "mergeable_ranks": enc._mergeable_ranks,
+        "special_tokens": enc._special_tokens,
+    }
+
+
+def _init_worker(encoding_args: dict[str, Any]) -> None:
+    global _worker
+    encoding = tiktoken.Encoding(**encoding_args)
+    _worker = (encoding, encoding.eot_token)
+
+
+def _encode_in_worker(doc: str) -> np.ndarray:
+    assert _worker is not None, "worker not initialized"
+    return _encode(*_worker, doc)
+
+
+def _encode(encoding: tiktoken.Encoding, eot: int, doc: str) -> np.ndarray:
+    tokens = [eot]
+    tokens.extend(encoding.encode_ordinary(doc))  # a literal "<|endoftext|>" in the text is plain text
+    return np.asarray(tokens, dtype=np.uint16)  # the vocabulary was checked to fit
+
+
+def write_shards(
+    token_docs: Iterable[np.ndarray], out_dir: Path, shard_tokens: int, max_tokens: int | None
+) -> dict[str, int]:
+    """Fill shards of shard_tokens tokens from the documents' tokens; the first is val, the last may be short.
+
+    Returns the counts for meta.json. Stops after max_tokens tokens, within a document if need be.
+    """
+    buffer = np.empty(shard_tokens, dtype=np.uint16)
+    filled = shards = documents = total = 0
+    counts = {"val_tokens": 0, "train_tokens": 0}
+
+    def flush() -> None:
+        nonlocal filled, shards
+        split, index = ("val", 0) if shards == 0 else ("train", shards - 1)
+        write_shard(out_dir / f"{split}_{index:06d}.bin", buffer[:filled])
+        counts[f"{split}_tokens"] += filled
+        shards, filled = shards + 1, 0
+
+    with tqdm(total=max_tokens, unit="tok", unit_scale=True, desc="tokenizing") as bar:
+        for tokens in token_docs:
+            if max_tokens is not None:
+                tokens = tokens[: max_tokens - total]
+            documents += 1
+            total += len(tokens)
+            bar.update(len(tokens))
+            while len(tokens):
+                take = min(len(tokens), shard_tokens - filled)
+                buffer[filled : filled + take] = tokens[:take]
+                filled, tokens = filled + take, tokens[take:]
+                if filled == shard_tokens:
+                    flush()
+            if max_tokens is not None and total >= max_tokens:
+                break
+    if filled:
+        flush()
+    if shards < 2:
+        raise DataError(
+            f"the corpus gave {total:,} tokens, not enough for a train shard after the val shard "
+            f"(data.shard_tokens={shard_tokens}); lower data.shard_tokens"
+        )
+    return {**counts, "val_shards": 1, "train_shards": shards - 1, "documents": documents}
+
+
+def remove_shards(out_dir: Path) -> None:
+    """A previous preparation's token files: left there, a smaller corpus would serve its extra shards."""
+    for pattern in ("train_[0-9]*.bin", "val_[0-9]*.bin", "*.bin.tmp", "train.bin", "val.bin"):
+        for path in out_dir.glob(pattern):
+            path.unlink()
+
+
+def write_corpus(
+    documents: Iterable[str],
+    tokenizer: BpeTokenizer,
+    out_dir: Path,
+    shard_tokens: int,
+    max_tokens: int | None,
+    num_proc: int,
+    extra_meta: dict[str, Any],
+) -> dict[str, Any]:
+    """Encode and shard the documents, then write meta.json (last, atomically: only then is the folder prepared)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "meta.json").unlink(missing_ok=True)
+    remove_shards(out_dir)
+    with DocumentEncoder(tokenizer, num_proc) as encoder:
+        counts = write_shards(encoder.encode(documents), out_dir, shard_tokens, max_tokens)
+    meta = {
+        "tokenizer": tokenizer.metadata(),
+        "vocab_size": tokenizer.vocab_size,
+        "sharded": True,
+        **counts,
+        **extra_meta,
+    }
+    tmp = out_dir / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, ensure_ascii=False))
+    os.replace(tmp, out_dir / "meta.json")
+    return meta
+
+
+def _read_utf8(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+def _json_line(line: str, path: Path, number: int) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{number} is not a JSON line ({err.msg}); each line must be an object") from None
+
+
+def _text_field(row: Any, where: str) -> str:
+    text = row.get("text") if isinstance(row, dict) else None
+    if not isinstance(text, str):
+        raise DataError(f'{where} has no "text" string; each document needs one')
+    return text
+
+
+def _first_line(err: BaseException) -> str:
+    message = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {message[0]}" if message else type(err).__name__

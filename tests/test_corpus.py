@@ -1,0 +1,318 @@
+"""A corpus of documents -> token shards (data/corpus.py), offline: local directories, and the Hugging Face
+streaming path pointed at a local directory of .jsonl files."""
+
+import hashlib
+import json
+import os
+import pydoc_data.topics
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tiktoken
+import torch
+
+import data.corpus as corpus
+from conftest import REPO, TINY_BPE, compose_config, tiny_encoding
+from data.batches import TokenFiles, every_window, get_batch
+from data.errors import DataError
+from data.prepare import PreparedData, ensure_prepared
+from data.shards import HEADER_BYTES, MAGIC, VERSION, read_shard, write_shard
+from data.tokenizers import BpeTokenizer, CharTokenizer
+
+SHARD = 8_000
+R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
+TOPICS = list(pydoc_data.topics.topics.values())
+
+
+def _prepare(data_dir: Path, input: Path | None = None, **keys: object) -> PreparedData:
+    options = {"shard_tokens": SHARD, "num_proc": 1, **keys}
+    return ensure_prepared("corpus", TINY_BPE, str(input) if input else None, None, str(data_dir), 0.1, **options)
+
+
+def _write_docs(root: Path, docs: dict[str, list[str]]) -> list[str]:
+    """Files of documents (a .txt holds one, a .jsonl one a line); returns them in the corpus's order."""
+    for name, texts in docs.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if name.endswith(".jsonl"):
+            lines = (json.dumps({"text": t, "id": i}, ensure_ascii=False) + "\n" for i, t in enumerate(texts))
+            path.write_text("".join(lines), encoding="utf-8")
+        else:
+            path.write_text(texts[0], encoding="utf-8")
+    return [t for name in sorted(docs) for t in docs[name]]
+
+
+@pytest.fixture
+def docs_dir(tmp_path: Path) -> tuple[Path, list[str]]:
+    """About 100k characters of English in .txt files (two folders deep) and a .jsonl, plus one non-ASCII text."""
+    files = {f"{i:02d}.txt": [TOPICS[i]] for i in range(12)}
+    files["b.jsonl"] = TOPICS[12:24]
+    files.update({f"c/{i:02d}.txt": [TOPICS[i]] for i in range(24, 30)})
+    files["c/unicode.txt"] = ["naïve café — 日本語, <|endoftext|> as plain text 🙂"]
+    files["d.jsonl"] = ["a line\u2028separator and\x85 next line, unescaped in JSON", "\r\n\tspace ", ""]
+    root = tmp_path / "docs"
+    return root, _write_docs(root, files)
+
+
+def _stream(docs: list[str]) -> np.ndarray:
+    """What the shards must hold, end to end: <|endoftext|> before each document's tokens."""
+    encoding = tiny_encoding()
+    return np.array([t for d in docs for t in [encoding.eot_token, *encoding.encode_ordinary(d)]], dtype=np.uint16)
+
+
+def _shard_stream(data: PreparedData) -> np.ndarray:
+    return np.concatenate([read_shard(p) for p in data.val.paths + data.train.paths])
+
+
+def _shard_bytes(data: PreparedData) -> list[bytes]:
+    return [p.read_bytes() for p in data.val.paths + data.train.paths]
+
+
+def test_shard_header_round_trip_and_damaged_shards_are_named(tmp_path: Path) -> None:
+    path = tmp_path / "train_000000.bin"
+    tokens = np.array([0, 1, 50256, 65535], dtype=np.uint16)
+    write_shard(path, tokens)
+    assert path.stat().st_size == HEADER_BYTES + 2 * len(tokens)
+    assert np.fromfile(path, dtype=np.int32, count=3).tolist() == [MAGIC, VERSION, 4]
+    assert read_shard(path).tolist() == tokens.tolist()
+    write_shard(path, np.array([], dtype=np.uint16))
+    assert len(read_shard(path)) == 0
+
+    write_shard(path, tokens)
+    path.write_bytes(path.read_bytes()[:-2])  # truncated
+    with pytest.raises(DataError, match="train_000000.bin holds 3 tokens, its header says 4") as info:
+        read_shard(path)
+    assert "\n" not in str(info.value)
+    path.write_bytes(b"\0" * 100)  # shorter than a header
+    with pytest.raises(DataError, match="train_000000.bin is not a token shard"):
+        read_shard(path)
+    path.write_bytes(np.zeros(HEADER_BYTES // 4, dtype=np.int32).tobytes())  # no magic
+    with pytest.raises(DataError, match="train_000000.bin is not a token shard"):
+        read_shard(path)
+    with pytest.raises(DataError, match="65536"):
+        write_shard(path, np.array([65536]))
+
+
+def test_a_directory_becomes_shards_of_its_documents_in_order(tmp_path: Path, docs_dir: tuple[Path, list[str]]) -> None:
+    root, docs = docs_dir
+    data = _prepare(tmp_path / "one", root, num_proc=1)
+    expected = _stream(docs)
+    assert np.array_equal(_shard_stream(data), expected)
+    assert [p.name for p in data.val.paths] == ["val_000000.bin"]  # the first shard is val
+    assert [p.name for p in data.train.paths][:2] == ["train_000000.bin", "train_000001.bin"]
+    lengths = data.val.lengths() + data.train.lengths()
+    assert lengths[:-1] == [SHARD] * (len(lengths) - 1) and 0 < lengths[-1] <= SHARD  # the last one is partial
+    meta = json.loads((data.dir / "meta.json").read_text())
+    assert meta["sharded"] and meta["tokenizer"] == {"kind": "bpe", "encoding": TINY_BPE}
+    assert (meta["val_tokens"], meta["train_tokens"]) == (SHARD, len(expected) - SHARD)
+    assert (meta["documents"], meta["val_shards"], meta["train_shards"]) == (len(docs), 1, len(lengths) - 1)
+    assert data.train.num_tokens == meta["train_tokens"]
+
+    two = _prepare(tmp_path / "two", root, num_proc=2)  # a pool of workers: the same bytes
+    assert _shard_bytes(two) == _shard_bytes(data)
+
+
+def test_workers_started_fresh_get_the_encoding_without_its_name(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, docs_dir: tuple[Path, list[str]]
+) -> None:
+    """Under spawn (macOS, Windows) or forkserver (Linux from 3.14), tiny_test_bpe isn't registered in workers."""
+    root, docs = docs_dir
+    monkeypatch.setattr(corpus, "START_METHOD", "spawn")
+    data = _prepare(tmp_path / "spawned", root, num_proc=2)
+    assert np.array_equal(_shard_stream(data), _stream(docs))
+
+
+def test_shards_are_reused_and_remade_when_a_file_changes(tmp_path: Path, docs_dir: tuple[Path, list[str]]) -> None:
+    root, docs = docs_dir
+    data = _prepare(tmp_path, root)
+    stamps = [p.stat().st_mtime_ns for p in data.train.paths]
+    again = _prepare(tmp_path, root)
+    assert [p.stat().st_mtime_ns for p in again.train.paths] == stamps and again.meta == data.meta
+
+    shorter = root / "05.txt"
+    shorter.write_text("a shorter document")
+    os.utime(shorter, ns=(shorter.stat().st_atime_ns, shorter.stat().st_mtime_ns + 10**9))
+    for path in (root / "c").glob("*.txt"):
+        path.unlink()  # fewer documents: fewer shards, and no stale ones left behind
+    remade = _prepare(tmp_path, root)
+    assert remade.meta["train_shards"] < data.meta["train_shards"]
+    assert len(list(tmp_path.glob("*.bin"))) == remade.meta["train_shards"] + 1
+    kept = docs[:5] + ["a shorter document"] + docs[6:24] + docs[-3:]
+    assert np.array_equal(_shard_stream(remade), _stream(kept))
+
+    bigger = _prepare(tmp_path, root, shard_tokens=2 * SHARD)  # another shard size is another preparation
+    assert bigger.meta["val_tokens"] == 2 * SHARD
+
+
+def test_max_tokens_stops_inside_a_document_and_a_small_corpus_asks_for_smaller_shards(
+    tmp_path: Path, docs_dir: tuple[Path, list[str]]
+) -> None:
+    root, docs = docs_dir
+    data = _prepare(tmp_path / "capped", root, max_tokens=3 * SHARD + 123)
+    assert np.array_equal(_shard_stream(data), _stream(docs)[: 3 * SHARD + 123])
+    assert data.meta["train_shards"] == 3 and data.meta["train_tokens"] == 2 * SHARD + 123
+    with pytest.raises(DataError, match="lower data.shard_tokens") as info:
+        _prepare(tmp_path / "small", root, shard_tokens=10**6)
+    assert "\n" not in str(info.value)
+
+
+def test_batches_over_shards_are_slices_of_one_shard(tmp_path: Path, docs_dir: tuple[Path, list[str]]) -> None:
+    root, _ = docs_dir
+    data = _prepare(tmp_path, root)
+    shards = [np.asarray(read_shard(p)) for p in data.train.paths]
+    block = 32
+    x, y = get_batch(data.train, 64, block, torch.Generator().manual_seed(0))
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    for window in torch.cat([x, y[:, -1:]], dim=1).numpy().astype(np.uint16):
+        assert any(_holds(shard, window) for shard in shards), "a window is not a slice of any one shard"
+
+    rows = [torch.cat([x, y[:, -1:]], dim=1) for x, y in every_window(data.train, 7, block)]
+    expected = [s[i * block : (i + 1) * block + 1] for s in shards for i in range((len(s) - 1) // block)]
+    assert np.array_equal(torch.cat(rows).numpy(), np.stack(expected))  # each shard's windows, in order
+
+
+def test_get_batch_draws_from_every_shard_and_never_across_two(tmp_path: Path) -> None:
+    sizes = [1000, 40, 2000, 600]  # distinct token values: a window's first token says where it came from
+    starts = np.cumsum([0, *sizes])
+    paths = []
+    for i, size in enumerate(sizes):
+        paths.append(tmp_path / f"train_{i:06d}.bin")
+        write_shard(paths[-1], np.arange(starts[i], starts[i] + size, dtype=np.uint16))
+    x, y = get_batch(TokenFiles(tuple(paths), sharded=True), 2000, 64, torch.Generator().manual_seed(1))
+    first, last = x[:, 0].numpy(), y[:, -1].numpy()
+    assert np.array_equal(last - first, np.full(len(first), 64))  # consecutive tokens: never spans two shards
+    shard_of = np.searchsorted(starts, first, side="right") - 1
+    assert np.all(last < starts[shard_of + 1])
+    assert set(shard_of.tolist()) == {0, 2, 3}  # the 40-token shard holds no 64-token window
+
+
+def test_hf_streaming_path_gives_the_tokens_of_the_local_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    pytest.importorskip("datasets", reason='the optional datasets package is not installed (pip install ".[hf]")')
+    root = tmp_path / "jsonl"
+    docs = _write_docs(root, {"a.jsonl": TOPICS[:15], "b.jsonl": TOPICS[15:25]})
+    streamed = _prepare(tmp_path / "hf", hf_dataset=str(root), num_proc=2)
+    local = _prepare(tmp_path / "local", root)
+    assert _shard_bytes(streamed) == _shard_bytes(local)
+    assert np.array_equal(_shard_stream(streamed), _stream(docs))
+    assert streamed.meta["source"] == {"hf_dataset": str(root), "hf_name": None}
+
+
+def test_hf_errors_are_one_line_and_say_what_to_do(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
+    with pytest.raises(DataError, match=r'data.hf_dataset=HuggingFaceFW/fineweb-edu .*pip install "\.\[hf\]"'):
+        _prepare(tmp_path, hf_dataset="HuggingFaceFW/fineweb-edu", hf_name="sample-10BT")
+
+    class Offline:
+        @staticmethod
+        def load_dataset(*args: object, **kwargs: object) -> None:
+            raise ConnectionError("Couldn't reach 'HuggingFaceFW/fineweb-edu' on the Hub\n(details)")
+
+    monkeypatch.setitem(sys.modules, "datasets", Offline)
+    with pytest.raises(DataError, match="could not load data.hf_dataset=HuggingFaceFW/fineweb-edu") as info:
+        _prepare(tmp_path, hf_dataset="HuggingFaceFW/fineweb-edu", hf_name="sample-10BT")
+    assert "\n" not in str(info.value) and "ConnectionError" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"shard_tokens": 0}, "data.shard_tokens=0"),
+        ({"max_tokens": -5}, "data.max_tokens=-5"),
+        ({"num_proc": 0}, "data.num_proc=0"),
+        ({"hf_name": "sample-10BT"}, "data.hf_name=sample-10BT needs data.hf_dataset"),
+        ({"hf_dataset": "x/y"}, "data.input and data.hf_dataset=x/y are both set"),
+    ],
+)
+def test_corpus_keys_are_checked_at_start(tmp_path: Path, keys: dict, message: str) -> None:
+    (tmp_path / "doc.txt").write_text("text")
+    with pytest.raises(DataError, match=message) as info:
+        _prepare(tmp_path / "data", tmp_path, **keys)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_corpora_are_one_line_errors(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="holds no .txt or .jsonl files"):
+        _prepare(tmp_path / "data", empty)
+    (tmp_path / "doc.txt").write_text("text")
+    with pytest.raises(DataError, match="data.tokenizer=char can't encode a corpus.*r50k_base"):
+        ensure_prepared("c", "char", str(tmp_path), None, str(tmp_path / "data"), 0.1)
+    (tmp_path / "rows.jsonl").write_text('{"text": "one"}\n{"body": "two"}\n')
+    with pytest.raises(DataError, match=r'rows.jsonl:2 has no "text"'):
+        _prepare(tmp_path / "data", tmp_path)
+    (tmp_path / "rows.jsonl").write_text('{"text": "one"}\nnot json\n')
+    with pytest.raises(DataError, match=r"rows.jsonl:2 is not a JSON line"):
+        _prepare(tmp_path / "data", tmp_path, num_proc=2)  # raised while a pool is reading the documents
+    ranks = {bytes([b]): b for b in range(256)}
+    no_eot = tiktoken.Encoding(name="no_eot", pat_str=r"\S+|\s+", mergeable_ranks=ranks, special_tokens={})
+    with pytest.raises(DataError, match=re.escape("no <|endoftext|> token")):
+        _ = BpeTokenizer(no_eot).eot_token
+
+
+def test_token_byte_lengths_add_up_to_the_utf8_bytes_of_the_text(docs_dir: tuple[Path, list[str]]) -> None:
+    _, docs = docs_dir
+    text = "naïve café — 日本語 🙂\n" + TOPICS[0][:2000]
+    char = CharTokenizer.from_text(text)
+    assert char.token_byte_lengths().dtype == np.int32
+    assert char.token_byte_lengths()[char.encode(text)].sum() == len(text.encode())
+    bpe = BpeTokenizer(tiny_encoding())
+    lengths = bpe.token_byte_lengths()
+    assert lengths.shape == (bpe.vocab_size,) and lengths.dtype == np.int32 and lengths[bpe.eot_token] == 0
+    ids = bpe.encode(text)
+    assert any(len(bpe.encoding.decode_single_token_bytes(t)) > 1 for t in ids)  # merges were applied
+    assert lengths[ids].sum() == len(bpe.decode(ids).encode()) == len(text.encode())
+    assert lengths[_stream(docs)].sum() == sum(len(d.encode()) for d in docs)  # <|endoftext|> counts 0 bytes
+
+
+def test_web_corpus_presets_stream_with_gpt2s_bpe() -> None:
+    for preset, dataset in (("fineweb_edu", "HuggingFaceFW/fineweb-edu"), ("openwebtext", "Skylion007/openwebtext")):
+        data = compose_config([f"data={preset}"]).data
+        assert (data.hf_dataset, data.tokenizer, data.shard_tokens, data.input) == (
+            dataset,
+            "r50k_base",
+            100_000_000,
+            None,
+        )
+    assert compose_config(["data=fineweb_edu"]).data.hf_name == "sample-10BT"
+
+
+def _holds(shard: np.ndarray, window: np.ndarray) -> bool:
+    haystack, needle = shard.tobytes(), window.tobytes()
+    at = haystack.find(needle)
+    while at != -1 and at % 2:  # a match must start on a token boundary
+        at = haystack.find(needle, at + 1)
+    return at != -1
+
+
+def _real_r50k_available() -> bool:
+    cache = os.environ.get("TIKTOKEN_CACHE_DIR")
+    return bool(cache) and (Path(cache) / hashlib.sha1(R50K_URL.encode()).hexdigest()).is_file()
+
+
+@pytest.mark.skipif(
+    not _real_r50k_available(), reason="GPT-2 ranks not provided (set TIKTOKEN_CACHE_DIR as .ci/run does)"
+)
+def test_prepare_command_shards_a_directory_with_gpt2s_bpe(tmp_path: Path, docs_dir: tuple[Path, list[str]]) -> None:
+    root, docs = docs_dir
+    args = [f"data.input={root}", "data.tokenizer=r50k_base", f"data.dir={tmp_path / 'data'}", "data.num_proc=2"]
+    result = subprocess.run(
+        [sys.executable, "-m", "data.prepare", *args, f"data.shard_tokens={SHARD}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    assert f"{meta['train_tokens']:,} train and {SHARD:,} val tokens in" in result.stdout
+    data = PreparedData(tmp_path / "data", meta)
+    gpt2 = tiktoken.get_encoding("r50k_base")
+    assert _shard_stream(data).tolist() == [t for d in docs for t in [50256, *gpt2.encode_ordinary(d)]]

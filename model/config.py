@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ATTN_IMPLS = ("flash", "math")
-ACTIVATIONS = ("gelu", "relu2")  # relu2: ReLU(x)², as in modded-nanogpt; cheaper than GELU's erf on CPU
+# gelu: exact (erf); gelu_tanh: the tanh approximation OpenAI's GPT-2 weights were trained with (HF's gelu_new);
+# relu2: ReLU(x)², as in modded-nanogpt, cheaper than GELU's erf on CPU.
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu2")
 POS_EMBS = ("learned", "rope")  # rope: rotary embeddings on queries and keys instead of a learned table
 
 

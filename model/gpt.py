@@ -24,7 +24,12 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Functional activation and dropout: a module call costs more than the op itself when decoding one token.
         h = self.c_fc(x)
-        h = F.gelu(h) if self.activation == "gelu" else F.relu(h).square()
+        if self.activation == "gelu":
+            h = F.gelu(h)
+        elif self.activation == "gelu_tanh":
+            h = F.gelu(h, approximate="tanh")
+        else:
+            h = F.relu(h).square()
         return F.dropout(self.c_proj(h), self.dropout, self.training)
 
 

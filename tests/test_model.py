@@ -17,7 +17,7 @@ def _pair(**overrides: object) -> tuple[GPT, GPT]:
     return flash, math_
 
 
-@pytest.mark.parametrize("options", [{}, {"activation": "relu2"}, {"pos_emb": "rope"}])
+@pytest.mark.parametrize("options", [{}, {"activation": "gelu_tanh"}, {"activation": "relu2"}, {"pos_emb": "rope"}])
 def test_flash_and_math_paths_agree_on_logits_and_gradients(options: dict) -> None:
     flash, math_ = _pair(**options)
     idx = torch.randint(SMALL["vocab_size"], (3, SMALL["block_size"]))
@@ -34,7 +34,7 @@ def test_flash_and_math_paths_agree_on_logits_and_gradients(options: dict) -> No
         torch.testing.assert_close(grads_f[name], grads_m[name], atol=1e-5, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("options", [{}, {"activation": "relu2"}, {"pos_emb": "rope"}])
+@pytest.mark.parametrize("options", [{}, {"activation": "gelu_tanh"}, {"activation": "relu2"}, {"pos_emb": "rope"}])
 @pytest.mark.parametrize("attn_impl", ["flash", "math"])
 def test_changing_a_token_never_changes_earlier_logits(attn_impl: str, options: dict) -> None:
     torch.manual_seed(1)
@@ -143,7 +143,7 @@ def test_top_k_one_is_greedy() -> None:
     assert out[0, -1].item() == logits[0, -1].argmax().item()
 
 
-@pytest.mark.parametrize("options", [{}, {"activation": "relu2"}, {"pos_emb": "rope"}])
+@pytest.mark.parametrize("options", [{}, {"activation": "gelu_tanh"}, {"activation": "relu2"}, {"pos_emb": "rope"}])
 @pytest.mark.parametrize("attn_impl", ["flash", "math"])
 def test_tiny_model_overfits_one_batch(attn_impl: str, options: dict) -> None:
     torch.manual_seed(0)

@@ -1,6 +1,7 @@
 """Errors a user can cause: the scripts print them as one line and exit non-zero, without a traceback."""
 
 from data.errors import DataError
+from model.hf_gpt2 import PretrainedError
 
 
 class ConfigError(ValueError):
@@ -15,4 +16,4 @@ class TrainingDiverged(ValueError):
     """The loss became NaN or infinite."""
 
 
-USER_ERRORS = (ConfigError, CheckpointError, DataError, TrainingDiverged)
+USER_ERRORS = (ConfigError, CheckpointError, DataError, PretrainedError, TrainingDiverged)

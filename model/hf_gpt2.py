@@ -1,0 +1,211 @@
+"""Convert between our GPT and Hugging Face's GPT2LMHeadModel: OpenAI's GPT-2 weights in, our runs out.
+
+transformers is an optional extra (pip install ".[hf]"), imported only inside these functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set as AbstractSet
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from model.config import GPTConfig
+from model.gpt import GPT
+
+if TYPE_CHECKING:
+    from transformers import GPT2LMHeadModel
+
+PRETRAINED = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+# gelu_new is OpenAI's tanh approximation written out, gelu_pytorch_tanh the same in one kernel.
+_ACTIVATION_FROM_HF = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+_ACTIVATION_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
+_GPT2_EOT = 50256  # <|endoftext|> in GPT-2's BPE: the start and end token of HF's generate()
+_HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older transformers versions kept in state_dict
+
+
+class PretrainedError(ValueError):
+    """transformers missing, weights that can't be loaded, or a model the other format can't express."""
+
+
+def load_pretrained(
+    name_or_dir: str, *, block_size: int | None = None, dropout: float = 0.0, attn_impl: str = "flash"
+) -> GPT:
+    """One of PRETRAINED (downloaded once by HF, then read from its cache) or a directory written by
+    save_pretrained, as our GPT; block_size crops the position table."""
+    is_dir = Path(name_or_dir).is_dir()
+    if name_or_dir not in PRETRAINED and not is_dir:
+        raise PretrainedError(
+            f"unknown pretrained model {name_or_dir!r}: use one of {', '.join(PRETRAINED)}, "
+            "or a directory written by save_pretrained"
+        )
+    _require_transformers()
+    from transformers import GPT2LMHeadModel
+
+    try:
+        hf_model, info = GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True)
+    except (OSError, ValueError) as err:  # no network, not in HF's cache, no weights, a corrupt config.json
+        how = (
+            "pass a directory written by save_pretrained"
+            if is_dir
+            else "Hugging Face needs network to download it the first time; offline, pass a local directory "
+            "written by save_pretrained"
+        )
+        raise PretrainedError(f"can't load {name_or_dir!r} ({_first_line(err)}); {how}") from None
+    missing = sorted(info["missing_keys"])
+    if missing:  # from_pretrained leaves them randomly initialised and only warns
+        raise PretrainedError(f"{name_or_dir!r} holds no weights for {missing[0]}: it is not a GPT-2 model")
+    return gpt_from_hf(hf_model, block_size=block_size, dropout=dropout, attn_impl=attn_impl)
+
+
+def gpt_from_hf(
+    hf_model: GPT2LMHeadModel, *, block_size: int | None = None, dropout: float = 0.0, attn_impl: str = "flash"
+) -> GPT:
+    """Our GPT computing the same logits as hf_model. A block_size below the model's n_positions keeps only
+    the first position embeddings (as nanoGPT's crop_block_size does), to finetune on shorter windows."""
+    from transformers.pytorch_utils import Conv1D
+
+    hf = hf_model.config
+    _check_expressible(hf_model)
+    if block_size is None:
+        block_size = hf.n_positions
+    elif block_size > hf.n_positions:
+        raise PretrainedError(
+            f"block_size={block_size} exceeds the {hf.n_positions} positions the weights have; "
+            f"use block_size <= {hf.n_positions}"
+        )
+    config = GPTConfig(
+        vocab_size=hf.vocab_size,
+        block_size=block_size,
+        n_layer=hf.n_layer,
+        n_head=hf.n_head,
+        n_embd=hf.n_embd,
+        dropout=dropout,
+        bias=True,
+        attn_impl=attn_impl,
+        activation=_ACTIVATION_FROM_HF[hf.activation_function],
+    )
+    model = GPT(config)
+    ours = model.state_dict()
+    theirs = {k: v for k, v in hf_model.state_dict().items() if not k.endswith(_HF_BUFFERS)}
+    _check_same_keys(ours.keys(), theirs.keys())
+    conv1d = _conv1d_weights(hf_model, Conv1D)
+    with torch.no_grad():
+        for key, target in ours.items():
+            value = theirs[key].t() if key in conv1d else theirs[key]  # Conv1D stores (in, out), Linear (out, in)
+            if key == "transformer.wpe.weight":
+                value = value[:block_size]
+            _copy(key, target, value)
+    return model.train(hf_model.training)
+
+
+def hf_from_gpt(model: GPT) -> GPT2LMHeadModel:
+    """The HF GPT2LMHeadModel computing the same logits as model, for HF's tools (save_pretrained, generate,
+    evaluation harnesses). Without biases (bias=False), it gets zero biases: the same function."""
+    config = model.config
+    if config.pos_emb != "learned":
+        raise PretrainedError(
+            f"pos_emb={config.pos_emb!r} can't be exported: GPT-2 has a learned position table only (pos_emb=learned)"
+        )
+    if config.activation not in _ACTIVATION_TO_HF:
+        raise PretrainedError(
+            f"activation={config.activation!r} can't be exported: GPT-2 supports {', '.join(_ACTIVATION_TO_HF)}"
+        )
+    _require_transformers()
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.pytorch_utils import Conv1D
+
+    eot = _GPT2_EOT if config.vocab_size > _GPT2_EOT else None  # GPT-2's BPE, possibly padded; else no such token
+    hf_model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=config.vocab_size,
+            n_positions=config.block_size,
+            n_layer=config.n_layer,
+            n_head=config.n_head,
+            n_embd=config.n_embd,
+            activation_function=_ACTIVATION_TO_HF[config.activation],
+            layer_norm_epsilon=model.transformer.ln_f.eps,
+            resid_pdrop=config.dropout,
+            embd_pdrop=config.dropout,
+            attn_pdrop=config.dropout,
+            tie_word_embeddings=True,
+            bos_token_id=eot,
+            eos_token_id=eot,
+        )
+    )
+    ours = model.state_dict()
+    theirs = {k: v for k, v in hf_model.state_dict().items() if not k.endswith(_HF_BUFFERS)}
+    zero_biases = set() if config.bias else {k for k in theirs if k.endswith(".bias")}
+    _check_same_keys(ours.keys() | zero_biases, theirs.keys())
+    conv1d = _conv1d_weights(hf_model, Conv1D)
+    with torch.no_grad():
+        for key, target in theirs.items():
+            if key in zero_biases:
+                target.zero_()
+            else:
+                _copy(key, target, ours[key].t() if key in conv1d else ours[key])
+    return hf_model.train(model.training)
+
+
+def _require_transformers() -> None:
+    try:
+        import transformers  # noqa: F401
+    except ImportError as err:
+        raise PretrainedError(
+            f'GPT-2 weights need Hugging Face transformers ({err}); install it with pip install ".[hf]"'
+        ) from None
+
+
+def _check_expressible(hf_model: GPT2LMHeadModel) -> None:
+    """Refuse, naming the key, what our GPT computes differently. reorder_and_upcast_attn is accepted: it only
+    changes how eager attention rounds under autocast, not what it computes."""
+    hf = hf_model.config
+    layer_norm_eps = nn.LayerNorm(1).eps  # model/gpt.py's LayerNorms keep torch's default
+    refusals = [
+        (
+            hf.activation_function not in _ACTIVATION_FROM_HF,
+            f"activation_function={hf.activation_function!r}: supported are {', '.join(_ACTIVATION_FROM_HF)}",
+        ),
+        (
+            hf.layer_norm_epsilon != layer_norm_eps,
+            f"layer_norm_epsilon={hf.layer_norm_epsilon}: ours is {layer_norm_eps}",
+        ),
+        (
+            hf.n_inner not in (None, 4 * hf.n_embd),
+            f"n_inner={hf.n_inner}: our MLP is 4 * n_embd = {4 * hf.n_embd} wide",
+        ),
+        (not hf.scale_attn_weights, "scale_attn_weights=False: our attention always divides by sqrt(head size)"),
+        (hf.scale_attn_by_inverse_layer_idx, "scale_attn_by_inverse_layer_idx=True: our attention has no such scale"),
+        (hf.add_cross_attention, "add_cross_attention=True: our GPT is decoder-only"),
+        (
+            not torch.equal(hf_model.lm_head.weight, hf_model.transformer.wte.weight),
+            "lm_head.weight differs from transformer.wte.weight (tie_word_embeddings=False): our GPT ties them",
+        ),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise PretrainedError(f"this GPT-2 can't be converted: {why}")
+
+
+def _check_same_keys(ours: AbstractSet[str], theirs: AbstractSet[str]) -> None:
+    unmatched = sorted(ours ^ theirs)
+    if unmatched:
+        raise PretrainedError(f"{unmatched[0]} is in only one of the two models; they can't be converted")
+
+
+def _conv1d_weights(hf_model: nn.Module, conv1d: type) -> set[str]:
+    """Keys of the weights HF keeps in Conv1D layout, found by type so a change in HF can't go unnoticed."""
+    return {f"{name}.weight" for name, module in hf_model.named_modules() if isinstance(module, conv1d)}
+
+
+def _copy(key: str, target: torch.Tensor, value: torch.Tensor) -> None:
+    if target.shape != value.shape:  # copy_ would broadcast some mismatches silently
+        raise PretrainedError(f"{key} has shape {tuple(value.shape)}, expected {tuple(target.shape)}")
+    target.copy_(value)  # casts: HF may load half-precision weights
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,0 +1,258 @@
+"""GPT-2 weights through Hugging Face transformers, both ways, offline: small random GPT2LMHeadModels stand in
+for OpenAI's, and the logits must match. Every test name contains `pretrained` (pytest -k pretrained)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from conftest import REPO, TINY_BPE, compose_config, run_script, tiny_encoding, tiny_run_overrides
+from model import GPT, GPTConfig
+from model.hf_gpt2 import PRETRAINED, PretrainedError, gpt_from_hf, hf_from_gpt, load_pretrained
+from training.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
+from training.errors import USER_ERRORS, ConfigError
+from training.loop import train
+
+SHAPE = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=97)
+N_POSITIONS = 64
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Every parameter random and large enough (logits ~ 2) that a misplaced or untransposed weight, or a
+    dropped bias or LayerNorm gain, shows far above the 1e-5 tolerance."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    return model.eval()
+
+
+def _hf_model(seed: int = 0, **config: object) -> GPT2LMHeadModel:
+    hf_config = GPT2Config(
+        **{**SHAPE, "n_positions": N_POSITIONS, "bos_token_id": None, "eos_token_id": None, **config}
+    )
+    return _randomize(GPT2LMHeadModel(hf_config), seed)
+
+
+def _gpt(seed: int = 0, **config: object) -> GPT:
+    return _randomize(GPT(GPTConfig(**{**SHAPE, "block_size": N_POSITIONS, **config})), seed)
+
+
+def _tokens(length: int = N_POSITIONS) -> torch.Tensor:
+    return torch.randint(SHAPE["vocab_size"], (2, length), generator=torch.Generator().manual_seed(1))
+
+
+@torch.no_grad()
+def _logits(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    return model(idx).logits if isinstance(model, GPT2LMHeadModel) else model(idx)[0]
+
+
+def _assert_same_logits(ours: GPT, theirs: GPT2LMHeadModel, length: int = N_POSITIONS) -> None:
+    idx = _tokens(length)
+    torch.testing.assert_close(_logits(ours, idx), _logits(theirs, idx), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("hf_activation", "activation"), [("gelu_new", "gelu_tanh"), ("gelu_pytorch_tanh", "gelu_tanh"), ("gelu", "gelu")]
+)
+@pytest.mark.parametrize("attn_impl", ["flash", "math"])
+@pytest.mark.parametrize("hf_attn", ["eager", "sdpa"])
+def test_pretrained_import_matches_hf_logits(hf_attn: str, attn_impl: str, hf_activation: str, activation: str) -> None:
+    hf_model = _hf_model(activation_function=hf_activation, attn_implementation=hf_attn)
+    assert hf_model.config._attn_implementation == hf_attn
+    model = gpt_from_hf(hf_model, attn_impl=attn_impl)
+    assert not model.training
+    assert (model.config.activation, model.config.block_size, model.config.bias) == (activation, N_POSITIONS, True)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    _assert_same_logits(model, hf_model)
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", "gelu"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_pretrained_export_matches_our_logits(activation: str, bias: bool) -> None:
+    model = _gpt(activation=activation, bias=bias)
+    hf_model = hf_from_gpt(model)
+    assert not hf_model.training
+    config = hf_model.config
+    assert config.activation_function == {"gelu_tanh": "gelu_new", "gelu": "gelu"}[activation]
+    assert (config.n_positions, config.layer_norm_epsilon, config.tie_word_embeddings) == (N_POSITIONS, 1e-5, True)
+    assert hf_model.lm_head.weight is hf_model.transformer.wte.weight
+    if not bias:
+        assert not hf_model.transformer.h[0].mlp.c_fc.bias.any() and not hf_model.transformer.ln_f.bias.any()
+    _assert_same_logits(model, hf_model)
+
+
+def test_pretrained_round_trips_are_exact() -> None:
+    model = _gpt(dropout=0.1)
+    hf_model = hf_from_gpt(model)
+    assert (hf_model.config.resid_pdrop, hf_model.config.embd_pdrop, hf_model.config.attn_pdrop) == (0.1, 0.1, 0.1)
+    back = gpt_from_hf(hf_model, dropout=0.1)
+    assert back.config == model.config
+    for key, value in model.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
+    hf_model = _hf_model()
+    again = hf_from_gpt(gpt_from_hf(hf_model)).state_dict()
+    for key, value in hf_model.state_dict().items():
+        assert torch.equal(again[key], value), key
+
+
+def test_pretrained_block_size_crops_the_position_table() -> None:
+    hf_model = _hf_model()
+    model = gpt_from_hf(hf_model, block_size=16)
+    assert model.config.block_size == 16 and model.transformer.wpe.weight.shape == (16, SHAPE["n_embd"])
+    _assert_same_logits(model, hf_model, length=16)
+    with pytest.raises(PretrainedError, match=f"block_size={N_POSITIONS + 1} exceeds the {N_POSITIONS} positions"):
+        gpt_from_hf(hf_model, block_size=N_POSITIONS + 1)
+
+
+def test_pretrained_loads_a_save_pretrained_directory(tmp_path: Path) -> None:
+    """load_pretrained's own path, as init_from takes it, without network."""
+    hf_model = _hf_model()
+    hf_model.save_pretrained(tmp_path / "hf")
+    model = load_pretrained(str(tmp_path / "hf"), block_size=32, dropout=0.1, attn_impl="math")
+    assert (model.config.block_size, model.config.dropout, model.config.attn_impl) == (32, 0.1, "math")
+    _assert_same_logits(model.eval(), hf_model, length=32)
+
+
+@pytest.mark.parametrize(
+    ("options", "key"), [({"activation": "relu2"}, "activation"), ({"pos_emb": "rope"}, "pos_emb")]
+)
+def test_pretrained_export_refuses_what_gpt2_cannot_express(options: dict, key: str) -> None:
+    with pytest.raises(PretrainedError, match=f"{key}='{next(iter(options.values()))}'"):
+        hf_from_gpt(GPT(GPTConfig(**SHAPE, block_size=16, **options)))
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        ({"activation_function": "relu"}, "activation_function='relu'"),
+        ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon=1e-06"),
+        ({"n_inner": 64}, "n_inner=64"),
+        ({"scale_attn_weights": False}, "scale_attn_weights=False"),
+        ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
+        ({"add_cross_attention": True}, "add_cross_attention=True"),
+        ({"tie_word_embeddings": False}, "tie_word_embeddings=False"),
+    ],
+)
+def test_pretrained_import_refuses_configs_our_gpt_cannot_express(config: dict, key: str) -> None:
+    with pytest.raises(PretrainedError, match=key):
+        gpt_from_hf(_hf_model(**config))
+
+
+def test_pretrained_names_that_cannot_load_are_one_line_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert PretrainedError in USER_ERRORS
+    with pytest.raises(PretrainedError, match="'gpt3'.*gpt2, gpt2-medium, gpt2-large, gpt2-xl"):
+        load_pretrained("gpt3")
+    with pytest.raises(PretrainedError, match=f"can't load '{tmp_path}'.*save_pretrained") as info:
+        load_pretrained(str(tmp_path))  # a directory without weights
+    assert "\n" not in str(info.value)
+    _hf_model().save_pretrained(tmp_path / "partial")
+    weights = load_file(tmp_path / "partial" / "model.safetensors")
+    del weights["transformer.ln_f.weight"]  # from_pretrained would initialise it randomly, with a warning
+    save_file(weights, tmp_path / "partial" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PretrainedError, match="no weights for transformer.ln_f.weight"):
+        load_pretrained(str(tmp_path / "partial"))
+
+    def offline(name: str, **kwargs: object) -> None:  # what from_pretrained raises without network or cache
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.\nCheck your connection.")
+
+    monkeypatch.setattr(GPT2LMHeadModel, "from_pretrained", offline)
+    with pytest.raises(PretrainedError, match="can't load 'gpt2'.*network.*save_pretrained") as info:
+        load_pretrained(PRETRAINED[0])
+    assert "\n" not in str(info.value)
+
+
+def test_pretrained_without_transformers_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now fails
+    with pytest.raises(PretrainedError, match=r'pip install "\.\[hf\]"'):
+        load_pretrained("gpt2")
+    with pytest.raises(PretrainedError, match=r'pip install "\.\[hf\]"'):
+        hf_from_gpt(GPT(GPTConfig(**SHAPE, block_size=16)))
+
+
+def _write_run(run_dir: Path, model: GPT) -> None:
+    run_dir.mkdir()
+    save_checkpoint(run_dir / CKPT_NAME, {"model_config": asdict(model.config), "model": model.state_dict()})
+
+
+def test_pretrained_export_script_writes_a_model_hf_loads(tmp_path: Path) -> None:
+    model = _gpt(activation="gelu_tanh")
+    _write_run(tmp_path / "run", model)
+    result = run_script("scripts/export_hf.py", [str(tmp_path / "run"), str(tmp_path / "hf")], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "wrote" in result.stdout
+    hf_model = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    assert hf_model.config.activation_function == "gelu_new"
+    _assert_same_logits(model, hf_model)
+
+
+def test_pretrained_export_script_refusals_are_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In process: a second interpreter costs seconds, and the exit path is the same."""
+    spec = importlib.util.spec_from_file_location("export_hf", REPO / "scripts" / "export_hf.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    _write_run(tmp_path / "relu2", GPT(GPTConfig(**SHAPE, block_size=16, activation="relu2")))
+    for run_dir, message in ((tmp_path / "relu2", "activation='relu2'"), (tmp_path / "none", "no checkpoint")):
+        with pytest.raises(SystemExit) as exit_info:
+            script.main([str(run_dir), str(tmp_path / "hf")])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "hf").exists()
+
+
+def _saved_hf_model(tmp_path: Path, vocab_size: int) -> Path:
+    hf_dir = tmp_path / "hf"
+    model = GPT2LMHeadModel(GPT2Config(**{**SHAPE, "vocab_size": vocab_size, "n_positions": N_POSITIONS}))
+    _randomize(model, seed=3).save_pretrained(hf_dir)
+    return hf_dir
+
+
+def test_pretrained_init_from_trains_from_the_hf_weights_and_resumes(tmp_path: Path, corpus_path: Path) -> None:
+    """init_from: the first evaluation is the HF model's own loss on the val split; then it finetunes and resumes."""
+    from data.batches import TokenFiles, every_window
+
+    hf_dir = _saved_hf_model(tmp_path, tiny_encoding().n_vocab)
+    extra = {"data.tokenizer": TINY_BPE, "init_from": hf_dir, "train.full_val": True, "train.max_iters": 4}
+    result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)))
+    first_val = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["val_loss"]
+    hf_model = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    losses, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in every_window(TokenFiles((tmp_path / "data" / "val.bin",)), 64, 32):
+            losses += torch.nn.functional.cross_entropy(hf_model(x).logits.flatten(0, 1), y.flatten()).item() * len(x)
+            count += len(x)
+    assert first_val == pytest.approx(losses / count, abs=1e-5)
+    ckpt = load_checkpoint(tmp_path / "run" / CKPT_NAME)
+    assert ckpt["model_config"]["block_size"] == 32 and ckpt["model_config"]["activation"] == "gelu_tanh"
+    # A finetune resumes with the pretrained shape, though the config's model group is the default's.
+    overrides = tiny_run_overrides(tmp_path, corpus_path, **{**extra, "resume": True, "train.max_iters": 6})
+    assert result.iters == 4 and train(compose_config(overrides)).iters == 6
+
+
+def test_pretrained_init_from_refuses_data_with_another_vocabulary(tmp_path: Path, corpus_path: Path) -> None:
+    hf_dir = _saved_hf_model(tmp_path, vocab_size=97)
+    with pytest.raises(ConfigError, match=r"init_from=.* vocabulary of 97 tokens"):
+        train(compose_config(tiny_run_overrides(tmp_path, corpus_path, init_from=hf_dir)))
+
+
+def test_pretrained_sample_py_samples_from_an_hf_directory(tmp_path: Path) -> None:
+    """sample.py init_from=...: the pretrained model with GPT-2's BPE (r50k_base, needs its ranks)."""
+    hf_dir = _saved_hf_model(tmp_path, vocab_size=50257)
+    result = run_script(
+        "sample.py", [f"init_from={hf_dir}", "start=Hello", "max_new_tokens=5", "num_samples=1"], tmp_path
+    )
+    if "could not load the tiktoken encoding" in result.stderr:
+        pytest.skip("GPT-2 ranks not provided (set TIKTOKEN_CACHE_DIR as .ci/run does)")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Hello")

@@ -7,6 +7,7 @@ Only the samples, and the causality report when asked for, go to stdout.
     python sample.py out_dir=RUN start="'To be, or not'"   # quote prompts with commas, spaces or symbols
     python sample.py out_dir=RUN start="ROMEO:" max_new_tokens=60 attention_dir=DIR   # attention maps
     python sample.py out_dir=RUN start="ROMEO:" check_causal=true   # prove the causal mask holds
+    python sample.py init_from=gpt2 start="The meaning of life is"   # OpenAI's GPT-2 (pip install ".[hf]")
 
 attention_dir=DIR runs the prompt and the first sample's continuation through the math path of the same
 weights and writes DIR/attention.npz (weights: (n_layer, n_head, T, T), tokens) and one PNG per layer.

@@ -4,8 +4,10 @@ python train.py experiment=shakespeare_char_cpu        # CPU, a few minutes
 python train.py model=shakespeare train.max_iters=5000  # GPU
 python train.py --cfg job                              # show the resolved config
 python train.py -m train.learning_rate=1e-3,3e-3       # a sweep: one run directory per job under multirun/
+torchrun --standalone --nproc_per_node=8 train.py experiment=gpt2   # 8 GPUs (DDP; train.parallel=fsdp: FSDP2)
 """
 
+import os
 import signal
 import sys
 
@@ -35,6 +37,15 @@ def main(cfg: DictConfig) -> None:
         sys.exit(128 + signal.Signals[result.stopped_by].value)  # the shell's convention for "killed by"
 
 
+def _quiet_hydra_on_other_ranks(argv: list[str]) -> list[str]:
+    """Under torchrun only rank 0 writes Hydra's files (.hydra/, train.log); the others log to the console and
+    stay in the current directory, since their ${now:} may differ from rank 0's (the run dir is rank 0's)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        return argv
+    return [*argv, "hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
+
+
 if __name__ == "__main__":
     explain_unparsable_overrides(sys.argv[1:])
+    sys.argv = _quiet_hydra_on_other_ranks(sys.argv)
     main()

@@ -195,7 +195,7 @@ def test_training_stops_at_the_target_val_loss(tmp_path: Path, corpus_path: Path
 
 
 def test_full_val_uses_every_block_of_the_split(tmp_path: Path, corpus_path: Path) -> None:
-    from data.batches import every_window
+    from data.batches import TokenFiles, every_window
     from training.checkpoint import model_from_checkpoint
 
     extra = {"train.full_val": True, "train.max_iters": 10}
@@ -203,7 +203,7 @@ def test_full_val_uses_every_block_of_the_split(tmp_path: Path, corpus_path: Pat
     model = model_from_checkpoint(load_checkpoint(tmp_path / "run" / CKPT_NAME)).eval()
     losses, count = [], 0
     with torch.no_grad():
-        for x, y in every_window(tmp_path / "data" / "val.bin", 1000, 32):
+        for x, y in every_window(TokenFiles((tmp_path / "data" / "val.bin",)), 1000, 32):
             losses.append(model(x, y)[1] * len(x))
             count += len(x)
     assert result.val_loss == pytest.approx((sum(losses) / count).item(), rel=1e-5)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
+import signal
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -14,11 +17,26 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.batches import every_window, get_batch, num_tokens
+from data.batches import every_window, get_batch
 from data.prepare import PreparedData, ensure_prepared
 from data.tokenizers import tokenizer_from_metadata
 from model import GPT, GPTConfig
+from model.hf_gpt2 import load_pretrained
 from training.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
+from training.distributed import (
+    PARALLEL,
+    World,
+    all_reduce_sum,
+    barrier,
+    broadcast_from_main,
+    close_process_group,
+    full_state,
+    gradient_sync,
+    init_process_group,
+    load_full_state,
+    world_from_env,
+    wrap_model,
+)
 from training.errors import CheckpointError, ConfigError, TrainingDiverged
 from training.metrics import MetricsLog, open_wandb
 from training.mfu import peak_flops
@@ -28,6 +46,7 @@ from training.runtime import Runtime, make_runtime
 
 log = logging.getLogger("train")
 ON_NONFINITE = ("stop", "skip")
+FREE_MODEL_KEYS = ("attn_impl", "dropout")  # may change on resume: the weights don't depend on them
 
 
 @dataclass
@@ -48,10 +67,25 @@ def batch_generator(*keys: int) -> torch.Generator:
 
 
 def train(cfg: DictConfig) -> TrainResult:
+    """One process's part of the run: all of it alone, or one rank's under torchrun."""
+    world = world_from_env()
+    if not world.is_main:
+        log.setLevel(logging.WARNING)  # one voice: rank 0's
+    opt = cfg.train
+    _check_train_keys(opt, world)
+    runtime = make_runtime(cfg.device, opt.dtype, world.local_rank if world.distributed else None)
+    init_process_group(world, runtime.device)
+    try:
+        return _train(cfg, world, runtime)
+    finally:
+        close_process_group()
+
+
+def _train(cfg: DictConfig, world: World, runtime: Runtime) -> TrainResult:
     t_start = time.perf_counter()
     opt = cfg.train
-    _check_train_keys(opt)
-    runtime = make_runtime(cfg.device, opt.dtype)
+    # Each rank's Hydra resolved ${now:} on its own clock: all write to rank 0's directory.
+    cfg.out_dir = broadcast_from_main(cfg.out_dir, world)
     out_dir = Path(cfg.out_dir)
     if cfg.resume:
         ckpt = load_checkpoint(out_dir / CKPT_NAME)
@@ -59,31 +93,47 @@ def train(cfg: DictConfig) -> TrainResult:
         raise ConfigError(f"out_dir={out_dir} already holds a run; pass resume=true to continue it, or another out_dir")
     else:
         ckpt = None
-        (out_dir / "metrics.jsonl").unlink(missing_ok=True)  # from a run that died before its first checkpoint
-    out_dir.mkdir(parents=True, exist_ok=True)
+    barrier(world)  # every rank has looked for a checkpoint before rank 0 writes anything
+    if world.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if ckpt is None:
+            (out_dir / "metrics.jsonl").unlink(missing_ok=True)  # from a run that died before its first checkpoint
     torch.manual_seed(cfg.seed)
 
-    data = ensure_prepared(**cfg.data)
+    if world.is_main:  # rank 0 tokenizes; the others then find the prepared files
+        data = ensure_prepared(**cfg.data)
+    barrier(world)
+    if not world.is_main:
+        data = ensure_prepared(**cfg.data)
     _check_data_fits(data, cfg.model.block_size)
-    try:
-        model_config = GPTConfig(vocab_size=data.meta["vocab_size"], **cfg.model)
-    except ValueError as err:
-        raise ConfigError(f"model.{err}") from None
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    if cfg.init_from is not None and ckpt is None:
+        model = _pretrained_model(cfg, data.meta["vocab_size"])
+        model_config = model.config
+    elif cfg.init_from is not None:  # resuming a finetune: the shape is the pretrained model's, as saved
+        model_config = GPTConfig(**{**ckpt["model_config"], **_free_model_keys(cfg.model)})
+        model = GPT(model_config)
+    else:
+        try:
+            model_config = GPTConfig(vocab_size=data.meta["vocab_size"], **cfg.model)
+        except ValueError as err:
+            raise ConfigError(f"model.{err}") from None
+        model = GPT(model_config)
     if ckpt is not None:
         _check_same_shape(ckpt["model_config"], asdict(model_config))
         if ckpt["tokenizer"] != data.meta["tokenizer"]:
             raise CheckpointError("resume=true with data tokenized differently from the checkpoint's; use its data")
         _log_changed_keys(ckpt["config"], resolved)
 
-    model = GPT(model_config).to(runtime.device)
+    model.to(runtime.device)
+    num_params, flops_per_token = model.num_params(), model.flops_per_token()  # before sharding
+    wrapped = wrap_model(model, opt.parallel, world, runtime.device)  # FSDP2 shards `model` in place
     optimizer = make_optimizer(model, opt.learning_rate, opt.weight_decay, (opt.beta1, opt.beta2), runtime.device)
     scaler = torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16)
     it, best_val, val_loss, last_eval_iter = 0, math.inf, math.nan, -1
     elapsed_before = 0.0  # wall time of the run before this resume
     if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
         for group in optimizer.param_groups:  # the config's hyperparameters, not the saved ones
             group["betas"] = (opt.beta1, opt.beta2)
         optimizer.param_groups[0]["weight_decay"] = opt.weight_decay
@@ -97,29 +147,37 @@ def train(cfg: DictConfig) -> TrainResult:
             ckpt["last_eval_iter"],
         )
         _restore_rng(ckpt["rng"])
-        _drop_records_after(out_dir / "metrics.jsonl", it)  # written after the checkpoint by a killed run
+        if world.is_main:
+            _drop_records_after(out_dir / "metrics.jsonl", it)  # written after the checkpoint by a killed run
         log.info(f"resuming {out_dir} at iter {it}")
     use_compile = runtime.is_cuda if opt.compile is None else opt.compile
-    step_model = torch.compile(model) if use_compile else model
+    step_model = torch.compile(wrapped) if use_compile else wrapped
 
-    (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+    if world.is_main:
+        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+    parallel = f", {world.size} processes ({opt.parallel})" if world.distributed else ""
     log.info(
-        f"{model.num_params() / 1e6:.2f}M parameters, {data.meta['vocab_size']} tokens in the vocabulary, "
-        f"device {runtime.device}, {str(runtime.dtype).removeprefix('torch.')}, compile {use_compile}, "
+        f"{num_params / 1e6:.2f}M parameters, {data.meta['vocab_size']} tokens in the vocabulary, "
+        f"device {runtime.device}, {str(runtime.dtype).removeprefix('torch.')}, compile {use_compile}{parallel}, "
         f"out_dir {out_dir}"
     )
-    metrics = MetricsLog(out_dir, open_wandb(**cfg.wandb, config=resolved, out_dir=out_dir))
+    wandb_run = open_wandb(**cfg.wandb, config=resolved, out_dir=out_dir) if world.is_main else None
+    metrics = MetricsLog(out_dir, wandb_run, active=world.is_main)
+    byte_lengths = torch.from_numpy(tokenizer_from_metadata(data.meta["tokenizer"]).token_byte_lengths())
 
     def elapsed() -> float:
         return round(elapsed_before + time.perf_counter() - t_start, 3)
 
     def save() -> None:
+        model_state, optimizer_state = full_state(model, optimizer, world)  # collective under FSDP2
+        if not world.is_main:
+            return
         save_checkpoint(
             out_dir / CKPT_NAME,
             {
                 "model_config": asdict(model_config),
-                "model": model.state_dict(),  # the uncompiled module: no _orig_mod. prefix
-                "optimizer": optimizer.state_dict(),
+                "model": model_state,  # the uncompiled, unwrapped module's names
+                "optimizer": optimizer_state,
                 "scaler": scaler.state_dict(),
                 "iter": it,
                 "last_eval_iter": last_eval_iter,
@@ -132,11 +190,12 @@ def train(cfg: DictConfig) -> TrainResult:
             },
         )
 
-    tokens_per_iter = opt.batch_size * opt.grad_accum * model_config.block_size
+    tokens_per_iter = opt.batch_size * opt.grad_accum * model_config.block_size  # all processes together
+    local_accum = opt.grad_accum // world.size
     decay_iters = opt.max_iters if opt.lr_decay_iters is None else opt.lr_decay_iters
     peak = peak_flops(runtime.device, runtime.dtype)
-    flops_per_token = model.flops_per_token()  # fixed for the run: not recounted at every log line
-    log.info(f"MFU against {peak.flops / 1e12:.3g} TFLOP/s ({peak.source})")
+    peak_total = peak.flops * world.size
+    log.info(f"MFU against {peak.flops / 1e12:.3g} TFLOP/s per process ({peak.source})")
     loss_sum, steps_in_window = torch.zeros((), device=runtime.device), 0
     train_s, timed_steps, first_step = 0.0, 0, it  # the first step compiles and warms up: not timed
     stopped_by = None
@@ -148,13 +207,14 @@ def train(cfg: DictConfig) -> TrainResult:
     with StopRequests() as stop:
         while not already_reached:
             if (it % opt.eval_interval == 0 or it == opt.max_iters) and last_eval_iter != it:
-                losses = _evaluate(step_model, data, cfg, runtime)
+                losses = _evaluate(step_model, data, cfg, runtime, world, byte_lengths)
                 val_loss, last_eval_iter = losses["val"], it
                 best_val = min(best_val, val_loss)
                 record = {
                     "iter": it,
                     "train_loss": losses["train"],
                     "val_loss": val_loss,
+                    "val_bpb": losses["val_bpb"],
                     "elapsed_s": elapsed(),
                 }
                 reached = opt.target_val_loss is not None and val_loss <= opt.target_val_loss
@@ -179,15 +239,19 @@ def train(cfg: DictConfig) -> TrainResult:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             step_loss = torch.zeros((), device=runtime.device)
-            for micro in range(opt.grad_accum):
+            for local in range(local_accum):
+                micro = world.rank * local_accum + local  # the step's micro-batches, split between the ranks
                 generator = batch_generator(cfg.seed, 0, it, micro)
-                x, y = get_batch(data.train_bin, opt.batch_size, model_config.block_size, generator)
+                x, y = get_batch(data.train, opt.batch_size, model_config.block_size, generator)
                 x, y = x.to(runtime.device, non_blocking=True), y.to(runtime.device, non_blocking=True)
-                with runtime.autocast():
+                with gradient_sync(wrapped, local == local_accum - 1), runtime.autocast():
                     _, loss = step_model(x, y)
-                loss = loss / opt.grad_accum
-                scaler.scale(loss).backward()
+                    loss = loss / local_accum  # and DDP/FSDP average over the ranks: the mean of all micro-batches
+                    scaler.scale(loss).backward()
                 step_loss += loss.detach()
+            # One reduction agrees, on every rank, on the step's loss and on whether a signal asked to stop.
+            agreed = all_reduce_sum(torch.stack((step_loss, _flag(stop.signal, runtime))), world)
+            step_loss = agreed[0] / world.size
             if not torch.isfinite(step_loss):  # checked before the step: the weights stay finite
                 optimizer.zero_grad(set_to_none=True)
                 if opt.on_nonfinite == "stop":
@@ -199,7 +263,7 @@ def train(cfg: DictConfig) -> TrainResult:
             else:
                 if opt.grad_clip > 0:
                     scaler.unscale_(optimizer)
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)  # global norm, also sharded
                 scaler.step(optimizer)
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)
@@ -217,20 +281,21 @@ def train(cfg: DictConfig) -> TrainResult:
                 if timed_steps:
                     record["ms_per_iter"] = 1000 * train_s / timed_steps
                     record["tokens_per_sec"] = tokens_per_iter * timed_steps / train_s
-                    record["mfu"] = flops_per_token * record["tokens_per_sec"] / peak.flops
+                    record["mfu"] = flops_per_token * record["tokens_per_sec"] / peak_total
                 metrics.write(record)
                 loss_sum.zero_()
                 steps_in_window, train_s, timed_steps = 0, 0.0, 0
-            if stop.signal is not None:
+            if agreed[1] > 0:  # some rank was signalled: all stop at this same step
                 save()
-                stopped_by = stop.signal.name
+                stopped_by = (stop.signal or signal.SIGTERM).name
                 log.warning(
                     f"stopped by {stopped_by} at iter {it}; checkpoint {out_dir / CKPT_NAME}. "
                     f"Resume with: python train.py out_dir={out_dir} resume=true (and the same overrides)"
                 )
                 break
 
-    if metrics.wandb_run is not None and stopped_by is None:  # a preempted run has no time to spare
+    sharded = world.distributed and opt.parallel == "fsdp"  # generate() can't run on one rank's shards
+    if metrics.wandb_run is not None and stopped_by is None and not sharded:  # nor has a preempted run time for it
         metrics.log_samples(it, _samples(model, data, runtime))
     metrics.close()
     if stopped_by is None:
@@ -242,37 +307,68 @@ def train(cfg: DictConfig) -> TrainResult:
 
 
 @torch.no_grad()
-def _evaluate(model: torch.nn.Module, data: PreparedData, cfg: DictConfig, runtime: Runtime) -> dict[str, float]:
+def _evaluate(
+    model: torch.nn.Module,
+    data: PreparedData,
+    cfg: DictConfig,
+    runtime: Runtime,
+    world: World,
+    byte_lengths: torch.Tensor,
+) -> dict[str, float]:
     """Mean loss over the same eval_iters random windows of each split at every evaluation, or over
-    every block of the val split with train.full_val."""
+    every block of the val split with train.full_val; and val in bits per byte.
+
+    The batches are the same whatever the number of processes: each rank takes every world.size-th one and
+    the sums are reduced, so the result is the whole set's (not rank 0's share).
+    """
     model.eval()
     out = {}
-    for split_index, (split, path) in enumerate((("train", data.train_bin), ("val", data.val_bin))):
+    for split_index, (split, files) in enumerate((("train", data.train), ("val", data.val))):
         if split == "val" and cfg.train.full_val:
             # The result doesn't depend on the batch size; bigger batches keep small models' matmuls efficient.
             windows = max(cfg.train.batch_size, 4096 // cfg.model.block_size)  # at least 4096 tokens a batch
-            batches = every_window(path, windows, cfg.model.block_size)
+            batches = every_window(files, windows, cfg.model.block_size)
         else:
             generator = batch_generator(cfg.seed, 1, split_index)
             batches = (
-                get_batch(path, cfg.train.batch_size, cfg.model.block_size, generator)
+                get_batch(files, cfg.train.batch_size, cfg.model.block_size, generator)
                 for _ in range(cfg.train.eval_iters)
             )
-        total, count = torch.zeros((), device=runtime.device), 0
-        for x, y in batches:
+        # [sum of losses in nats, tokens, bytes of the target tokens]
+        sums = torch.zeros(3, dtype=torch.float64, device=runtime.device)
+        for x, y, counted in _share_of(batches, world):
             with runtime.autocast():
                 _, loss = model(x.to(runtime.device), y.to(runtime.device))
-            total += loss.float() * x.size(0)
-            count += x.size(0)
-        out[split] = total.item() / count
+            if counted:
+                sums[0] += loss.double() * y.numel()
+                sums[1:] += torch.tensor([y.numel(), int(byte_lengths[y].sum())], dtype=torch.float64).to(sums.device)
+        total, tokens, n_bytes = all_reduce_sum(sums, world).tolist()
+        out[split] = total / tokens
+        if split == "val":
+            out["val_bpb"] = total / (math.log(2) * n_bytes) if n_bytes else math.nan
     model.train()
     return out
+
+
+def _share_of(
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]], world: World
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """Every world.size-th batch, starting at this rank's. All ranks run the same number of forward passes
+    (FSDP2 gathers weights collectively): a rank with no batch left in the last round repeats one, uncounted."""
+    while True:
+        round_ = list(itertools.islice(batches, world.size))
+        if not round_:
+            return
+        if world.rank < len(round_):
+            yield (*round_[world.rank], True)
+        else:
+            yield (*round_[0], False)
 
 
 def _samples(model: GPT, data: PreparedData, runtime: Runtime, count: int = 3, tokens: int = 200) -> list:
     """Continuations of the val split's first token, with sample.py's default temperature and top_k."""
     tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
-    first = int(np.memmap(data.val_bin, dtype=np.uint16, mode="r")[0])
+    first = int(next(every_window(data.val, 1, 1))[0][0, 0])
     prompt = torch.tensor([[first]], device=runtime.device)
     model.eval()
     with runtime.autocast():  # after the last checkpoint: the random state it holds is already saved
@@ -293,7 +389,7 @@ def _restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _check_train_keys(opt: DictConfig) -> None:
+def _check_train_keys(opt: DictConfig, world: World) -> None:
     for key in ("batch_size", "grad_accum", "eval_interval", "eval_iters", "log_interval"):
         if opt[key] < 1:
             raise ConfigError(f"train.{key}={opt[key]} must be at least 1")
@@ -301,26 +397,56 @@ def _check_train_keys(opt: DictConfig) -> None:
         raise ConfigError(f"train.max_iters={opt.max_iters} must be >= 0")
     if opt.on_nonfinite not in ON_NONFINITE:
         raise ConfigError(f"train.on_nonfinite={opt.on_nonfinite} is unknown; use {' or '.join(ON_NONFINITE)}")
+    if opt.parallel not in PARALLEL:
+        raise ConfigError(f"train.parallel={opt.parallel} is unknown; use {' or '.join(PARALLEL)}")
+    if opt.grad_accum % world.size:
+        raise ConfigError(
+            f"train.grad_accum={opt.grad_accum} (micro-batches per step, all processes together) is not divisible "
+            f"by the {world.size} processes; use a multiple of {world.size}"
+        )
+
+
+def _flag(sig: signal.Signals | None, runtime: Runtime) -> torch.Tensor:
+    return torch.tensor(0.0 if sig is None else 1.0, device=runtime.device)
+
+
+def _pretrained_model(cfg: DictConfig, vocab_size: int) -> GPT:
+    """init_from's weights and shape; block_size (cropped), dropout and attn_impl from the config."""
+    model = load_pretrained(
+        cfg.init_from, block_size=cfg.model.block_size, dropout=cfg.model.dropout, attn_impl=cfg.model.attn_impl
+    )
+    if model.config.vocab_size != vocab_size:
+        raise ConfigError(
+            f"init_from={cfg.init_from} has a vocabulary of {model.config.vocab_size} tokens, the data's has "
+            f"{vocab_size}; use data tokenized like the model (GPT-2: data.tokenizer=r50k_base, e.g. data=shakespeare)"
+        )
+    shape = {k: getattr(model.config, k) for k in ("n_layer", "n_head", "n_embd", "bias", "activation", "pos_emb")}
+    log.info(f"init_from={cfg.init_from}: {shape}, block_size {model.config.block_size}")
+    return model
 
 
 def _check_data_fits(data: PreparedData, block_size: int) -> None:
-    for split, path in (("train", data.train_bin), ("val", data.val_bin)):
-        n = num_tokens(path)
+    for split, files in (("train", data.train), ("val", data.val)):
+        n = max(files.lengths())  # windows don't span files
         if n <= block_size:
             raise ConfigError(
-                f"the {split} split has {n} tokens, too few for model.block_size={block_size}; "
-                "lower model.block_size or train on more text"
+                f"the {split} split's longest token file has {n} tokens, too few for model.block_size={block_size}; "
+                "lower model.block_size or train on more text (or raise data.shard_tokens)"
             )
 
 
 def _check_same_shape(saved: dict[str, Any], current: dict[str, Any]) -> None:
     saved = {**asdict(GPTConfig()), **saved}  # keys added since the checkpoint was written: their defaults
-    changed = [k for k in current if k not in ("attn_impl", "dropout") and saved[k] != current[k]]
+    changed = [k for k in current if k not in FREE_MODEL_KEYS and saved[k] != current[k]]
     if changed:
         diffs = ", ".join(f"{k}: {saved[k]} -> {current[k]}" for k in changed)
         raise CheckpointError(
             f"resume=true with a model that differs from the checkpoint's ({diffs}); drop those overrides"
         )
+
+
+def _free_model_keys(model_cfg: DictConfig) -> dict[str, Any]:
+    return {k: model_cfg[k] for k in FREE_MODEL_KEYS}
 
 
 def _drop_records_after(path: Path, last_iter: int) -> None:

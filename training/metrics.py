@@ -11,11 +11,14 @@ log = logging.getLogger("train")
 
 
 class MetricsLog:
-    def __init__(self, out_dir: Path, wandb_run: Any = None) -> None:
+    def __init__(self, out_dir: Path, wandb_run: Any = None, active: bool = True) -> None:
         self.path = out_dir / "metrics.jsonl"
         self.wandb_run = wandb_run
+        self.active = active  # False on every torchrun rank but 0
 
     def write(self, record: dict[str, Any]) -> None:
+        if not self.active:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         log.info(_readable(record))
@@ -35,7 +38,8 @@ class MetricsLog:
 
 def _readable(r: dict[str, Any]) -> str:
     if "val_loss" in r:
-        return f"step {r['iter']}: train loss {r['train_loss']:.4f}, val loss {r['val_loss']:.4f}"
+        line = f"step {r['iter']}: train loss {r['train_loss']:.4f}, val loss {r['val_loss']:.4f}"
+        return line + f", val {r['val_bpb']:.4f} bits/byte" if "val_bpb" in r else line
     line = f"iter {r['iter']}: loss {r['train_loss']:.4f}, lr {r['lr']:.2e}"
     if "tokens_per_sec" not in r:
         return line + " (warm-up, not timed)"

@@ -39,8 +39,11 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def make_runtime(device: str, dtype: str) -> Runtime:
+def make_runtime(device: str, dtype: str, gpu_index: int | None = None) -> Runtime:
+    """gpu_index: the GPU of a torchrun process (its local rank)."""
     dev = _resolve_device(device)
+    if dev.type == "cuda" and gpu_index is not None:
+        dev = torch.device("cuda", gpu_index)
     if dtype == "auto":
         if dev.type == "cuda":
             native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)  # Ampere and newer

@@ -11,11 +11,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.errors import DataError
-from data.tokenizers import Tokenizer, tokenizer_from_metadata
+from data.tokenizers import BpeTokenizer, Tokenizer, tokenizer_from_metadata
 from model import GPT
+from model.hf_gpt2 import load_pretrained
 from training.checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint
 from training.errors import ConfigError
 from training.runtime import Runtime, make_runtime
+
+GPT2_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's BPE
 
 
 def read_prompt(start: str) -> str:
@@ -67,20 +70,25 @@ class Sampler:
 
 
 def load_sampler(cfg: DictConfig) -> Sampler:
-    if OmegaConf.is_missing(cfg, "out_dir"):
-        raise ConfigError("out_dir is required: pass out_dir=RUN, a directory written by train.py")
+    if OmegaConf.is_missing(cfg, "out_dir") and cfg.init_from is None:
+        raise ConfigError("out_dir is required: pass out_dir=RUN, a directory written by train.py (or init_from=gpt2)")
     if cfg.temperature <= 0:
         raise ConfigError(f"temperature={cfg.temperature} must be > 0; use top_k=1 for greedy decoding")
     if cfg.top_k is not None and cfg.top_k < 1:
         raise ConfigError(f"top_k={cfg.top_k} must be at least 1 (or null for no cut-off)")
     runtime = make_runtime(cfg.device, cfg.dtype)
-    ckpt = load_checkpoint(Path(cfg.out_dir) / CKPT_NAME)
-    try:
-        model = model_from_checkpoint(ckpt, cfg.attn_impl)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    if cfg.init_from is not None:  # OpenAI's GPT-2 weights as they are, with GPT-2's own BPE
+        model = load_pretrained(cfg.init_from, attn_impl=cfg.attn_impl or "flash")
+        tokenizer: Tokenizer = BpeTokenizer.from_name(GPT2_ENCODING)
+    else:
+        ckpt = load_checkpoint(Path(cfg.out_dir) / CKPT_NAME)
+        try:
+            model = model_from_checkpoint(ckpt, cfg.attn_impl)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        tokenizer = tokenizer_from_metadata(ckpt["tokenizer"])
     torch.manual_seed(cfg.seed)
-    return Sampler(model.to(runtime.device).eval(), tokenizer_from_metadata(ckpt["tokenizer"]), runtime)
+    return Sampler(model.to(runtime.device).eval(), tokenizer, runtime)
 
 
 def warn(message: str) -> None:

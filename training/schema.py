@@ -21,24 +21,31 @@ class ModelConfig:
     dropout: float = 0.0
     bias: bool = True
     attn_impl: str = "flash"  # flash | math
-    activation: str = "gelu"  # gelu | relu2 (ReLU squared)
+    activation: str = "gelu"  # gelu | gelu_tanh (GPT-2's approximation) | relu2 (ReLU squared)
     pos_emb: str = "learned"  # learned | rope (rotary)
 
 
 @dataclass
 class DataConfig:
+    """A text (train.bin / val.bin), or a corpus of documents (shards: the first is val, the rest train)."""
+
     name: str = "shakespeare_char"  # folder under data/cache unless data.dir is set
-    tokenizer: str = "char"  # char, or a tiktoken encoding (r50k_base is GPT-2's BPE)
-    input: str | None = None  # a UTF-8 text file to train on instead of the download
+    tokenizer: str = "char"  # char, or a tiktoken encoding (r50k_base is GPT-2's BPE); a corpus needs a BPE
+    input: str | None = None  # a UTF-8 text file instead of the download, or a directory of .txt / .jsonl documents
     url: str | None = SHAKESPEARE_URL
-    dir: str | None = None  # where train.bin / val.bin / meta.json live
-    val_fraction: float = 0.1
+    dir: str | None = None  # where the token files and meta.json live
+    val_fraction: float = 0.1  # a text's last part kept for val (a corpus's val is its first shard)
+    hf_dataset: str | None = None  # a Hugging Face dataset to stream, e.g. HuggingFaceFW/fineweb-edu (pip ".[hf]")
+    hf_name: str | None = None  # its configuration, e.g. sample-10BT
+    shard_tokens: int = 100_000_000  # tokens per shard of a corpus (llm.c's and nanoGPT's 100M)
+    max_tokens: int | None = None  # stop a corpus after this many tokens; null: all of it
+    num_proc: int | None = None  # processes encoding a corpus; null: the CPUs available less one
 
 
 @dataclass
 class OptimConfig:
-    batch_size: int = 12  # sequences per micro-batch
-    grad_accum: int = 1  # micro-batches per optimizer step
+    batch_size: int = 12  # sequences per micro-batch, in each process
+    grad_accum: int = 1  # micro-batches per optimizer step, all processes together (torchrun divides them)
     learning_rate: float = 1e-3
     min_lr: float = 1e-4  # the cosine decays to this
     max_iters: int = 2000
@@ -56,6 +63,7 @@ class OptimConfig:
     compile: bool | None = None  # default: on for CUDA, off elsewhere
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     on_nonfinite: str = "stop"  # a NaN/Inf loss: stop (the last checkpoint stays) | skip (drop that step)
+    parallel: str = "ddp"  # under torchrun: ddp (replicas) | fsdp (FSDP2: parameters sharded across processes)
 
 
 @dataclass
@@ -75,6 +83,7 @@ class TrainRunConfig:
     device: str = "auto"  # auto | cpu | cuda | mps (auto: cuda > mps > cpu)
     seed: int = 1337
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
+    init_from: str | None = None  # gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 directory: start from it
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: OptimConfig = field(default_factory=OptimConfig)
@@ -89,6 +98,7 @@ class PrepareConfig:
 @dataclass
 class SampleConfig:
     out_dir: str = MISSING  # a train.py run directory holding ckpt.pt
+    init_from: str | None = None  # instead of out_dir: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 dir
     start: str = "\n"  # the prompt, or FILE:path to read it from a file
     num_samples: int = 3
     max_new_tokens: int = 500

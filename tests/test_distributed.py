@@ -1,0 +1,112 @@
+"""torchrun on CPU (gloo): N processes train exactly what one process trains with the same global batch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import REPO, compose_config, run_script, tiny_run_overrides
+from training.checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint
+from training.distributed import World
+from training.errors import ConfigError
+from training.loop import _check_train_keys, _share_of, train
+
+# Two micro-batches a step: one process runs both, each of two processes runs one. eval_iters is odd so the
+# train-split batches don't divide evenly between the ranks; the val split is evaluated whole (full_val).
+RUN = {"train.grad_accum": 2, "train.eval_iters": 5, "train.full_val": True, "train.max_iters": 12}
+
+
+def torchrun(processes: int, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    return subprocess.run(
+        [*command, str(REPO / "train.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def evals(run: Path) -> list[tuple[int, float, float, float]]:
+    return [(r["iter"], r["train_loss"], r["val_loss"], r["val_bpb"]) for r in records(run) if "val_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
+    tmp = tmp_path_factory.mktemp("one")
+    train(compose_config(tiny_run_overrides(tmp, corpus_path, **RUN)))
+    return tmp / "run"
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def two_processes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
+    """A 2-process run, its run directory left to Hydra's ${now:} default, which each rank resolves itself."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    overrides = [o for o in tiny_run_overrides(tmp, corpus_path, **RUN) if not o.startswith("out_dir=")]
+    result = torchrun(2, [*overrides, f"train.parallel={request.param}"], cwd=tmp)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [p.parent for p in tmp.glob("outputs/*/*/ckpt.pt")]
+    assert len(runs) == 1 and len(list(tmp.glob("outputs/*/*"))) == 1, "the ranks wrote to different directories"
+    return runs[0]
+
+
+def test_two_processes_match_one_process(one_process: Path, two_processes: Path) -> None:
+    """The standard for DDP and FSDP2 alike: the same losses at every evaluation, within 1e-4."""
+    expected, got = evals(one_process), evals(two_processes)
+    assert [e[0] for e in got] == [e[0] for e in expected] == [0, 10, 12]
+    for (_, *want), (_, *have) in zip(expected, got, strict=True):
+        assert have == pytest.approx(want, abs=1e-4)
+    assert got[-1][2] < got[0][2] - 0.2  # and the runs did learn something
+
+
+def test_only_rank_0_writes_the_run(two_processes: Path) -> None:
+    lines = [(r["iter"], "val_loss" in r) for r in records(two_processes)]
+    assert len(lines) == len(set(lines))  # no record written twice
+    files = sorted(p.name for p in two_processes.iterdir())
+    assert files == [".hydra", CKPT_NAME, "config.yaml", "metrics.jsonl", "train.log"]
+    log = (two_processes / "train.log").read_text()
+    assert "2 processes" in log and log.count("done:") == 1
+    cwd = two_processes.parents[2]
+    assert (cwd / OmegaConf.load(two_processes / "config.yaml").out_dir).resolve() == two_processes.resolve()
+
+
+def test_fsdp_checkpoint_loads_in_one_process_resumes_and_samples(
+    one_process: Path, two_processes: Path, tmp_path: Path
+) -> None:
+    """Gathered full state: the names and shapes of a one-process checkpoint, for FSDP2 (and DDP)."""
+    sharded, single = load_checkpoint(two_processes / CKPT_NAME), load_checkpoint(one_process / CKPT_NAME)
+    assert sharded["model"].keys() == single["model"].keys()
+    for name, tensor in single["model"].items():
+        torch.testing.assert_close(sharded["model"][name], tensor, atol=1e-3, rtol=0)
+    assert sharded["optimizer"]["state"].keys() == single["optimizer"]["state"].keys()
+    model_from_checkpoint(sharded)
+
+    sample = run_script("sample.py", [f"out_dir={two_processes}", "max_new_tokens=8", "num_samples=1"], cwd=tmp_path)
+    assert sample.returncode == 0, sample.stderr
+    config = OmegaConf.load(two_processes / "config.yaml")  # resumed by one process, optimizer state and all
+    config.out_dir, config.resume, config.train.max_iters = str(two_processes), True, 14
+    assert train(config).iters == 14 and evals(two_processes)[-1][0] == 14
+
+
+def test_grad_accum_is_global_and_must_divide_among_the_processes() -> None:
+    opt = compose_config(["train.grad_accum=3"]).train
+    _check_train_keys(opt, World(size=1))
+    with pytest.raises(ConfigError, match=r"train.grad_accum=3 .* not divisible by the 2 processes"):
+        _check_train_keys(opt, World(rank=1, size=2))
+    with pytest.raises(ConfigError, match="train.parallel=zero"):
+        _check_train_keys(compose_config(["train.parallel=zero"]).train, World())
+
+
+@pytest.mark.parametrize("batches", [0, 1, 4, 5, 7])
+def test_eval_batches_are_shared_once_each_with_equal_passes(batches: int) -> None:
+    items = [(torch.tensor([i]), torch.tensor([i])) for i in range(batches)]
+    shares = [list(_share_of(iter(items), World(rank=r, size=3))) for r in range(3)]
+    assert len({len(s) for s in shares}) == 1  # FSDP2: every rank runs the same number of forward passes
+    counted = sorted(int(x) for share in shares for x, _, keep in share if keep)
+    assert counted == list(range(batches))

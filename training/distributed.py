@@ -1,0 +1,138 @@
+"""torchrun's processes: the process group, which rank does what, and the model wrapped for DDP or FSDP2.
+
+One process (plain `python train.py`) is the world of size 1: every function here is then a no-op, so the
+training loop has one code path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+PARALLEL = ("ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    local_rank: int = 0
+    size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone logs, writes metrics and checkpoints, and talks to wandb."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def world_from_env() -> World:
+    """The rank and world size torchrun sets in each process's environment (none: a single process)."""
+    return World(
+        int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    )
+
+
+def init_process_group(world: World, device: torch.device) -> None:
+    """NCCL between GPUs, gloo between CPU processes; each GPU process on the GPU of its local rank."""
+    if not world.distributed or dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=_device_id(device))
+
+
+def _device_id(device: torch.device) -> torch.device | None:
+    return device if device.type == "cuda" else None
+
+
+def close_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_model(model: nn.Module, parallel: str, world: World, device: torch.device) -> nn.Module:
+    """DDP replicates the model and averages gradients; FSDP2 shards parameters, gradients and optimizer
+    state across the processes (for models that don't fit one GPU). fully_shard works in place: the
+    returned module is `model` itself, now holding DTensor shards."""
+    if not world.distributed:
+        return model
+    if parallel == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (world.size,))
+        for block in model.transformer.h:  # one all-gather per block, freed after use
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # the rest: embeddings (tied to the head) and the final norm
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+@contextlib.contextmanager
+def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
+    """Reduce gradients across processes only on the last micro-batch of a step: the others accumulate locally."""
+    no_sync = getattr(module, "no_sync", None)  # DDP
+    if no_sync is not None and not enabled:
+        with no_sync():
+            yield
+        return
+    if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
+        module.set_requires_gradient_sync(enabled)
+    yield
+
+
+def all_reduce_sum(tensor: torch.Tensor, world: World) -> torch.Tensor:
+    if world.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def broadcast_from_main(value: Any, world: World) -> Any:
+    """Rank 0's value on every rank, e.g. the run directory each rank's Hydra derived from its own clock."""
+    if not world.distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        dist.barrier()
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> tuple[dict, dict]:
+    """Unsharded model and optimizer state keyed by parameter name, so a checkpoint written by any number of
+    processes, DDP or FSDP2, loads in one (and in sample.py). Collective under FSDP2: every rank must call it;
+    rank 0 receives the tensors, on CPU."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=world.distributed)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict, optimizer_state: dict | None
+) -> None:
+    """The inverse of full_state, on every rank (each shards what it reads)."""
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=options)
+    if optimizer is not None and optimizer_state is not None:
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)

@@ -119,6 +119,8 @@ def ensure_prepared(
     shard_tokens: int = 100_000_000,
     max_tokens: int | None = None,
     num_proc: int | None = None,
+    *,
+    prepare: bool = True,
 ) -> PreparedData:
     """Reuse the token files in the dataset folder if they were made from the same source and tokenizer.
 
@@ -128,11 +130,14 @@ def ensure_prepared(
     _check_corpus_keys(input, hf_dataset, hf_name, shard_tokens, max_tokens, num_proc)
     out_dir = dataset_dir(name, dir)
     if hf_dataset or (input and Path(input).expanduser().is_dir()):
-        return _ensure_corpus(out_dir, tokenizer, input, hf_dataset, hf_name, shard_tokens, max_tokens, num_proc)
+        return _ensure_corpus(
+            out_dir, tokenizer, input, hf_dataset, hf_name, shard_tokens, max_tokens, num_proc, prepare
+        )
     fingerprint = {"source": source_fingerprint(input, url), "tokenizer_spec": tokenizer, "val_fraction": val_fraction}
     prepared = _reusable(out_dir, fingerprint)
     if prepared:
         return prepared
+    _refuse_unless(prepare, out_dir)
     text = read_text(input, out_dir / "input.txt", url)
     if not text:
         raise DataError(f"the text for dataset {name!r} is empty; pass a non-empty file with data.input=PATH")
@@ -148,6 +153,7 @@ def _ensure_corpus(
     shard_tokens: int,
     max_tokens: int | None,
     num_proc: int | None,
+    prepare: bool,
 ) -> PreparedData:
     fingerprint = {
         "source": corpus.source_fingerprint(input, hf_dataset, hf_name),
@@ -158,11 +164,21 @@ def _ensure_corpus(
     prepared = _reusable(out_dir, fingerprint)
     if prepared:
         return prepared
+    _refuse_unless(prepare, out_dir)
     bpe = corpus.corpus_tokenizer(tokenizer)
     documents = corpus.hf_documents(hf_dataset, hf_name) if hf_dataset else corpus.local_documents(Path(input))
     procs = num_proc or corpus.default_num_proc()
     meta = corpus.write_corpus(documents, bpe, out_dir, shard_tokens, max_tokens, procs, fingerprint)
     return PreparedData(out_dir, meta)
+
+
+def _refuse_unless(prepare: bool, out_dir: Path) -> None:
+    """prepare=False: a torchrun rank other than 0, which only reads what rank 0 prepared."""
+    if not prepare:
+        raise DataError(
+            f"no prepared dataset in {out_dir} matches data.*, though rank 0 prepared it: put data.dir on a "
+            "filesystem every node shares, or run python -m data.prepare on each node first"
+        )
 
 
 def _reusable(out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData | None:

@@ -316,3 +316,31 @@ def test_prepare_command_shards_a_directory_with_gpt2s_bpe(tmp_path: Path, docs_
     data = PreparedData(tmp_path / "data", meta)
     gpt2 = tiktoken.get_encoding("r50k_base")
     assert _shard_stream(data).tolist() == [t for d in docs for t in [50256, *gpt2.encode_ordinary(d)]]
+
+
+def test_val_bits_per_byte_is_the_text_tokens_nats_over_their_bytes(
+    tmp_path: Path, docs_dir: tuple[Path, list[str]]
+) -> None:
+    """Trained on the shards; bits per byte leaves <|endoftext|> (0 bytes) out of both sums, as nanochat."""
+    from conftest import tiny_run_overrides
+    from training.checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint
+    from training.loop import train
+
+    root, _ = docs_dir
+    extra = {"data.tokenizer": TINY_BPE, "data.shard_tokens": SHARD, "data.num_proc": 1, "train.full_val": True}
+    train(compose_config(tiny_run_overrides(tmp_path, root, **extra)))
+    reported = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    model = model_from_checkpoint(load_checkpoint(tmp_path / "run" / CKPT_NAME)).eval()
+    encoding = tiny_encoding()
+    data = _prepare(tmp_path / "data", root)
+    nats, all_nats, tokens, n_bytes = 0.0, 0.0, 0, 0
+    with torch.no_grad():
+        for x, y in every_window(data.val, 16, 32):
+            losses = torch.nn.functional.cross_entropy(model(x)[0].flatten(0, 1), y.flatten(), reduction="none")
+            text = y.flatten() != encoding.eot_token
+            nats += losses[text].sum().item()
+            all_nats, tokens = all_nats + losses.sum().item(), tokens + y.numel()
+            n_bytes += sum(len(encoding.decode_single_token_bytes(t)) for t in y.flatten()[text].tolist())
+    assert nats < all_nats  # the val shard does hold document boundaries: the two sums differ
+    assert reported["val_loss"] == pytest.approx(all_nats / tokens, rel=1e-5)
+    assert reported["val_bpb"] == pytest.approx(nats / (np.log(2) * n_bytes), rel=1e-5)

@@ -256,3 +256,22 @@ def test_resuming_a_run_that_reached_its_target_does_nothing_more(tmp_path: Path
     assert again.iters == first.iters < 400
     records = (tmp_path / "run" / "metrics.jsonl").read_text().count("time_to_target_s")
     assert records == 1
+
+
+def test_a_checkpoint_from_before_torchrun_support_resumes_exactly(tmp_path: Path, corpus_path: Path) -> None:
+    """Earlier checkpoints keyed the optimizer state by position and held one random state, not one per rank."""
+    keys = {**EXACT, "train.lr_decay_iters": 40}
+    reference = train(compose_config(tiny_run_overrides(tmp_path / "a", corpus_path, **keys)))
+    train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, **{**keys, "train.max_iters": 20})))
+    path = tmp_path / "b" / "run" / CKPT_NAME
+    ckpt = load_checkpoint(path)
+    model = training.loop.GPT(training.loop.GPTConfig(**ckpt["model_config"]))
+    optimizer = training.loop.make_optimizer(model, 1e-3, 0.1, (0.9, 0.99), torch.device("cpu"))
+    training.loop.load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
+    ckpt["optimizer"], ckpt["rng"] = optimizer.state_dict(), ckpt["rng"][0]  # the old layout
+    assert isinstance(next(iter(ckpt["optimizer"]["state"])), int)
+    save_checkpoint(path, ckpt)
+
+    resumed = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, **keys)))
+    assert resumed.iters == reference.iters == 40
+    assert _val_losses(tmp_path / "b" / "run") == _val_losses(tmp_path / "a" / "run")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,10 @@ from training.distributed import World
 from training.errors import ConfigError
 from training.loop import _check_train_keys, _share_of, train
 
-# Two micro-batches a step: one process runs both, each of two processes runs one. eval_iters is odd so the
-# train-split batches don't divide evenly between the ranks; the val split is evaluated whole (full_val).
-RUN = {"train.grad_accum": 2, "train.eval_iters": 5, "train.full_val": True, "train.max_iters": 12}
+# Four micro-batches a step: one process runs all four, each of two processes two (gradients reduced on the
+# second). eval_iters is odd so the train-split batches don't divide evenly between the ranks; the val split is
+# evaluated whole (full_val).
+RUN = {"train.grad_accum": 4, "train.eval_iters": 5, "train.full_val": True, "train.max_iters": 12}
 
 
 def torchrun(processes: int, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -46,14 +49,15 @@ def one_process(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> 
 
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])
 def two_processes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
-    """A 2-process run, its run directory left to Hydra's ${now:} default, which each rank resolves itself."""
+    """A 2-process run whose out_dir each rank resolves differently (its ${now:}, here even its rank): all must
+    use rank 0's."""
     tmp = tmp_path_factory.mktemp(request.param)
     overrides = [o for o in tiny_run_overrides(tmp, corpus_path, **RUN) if not o.startswith("out_dir=")]
-    result = torchrun(2, [*overrides, f"train.parallel={request.param}"], cwd=tmp)
+    out_dir = "out_dir=outputs/${now:%Y-%m-%d_%H-%M-%S}/rank${oc.env:RANK}"
+    result = torchrun(2, [*overrides, out_dir, f"train.parallel={request.param}"], cwd=tmp)
     assert result.returncode == 0, result.stderr[-3000:]
-    runs = [p.parent for p in tmp.glob("outputs/*/*/ckpt.pt")]
-    assert len(runs) == 1 and len(list(tmp.glob("outputs/*/*"))) == 1, "the ranks wrote to different directories"
-    return runs[0]
+    assert [p.name for p in tmp.glob("outputs/*/*")] == ["rank0"], "the ranks wrote to different directories"
+    return next(tmp.glob("outputs/*/rank0"))
 
 
 def test_two_processes_match_one_process(one_process: Path, two_processes: Path) -> None:
@@ -72,7 +76,7 @@ def test_only_rank_0_writes_the_run(two_processes: Path) -> None:
     assert files == [".hydra", CKPT_NAME, "config.yaml", "metrics.jsonl", "train.log"]
     log = (two_processes / "train.log").read_text()
     assert "2 processes" in log and log.count("done:") == 1
-    cwd = two_processes.parents[2]
+    cwd = two_processes.parents[2]  # tmp/outputs/DATE_TIME/rank0
     assert (cwd / OmegaConf.load(two_processes / "config.yaml").out_dir).resolve() == two_processes.resolve()
 
 
@@ -110,3 +114,27 @@ def test_eval_batches_are_shared_once_each_with_equal_passes(batches: int) -> No
     assert len({len(s) for s in shares}) == 1  # FSDP2: every rank runs the same number of forward passes
     counted = sorted(int(x) for share in shares for x, _, keep in share if keep)
     assert counted == list(range(batches))
+
+
+def test_fsdp_run_stopped_by_sigterm_to_torchrun_saves_once_and_resumes_on_two_processes(
+    tmp_path: Path, corpus_path: Path
+) -> None:
+    """A scheduler's SIGTERM reaches torchrun, which forwards it: the ranks agree on a step, rank 0 writes the
+    checkpoint before any rank exits, and the run resumes (sharded optimizer state loaded from the full one)."""
+    run = tmp_path / "run"
+    args = [*tiny_run_overrides(tmp_path, corpus_path, **{**RUN, "train.max_iters": 100_000}), "train.parallel=fsdp"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    process = subprocess.Popen([*command, str(REPO / "train.py"), *args], cwd=tmp_path, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.jsonl").is_file() or max((r["iter"] for r in records(run)), default=0) < 10:
+        assert process.poll() is None and time.monotonic() < deadline, "the run did not get going"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    process.communicate(timeout=120)
+    stopped_at = load_checkpoint(run / CKPT_NAME)["iter"]
+    assert stopped_at >= 10 and "stopped by SIGTERM" in (run / "train.log").read_text()
+
+    resume = [*args, "resume=true", f"train.max_iters={stopped_at + 3}"]
+    result = torchrun(2, [a for a in resume if not a.startswith("train.max_iters=100000")], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert load_checkpoint(run / CKPT_NAME)["iter"] == stopped_at + 3 == evals(run)[-1][0]

@@ -115,6 +115,15 @@ def broadcast_from_main(value: Any, world: World) -> Any:
     return box[0]
 
 
+def all_gather_objects(value: Any, world: World) -> list[Any]:
+    """Every rank's value, in rank order, on every rank."""
+    if not world.distributed:
+        return [value]
+    values: list[Any] = [None] * world.size
+    dist.all_gather_object(values, value)
+    return values
+
+
 def barrier(world: World) -> None:
     if world.distributed:
         dist.barrier()
@@ -125,7 +134,10 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, world: World)
     processes, DDP or FSDP2, loads in one (and in sample.py). Collective under FSDP2: every rank must call it;
     rank 0 receives the tensors, on CPU."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=world.distributed)
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+    model_state = get_model_state_dict(model, options=options)
+    # Before the first step the optimizer has no state, and asking for it would take a step with zero gradients.
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options) if optimizer.state else None
+    return model_state, optimizer_state
 
 
 def load_full_state(
@@ -135,4 +147,17 @@ def load_full_state(
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_state, options=options)
     if optimizer is not None and optimizer_state is not None:
-        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+        set_optimizer_state_dict(model, optimizer, _keyed_by_name(optimizer_state, model, optimizer), options=options)
+
+
+def _keyed_by_name(state: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Checkpoints written before torchrun support key the optimizer's state by position (optimizer.state_dict()):
+    name each position's parameter, in the optimizer's order, which make_optimizer keeps the same."""
+    if not any(isinstance(key, int) for key in state["state"]):
+        return state
+    names = {id(p): name for name, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {
+        "state": {order[i]: value for i, value in state["state"].items()},
+        "param_groups": [{**group, "params": [order[i] for i in group["params"]]} for group in state["param_groups"]],
+    }

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from data.batches import every_window, get_batch
@@ -26,6 +27,7 @@ from training.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
 from training.distributed import (
     PARALLEL,
     World,
+    all_gather_objects,
     all_reduce_sum,
     barrier,
     broadcast_from_main,
@@ -98,14 +100,13 @@ def _train(cfg: DictConfig, world: World, runtime: Runtime) -> TrainResult:
         out_dir.mkdir(parents=True, exist_ok=True)
         if ckpt is None:
             (out_dir / "metrics.jsonl").unlink(missing_ok=True)  # from a run that died before its first checkpoint
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank (FSDP2 shards each rank's own)
 
-    if world.is_main:  # rank 0 tokenizes; the others then find the prepared files
+    if world.is_main:  # rank 0 tokenizes; the others then only read the prepared files
         data = ensure_prepared(**cfg.data)
     barrier(world)
     if not world.is_main:
-        data = ensure_prepared(**cfg.data)
-    _check_data_fits(data, cfg.model.block_size)
+        data = ensure_prepared(**cfg.data, prepare=False)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     if cfg.init_from is not None and ckpt is None:
         model = _pretrained_model(cfg, data.meta["vocab_size"])
@@ -124,8 +125,14 @@ def _train(cfg: DictConfig, world: World, runtime: Runtime) -> TrainResult:
         if ckpt["tokenizer"] != data.meta["tokenizer"]:
             raise CheckpointError("resume=true with data tokenized differently from the checkpoint's; use its data")
         _log_changed_keys(ckpt["config"], resolved)
+    if world.rank:  # then each rank its own dropout masks (nanoGPT's seed offset); rank 0's stream goes on
+        torch.manual_seed(cfg.seed + world.rank)
+    block_size = model_config.block_size  # a finetune's may differ from model.block_size: the weights' own
+    _check_data_fits(data, block_size)
 
-    model.to(runtime.device)
+    sharded = world.distributed and opt.parallel == "fsdp"
+    if not sharded:
+        model.to(runtime.device)  # fully_shard moves each rank's shards there itself: no GPU holds the whole model
     num_params, flops_per_token = model.num_params(), model.flops_per_token()  # before sharding
     wrapped = wrap_model(model, opt.parallel, world, runtime.device)  # FSDP2 shards `model` in place
     optimizer = make_optimizer(model, opt.learning_rate, opt.weight_decay, (opt.beta1, opt.beta2), runtime.device)
@@ -146,7 +153,7 @@ def _train(cfg: DictConfig, world: World, runtime: Runtime) -> TrainResult:
             ckpt["val_loss"],
             ckpt["last_eval_iter"],
         )
-        _restore_rng(ckpt["rng"])
+        _restore_rng(ckpt["rng"], world, runtime)
         if world.is_main:
             _drop_records_after(out_dir / "metrics.jsonl", it)  # written after the checkpoint by a killed run
         log.info(f"resuming {out_dir} at iter {it}")
@@ -164,12 +171,14 @@ def _train(cfg: DictConfig, world: World, runtime: Runtime) -> TrainResult:
     wandb_run = open_wandb(**cfg.wandb, config=resolved, out_dir=out_dir) if world.is_main else None
     metrics = MetricsLog(out_dir, wandb_run, active=world.is_main)
     byte_lengths = torch.from_numpy(tokenizer_from_metadata(data.meta["tokenizer"]).token_byte_lengths())
+    byte_lengths = byte_lengths.to(runtime.device, torch.float64)
 
     def elapsed() -> float:
         return round(elapsed_before + time.perf_counter() - t_start, 3)
 
     def save() -> None:
         model_state, optimizer_state = full_state(model, optimizer, world)  # collective under FSDP2
+        rng = all_gather_objects(_rng_state(runtime), world)  # each rank's dropout stream
         if not world.is_main:
             return
         save_checkpoint(
@@ -183,14 +192,14 @@ def _train(cfg: DictConfig, world: World, runtime: Runtime) -> TrainResult:
                 "last_eval_iter": last_eval_iter,
                 "val_loss": val_loss,
                 "best_val_loss": best_val,
-                "rng": _rng_state(),
+                "rng": rng,
                 "elapsed_s": elapsed(),
                 "tokenizer": data.meta["tokenizer"],
                 "config": resolved,
             },
         )
 
-    tokens_per_iter = opt.batch_size * opt.grad_accum * model_config.block_size  # all processes together
+    tokens_per_iter = opt.batch_size * opt.grad_accum * block_size  # all processes together
     local_accum = opt.grad_accum // world.size
     decay_iters = opt.max_iters if opt.lr_decay_iters is None else opt.lr_decay_iters
     peak = peak_flops(runtime.device, runtime.dtype)
@@ -204,10 +213,10 @@ def _train(cfg: DictConfig, world: World, runtime: Runtime) -> TrainResult:
     already_reached = ckpt is not None and target is not None and last_eval_iter == it and val_loss <= target
     if already_reached:
         log.info(f"the run already reached val loss {val_loss:.4f} <= {target} at iter {it}")
-    with StopRequests() as stop:
+    with StopRequests(second_quits=not world.distributed) as stop:
         while not already_reached:
             if (it % opt.eval_interval == 0 or it == opt.max_iters) and last_eval_iter != it:
-                losses = _evaluate(step_model, data, cfg, runtime, world, byte_lengths)
+                losses = _evaluate(step_model, data, cfg, block_size, runtime, world, byte_lengths)
                 val_loss, last_eval_iter = losses["val"], it
                 best_val = min(best_val, val_loss)
                 record = {
@@ -242,10 +251,11 @@ def _train(cfg: DictConfig, world: World, runtime: Runtime) -> TrainResult:
             for local in range(local_accum):
                 micro = world.rank * local_accum + local  # the step's micro-batches, split between the ranks
                 generator = batch_generator(cfg.seed, 0, it, micro)
-                x, y = get_batch(data.train, opt.batch_size, model_config.block_size, generator)
+                x, y = get_batch(data.train, opt.batch_size, block_size, generator)
                 x, y = x.to(runtime.device, non_blocking=True), y.to(runtime.device, non_blocking=True)
-                with gradient_sync(wrapped, local == local_accum - 1), runtime.autocast():
-                    _, loss = step_model(x, y)
+                with gradient_sync(wrapped, local == local_accum - 1):
+                    with runtime.autocast():
+                        _, loss = step_model(x, y)
                     loss = loss / local_accum  # and DDP/FSDP average over the ranks: the mean of all micro-batches
                     scaler.scale(loss).backward()
                 step_loss += loss.detach()
@@ -287,6 +297,7 @@ def _train(cfg: DictConfig, world: World, runtime: Runtime) -> TrainResult:
                 steps_in_window, train_s, timed_steps = 0, 0.0, 0
             if agreed[1] > 0:  # some rank was signalled: all stop at this same step
                 save()
+                barrier(world)  # none exits before rank 0 has written: torchrun stops the others when one exits
                 stopped_by = (stop.signal or signal.SIGTERM).name
                 log.warning(
                     f"stopped by {stopped_by} at iter {it}; checkpoint {out_dir / CKPT_NAME}. "
@@ -294,8 +305,8 @@ def _train(cfg: DictConfig, world: World, runtime: Runtime) -> TrainResult:
                 )
                 break
 
-    sharded = world.distributed and opt.parallel == "fsdp"  # generate() can't run on one rank's shards
-    if metrics.wandb_run is not None and stopped_by is None and not sharded:  # nor has a preempted run time for it
+    # generate() can't run on one rank's shards, and a preempted run has no time to spare
+    if metrics.wandb_run is not None and stopped_by is None and not sharded:
         metrics.log_samples(it, _samples(model, data, runtime))
     metrics.close()
     if stopped_by is None:
@@ -311,12 +322,14 @@ def _evaluate(
     model: torch.nn.Module,
     data: PreparedData,
     cfg: DictConfig,
+    block_size: int,
     runtime: Runtime,
     world: World,
     byte_lengths: torch.Tensor,
 ) -> dict[str, float]:
     """Mean loss over the same eval_iters random windows of each split at every evaluation, or over
-    every block of the val split with train.full_val; and val in bits per byte.
+    every block of the val split with train.full_val; and val in bits per byte: the nats of the tokens that
+    are text over their UTF-8 bytes, special tokens such as <|endoftext|> left out of both (as nanochat).
 
     The batches are the same whatever the number of processes: each rank takes every world.size-th one and
     the sums are reduced, so the result is the whole set's (not rank 0's share).
@@ -326,26 +339,27 @@ def _evaluate(
     for split_index, (split, files) in enumerate((("train", data.train), ("val", data.val))):
         if split == "val" and cfg.train.full_val:
             # The result doesn't depend on the batch size; bigger batches keep small models' matmuls efficient.
-            windows = max(cfg.train.batch_size, 4096 // cfg.model.block_size)  # at least 4096 tokens a batch
-            batches = every_window(files, windows, cfg.model.block_size)
+            windows = max(cfg.train.batch_size, 4096 // block_size)  # at least 4096 tokens a batch
+            batches = every_window(files, windows, block_size)
         else:
             generator = batch_generator(cfg.seed, 1, split_index)
             batches = (
-                get_batch(files, cfg.train.batch_size, cfg.model.block_size, generator)
-                for _ in range(cfg.train.eval_iters)
+                get_batch(files, cfg.train.batch_size, block_size, generator) for _ in range(cfg.train.eval_iters)
             )
-        # [sum of losses in nats, tokens, bytes of the target tokens]
-        sums = torch.zeros(3, dtype=torch.float64, device=runtime.device)
+        # nats and count of all target tokens; nats and UTF-8 bytes of the text ones
+        sums = torch.zeros(4, dtype=torch.float64, device=runtime.device)
         for x, y, counted in _share_of(batches, world):
+            y = y.to(runtime.device).flatten()
             with runtime.autocast():
-                _, loss = model(x.to(runtime.device), y.to(runtime.device))
+                logits, _ = model(x.to(runtime.device))
+            nats = F.cross_entropy(logits.flatten(0, 1).float(), y, reduction="none").double()
+            n_bytes = byte_lengths[y]
             if counted:
-                sums[0] += loss.double() * y.numel()
-                sums[1:] += torch.tensor([y.numel(), int(byte_lengths[y].sum())], dtype=torch.float64).to(sums.device)
-        total, tokens, n_bytes = all_reduce_sum(sums, world).tolist()
+                sums += torch.stack((nats.sum(), nats.new_tensor(y.numel()), nats[n_bytes > 0].sum(), n_bytes.sum()))
+        total, tokens, text_nats, text_bytes = all_reduce_sum(sums, world).tolist()
         out[split] = total / tokens
         if split == "val":
-            out["val_bpb"] = total / (math.log(2) * n_bytes) if n_bytes else math.nan
+            out["val_bpb"] = text_nats / (math.log(2) * text_bytes) if text_bytes else math.nan
     model.train()
     return out
 
@@ -377,16 +391,22 @@ def _samples(model: GPT, data: PreparedData, runtime: Runtime, count: int = 3, t
     return [[tokenizer.decode([first]), text] for text in texts]
 
 
-def _rng_state() -> dict[str, Any]:
+def _rng_state(runtime: Runtime) -> dict[str, Any]:
     """Dropout draws from torch's global generators; batches and evaluation use their own (above)."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    cuda = [torch.cuda.get_rng_state(runtime.device)] if runtime.is_cuda else []
     return {"torch": torch.get_rng_state(), "cuda": cuda}
 
 
-def _restore_rng(state: dict[str, Any]) -> None:
+def _restore_rng(saved: list[dict[str, Any]] | dict[str, Any], world: World, runtime: Runtime) -> None:
+    """Each rank's own stream; with another number of processes than saved, dropout streams start afresh."""
+    states = saved if isinstance(saved, list) else [saved]  # a dict: written before torchrun support
+    if len(states) != world.size:
+        log.warning(f"resuming {len(states)} processes' run with {world.size}: dropout masks won't repeat exactly")
+        return
+    state = states[world.rank]
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if state["cuda"] and runtime.is_cuda:
+        torch.cuda.set_rng_state(state["cuda"][0], runtime.device)
 
 
 def _check_train_keys(opt: DictConfig, world: World) -> None:

@@ -16,8 +16,11 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 class StopRequests:
     """Installed for the duration of a run (main thread only); the previous handlers come back after."""
 
-    def __init__(self) -> None:
+    def __init__(self, second_quits: bool = True) -> None:
+        """second_quits=False under torchrun: a scheduler may signal every process and torchrun forwards its own
+        signal too, so a rank can get two at once; torchrun kills what is still running after its timeout."""
         self.signal: signal.Signals | None = None
+        self.second_quits = second_quits
         self._previous: dict[signal.Signals, object] = {}
 
     def __enter__(self) -> StopRequests:
@@ -31,6 +34,8 @@ class StopRequests:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signal is not None:
-            raise KeyboardInterrupt  # the second one: quit now
+            if self.second_quits:
+                raise KeyboardInterrupt  # the second one: quit now
+            return
         self.signal = signal.Signals(signum)
         log.warning(f"{self.signal.name}: finishing this step and writing a checkpoint (again to quit at once)")

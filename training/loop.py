@@ -108,22 +108,9 @@ def _train(cfg: DictConfig, world: World, runtime: Runtime) -> TrainResult:
     if not world.is_main:
         data = ensure_prepared(**cfg.data, prepare=False)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    if cfg.init_from is not None and ckpt is None:
-        model = _pretrained_model(cfg, data.meta["vocab_size"])
-        model_config = model.config
-    elif cfg.init_from is not None:  # resuming a finetune: the shape is the pretrained model's, as saved
-        model_config = GPTConfig(**{**ckpt["model_config"], **_free_model_keys(cfg.model)})
-        model = GPT(model_config)
-    else:
-        try:
-            model_config = GPTConfig(vocab_size=data.meta["vocab_size"], **cfg.model)
-        except ValueError as err:
-            raise ConfigError(f"model.{err}") from None
-        model = GPT(model_config)
+    model = _build_model(cfg, ckpt, data)
+    model_config = model.config
     if ckpt is not None:
-        _check_same_shape(ckpt["model_config"], asdict(model_config))
-        if ckpt["tokenizer"] != data.meta["tokenizer"]:
-            raise CheckpointError("resume=true with data tokenized differently from the checkpoint's; use its data")
         _log_changed_keys(ckpt["config"], resolved)
     if world.rank:  # then each rank its own dropout masks (nanoGPT's seed offset); rank 0's stream goes on
         torch.manual_seed(cfg.seed + world.rank)
@@ -428,6 +415,24 @@ def _check_train_keys(opt: DictConfig, world: World) -> None:
 
 def _flag(sig: signal.Signals | None, runtime: Runtime) -> torch.Tensor:
     return torch.tensor(0.0 if sig is None else 1.0, device=runtime.device)
+
+
+def _build_model(cfg: DictConfig, ckpt: dict[str, Any] | None, data: PreparedData) -> GPT:
+    """A new model from model.*, init_from's pretrained one, or (resume) one of the checkpoint's shape."""
+    if cfg.init_from is not None and ckpt is None:
+        return _pretrained_model(cfg, data.meta["vocab_size"])
+    if cfg.init_from is not None:  # resuming a finetune: the shape is the pretrained model's, as saved
+        model_config = GPTConfig(**{**ckpt["model_config"], **_free_model_keys(cfg.model)})
+    else:
+        try:
+            model_config = GPTConfig(vocab_size=data.meta["vocab_size"], **cfg.model)
+        except ValueError as err:
+            raise ConfigError(f"model.{err}") from None
+    if ckpt is not None:
+        _check_same_shape(ckpt["model_config"], asdict(model_config))
+        if ckpt["tokenizer"] != data.meta["tokenizer"]:
+            raise CheckpointError("resume=true with data tokenized differently from the checkpoint's; use its data")
+    return GPT(model_config)
 
 
 def _pretrained_model(cfg: DictConfig, vocab_size: int) -> GPT:

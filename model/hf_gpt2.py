@@ -5,6 +5,9 @@ transformers is an optional extra (pip install ".[hf]"), imported only inside th
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,8 +48,9 @@ def load_pretrained(
     from transformers import GPT2LMHeadModel
 
     try:
-        hf_model, info = GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True)
-    except (OSError, ValueError) as err:  # no network, not in HF's cache, no weights, a corrupt config.json
+        with _quiet_hub():
+            hf_model, info = GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True)
+    except Exception as err:  # no network, not in HF's cache, no weights, a corrupt config.json or weights file
         how = (
             "pass a directory written by save_pretrained"
             if is_dir
@@ -58,6 +62,20 @@ def load_pretrained(
     if missing:  # from_pretrained leaves them randomly initialised and only warns
         raise PretrainedError(f"{name_or_dir!r} holds no weights for {missing[0]}: it is not a GPT-2 model")
     return gpt_from_hf(hf_model, block_size=block_size, dropout=dropout, attn_impl=attn_impl)
+
+
+@contextlib.contextmanager
+def _quiet_hub() -> Iterator[None]:
+    """Offline, huggingface_hub logs a line per retry before it gives up: the one error line says it all."""
+    loggers = [logging.getLogger(name) for name in ("huggingface_hub", "transformers")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def gpt_from_hf(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -256,3 +258,16 @@ def test_pretrained_sample_py_samples_from_an_hf_directory(tmp_path: Path) -> No
         pytest.skip("GPT-2 ranks not provided (set TIKTOKEN_CACHE_DIR as .ci/run does)")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Hello")
+
+
+def test_pretrained_weights_unavailable_offline_are_one_line_from_sample_py(tmp_path: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
+    result = subprocess.run(
+        [sys.executable, str(REPO / "sample.py"), "init_from=gpt2"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: can't load 'gpt2'")

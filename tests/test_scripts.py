@@ -90,3 +90,12 @@ def test_data_can_be_prepared_on_its_own(tmp_path: Path, corpus_path: Path) -> N
     assert result.returncode == 0, result.stderr
     assert "train and" in result.stdout and "val tokens" in result.stdout
     assert all((tmp_path / "prepared" / name).is_file() for name in ("train.bin", "val.bin", "meta.json"))
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+def test_cfg_job_shows_the_resolved_config_as_the_readme_says(script: str, tmp_path: Path) -> None:
+    args = ["experiment=shakespeare_char_cpu"] if script == "train.py" else ["out_dir=RUN"]
+    result = run_script(script, [*args, "--cfg", "job"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert ("n_embd: 128" if script == "train.py" else "out_dir: RUN") in result.stdout
+    assert not list(tmp_path.iterdir())  # only printed: no run directory

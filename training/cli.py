@@ -28,7 +28,7 @@ def explain_unparsable_overrides(args: list[str]) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
-    overrides = [a for a in args if not a.startswith("-")]
+    overrides = _overrides(args)
     try:
         OverridesParser.create().parse_overrides(overrides)
     except OverrideParseException:
@@ -39,3 +39,11 @@ def explain_unparsable_overrides(args: list[str]) -> None:
             file=sys.stderr,
         )
         sys.exit(2)
+
+
+def _overrides(args: list[str]) -> list[str]:
+    """The overrides among the arguments, as Hydra's own parser sees them: not `job` in `--cfg job`."""
+    from hydra._internal.utils import get_args_parser
+
+    known, unknown = get_args_parser().parse_known_args(args)
+    return [*known.overrides, *(a for a in unknown if not a.startswith("-"))]

@@ -10,10 +10,15 @@ torch nor data.prepare, so that workers started fresh (spawn, forkserver) import
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
+import signal
+from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,7 @@ from data.tokenizers import BpeTokenizer
 
 DOCUMENT_SUFFIXES = (".txt", ".jsonl")
 _CHUNKSIZE = 16  # documents per task sent to a worker, as in llm.c's fineweb.py
+_CHUNKS_IN_FLIGHT = 4  # per worker: enough to keep each busy, few enough that the stream never sits in memory
 START_METHOD: str | None = None  # multiprocessing's: None is the platform's default (fork on Linux before 3.14)
 
 
@@ -119,31 +125,54 @@ class DocumentEncoder:
 
     The workers get the encoding's ranks through the pool's initializer rather than its name: a registered
     encoding pickles as its name, which a fresh worker (spawn, forkserver) may not know, like the tests' own.
-    Python 3.11 on Linux forks; any start method works.
+    Python 3.11 on Linux forks; any start method works. A worker that dies (the OOM killer's SIGKILL) breaks the
+    pool, which fails every pending chunk: a DataError, where multiprocessing.Pool.imap would wait forever.
     """
 
     def __init__(self, tokenizer: BpeTokenizer, num_proc: int) -> None:
         self.tokenizer = tokenizer
         self.num_proc = num_proc
-        self._pool: Any = None
+        self._pool: ProcessPoolExecutor | None = None
 
     def __enter__(self) -> DocumentEncoder:
         if self.num_proc > 1:
-            ctx = multiprocessing.get_context(START_METHOD)
-            self._pool = ctx.Pool(self.num_proc, initializer=_init_worker, initargs=(_encoding_args(self.tokenizer),))
+            self._pool = ProcessPoolExecutor(
+                self.num_proc,
+                mp_context=multiprocessing.get_context(START_METHOD),
+                initializer=_init_worker,
+                initargs=(_encoding_args(self.tokenizer),),
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._pool is not None:
-            self._pool.terminate()  # also when stopped early at data.max_tokens
-            self._pool.join()
+            # Also when stopped early at data.max_tokens or by an error: the chunks not yet started are dropped and
+            # the few running ones (num_proc + 1, of _CHUNKSIZE documents each) finish; a broken pool has already
+            # terminated its workers.
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
     def encode(self, documents: Iterable[str]) -> Iterator[np.ndarray]:
         if self._pool is None:
             encoding, eot = self.tokenizer.encoding, self.tokenizer.eot_token
             return (_encode(encoding, eot, doc) for doc in documents)
-        return self._pool.imap(_encode_in_worker, documents, chunksize=_CHUNKSIZE)
+        return self._encode_in_pool(self._pool, documents)
+
+    def _encode_in_pool(self, pool: ProcessPoolExecutor, documents: Iterable[str]) -> Iterator[np.ndarray]:
+        """Chunks of documents submitted ahead, a bounded window of them, and their results taken in order."""
+        in_flight: deque[Future[list[np.ndarray]]] = deque()
+        documents = iter(documents)
+        try:
+            while chunk := list(itertools.islice(documents, _CHUNKSIZE)):
+                if len(in_flight) >= _CHUNKS_IN_FLIGHT * self.num_proc:
+                    yield from in_flight.popleft().result()
+                in_flight.append(pool.submit(_encode_chunk_in_worker, chunk))
+            while in_flight:
+                yield from in_flight.popleft().result()
+        except BrokenProcessPool:
+            raise DataError(
+                f"an encoding process died (out of memory?); lower data.num_proc={self.num_proc} and prepare again"
+            ) from None
 
 
 _worker: tuple[tiktoken.Encoding, int] | None = None
@@ -162,13 +191,14 @@ def _encoding_args(tokenizer: BpeTokenizer) -> dict[str, Any]:
 
 def _init_worker(encoding_args: dict[str, Any]) -> None:
     global _worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: one KeyboardInterrupt, the main process's
     encoding = tiktoken.Encoding(**encoding_args)
     _worker = (encoding, encoding.eot_token)
 
 
-def _encode_in_worker(doc: str) -> np.ndarray:
+def _encode_chunk_in_worker(docs: list[str]) -> list[np.ndarray]:
     assert _worker is not None, "worker not initialized"
-    return _encode(*_worker, doc)
+    return [_encode(*_worker, doc) for doc in docs]
 
 
 def _encode(encoding: tiktoken.Encoding, eot: int, doc: str) -> np.ndarray:

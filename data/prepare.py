@@ -182,19 +182,33 @@ def _refuse_unless(prepare: bool, out_dir: Path) -> None:
 
 
 def _reusable(out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData | None:
-    """The folder's dataset if meta.json matches the fingerprint and its token files are all there."""
+    """The folder's dataset if meta.json matches the fingerprint and its token files are all there and whole.
+
+    A shard's header is checked against its size and the counts against meta.json's (a few reads per shard, no
+    token read), so a truncated or damaged file is prepared again here rather than failing training later.
+    """
     try:
         meta = json.loads((out_dir / "meta.json").read_text())
     except (OSError, json.JSONDecodeError):
         return None  # none, or damaged: prepare again
-    if not all(meta.get(k) == v for k, v in fingerprint.items()):
+    if not isinstance(meta, dict) or not all(meta.get(k) == v for k, v in fingerprint.items()):
         return None
     data = PreparedData(out_dir, meta)
-    if meta.get("sharded"):
-        complete = (len(data.train.paths), len(data.val.paths)) == (meta.get("train_shards"), meta.get("val_shards"))
-    else:
-        complete = all(p.is_file() for p in data.train.paths + data.val.paths)
-    return data if complete else None
+    try:
+        if meta.get("sharded"):
+            if (len(data.train.paths), len(data.val.paths)) != (meta.get("train_shards"), meta.get("val_shards")):
+                return None
+            counts = {"train": data.train.num_tokens, "val": data.val.num_tokens}  # read_shard checks each one
+        else:
+            sizes = {name: getattr(data, name).paths[0].stat().st_size for name in ("train", "val")}
+            if any(size % 2 for size in sizes.values()):
+                return None
+            counts = {name: size // 2 for name, size in sizes.items()}  # uint16 tokens
+    except (OSError, DataError):
+        return None  # a file missing, truncated or not a shard: prepare again
+    if any(meta.get(f"{name}_tokens", count) != count for name, count in counts.items()):
+        return None
+    return data
 
 
 def _check_corpus_keys(

@@ -128,7 +128,8 @@ def test_gpu_check_dry_run_passes_on_cpu(tmp_path: Path, corpus_path: Path) -> N
         "flash = math (float32)",
         "flash = math (bfloat16)",
         "shakespeare to val <= 4.0",
+        "speedrun_gpu to val <= 4.0",
         "GPT-2 124M throughput (tiny stand-in)",
     ]
     assert all(c["ok"] for c in checks)
-    assert checks[2]["time_to_target_s"] > 0 and checks[3]["tokens_per_sec"] > 0
+    assert checks[2]["time_to_target_s"] > 0 and checks[3]["time_to_target_s"] > 0 and checks[4]["tokens_per_sec"] > 0

@@ -3,6 +3,7 @@ streaming path pointed at a local directory of .jsonl files."""
 
 import hashlib
 import json
+import multiprocessing
 import os
 import pydoc_data.topics
 import re
@@ -146,6 +147,104 @@ def test_shards_are_reused_and_remade_when_a_file_changes(tmp_path: Path, docs_d
 
     bigger = _prepare(tmp_path, root, shard_tokens=2 * SHARD)  # another shard size is another preparation
     assert bigger.meta["val_tokens"] == 2 * SHARD
+
+
+def test_a_truncated_or_altered_shard_is_prepared_again(tmp_path: Path, docs_dir: tuple[Path, list[str]]) -> None:
+    """Reused, a damaged shard would fail training in read_shard, and preparing again would change nothing."""
+    root, docs = docs_dir
+    data = _prepare(tmp_path, root)
+    good = _shard_bytes(data)
+    expected = _stream(docs)
+    shard = data.train.paths[1]
+    tokens = np.asarray(read_shard(shard)).copy()
+    for damage in (
+        lambda: shard.write_bytes(shard.read_bytes()[:-2]),  # truncated: the header says more tokens
+        lambda: shard.write_bytes(b"\0" * HEADER_BYTES),  # not a shard
+        lambda: write_shard(shard, tokens[:-1]),  # a whole shard, but the counts no longer add up to meta.json's
+        lambda: shard.unlink(),
+    ):
+        damage()
+        again = _prepare(tmp_path, root)
+        assert _shard_bytes(again) == good and again.meta == data.meta
+        assert np.array_equal(_shard_stream(again), expected)
+        assert again.train.num_tokens == again.meta["train_tokens"]
+
+
+def test_a_truncated_train_bin_is_prepared_again(tmp_path: Path) -> None:
+    text = tmp_path / "input.txt"
+    text.write_text("".join(TOPICS[:5]), encoding="utf-8")
+
+    def prepare() -> PreparedData:
+        return ensure_prepared("text", "char", str(text), None, str(tmp_path / "data"), 0.1)
+
+    data = prepare()
+    train, val = data.train.paths[0], data.val.paths[0]
+    good = (train.read_bytes(), val.read_bytes())
+    assert len(good[0]) == 2 * data.meta["train_tokens"] and len(good[1]) == 2 * data.meta["val_tokens"]
+    for path, cut in ((train, 2), (train, 1), (val, 4)):
+        path.write_bytes(path.read_bytes()[:-cut])
+        again = prepare()
+        assert (train.read_bytes(), val.read_bytes()) == good and again.meta == data.meta
+    stamp = train.stat().st_mtime_ns
+    assert prepare().train.paths[0].stat().st_mtime_ns == stamp  # whole files are still reused
+
+
+_KILLED_WORKER = r"""
+import itertools, os, signal, sys, time
+from pathlib import Path
+import tiktoken
+import data.corpus as corpus
+from data.errors import DataError
+from data.tokenizers import BpeTokenizer
+
+ranks = {bytes([b]): b for b in range(256)}
+encoding = tiktoken.Encoding("bytes", pat_str=r"\S+|\s+", mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 256})
+tokenizer = BpeTokenizer(encoding)
+out = Path(sys.argv[1])
+corpus.START_METHOD = "fork"  # the workers inherit the patched _encode
+encode = corpus._encode
+
+def encode_or_die(encoding, eot, doc):
+    if doc == "die":
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer does
+    return encode(encoding, eot, doc)
+
+corpus._encode = encode_or_die
+with corpus.DocumentEncoder(tokenizer, 2) as encoder:
+    print("worker SIGINT ignored:", encoder._pool.submit(signal.getsignal, signal.SIGINT).result() == signal.SIG_IGN)
+start = time.monotonic()
+endless = itertools.repeat("some text, " * 20)  # stopped at max_tokens: only a bounded window is ever submitted
+meta = corpus.write_corpus(endless, tokenizer, out / "capped", 1000, 5000, 2, {})
+print(f"capped: {meta['train_tokens'] + meta['val_tokens']} tokens in {time.monotonic() - start:.1f} s")
+start = time.monotonic()
+try:
+    corpus.write_corpus(["text"] * 5000 + ["die"] + ["text"] * 5000, tokenizer, out / "killed", 1000, None, 2, {})
+except DataError as err:
+    print(f"DataError in {time.monotonic() - start:.1f} s: {err}")
+"""
+
+
+def test_a_killed_worker_is_a_one_line_error_not_a_hang(tmp_path: Path) -> None:
+    """multiprocessing.Pool.imap waits forever for a worker the OOM killer took; the executor's pool breaks."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("the test's patched worker function reaches the workers by fork")
+    result = subprocess.run(
+        [sys.executable, "-c", _KILLED_WORKER, str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,  # a hang fails here rather than stalling the suite
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "worker SIGINT ignored: True"
+    capped = re.fullmatch(r"capped: 5000 tokens in ([0-9.]+) s", lines[1])
+    assert capped and float(capped[1]) < 10, lines[1]
+    died = re.fullmatch(
+        r"DataError in ([0-9.]+) s: an encoding process died \(out of memory\?\); lower data.num_proc.*", lines[2]
+    )
+    assert died and float(died[1]) < 10, lines[2]
+    assert len(lines) == 3, result.stdout
 
 
 def test_max_tokens_stops_inside_a_document_and_a_small_corpus_asks_for_smaller_shards(

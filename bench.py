@@ -19,6 +19,7 @@ import argparse
 import functools
 import json
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,8 +61,11 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
     ]
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
-    train(cfg)  # the first n iterations warm up (and compile); the second n are measured
-    ours = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()][-2]
+    try:
+        train(cfg)  # the first n iterations warm up (and compile); the second n are measured
+        ours = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()][-2]
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)  # a throwaway run: its checkpoint is not worth keeping
 
     runtime = make_runtime(cfg.device, cfg.train.dtype)
     data = ensure_prepared(**cfg.data)

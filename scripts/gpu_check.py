@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -167,6 +168,7 @@ def main() -> None:
             if k not in ("check", "ok") and v not in (None, "")
         )
         print(f"{'PASS' if r['ok'] else 'FAIL'}  {r['check']}: {details}")
+    shutil.rmtree(workdir, ignore_errors=True)  # throwaway runs and token files
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     sys.exit(0 if all(r["ok"] for r in results) else 1)

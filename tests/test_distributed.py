@@ -136,5 +136,5 @@ def test_fsdp_run_stopped_by_sigterm_to_torchrun_saves_once_and_resumes_on_two_p
 
     resume = [*args, "resume=true", f"train.max_iters={stopped_at + 3}"]
     result = torchrun(2, [a for a in resume if not a.startswith("train.max_iters=100000")], cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-2000:] + "\ntrain.log:\n" + (run / "train.log").read_text()[-2000:]
     assert load_checkpoint(run / CKPT_NAME)["iter"] == stopped_at + 3 == evals(run)[-1][0]

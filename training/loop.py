@@ -78,7 +78,9 @@ def train(cfg: DictConfig) -> TrainResult:
     runtime = make_runtime(cfg.device, opt.dtype, world.local_rank if world.distributed else None)
     init_process_group(world, runtime.device)
     try:
-        return _train(cfg, world, runtime)
+        result = _train(cfg, world, runtime)
+        barrier(world)  # leave together: none tears its process group down while rank 0 still writes
+        return result
     finally:
         close_process_group()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.shards import read_shard
+from data.shards import map_shard, read_shard
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,9 @@ class TokenFiles:
 
     def open(self, index: int) -> np.ndarray:
         path = self.paths[index]
-        return read_shard(path) if self.sharded else np.memmap(path, dtype=np.uint16, mode="r")
+        if self.sharded:  # its header was checked once, by _lengths
+            return map_shard(path, self._lengths[index])
+        return np.memmap(path, dtype=np.uint16, mode="r")
 
     def lengths(self) -> list[int]:
         return list(self._lengths)
@@ -33,7 +35,9 @@ class TokenFiles:
     @cached_property
     def _lengths(self) -> tuple[int, ...]:
         """Read once: get_batch needs them on every call, and opening 100 shards costs milliseconds."""
-        return tuple(len(self.open(i)) for i in range(len(self.paths)))
+        if self.sharded:
+            return tuple(len(read_shard(path)) for path in self.paths)
+        return tuple(len(np.memmap(path, dtype=np.uint16, mode="r")) for path in self.paths)
 
     @property
     def num_tokens(self) -> int:

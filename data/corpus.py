@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from data.errors import DataError
 from data.shards import write_shard
+from data.source import read_utf8
 from data.tokenizers import BpeTokenizer
 
 DOCUMENT_SUFFIXES = (".txt", ".jsonl")
@@ -54,7 +55,7 @@ def document_files(root: Path) -> list[Path]:
 def local_documents(root: Path) -> Iterator[str]:
     for path in document_files(root):
         if path.suffix == ".txt":
-            yield _read_utf8(path)
+            yield read_utf8(path)
         else:
             yield from _jsonl_documents(path)
 
@@ -283,13 +284,6 @@ def write_corpus(
     tmp.write_text(json.dumps(meta, ensure_ascii=False))
     os.replace(tmp, out_dir / "meta.json")
     return meta
-
-
-def _read_utf8(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
 
 
 def _json_line(line: str, path: Path, number: int) -> Any:

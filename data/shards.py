@@ -38,4 +38,9 @@ def read_shard(path: Path) -> np.memmap:
     count = int(header[2])
     if size != HEADER_BYTES + 2 * count:
         raise DataError(f"{path} holds {(size - HEADER_BYTES) // 2} tokens, its header says {count}; prepare again")
+    return map_shard(path, count)
+
+
+def map_shard(path: Path, count: int) -> np.memmap:
+    """The tokens of a shard already checked by read_shard, without reading its header again."""
     return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(count,))

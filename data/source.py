@@ -19,9 +19,9 @@ def input_file(input_path: str) -> Path:
 
 def read_text(input_path: str | None, cached_copy: Path, url: str | None) -> str:
     if input_path:
-        return _read_utf8(input_file(input_path))
+        return read_utf8(input_file(input_path))
     if cached_copy.is_file():
-        return _read_utf8(cached_copy)
+        return read_utf8(cached_copy)
     if not url:
         raise DataError("no text to train on: pass data.input=/path/to/text.txt")
     try:
@@ -36,7 +36,7 @@ def read_text(input_path: str | None, cached_copy: Path, url: str | None) -> str
     return raw.decode("utf-8")
 
 
-def _read_utf8(path: Path) -> str:
+def read_utf8(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:

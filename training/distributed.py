@@ -55,11 +55,8 @@ def init_process_group(world: World, device: torch.device) -> None:
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=_device_id(device))
-
-
-def _device_id(device: torch.device) -> torch.device | None:
-    return device if device.type == "cuda" else None
+    cuda = device.type == "cuda"
+    dist.init_process_group(backend="nccl" if cuda else "gloo", device_id=device if cuda else None)
 
 
 def close_process_group() -> None:
@@ -104,6 +101,16 @@ def all_reduce_sum(tensor: torch.Tensor, world: World) -> torch.Tensor:
     if world.distributed:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def agree_on_step(step_loss: torch.Tensor, stop_requested: bool, world: World) -> tuple[torch.Tensor, bool]:
+    """The step's loss averaged over the ranks, and whether any rank was asked to stop, in one reduction: every
+    rank then skips a non-finite step, or stops, at the same step."""
+    if not world.distributed:
+        return step_loss, stop_requested
+    both = torch.stack((step_loss, torch.tensor(float(stop_requested), device=step_loss.device)))
+    dist.all_reduce(both, op=dist.ReduceOp.SUM)
+    return both[0] / world.size, bool(both[1] > 0)
 
 
 def broadcast_from_main(value: Any, world: World) -> Any:

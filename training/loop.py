@@ -27,6 +27,7 @@ from training.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
 from training.distributed import (
     PARALLEL,
     World,
+    agree_on_step,
     all_gather_objects,
     all_reduce_sum,
     barrier,
@@ -248,9 +249,7 @@ def _train(cfg: DictConfig, world: World, runtime: Runtime) -> TrainResult:
                     loss = loss / local_accum  # and DDP/FSDP average over the ranks: the mean of all micro-batches
                     scaler.scale(loss).backward()
                 step_loss += loss.detach()
-            # One reduction agrees, on every rank, on the step's loss and on whether a signal asked to stop.
-            agreed = all_reduce_sum(torch.stack((step_loss, _flag(stop.signal, runtime))), world)
-            step_loss = agreed[0] / world.size
+            step_loss, stop_now = agree_on_step(step_loss, stop.signal is not None, world)
             if not torch.isfinite(step_loss):  # checked before the step: the weights stay finite
                 optimizer.zero_grad(set_to_none=True)
                 if opt.on_nonfinite == "stop":
@@ -284,7 +283,7 @@ def _train(cfg: DictConfig, world: World, runtime: Runtime) -> TrainResult:
                 metrics.write(record)
                 loss_sum.zero_()
                 steps_in_window, train_s, timed_steps = 0, 0.0, 0
-            if agreed[1] > 0:  # some rank was signalled: all stop at this same step
+            if stop_now:  # some rank was signalled: all stop at this same step
                 save()
                 barrier(world)  # none exits before rank 0 has written: torchrun stops the others when one exits
                 stopped_by = (stop.signal or signal.SIGTERM).name
@@ -413,10 +412,6 @@ def _check_train_keys(opt: DictConfig, world: World) -> None:
             f"train.grad_accum={opt.grad_accum} (micro-batches per step, all processes together) is not divisible "
             f"by the {world.size} processes; use a multiple of {world.size}"
         )
-
-
-def _flag(sig: signal.Signals | None, runtime: Runtime) -> torch.Tensor:
-    return torch.tensor(0.0 if sig is None else 1.0, device=runtime.device)
 
 
 def _build_model(cfg: DictConfig, ckpt: dict[str, Any] | None, data: PreparedData) -> GPT:

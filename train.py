@@ -7,7 +7,6 @@ python train.py -m train.learning_rate=1e-3,3e-3       # a sweep: one run direct
 torchrun --standalone --nproc_per_node=8 train.py experiment=gpt2   # 8 GPUs (DDP; train.parallel=fsdp: FSDP2)
 """
 
-import os
 import signal
 import sys
 
@@ -17,6 +16,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from training.cli import exit_on_user_error, explain_unparsable_overrides
+from training.distributed import world_from_env
 from training.loop import train
 from training.schema import register_schemas
 
@@ -40,7 +40,7 @@ def main(cfg: DictConfig) -> None:
 def _quiet_hydra_on_other_ranks(argv: list[str]) -> list[str]:
     """Under torchrun only rank 0 writes Hydra's files (.hydra/, train.log); the others log to the console and
     stay in the current directory, since their ${now:} may differ from rank 0's (the run dir is rank 0's)."""
-    if int(os.environ.get("RANK", 0)) == 0:
+    if world_from_env().is_main:
         return argv
     return [*argv, "hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
 

@@ -25,15 +25,12 @@ class TokenFiles:
 
     def open(self, index: int) -> np.ndarray:
         path = self.paths[index]
-        if self.sharded:  # its header was checked once, by _lengths
-            return map_shard(path, self._lengths[index])
+        if self.sharded:  # its header was checked once, by lengths
+            return map_shard(path, self.lengths[index])
         return np.memmap(path, dtype=np.uint16, mode="r")
 
-    def lengths(self) -> list[int]:
-        return list(self._lengths)
-
     @cached_property
-    def _lengths(self) -> tuple[int, ...]:
+    def lengths(self) -> tuple[int, ...]:
         """Read once: get_batch needs them on every call, and opening 100 shards costs milliseconds."""
         if self.sharded:
             return tuple(len(read_shard(path)) for path in self.paths)
@@ -41,7 +38,7 @@ class TokenFiles:
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.lengths())
+        return sum(self.lengths)
 
 
 def get_batch(
@@ -52,7 +49,7 @@ def get_batch(
     Window starts are drawn uniformly over all files' starts (no window spans two files), from the generator
     alone: the same generator state gives the same windows, whoever asks.
     """
-    valid = np.maximum(np.asarray(files.lengths()) - block_size, 0)  # starts in each file
+    valid = np.maximum(np.asarray(files.lengths) - block_size, 0)  # starts in each file
     if valid.sum() == 0:
         raise ValueError(f"no file of {files.paths[0].parent} holds more than block_size={block_size} tokens")
     ends = np.cumsum(valid)

@@ -83,8 +83,6 @@ def gpt_from_hf(
 ) -> GPT:
     """Our GPT computing the same logits as hf_model. A block_size below the model's n_positions keeps only
     the first position embeddings (as nanoGPT's crop_block_size does), to finetune on shorter windows."""
-    from transformers.pytorch_utils import Conv1D
-
     hf = hf_model.config
     _check_expressible(hf_model)
     if block_size is None:
@@ -107,9 +105,8 @@ def gpt_from_hf(
     )
     model = GPT(config)
     ours = model.state_dict()
-    theirs = {k: v for k, v in hf_model.state_dict().items() if not k.endswith(_HF_BUFFERS)}
+    theirs, conv1d = _hf_weights(hf_model)
     _check_same_keys(ours.keys(), theirs.keys())
-    conv1d = _conv1d_weights(hf_model, Conv1D)
     with torch.no_grad():
         for key, target in ours.items():
             value = theirs[key].t() if key in conv1d else theirs[key]  # Conv1D stores (in, out), Linear (out, in)
@@ -133,7 +130,6 @@ def hf_from_gpt(model: GPT) -> GPT2LMHeadModel:
         )
     _require_transformers()
     from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.pytorch_utils import Conv1D
 
     eot = _GPT2_EOT if config.vocab_size > _GPT2_EOT else None  # GPT-2's BPE, possibly padded; else no such token
     hf_model = GPT2LMHeadModel(
@@ -154,10 +150,9 @@ def hf_from_gpt(model: GPT) -> GPT2LMHeadModel:
         )
     )
     ours = model.state_dict()
-    theirs = {k: v for k, v in hf_model.state_dict().items() if not k.endswith(_HF_BUFFERS)}
+    theirs, conv1d = _hf_weights(hf_model)
     zero_biases = set() if config.bias else {k for k in theirs if k.endswith(".bias")}
     _check_same_keys(ours.keys() | zero_biases, theirs.keys())
-    conv1d = _conv1d_weights(hf_model, Conv1D)
     with torch.no_grad():
         for key, target in theirs.items():
             if key in zero_biases:
@@ -213,9 +208,14 @@ def _check_same_keys(ours: AbstractSet[str], theirs: AbstractSet[str]) -> None:
         raise PretrainedError(f"{unmatched[0]} is in only one of the two models; they can't be converted")
 
 
-def _conv1d_weights(hf_model: nn.Module, conv1d: type) -> set[str]:
-    """Keys of the weights HF keeps in Conv1D layout, found by type so a change in HF can't go unnoticed."""
-    return {f"{name}.weight" for name, module in hf_model.named_modules() if isinstance(module, conv1d)}
+def _hf_weights(hf_model: GPT2LMHeadModel) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """HF's state without its mask buffers, and the keys of the weights it keeps in Conv1D layout ((in, out),
+    where nn.Linear has (out, in)), found by type so a change in HF can't go unnoticed."""
+    from transformers.pytorch_utils import Conv1D
+
+    state = {k: v for k, v in hf_model.state_dict().items() if not k.endswith(_HF_BUFFERS)}
+    conv1d = {f"{name}.weight" for name, module in hf_model.named_modules() if isinstance(module, Conv1D)}
+    return state, conv1d
 
 
 def _copy(key: str, target: torch.Tensor, value: torch.Tensor) -> None:

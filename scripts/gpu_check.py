@@ -97,20 +97,12 @@ def train_to_target(args: argparse.Namespace, workdir: Path, experiment: str) ->
 
 
 def gpt2_throughput(args: argparse.Namespace, workdir: Path) -> dict:
-    # Tiny Shakespeare in GPT-2's BPE, not the preset's FineWeb-Edu: throughput doesn't depend on the text.
-    overrides = ["data=shakespeare", f"data.dir={workdir / 'data_bpe'}", "train.grad_accum=4"]
-    if args.text:
-        overrides.append(f"data.input={args.text}")
+    text = [f"data.input={args.text}"] if args.text else []
     if args.dry_run:
-        overrides = [
-            *TINY_MODEL,
-            "data=shakespeare_char",
-            f"data.dir={workdir / 'data'}",
-            "device=cpu",
-            "train.batch_size=4",
-            "train.grad_accum=1",
-            *overrides[3:],
-        ]
+        tiny = ["data=shakespeare_char", f"data.dir={workdir / 'data'}", "device=cpu", "train.batch_size=4"]
+        overrides = [*TINY_MODEL, *tiny, "train.grad_accum=1", *text]
+    else:  # tiny Shakespeare in GPT-2's BPE, not the preset's FineWeb-Edu: throughput doesn't depend on the text
+        overrides = ["data=shakespeare", f"data.dir={workdir / 'data_bpe'}", "train.grad_accum=4", *text]
     command = [
         sys.executable,
         str(REPO / "bench.py"),

@@ -105,7 +105,7 @@ def test_a_directory_becomes_shards_of_its_documents_in_order(tmp_path: Path, do
     assert np.array_equal(_shard_stream(data), expected)
     assert [p.name for p in data.val.paths] == ["val_000000.bin"]  # the first shard is val
     assert [p.name for p in data.train.paths][:2] == ["train_000000.bin", "train_000001.bin"]
-    lengths = data.val.lengths() + data.train.lengths()
+    lengths = list(data.val.lengths + data.train.lengths)
     assert lengths[:-1] == [SHARD] * (len(lengths) - 1) and 0 < lengths[-1] <= SHARD  # the last one is partial
     meta = json.loads((data.dir / "meta.json").read_text())
     assert meta["sharded"] and meta["tokenizer"] == {"kind": "bpe", "encoding": TINY_BPE}

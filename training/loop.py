@@ -46,6 +46,8 @@ from training.mfu import peak_flops
 from training.optim import lr_at, make_optimizer
 from training.preemption import StopRequests
 from training.runtime import Runtime, make_runtime
+from training.sampling import Sampler
+from training.schema import SampleConfig
 
 log = logging.getLogger("train")
 ON_NONFINITE = ("stop", "skip")
@@ -160,7 +162,8 @@ def _train(cfg: DictConfig, world: World, runtime: Runtime) -> TrainResult:
     )
     wandb_run = open_wandb(**cfg.wandb, config=resolved, out_dir=out_dir) if world.is_main else None
     metrics = MetricsLog(out_dir, wandb_run, active=world.is_main)
-    byte_lengths = torch.from_numpy(tokenizer_from_metadata(data.meta["tokenizer"]).token_byte_lengths())
+    tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
+    byte_lengths = torch.from_numpy(tokenizer.token_byte_lengths())
     byte_lengths = byte_lengths.to(runtime.device, torch.float64)
 
     def elapsed() -> float:
@@ -295,7 +298,7 @@ def _train(cfg: DictConfig, world: World, runtime: Runtime) -> TrainResult:
 
     # generate() can't run on one rank's shards, and a preempted run has no time to spare
     if metrics.wandb_run is not None and stopped_by is None and not sharded:
-        metrics.log_samples(it, _samples(model, data, runtime))
+        metrics.log_samples(it, _samples(Sampler(model, tokenizer, runtime), data))
     metrics.close()
     if stopped_by is None:
         log.info(
@@ -367,16 +370,15 @@ def _share_of(
             yield (*round_[0], False)
 
 
-def _samples(model: GPT, data: PreparedData, runtime: Runtime, count: int = 3, tokens: int = 200) -> list:
+def _samples(sampler: Sampler, data: PreparedData, count: int = 3, tokens: int = 200) -> list:
     """Continuations of the val split's first token, with sample.py's default temperature and top_k."""
-    tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
     first = int(next(every_window(data.val, 1, 1))[0][0, 0])
-    prompt = torch.tensor([[first]], device=runtime.device)
-    model.eval()
-    with runtime.autocast():  # after the last checkpoint: the random state it holds is already saved
-        texts = [tokenizer.decode(model.generate(prompt, tokens, 0.8, 200)[0].tolist()) for _ in range(count)]
-    model.train()
-    return [[tokenizer.decode([first]), text] for text in texts]
+    defaults = SampleConfig()
+    sampler.model.eval()
+    ids = sampler.generate([first], count, tokens, defaults.temperature, defaults.top_k, use_cache=True)
+    texts = [sampler.tokenizer.decode(sample) for sample in ids]  # after the last checkpoint: its RNG is saved
+    sampler.model.train()
+    return [[sampler.tokenizer.decode([first]), text] for text in texts]
 
 
 def _rng_state(runtime: Runtime) -> dict[str, Any]:
@@ -449,7 +451,7 @@ def _pretrained_model(cfg: DictConfig, vocab_size: int) -> GPT:
 
 def _check_data_fits(data: PreparedData, block_size: int) -> None:
     for split, files in (("train", data.train), ("val", data.val)):
-        n = max(files.lengths())  # windows don't span files
+        n = max(files.lengths)  # windows don't span files
         if n <= block_size:
             raise ConfigError(
                 f"the {split} split's longest token file has {n} tokens, too few for model.block_size={block_size}; "

@@ -35,7 +35,11 @@ def causal_mask(n_queries: int, n_keys: int, device: torch.device | str | None =
 
 
 class CausalSelfAttention(nn.Module):
-    """Both paths share the same parameters, so weights trained with one run with the other."""
+    """Both paths share the same parameters, so weights trained with one run with the other.
+
+    `captured`: while it is a list (GPT.attention_weights sets it), every call runs the math path and appends
+    its softmax weights (B, n_head, T, n_keys) there; the output is the same either way.
+    """
 
     def __init__(self, config: GPTConfig, layer_index: int) -> None:
         super().__init__()
@@ -47,12 +51,10 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         head_size = config.n_embd // config.n_head
         self.rotary = Rotary(head_size, config.block_size) if config.pos_emb == "rope" else None
+        self.captured: list[torch.Tensor] | None = None
 
-    def forward(
-        self, x: torch.Tensor, cache: KVCache | None = None, need_weights: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x: (B, T, C) for T new tokens. need_weights computes through the math path and returns the
-        weights (B, n_head, T, n_keys); otherwise the second value is None."""
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """x: (B, T, C) for T new tokens, after the cache's tokens if a cache is given."""
         B, T, C = x.shape
         # (3, B, n_head, T, head_dim): one reshape for queries, keys and values
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
@@ -63,9 +65,10 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.extend(self.layer_index, k, v)
         dropout_p = self.dropout if self.training else 0.0
-        weights = None
-        if self.attn_impl == "math" or need_weights:
+        if self.attn_impl == "math" or self.captured is not None:
             y, weights = masked_attention(q, k, v, causal_mask(T, n_past + T, x.device), dropout_p)
+            if self.captured is not None:
+                self.captured.append(weights)
         elif n_past == 0:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         elif T == 1:
@@ -74,4 +77,4 @@ class CausalSelfAttention(nn.Module):
         else:
             raise ValueError("the flash path extends a non-empty KV cache one token at a time")
         y = y.transpose(1, 2).reshape(B, T, C)
-        return F.dropout(self.c_proj(y), dropout_p), weights if need_weights else None
+        return F.dropout(self.c_proj(y), dropout_p)

@@ -41,12 +41,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(
-        self, x: torch.Tensor, cache: KVCache | None = None, need_weights: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attended, weights = self.attn(self.ln_1(x), cache, need_weights)
-        x = x + attended
-        return x + self.mlp(self.ln_2(x)), weights
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
+        return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
@@ -89,9 +86,7 @@ class GPT(nn.Module):
         c = self.config
         return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size
 
-    def _hidden(
-        self, idx: torch.Tensor, cache: KVCache | None = None, need_weights: bool = False
-    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    def _hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Final hidden states (B, T, C) of the new tokens `idx`, after those already in `cache`."""
         n_past = 0 if cache is None else cache.length
         T = idx.size(1)
@@ -104,19 +99,17 @@ class GPT(nn.Module):
         if self.transformer.wpe is not None:  # with rope, positions enter through the attention instead
             x = x + self.transformer.wpe(torch.arange(n_past, n_past + T, device=idx.device))
         x = F.dropout(x, self.config.dropout, self.training)
-        weights = []
         for block in self.transformer.h:
-            x, w = block(x, cache, need_weights)
-            weights.append(w)
+            x = block(x, cache)
         if cache is not None:
             cache.advance(T)
-        return self.transformer.ln_f(x), weights
+        return self.transformer.ln_f(x)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T, vocab_size) for every position of idx, and the mean cross-entropy if targets."""
-        logits = self.lm_head(self._hidden(idx, cache)[0])
+        logits = self.lm_head(self._hidden(idx, cache))
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
@@ -126,7 +119,15 @@ class GPT(nn.Module):
     def attention_weights(self, idx: torch.Tensor) -> torch.Tensor:
         """Softmax weights of every layer and head, (n_layer, B, n_head, T, T), through the math path
         of these same weights whatever attn_impl is: row i is query i's distribution over keys 0..i."""
-        _, weights = self._hidden(idx, need_weights=True)
+        attentions = [block.attn for block in self.transformer.h]
+        weights: list[torch.Tensor] = []
+        for attn in attentions:
+            attn.captured = weights  # each layer appends its own, in order
+        try:
+            self._hidden(idx)
+        finally:
+            for attn in attentions:
+                attn.captured = None
         return torch.stack(weights)
 
     @torch.inference_mode()
@@ -151,9 +152,9 @@ class GPT(nn.Module):
         for _ in range(max_new_tokens):
             if cache is not None and idx.size(1) <= block_size:
                 new_tokens = idx[:, cache.length :]
-                hidden, _ = self._hidden(new_tokens, cache)
+                hidden = self._hidden(new_tokens, cache)
             else:
-                hidden, _ = self._hidden(idx[:, -block_size:])
+                hidden = self._hidden(idx[:, -block_size:])
             logits = self.lm_head(hidden[:, -1, :]) / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]

@@ -157,3 +157,16 @@ def test_tiny_model_overfits_one_batch(attn_impl: str, options: dict) -> None:
         loss.backward()
         optimizer.step()
     assert loss.item() < 0.1
+
+
+def test_attention_weights_come_out_beside_the_main_path_and_leave_it_as_it_was() -> None:
+    flash, math_ = _pair()
+    idx = torch.randint(SMALL["vocab_size"], (2, 10))
+    before, _ = flash(idx)
+    weights = flash.attention_weights(idx)  # through the math path of the same weights
+    assert weights.shape == (SMALL["n_layer"], 2, SMALL["n_head"], 10, 10)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]), atol=1e-5, rtol=0)
+    assert torch.equal(weights, math_.attention_weights(idx))
+    assert all(block.attn.captured is None for block in flash.transformer.h)
+    assert torch.equal(flash(idx)[0], before)
+    assert isinstance(flash.transformer.h[0](torch.zeros(1, 3, SMALL["n_embd"])), torch.Tensor)  # a tensor, not a pair

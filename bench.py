@@ -26,12 +26,17 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from model import ATTN_IMPLS, GPT, GPTConfig, causal_mask, masked_attention
+
+if TYPE_CHECKING:  # imported where used: the attention and sampling sections need no training code
+    from training.runtime import Runtime
+    from training.schema import TrainRunConfig
 
 REPO = Path(__file__).resolve().parent
 
@@ -43,7 +48,7 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
     from training.loop import train
     from training.mfu import peak_flops
     from training.runtime import make_runtime
-    from training.schema import register_schemas
+    from training.schema import TrainRunConfig, register_schemas, typed_config
 
     register_schemas()
     out_dir = Path(tempfile.mkdtemp(prefix="bench-"))
@@ -60,17 +65,17 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
         "train.target_val_loss=null",
     ]
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+        config = typed_config(compose(config_name="config", overrides=overrides), TrainRunConfig)
     try:
-        train(cfg)  # the first n iterations warm up (and compile); the second n are measured
+        train(config)  # the first n iterations warm up (and compile); the second n are measured
         ours = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()][-2]
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)  # a throwaway run: its checkpoint is not worth keeping
 
-    runtime = make_runtime(cfg.device, cfg.train.dtype)
-    data = ensure_prepared(**cfg.data)
-    model_config = GPTConfig(vocab_size=data.meta["vocab_size"], **cfg.model)
-    reference_tps = _nanogpt_style_tokens_per_sec(cfg, model_config, data.train.paths[0], runtime, n)
+    runtime = make_runtime(config.device, config.train.dtype)
+    data = ensure_prepared(config.data)
+    model_config = config.model.gpt_config(data.meta["vocab_size"])
+    reference_tps = _nanogpt_style_tokens_per_sec(config, model_config, data.train.paths[0], runtime, n)
     peak = peak_flops(runtime.device, runtime.dtype)
     flops_per_token = GPT(model_config).flops_per_token()
     rows = []
@@ -81,7 +86,7 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
                 "experiment": args.experiment,
                 "loop": loop,
                 "tokens_per_sec": tps,
-                "ms_per_iter": 1000 * _tokens_per_iter(cfg) / tps,
+                "ms_per_iter": 1000 * _tokens_per_iter(config) / tps,
                 "mfu": flops_per_token * tps / peak.flops,
                 "peak": peak.source,
                 "speedup": tps / reference_tps,
@@ -90,13 +95,15 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _tokens_per_iter(cfg) -> int:  # noqa: ANN001
-    return cfg.train.batch_size * cfg.train.grad_accum * cfg.model.block_size
+def _tokens_per_iter(config: TrainRunConfig) -> int:
+    return config.train.batch_size * config.train.grad_accum * config.model.block_size
 
 
-def _nanogpt_style_tokens_per_sec(cfg, model_config: GPTConfig, train_bin: Path, runtime, n: int) -> float:  # noqa: ANN001
+def _nanogpt_style_tokens_per_sec(
+    config: TrainRunConfig, model_config: GPTConfig, train_bin: Path, runtime: Runtime, n: int
+) -> float:
     """The reference: nanoGPT's train.py loop as written, eager, with its batch assembly and optimizer."""
-    t = cfg.train
+    t = config.train
     torch.manual_seed(0)
     model = GPT(model_config).to(runtime.device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -137,7 +144,7 @@ def _nanogpt_style_tokens_per_sec(cfg, model_config: GPTConfig, train_bin: Path,
         loss = step()
     loss.item()
     runtime.synchronize()
-    return _tokens_per_iter(cfg) * n / (time.perf_counter() - start)
+    return _tokens_per_iter(config) * n / (time.perf_counter() - start)
 
 
 def bench_attention(args: argparse.Namespace) -> list[dict]:

@@ -24,16 +24,17 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from training.cli import exit_on_user_error, explain_unparsable_overrides
+from common.cli import exit_on_user_error, explain_unparsable_overrides
 from training.sampling import load_sampler, warn
-from training.schema import register_schemas
+from training.schema import SampleConfig, register_schemas, typed_config
 
 register_schemas()
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="sample")
-def main(cfg: DictConfig) -> None:
+def main(dict_cfg: DictConfig) -> None:
     with exit_on_user_error():
+        cfg = typed_config(dict_cfg, SampleConfig)  # checked: one line for a bad value
         sampler = load_sampler(cfg)
         prompt = sampler.encode_prompt(cfg.start)
         first = None

@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from training.cli import exit_on_user_error, explain_unparsable_overrides
+from common.cli import exit_on_user_error, explain_unparsable_overrides
 from training.distributed import world_from_env
 from training.loop import train
 from training.schema import register_schemas

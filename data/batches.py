@@ -41,6 +41,13 @@ class TokenFiles:
         return sum(self.lengths)
 
 
+def batch_generator(*keys: int) -> torch.Generator:
+    """A generator determined by (seed, purpose, step, ...) alone, so batches don't depend on history:
+    a resumed run sees exactly the windows the uninterrupted one would."""
+    seed = int(np.random.SeedSequence(keys).generate_state(1, np.uint64)[0] >> 1)
+    return torch.Generator().manual_seed(seed)
+
+
 def get_batch(
     files: TokenFiles, batch_size: int, block_size: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:

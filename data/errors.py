@@ -1,2 +1,5 @@
-class DataError(ValueError):
+from common.errors import UserError
+
+
+class DataError(UserError):
     """A problem with the user's data or its location, reported as one line without a traceback."""

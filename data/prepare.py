@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from data import corpus
 from data.batches import TokenFiles
+from data.config import DataConfig
 from data.errors import DataError
 from data.source import input_file, read_text
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer
@@ -107,68 +108,45 @@ def _chunks(text: str) -> Iterator[str]:
     yield text[start:]
 
 
-def ensure_prepared(
-    name: str,
-    tokenizer: str,
-    input: str | None,
-    url: str | None,
-    dir: str | None,
-    val_fraction: float,
-    hf_dataset: str | None = None,
-    hf_name: str | None = None,
-    shard_tokens: int = 100_000_000,
-    max_tokens: int | None = None,
-    num_proc: int | None = None,
-    *,
-    prepare: bool = True,
-) -> PreparedData:
+def ensure_prepared(c: DataConfig, *, prepare: bool = True) -> PreparedData:
     """Reuse the token files in the dataset folder if they were made from the same source and tokenizer.
 
     A text file (or the download) gives train.bin / val.bin; a directory of documents or a Hugging Face dataset
-    gives shards. Takes every key of DataConfig.
+    gives shards. prepare=False (a torchrun rank other than 0) only reads what rank 0 prepared.
     """
-    _check_corpus_keys(input, hf_dataset, hf_name, shard_tokens, max_tokens, num_proc)
-    out_dir = dataset_dir(name, dir)
-    if hf_dataset or (input and Path(input).expanduser().is_dir()):
-        return _ensure_corpus(
-            out_dir, tokenizer, input, hf_dataset, hf_name, shard_tokens, max_tokens, num_proc, prepare
-        )
-    fingerprint = {"source": source_fingerprint(input, url), "tokenizer_spec": tokenizer, "val_fraction": val_fraction}
-    prepared = _reusable(out_dir, fingerprint)
-    if prepared:
-        return prepared
-    _refuse_unless(prepare, out_dir)
-    text = read_text(input, out_dir / "input.txt", url)
-    if not text:
-        raise DataError(f"the text for dataset {name!r} is empty; pass a non-empty file with data.input=PATH")
-    return write_dataset(text, make_tokenizer(tokenizer, text), out_dir, val_fraction, fingerprint)
-
-
-def _ensure_corpus(
-    out_dir: Path,
-    tokenizer: str,
-    input: str | None,
-    hf_dataset: str | None,
-    hf_name: str | None,
-    shard_tokens: int,
-    max_tokens: int | None,
-    num_proc: int | None,
-    prepare: bool,
-) -> PreparedData:
+    out_dir = dataset_dir(c.name, c.dir)
+    if c.hf_dataset or (c.input and Path(c.input).expanduser().is_dir()):
+        return _ensure_corpus(out_dir, c, prepare)
     fingerprint = {
-        "source": corpus.source_fingerprint(input, hf_dataset, hf_name),
-        "tokenizer_spec": tokenizer,
-        "shard_tokens": shard_tokens,
-        "max_tokens": max_tokens,
+        "source": source_fingerprint(c.input, c.url),
+        "tokenizer_spec": c.tokenizer,
+        "val_fraction": c.val_fraction,
     }
     prepared = _reusable(out_dir, fingerprint)
     if prepared:
         return prepared
     _refuse_unless(prepare, out_dir)
-    bpe = corpus.corpus_tokenizer(tokenizer)
-    documents = corpus.hf_documents(hf_dataset, hf_name) if hf_dataset else corpus.local_documents(Path(input))
-    procs = num_proc or corpus.default_num_proc()
-    meta = corpus.write_corpus(documents, bpe, out_dir, shard_tokens, max_tokens, procs, fingerprint)
+    text = read_text(c.input, out_dir / "input.txt", c.url)
+    if not text:
+        raise DataError(f"the text for dataset {c.name!r} is empty; pass a non-empty file with data.input=PATH")
+    return write_dataset(text, make_tokenizer(c.tokenizer, text), out_dir, c.val_fraction, fingerprint)
+
+
+def _ensure_corpus(out_dir: Path, c: DataConfig, prepare: bool) -> PreparedData:
+    fingerprint = {
+        "source": corpus.source_fingerprint(c.input, c.hf_dataset, c.hf_name),
+        "tokenizer_spec": c.tokenizer,
+        "shard_tokens": c.shard_tokens,
+        "max_tokens": c.max_tokens,
+    }
+    prepared = _reusable(out_dir, fingerprint)
+    if prepared:
+        return prepared
+    _refuse_unless(prepare, out_dir)
+    bpe = corpus.corpus_tokenizer(c.tokenizer)
+    documents = corpus.hf_documents(c.hf_dataset, c.hf_name) if c.hf_dataset else corpus.local_documents(Path(c.input))
+    procs = c.num_proc or corpus.default_num_proc()
+    meta = corpus.write_corpus(documents, bpe, out_dir, c.shard_tokens, c.max_tokens, procs, fingerprint)
     return PreparedData(out_dir, meta)
 
 
@@ -211,39 +189,19 @@ def _reusable(out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData | None
     return data
 
 
-def _check_corpus_keys(
-    input: str | None,
-    hf_dataset: str | None,
-    hf_name: str | None,
-    shard_tokens: int,
-    max_tokens: int | None,
-    num_proc: int | None,
-) -> None:
-    if shard_tokens < 1:
-        raise DataError(f"data.shard_tokens={shard_tokens} must be >= 1 (tokens per shard, 100M in llm.c)")
-    if max_tokens is not None and max_tokens < 1:
-        raise DataError(f"data.max_tokens={max_tokens} must be >= 1, or null for the whole corpus")
-    if num_proc is not None and num_proc < 1:
-        raise DataError(f"data.num_proc={num_proc} must be >= 1, or null for the CPUs available less one")
-    if hf_name and not hf_dataset:
-        raise DataError(f"data.hf_name={hf_name} needs data.hf_dataset (say HuggingFaceFW/fineweb-edu)")
-    if hf_dataset and input:
-        raise DataError(f"data.input and data.hf_dataset={hf_dataset} are both set; keep one (data.hf_dataset=null)")
-
-
 if __name__ == "__main__":
     import hydra
-    from omegaconf import DictConfig
+    from omegaconf import DictConfig, OmegaConf
 
-    from training.cli import exit_on_user_error
-    from training.schema import register_schemas
+    from common.cli import exit_on_user_error
+    from data.config import register_prepare_schema
 
-    register_schemas()
+    register_prepare_schema()
 
     @hydra.main(version_base="1.3", config_path="../configs", config_name="prepare")
     def main(cfg: DictConfig) -> None:
         with exit_on_user_error():
-            data = ensure_prepared(**cfg.data)
+            data = ensure_prepared(OmegaConf.to_object(cfg).data)  # typed and checked
         m = data.meta
         shards = f" in {m['train_shards'] + m['val_shards']} shards" if m.get("sharded") else ""
         print(

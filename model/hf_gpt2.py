@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from common.errors import UserError
 from model.config import GPTConfig
 from model.gpt import GPT
 
@@ -29,7 +30,7 @@ _GPT2_EOT = 50256  # <|endoftext|> in GPT-2's BPE: the start and end token of HF
 _HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older transformers versions kept in state_dict
 
 
-class PretrainedError(ValueError):
+class PretrainedError(UserError):
     """transformers missing, weights that can't be loaded, or a model the other format can't express."""
 
 

@@ -11,12 +11,12 @@ import model.attention
 from analysis.attention_maps import save_attention_maps
 from analysis.causality import check_causality, format_report
 from conftest import run_script
-from training.checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint
+from training.checkpoint import CKPT_NAME, load_checkpoint
 
 
 @pytest.fixture(scope="module")
 def trained_model(trained_run: Path) -> model.GPT:
-    return model_from_checkpoint(load_checkpoint(trained_run / CKPT_NAME)).eval()
+    return load_checkpoint(trained_run / CKPT_NAME).build_model().eval()
 
 
 def test_attention_maps_are_causal_softmax_rows(trained_model: model.GPT, tmp_path: Path) -> None:

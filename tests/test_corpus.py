@@ -17,8 +17,10 @@ import tiktoken
 import torch
 
 import data.corpus as corpus
+from common.errors import ConfigError
 from conftest import REPO, TINY_BPE, compose_config, tiny_encoding
 from data.batches import TokenFiles, every_window, get_batch
+from data.config import DataConfig
 from data.errors import DataError
 from data.prepare import PreparedData, ensure_prepared
 from data.shards import HEADER_BYTES, MAGIC, VERSION, read_shard, write_shard
@@ -31,7 +33,8 @@ TOPICS = list(pydoc_data.topics.topics.values())
 
 def _prepare(data_dir: Path, input: Path | None = None, **keys: object) -> PreparedData:
     options = {"shard_tokens": SHARD, "num_proc": 1, **keys}
-    return ensure_prepared("corpus", TINY_BPE, str(input) if input else None, None, str(data_dir), 0.1, **options)
+    source = str(input) if input else None
+    return ensure_prepared(DataConfig("corpus", TINY_BPE, source, None, str(data_dir), 0.1, **options))
 
 
 def _write_docs(root: Path, docs: dict[str, list[str]]) -> list[str]:
@@ -175,7 +178,7 @@ def test_a_truncated_train_bin_is_prepared_again(tmp_path: Path) -> None:
     text.write_text("".join(TOPICS[:5]), encoding="utf-8")
 
     def prepare() -> PreparedData:
-        return ensure_prepared("text", "char", str(text), None, str(tmp_path / "data"), 0.1)
+        return ensure_prepared(DataConfig("text", "char", str(text), None, str(tmp_path / "data"), 0.1))
 
     data = prepare()
     train, val = data.train.paths[0], data.val.paths[0]
@@ -194,6 +197,8 @@ import itertools, os, signal, sys, time
 from pathlib import Path
 import tiktoken
 import data.corpus as corpus
+from common.errors import ConfigError
+from data.config import DataConfig
 from data.errors import DataError
 from data.tokenizers import BpeTokenizer
 
@@ -331,7 +336,7 @@ def test_hf_errors_are_one_line_and_say_what_to_do(monkeypatch: pytest.MonkeyPat
 )
 def test_corpus_keys_are_checked_at_start(tmp_path: Path, keys: dict, message: str) -> None:
     (tmp_path / "doc.txt").write_text("text")
-    with pytest.raises(DataError, match=message) as info:
+    with pytest.raises(ConfigError, match=message) as info:
         _prepare(tmp_path / "data", tmp_path, **keys)
     assert "\n" not in str(info.value)
 
@@ -343,7 +348,7 @@ def test_bad_corpora_are_one_line_errors(tmp_path: Path) -> None:
         _prepare(tmp_path / "data", empty)
     (tmp_path / "doc.txt").write_text("text")
     with pytest.raises(DataError, match="data.tokenizer=char can't encode a corpus.*r50k_base"):
-        ensure_prepared("c", "char", str(tmp_path), None, str(tmp_path / "data"), 0.1)
+        ensure_prepared(DataConfig("c", "char", str(tmp_path), None, str(tmp_path / "data"), 0.1))
     (tmp_path / "rows.jsonl").write_text('{"text": "one"}\n{"body": "two"}\n')
     with pytest.raises(DataError, match=r'rows.jsonl:2 has no "text"'):
         _prepare(tmp_path / "data", tmp_path)
@@ -422,14 +427,14 @@ def test_val_bits_per_byte_is_the_text_tokens_nats_over_their_bytes(
 ) -> None:
     """Trained on the shards; bits per byte leaves <|endoftext|> (0 bytes) out of both sums, as nanochat."""
     from conftest import tiny_run_overrides
-    from training.checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint
+    from training.checkpoint import CKPT_NAME, load_checkpoint
     from training.loop import train
 
     root, _ = docs_dir
     extra = {"data.tokenizer": TINY_BPE, "data.shard_tokens": SHARD, "data.num_proc": 1, "train.full_val": True}
     train(compose_config(tiny_run_overrides(tmp_path, root, **extra)))
     reported = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
-    model = model_from_checkpoint(load_checkpoint(tmp_path / "run" / CKPT_NAME)).eval()
+    model = load_checkpoint(tmp_path / "run" / CKPT_NAME).build_model().eval()
     encoding = tiny_encoding()
     data = _prepare(tmp_path / "data", root)
     nats, all_nats, tokens, n_bytes = 0.0, 0.0, 0, 0

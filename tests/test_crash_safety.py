@@ -8,14 +8,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-import training.loop
 from conftest import REACHES_TARGET, REPO, compose_config, run_script, tiny_run_overrides
-from training.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
+from model import GPTConfig
+from training.checkpoint import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
 from training.errors import CheckpointError, TrainingDiverged
 from training.loop import train
 
@@ -28,36 +29,35 @@ def _val_losses(run: Path) -> list[tuple[int, float]]:
     return [(r["iter"], r["val_loss"]) for r in records if "val_loss" in r]
 
 
-def _signal_at_step(monkeypatch: pytest.MonkeyPatch, step: int, sig: signal.Signals, times: int = 1) -> None:
-    """Deliver a real signal to this process while the loop is at `step`."""
-    lr_at = training.loop.lr_at
+def _signal_at_step(step: int, sig: signal.Signals, times: int = 1) -> Callable[[int], None]:
+    """A before_step hook that delivers a real signal to this process just before step `step`."""
 
-    def lr_at_with_signal(s: int, *args: float) -> float:
-        if s == step:
+    def before_step(it: int) -> None:
+        if it == step:
             for _ in range(times):
                 signal.raise_signal(sig)
-        return lr_at(s, *args)
 
-    monkeypatch.setattr(training.loop, "lr_at", lr_at_with_signal)
+    return before_step
+
+
+def _tiny_checkpoint(w: torch.Tensor, it: int) -> Checkpoint:
+    return Checkpoint(GPTConfig(), {"w": w}, tokenizer={}, progress=Progress(iter=it))
 
 
 @pytest.mark.parametrize("stop_at", [7, 19, 30])
-def test_interrupted_and_resumed_equals_uninterrupted(
-    tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch, stop_at: int
-) -> None:
+def test_interrupted_and_resumed_equals_uninterrupted(tmp_path: Path, corpus_path: Path, stop_at: int) -> None:
     reference = train(compose_config(tiny_run_overrides(tmp_path / "a", corpus_path, **EXACT)))
 
-    with monkeypatch.context() as patch:
-        _signal_at_step(patch, stop_at, signal.SIGTERM)
-        stopped = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, **EXACT)))
+    hook = _signal_at_step(stop_at, signal.SIGTERM)
+    stopped = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, **EXACT)), before_step=hook)
     assert stopped.stopped_by == "SIGTERM" and stopped.iters == stop_at + 1
-    assert load_checkpoint(tmp_path / "b" / "run" / CKPT_NAME)["iter"] == stop_at + 1
+    assert load_checkpoint(tmp_path / "b" / "run" / CKPT_NAME).progress.iter == stop_at + 1
     resumed = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, **EXACT)))
 
     assert resumed.iters == reference.iters == 40
     assert _val_losses(tmp_path / "b" / "run") == _val_losses(tmp_path / "a" / "run")  # bit-identical
-    final_a = load_checkpoint(tmp_path / "a" / "run" / CKPT_NAME)["model"]
-    final_b = load_checkpoint(tmp_path / "b" / "run" / CKPT_NAME)["model"]
+    final_a = load_checkpoint(tmp_path / "a" / "run" / CKPT_NAME).model
+    final_b = load_checkpoint(tmp_path / "b" / "run" / CKPT_NAME).model
     assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
 
 
@@ -80,7 +80,7 @@ def test_sigterm_stops_the_script_promptly_and_the_run_resumes(tmp_path: Path, c
     assert time.monotonic() - signalled < 30
     assert process.returncode == 128 + signal.SIGTERM, stderr
     assert "stopped by SIGTERM" in stdout and "resume=true" in stdout
-    stopped_at = load_checkpoint(tmp_path / "run" / CKPT_NAME)["iter"]
+    stopped_at = load_checkpoint(tmp_path / "run" / CKPT_NAME).progress.iter
     assert 0 < stopped_at < 100_000
 
     finish = tiny_run_overrides(tmp_path, corpus_path, resume=True, **{**EXACT, "train.max_iters": stopped_at + 5})
@@ -91,15 +91,13 @@ def test_sigterm_stops_the_script_promptly_and_the_run_resumes(tmp_path: Path, c
     assert _val_losses(tmp_path / "run")[-1][0] == stopped_at + 5  # one metrics.jsonl for the whole run
 
 
-def test_a_second_ctrl_c_quits_at_once_and_keeps_the_last_checkpoint(
-    tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_second_ctrl_c_quits_at_once_and_keeps_the_last_checkpoint(tmp_path: Path, corpus_path: Path) -> None:
     before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN when started in the background
-    _signal_at_step(monkeypatch, 25, signal.SIGINT, times=2)
+    hook = _signal_at_step(25, signal.SIGINT, times=2)
     with pytest.raises(KeyboardInterrupt):
-        train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **EXACT)))
+        train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **EXACT)), before_step=hook)
     ckpt = load_checkpoint(tmp_path / "run" / CKPT_NAME)
-    assert ckpt["iter"] == 20  # the evaluation before the interruption
+    assert ckpt.progress.iter == 20  # the evaluation before the interruption
     assert not list((tmp_path / "run").glob("*.tmp"))
     assert signal.getsignal(signal.SIGINT) is before  # handlers restored
 
@@ -108,7 +106,7 @@ def test_an_interrupted_checkpoint_write_leaves_the_previous_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / CKPT_NAME
-    save_checkpoint(path, {"model": {"w": torch.ones(3)}, "model_config": {}, "iter": 1})
+    save_checkpoint(path, _tiny_checkpoint(torch.ones(3), 1))
     before = path.read_bytes()
 
     def half_written(obj: object, f) -> None:  # noqa: ANN001
@@ -117,18 +115,20 @@ def test_an_interrupted_checkpoint_write_leaves_the_previous_one(
 
     monkeypatch.setattr(torch, "save", half_written)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(path, {"model": {"w": torch.zeros(3)}, "model_config": {}, "iter": 2})
+        save_checkpoint(path, _tiny_checkpoint(torch.zeros(3), 2))
     assert path.read_bytes() == before and not list(tmp_path.glob("*.tmp"))
-    assert load_checkpoint(path)["iter"] == 1
+    assert load_checkpoint(path).progress.iter == 1
 
 
 _WRITER = """
 import sys, torch
 sys.path.insert(0, {repo!r})
 from pathlib import Path
-from training.checkpoint import save_checkpoint
+from model import GPTConfig
+from training.checkpoint import Checkpoint, Progress, save_checkpoint
 path = Path({path!r})
-states = [{{"model": {{"w": torch.full((4_000_000,), float(i))}}, "model_config": {{}}, "iter": i}} for i in (1, 2)]
+weights = [{{"w": torch.full((4_000_000,), float(i))}} for i in (1, 2)]
+states = [Checkpoint(GPTConfig(), w, {{}}, progress=Progress(iter=i)) for i, w in zip((1, 2), weights)]
 save_checkpoint(path, states[0])
 print("ready", flush=True)
 i = 0
@@ -149,8 +149,8 @@ def test_kill_9_during_checkpoint_writes_leaves_a_complete_checkpoint(tmp_path: 
         process.kill()
         process.wait()
         ckpt = load_checkpoint(path)
-        assert ckpt["iter"] in (1, 2)
-        assert torch.equal(ckpt["model"]["w"], torch.full((4_000_000,), float(ckpt["iter"])))
+        assert ckpt.progress.iter in (1, 2)
+        assert torch.equal(ckpt.model["w"], torch.full((4_000_000,), float(ckpt.progress.iter)))
 
 
 def test_a_diverging_run_stops_naming_the_iteration_and_keeps_the_good_checkpoint(
@@ -162,8 +162,8 @@ def test_a_diverging_run_stops_naming_the_iteration_and_keeps_the_good_checkpoin
     with pytest.raises(TrainingDiverged, match=r"the loss is (nan|inf) at iter 1\d; ckpt.pt keeps the last good"):
         train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **explode)))
     ckpt = load_checkpoint(tmp_path / "run" / CKPT_NAME)
-    assert (tmp_path / "run" / CKPT_NAME).read_bytes() == good or ckpt["iter"] > 10
-    assert math.isfinite(ckpt["val_loss"]) and all(torch.isfinite(t).all() for t in ckpt["model"].values())
+    assert (tmp_path / "run" / CKPT_NAME).read_bytes() == good or ckpt.progress.iter > 10
+    assert math.isfinite(ckpt.progress.val_loss) and all(torch.isfinite(t).all() for t in ckpt.model.values())
 
 
 def test_on_nonfinite_skip_drops_the_bad_steps(
@@ -199,7 +199,7 @@ def test_a_pickle_that_would_run_code_is_refused_and_runs_nothing(tmp_path: Path
 @pytest.mark.parametrize("content", ["truncated", "text", "empty"])
 def test_truncated_or_foreign_checkpoints_are_one_line_errors(tmp_path: Path, content: str) -> None:
     path = tmp_path / CKPT_NAME
-    save_checkpoint(path, {"model": {"w": torch.ones(1000)}, "model_config": {}, "iter": 1})
+    save_checkpoint(path, _tiny_checkpoint(torch.ones(1000), 1))
     data = {
         "truncated": path.read_bytes()[: path.stat().st_size // 2],
         "text": b"hello, not a checkpoint\n",
@@ -242,7 +242,7 @@ def test_an_unavailable_device_is_a_one_line_error(
 
 
 def test_a_new_run_refuses_a_directory_that_holds_one(tmp_path: Path, corpus_path: Path) -> None:
-    from training.errors import ConfigError
+    from common.errors import ConfigError
 
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 5})))
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
@@ -259,19 +259,61 @@ def test_resuming_a_run_that_reached_its_target_does_nothing_more(tmp_path: Path
     assert records == 1
 
 
+def _raw(path: Path) -> dict:
+    """ckpt.pt as stored: a flat dict."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def test_a_checkpoint_from_before_torchrun_support_resumes_exactly(tmp_path: Path, corpus_path: Path) -> None:
     """Earlier checkpoints keyed the optimizer state by position and held one random state, not one per rank."""
+    from training.distributed import load_full_state
+    from training.optim import make_optimizer
+
     keys = {**EXACT, "train.lr_decay_iters": 40}
     reference = train(compose_config(tiny_run_overrides(tmp_path / "a", corpus_path, **keys)))
     train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, **{**keys, "train.max_iters": 20})))
     path = tmp_path / "b" / "run" / CKPT_NAME
-    ckpt = load_checkpoint(path)
-    model = training.loop.GPT(training.loop.GPTConfig(**ckpt["model_config"]))
-    optimizer = training.loop.make_optimizer(model, 1e-3, 0.1, (0.9, 0.99), torch.device("cpu"))
-    training.loop.load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
-    ckpt["optimizer"], ckpt["rng"] = optimizer.state_dict(), ckpt["rng"][0]  # the old layout
-    assert isinstance(next(iter(ckpt["optimizer"]["state"])), int)
-    save_checkpoint(path, ckpt)
+    raw = _raw(path)
+    model = load_checkpoint(path).build_model()
+    optimizer = make_optimizer(model, 1e-3, 0.1, (0.9, 0.99), torch.device("cpu"))
+    load_full_state(model, optimizer, raw["model"], raw["optimizer"])
+    raw["optimizer"], raw["rng"] = optimizer.state_dict(), raw["rng"][0]  # the old layout
+    del raw["elapsed_s"]  # not written before timed resumes either
+    assert isinstance(next(iter(raw["optimizer"]["state"])), int)
+    torch.save(raw, path)
+
+    resumed = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, **keys)))
+    assert resumed.iters == reference.iters == 40
+    assert _val_losses(tmp_path / "b" / "run") == _val_losses(tmp_path / "a" / "run")
+
+
+def test_a_checkpoint_in_the_layout_before_the_trainer_resumes_exactly_and_samples(
+    tmp_path: Path, corpus_path: Path
+) -> None:
+    """The dict the training loop wrote by hand before training.checkpoint owned the format, key by key."""
+    keys = {**EXACT, "train.lr_decay_iters": 40}
+    reference = train(compose_config(tiny_run_overrides(tmp_path / "a", corpus_path, **keys)))
+    train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, **{**keys, "train.max_iters": 20})))
+    path = tmp_path / "b" / "run" / CKPT_NAME
+    raw = _raw(path)
+    legacy = {
+        "model_config": raw["model_config"],
+        "model": raw["model"],
+        "optimizer": raw["optimizer"],
+        "scaler": raw["scaler"],
+        "iter": raw["iter"],
+        "last_eval_iter": raw["last_eval_iter"],
+        "val_loss": raw["val_loss"],
+        "best_val_loss": raw["best_val_loss"],
+        "rng": raw["rng"],
+        "elapsed_s": raw["elapsed_s"],
+        "tokenizer": raw["tokenizer"],
+        "config": raw["config"],
+    }
+    assert set(legacy) == set(raw)  # today's writer still writes exactly that layout
+    torch.save(legacy, path)
+    sampled = run_script("sample.py", [f"out_dir={path.parent}", "max_new_tokens=8", "num_samples=1"], cwd=tmp_path)
+    assert sampled.returncode == 0 and len(sampled.stdout) > 8, sampled.stderr
 
     resumed = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, **keys)))
     assert resumed.iters == reference.iters == 40

@@ -11,6 +11,7 @@ import torch
 import data.prepare as prepare
 from conftest import TINY_BPE, tiny_encoding
 from data.batches import TokenFiles, get_batch
+from data.config import DataConfig
 from data.errors import DataError
 from data.prepare import ensure_prepared, write_dataset
 from data.source import read_text
@@ -21,7 +22,7 @@ TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nS
 
 
 def _prepare(tmp_path: Path, input: Path, tokenizer: str = "char") -> prepare.PreparedData:
-    return ensure_prepared("test", tokenizer, str(input), None, str(tmp_path / "data"), 0.1)
+    return ensure_prepared(DataConfig("test", tokenizer, str(input), None, str(tmp_path / "data"), 0.1))
 
 
 def test_char_dataset_round_trip_and_split(tmp_path: Path, corpus_path: Path) -> None:
@@ -136,7 +137,7 @@ def _real_r50k_available() -> bool:
 def test_real_gpt2_bpe_on_tiny_shakespeare_matches_nanogpt(tmp_path: Path, corpus_path: Path) -> None:
     if corpus_path.name != "tinyshakespeare.txt":
         pytest.skip("tiny Shakespeare not provided (set GPT_TEST_CORPUS as .ci/run does)")
-    data = ensure_prepared("shakespeare", "r50k_base", str(corpus_path), None, str(tmp_path), 0.1)
+    data = ensure_prepared(DataConfig("shakespeare", "r50k_base", str(corpus_path), None, str(tmp_path), 0.1))
     assert (data.meta["train_tokens"], data.meta["val_tokens"]) == (301_966, 36_059)  # nanoGPT's README
     assert data.meta["vocab_size"] == 50257
     tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])

@@ -13,11 +13,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from common.errors import ConfigError
 from conftest import REPO, compose_config, run_script, tiny_run_overrides
-from training.checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint
+from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
-from training.errors import ConfigError
-from training.loop import _check_train_keys, _share_of, train
+from training.evaluation import share_of
+from training.loop import check_for_world, train
+from training.schema import TrainRunConfig, typed_config
 
 # Four micro-batches a step: one process runs all four, each of two processes two (gradients reduced on the
 # second). eval_iters is odd so the train-split batches don't divide evenly between the ranks; the val split is
@@ -85,11 +87,11 @@ def test_fsdp_checkpoint_loads_in_one_process_resumes_and_samples(
 ) -> None:
     """Gathered full state: the names and shapes of a one-process checkpoint, for FSDP2 (and DDP)."""
     sharded, single = load_checkpoint(two_processes / CKPT_NAME), load_checkpoint(one_process / CKPT_NAME)
-    assert sharded["model"].keys() == single["model"].keys()
-    for name, tensor in single["model"].items():
-        torch.testing.assert_close(sharded["model"][name], tensor, atol=1e-3, rtol=0)
-    assert sharded["optimizer"]["state"].keys() == single["optimizer"]["state"].keys()
-    model_from_checkpoint(sharded)
+    assert sharded.model.keys() == single.model.keys()
+    for name, tensor in single.model.items():
+        torch.testing.assert_close(sharded.model[name], tensor, atol=1e-3, rtol=0)
+    assert sharded.optimizer["state"].keys() == single.optimizer["state"].keys()
+    sharded.build_model()
 
     sample = run_script("sample.py", [f"out_dir={two_processes}", "max_new_tokens=8", "num_samples=1"], cwd=tmp_path)
     assert sample.returncode == 0, sample.stderr
@@ -99,18 +101,18 @@ def test_fsdp_checkpoint_loads_in_one_process_resumes_and_samples(
 
 
 def test_grad_accum_is_global_and_must_divide_among_the_processes() -> None:
-    opt = compose_config(["train.grad_accum=3"]).train
-    _check_train_keys(opt, World(size=1))
+    opt = typed_config(compose_config(["train.grad_accum=3"]), TrainRunConfig).train
+    check_for_world(opt, World(size=1))
     with pytest.raises(ConfigError, match=r"train.grad_accum=3 .* not divisible by the 2 processes"):
-        _check_train_keys(opt, World(rank=1, size=2))
-    with pytest.raises(ConfigError, match="train.parallel=zero"):
-        _check_train_keys(compose_config(["train.parallel=zero"]).train, World())
+        check_for_world(opt, World(rank=1, size=2))
+    with pytest.raises(ConfigError, match="train.parallel=zero is unknown; use one of ddp, fsdp"):
+        typed_config(compose_config(["train.parallel=zero"]), TrainRunConfig)
 
 
 @pytest.mark.parametrize("batches", [0, 1, 4, 5, 7])
 def test_eval_batches_are_shared_once_each_with_equal_passes(batches: int) -> None:
     items = [(torch.tensor([i]), torch.tensor([i])) for i in range(batches)]
-    shares = [list(_share_of(iter(items), World(rank=r, size=3))) for r in range(3)]
+    shares = [list(share_of(iter(items), World(rank=r, size=3))) for r in range(3)]
     assert len({len(s) for s in shares}) == 1  # FSDP2: every rank runs the same number of forward passes
     counted = sorted(int(x) for share in shares for x, _, keep in share if keep)
     assert counted == list(range(batches))
@@ -131,10 +133,10 @@ def test_fsdp_run_stopped_by_sigterm_to_torchrun_saves_once_and_resumes_on_two_p
         time.sleep(0.2)
     process.send_signal(signal.SIGTERM)
     process.communicate(timeout=120)
-    stopped_at = load_checkpoint(run / CKPT_NAME)["iter"]
+    stopped_at = load_checkpoint(run / CKPT_NAME).progress.iter
     assert stopped_at >= 10 and "stopped by SIGTERM" in (run / "train.log").read_text()
 
     resume = [*args, "resume=true", f"train.max_iters={stopped_at + 3}"]
     result = torchrun(2, [a for a in resume if not a.startswith("train.max_iters=100000")], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:] + "\ntrain.log:\n" + (run / "train.log").read_text()[-2000:]
-    assert load_checkpoint(run / CKPT_NAME)["iter"] == stopped_at + 3 == evals(run)[-1][0]
+    assert load_checkpoint(run / CKPT_NAME).progress.iter == stopped_at + 3 == evals(run)[-1][0]

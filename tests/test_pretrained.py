@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -16,11 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from common.errors import ConfigError, UserError
 from conftest import REPO, TINY_BPE, compose_config, run_script, tiny_encoding, tiny_run_overrides
 from model import GPT, GPTConfig
 from model.hf_gpt2 import PRETRAINED, PretrainedError, gpt_from_hf, hf_from_gpt, load_pretrained
-from training.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
-from training.errors import USER_ERRORS, ConfigError
+from training.checkpoint import CKPT_NAME, Checkpoint, load_checkpoint, save_checkpoint
 from training.loop import train
 
 SHAPE = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=97)
@@ -150,7 +149,7 @@ def test_pretrained_import_refuses_configs_our_gpt_cannot_express(config: dict, 
 
 
 def test_pretrained_names_that_cannot_load_are_one_line_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert PretrainedError in USER_ERRORS
+    assert issubclass(PretrainedError, UserError)  # one line and status 2 from every command
     with pytest.raises(PretrainedError, match="'gpt3'.*gpt2, gpt2-medium, gpt2-large, gpt2-xl"):
         load_pretrained("gpt3")
     with pytest.raises(PretrainedError, match=f"can't load '{tmp_path}'.*save_pretrained") as info:
@@ -182,7 +181,7 @@ def test_pretrained_without_transformers_says_how_to_install(monkeypatch: pytest
 
 def _write_run(run_dir: Path, model: GPT) -> None:
     run_dir.mkdir()
-    save_checkpoint(run_dir / CKPT_NAME, {"model_config": asdict(model.config), "model": model.state_dict()})
+    save_checkpoint(run_dir / CKPT_NAME, Checkpoint(model.config, model.state_dict(), tokenizer={}))
 
 
 def test_pretrained_export_script_writes_a_model_hf_loads(tmp_path: Path) -> None:
@@ -236,7 +235,7 @@ def test_pretrained_init_from_trains_from_the_hf_weights_and_resumes(tmp_path: P
             count += len(x)
     assert first_val == pytest.approx(losses / count, abs=1e-5)
     ckpt = load_checkpoint(tmp_path / "run" / CKPT_NAME)
-    assert ckpt["model_config"]["block_size"] == 32 and ckpt["model_config"]["activation"] == "gelu_tanh"
+    assert ckpt.model_config.block_size == 32 and ckpt.model_config.activation == "gelu_tanh"
     # A finetune resumes with the pretrained shape, though the config's model group is the default's.
     overrides = tiny_run_overrides(tmp_path, corpus_path, **{**extra, "resume": True, "train.max_iters": 6})
     assert result.iters == 4 and train(compose_config(overrides)).iters == 6

@@ -7,9 +7,10 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from common.errors import ConfigError
 from conftest import CONFIGS, REACHES_TARGET, TINY_BPE, compose_config, tiny_run_overrides
 from training.checkpoint import CKPT_NAME, load_checkpoint
-from training.errors import CheckpointError, ConfigError
+from training.errors import CheckpointError
 from training.loop import train
 from training.optim import lr_at
 
@@ -91,9 +92,10 @@ def test_short_real_run_learns_and_writes_its_run_directory(tmp_path: Path, corp
     assert OmegaConf.load(run / "config.yaml").train.max_iters == 150
 
     ckpt = load_checkpoint(run / CKPT_NAME)
-    assert ckpt["iter"] == 150 and ckpt["best_val_loss"] == pytest.approx(min(r["val_loss"] for r in evals))
-    assert ckpt["tokenizer"]["kind"] == "char" and ckpt["model_config"]["vocab_size"] == vocab
-    assert ckpt["config"]["model"]["n_embd"] == 64
+    assert ckpt.progress.iter == 150
+    assert ckpt.progress.best_val_loss == pytest.approx(min(r["val_loss"] for r in evals))
+    assert ckpt.tokenizer["kind"] == "char" and ckpt.model_config.vocab_size == vocab
+    assert ckpt.config["model"]["n_embd"] == 64
 
 
 def test_resume_continues_the_run_and_appends_metrics(tmp_path: Path, corpus_path: Path) -> None:
@@ -101,7 +103,7 @@ def test_resume_continues_the_run_and_appends_metrics(tmp_path: Path, corpus_pat
     first = len(_records(tmp_path / "run"))
     result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, **{"train.max_iters": 30})))
     records = _records(tmp_path / "run")
-    assert result.iters == 30 and load_checkpoint(tmp_path / "run" / CKPT_NAME)["iter"] == 30
+    assert result.iters == 30 and load_checkpoint(tmp_path / "run" / CKPT_NAME).progress.iter == 30
     assert [r["iter"] for r in records[first:] if "val_loss" in r] == [30]
 
 
@@ -116,11 +118,18 @@ def test_resume_with_a_different_model_shape_names_the_keys(tmp_path: Path, corp
     ("extra", "message"),
     [
         ({"model.n_head": 3}, "model.n_embd=32 is not divisible by n_head=3"),
-        ({"model.attn_impl": "fast"}, "attn_impl='fast'"),
+        ({"model.attn_impl": "fast"}, "model.attn_impl=fast is unknown; use one of flash, math"),
         ({"model.block_size": 10_000_000}, "model.block_size=10000000"),
         ({"device": "cuda"} if not torch.cuda.is_available() else {"device": "tpu"}, "device="),
-        ({"train.batch_size": 0}, "train.batch_size=0"),
-        ({"train.dtype": "fp8"}, "dtype=fp8"),
+        ({"train.batch_size": 0}, "train.batch_size=0 must be >= 1"),
+        ({"train.dtype": "fp8"}, "train.dtype=fp8 is unknown; use one of auto, float32, bfloat16, float16"),
+        ({"train.parallel": "zero"}, "train.parallel=zero is unknown; use one of ddp, fsdp"),
+        ({"train.on_nonfinite": "ignore"}, "train.on_nonfinite=ignore is unknown; use one of stop, skip"),
+        ({"model.activation": "swish"}, "model.activation=swish is unknown; use one of gelu, gelu_tanh, relu2"),
+        ({"model.pos_emb": "alibi"}, "model.pos_emb=alibi is unknown; use one of learned, rope"),
+        ({"model.dropout": 1.0}, "model.dropout=1.0 must be < 1.0"),
+        ({"data.val_fraction": 1.5}, "data.val_fraction=1.5 must be < 1.0"),
+        ({"wandb.mode": "on"}, "wandb.mode=on is unknown; use one of online, offline, disabled"),
     ],
 )
 def test_bad_config_values_are_config_errors(tmp_path: Path, corpus_path: Path, extra: dict, message: str) -> None:
@@ -135,13 +144,14 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path: Path, corpus_pat
 
 def test_bpe_run_trains_and_samples(tmp_path: Path, corpus_path: Path) -> None:
     from training.sampling import load_sampler
+    from training.schema import SampleConfig, typed_config
 
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"data.tokenizer": TINY_BPE})))
     ckpt = load_checkpoint(tmp_path / "run" / CKPT_NAME)
-    assert ckpt["tokenizer"] == {"kind": "bpe", "encoding": TINY_BPE}
+    assert ckpt.tokenizer == {"kind": "bpe", "encoding": TINY_BPE}
     overrides = [f"out_dir={tmp_path / 'run'}", "start=The", "num_samples=2", "max_new_tokens=12", "device=cpu"]
     cfg = compose_config(overrides, config_name="sample")
-    sampler = load_sampler(cfg)
+    sampler = load_sampler(typed_config(cfg, SampleConfig))
     samples = [
         sampler.tokenizer.decode(ids) for ids in sampler.generate(sampler.encode_prompt("The"), 2, 12, 1.0, None, True)
     ]
@@ -167,13 +177,16 @@ def test_wandb_offline_run_leaves_its_files_in_the_run_directory(tmp_path: Path,
     assert all(len(sample) == 201 and sample.startswith(prompt) for prompt, sample in table["data"])
 
 
-def test_model_keys_are_gptconfig_without_vocab_size() -> None:
+def test_model_keys_are_derived_from_gptconfig_without_vocab_size() -> None:
     from dataclasses import fields
 
     from model import GPTConfig
     from training.schema import ModelConfig
 
-    assert {f.name for f in fields(ModelConfig)} == {f.name for f in fields(GPTConfig)} - {"vocab_size"}
+    ours = {f.name: (f.default, f.metadata) for f in fields(GPTConfig) if f.name != "vocab_size"}
+    assert {f.name: (f.default, f.metadata) for f in fields(ModelConfig)} == ours
+    with pytest.raises(ConfigCompositionException):
+        compose_config(["model.vocab_size=100"])  # the data's, never the user's
 
 
 def test_a_compiled_run_saves_the_plain_module_keys(
@@ -182,7 +195,7 @@ def test_a_compiled_run_saves_the_plain_module_keys(
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda model, **kw: compile_(model, backend="eager"))  # fast, same wrapper
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.compile": True, "train.max_iters": 10})))
-    keys = load_checkpoint(tmp_path / "run" / CKPT_NAME)["model"].keys()
+    keys = load_checkpoint(tmp_path / "run" / CKPT_NAME).model.keys()
     assert "lm_head.weight" in keys and not any(k.startswith("_orig_mod.") for k in keys)
 
 
@@ -196,11 +209,10 @@ def test_training_stops_at_the_target_val_loss(tmp_path: Path, corpus_path: Path
 
 def test_full_val_uses_every_block_of_the_split(tmp_path: Path, corpus_path: Path) -> None:
     from data.batches import TokenFiles, every_window
-    from training.checkpoint import model_from_checkpoint
 
     extra = {"train.full_val": True, "train.max_iters": 10}
     result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)))
-    model = model_from_checkpoint(load_checkpoint(tmp_path / "run" / CKPT_NAME)).eval()
+    model = load_checkpoint(tmp_path / "run" / CKPT_NAME).build_model().eval()
     losses, count = [], 0
     with torch.no_grad():
         for x, y in every_window(TokenFiles((tmp_path / "data" / "val.bin",)), 1000, 32):
@@ -213,7 +225,7 @@ def test_resume_applies_the_new_optimizer_settings(tmp_path: Path, corpus_path: 
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 10})))
     changed = {"train.max_iters": 20, "train.weight_decay": 0.5, "train.beta2": 0.9}
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, **changed)))
-    groups = load_checkpoint(tmp_path / "run" / CKPT_NAME)["optimizer"]["param_groups"]
+    groups = load_checkpoint(tmp_path / "run" / CKPT_NAME).optimizer["param_groups"]
     assert groups[0]["weight_decay"] == 0.5 and groups[1]["weight_decay"] == 0.0
     assert all(tuple(g["betas"]) == (0.9, 0.9) for g in groups)
 
@@ -234,7 +246,7 @@ def test_resume_drops_records_written_after_the_checkpoint(tmp_path: Path, corpu
     metrics = tmp_path / "run" / "metrics.jsonl"
     with open(metrics, "a") as f:  # what a run killed after its last checkpoint leaves behind
         f.write(json.dumps({"iter": 15, "train_loss": 9.0, "lr": 1e-3, "elapsed_s": 99.0}) + "\n")
-    saved_elapsed = load_checkpoint(tmp_path / "run" / CKPT_NAME)["elapsed_s"]
+    saved_elapsed = load_checkpoint(tmp_path / "run" / CKPT_NAME).progress.elapsed_s
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True)))
     records = _records(tmp_path / "run")
     assert not any(r.get("train_loss") == 9.0 for r in records)

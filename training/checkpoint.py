@@ -1,26 +1,117 @@
-"""ckpt.pt: everything sample.py and a resumed run need, as tensors and plain Python values only."""
+"""ckpt.pt, the one owner of its format: what a resumed run and sample.py need, as tensors and plain values.
+
+On disk it is a flat dict (the layout since the first release): model_config, model, optimizer, scaler, the
+Progress fields (iter, last_eval_iter, val_loss, best_val_loss, elapsed_s), rng, tokenizer and config. In memory
+it is a Checkpoint. Every compatibility rule for older files is in this module.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import pickle
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from common.errors import ConfigError
 from model import GPT, GPTConfig
 from training.errors import CheckpointError
 
 CKPT_NAME = "ckpt.pt"
 
 
-def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+@dataclass
+class Progress:
+    """Where the run is: with the weights, the optimizer and the random state, all a resume needs."""
+
+    iter: int = 0  # optimizer steps taken
+    last_eval_iter: int = -1  # the iteration of the last evaluation (-1: none yet)
+    val_loss: float = math.nan  # at that evaluation
+    best_val_loss: float = math.inf
+    elapsed_s: float = 0.0  # wall time of the run so far, all its resumes together
+
+
+@dataclass
+class Checkpoint:
+    model_config: GPTConfig
+    model: dict[str, torch.Tensor]  # the plain module's names (not compiled, wrapped or sharded)
+    tokenizer: dict[str, Any]  # data.tokenizers' metadata: the vocabulary samples are decoded with
+    config: dict[str, Any] = field(default_factory=dict)  # the run's resolved config
+    progress: Progress = field(default_factory=Progress)
+    optimizer: dict[str, Any] | None = None  # keyed by parameter name; None before the first step
+    scaler: dict[str, Any] = field(default_factory=dict)  # the GradScaler's; empty unless fp16
+    rng: list[dict[str, Any]] = field(default_factory=list)  # each rank's dropout generators, in rank order
+
+    def build_model(self, attn_impl: str | None = None) -> GPT:
+        """The trained model; attn_impl may differ from the training run's, since both paths share weights."""
+        config = self.model_config
+        if attn_impl is not None:
+            config = dataclasses.replace(config, attn_impl=attn_impl)
+        model = GPT(config)
+        model.load_state_dict(self.model)
+        return model
+
+    def optimizer_state_for(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """The optimizer state keyed by parameter name. Checkpoints written before torchrun support keyed it by
+        position (optimizer.state_dict()): name each position's parameter in the optimizer's order, which
+        make_optimizer keeps the same."""
+        state = self.optimizer
+        if state is None or not any(isinstance(key, int) for key in state["state"]):
+            return state
+        names = {id(p): name for name, p in model.named_parameters()}
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        return {
+            "state": {order[i]: value for i, value in state["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]],
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model_config": dataclasses.asdict(self.model_config),
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scaler": self.scaler,
+            **dataclasses.asdict(self.progress),
+            "rng": self.rng,
+            "tokenizer": self.tokenizer,
+            "config": self.config,
+        }
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], path: Path) -> Checkpoint:
+        """Older layouts: rng as one dict (before torchrun support), no elapsed_s (before timed resumes), model
+        config keys added since (their defaults), optimizer state by position (optimizer_state_for)."""
+        if not isinstance(raw, dict) or "model" not in raw or "model_config" not in raw:
+            raise CheckpointError(f"{path} is not a checkpoint written by train.py")
+        try:
+            model_config = GPTConfig(**raw["model_config"])
+        except (TypeError, ConfigError) as err:
+            raise CheckpointError(f"{path} has a model config this version can't build ({err})") from None
+        rng = raw.get("rng", [])
+        progress = {f.name: raw[f.name] for f in dataclasses.fields(Progress) if f.name in raw}
+        return cls(
+            model_config=model_config,
+            model=raw["model"],
+            tokenizer=raw.get("tokenizer", {}),
+            config=raw.get("config", {}),
+            progress=Progress(**progress),
+            optimizer=raw.get("optimizer"),
+            scaler=raw.get("scaler") or {},
+            rng=[rng] if isinstance(rng, dict) else list(rng),
+        )
+
+
+def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
     """Write beside the target, fsync, then rename over it: a crash leaves the old or the new file."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            torch.save(checkpoint.to_dict(), f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -34,11 +125,12 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
         os.close(directory)
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
+def load_checkpoint(path: Path) -> Checkpoint:
+    """weights_only: a checkpoint holding anything but tensors and plain values is refused, never unpickled."""
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}; pass out_dir=RUN, a directory written by train.py")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        raw = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:  # weights_only refused something that is not plain data
         raise CheckpointError(
             f"{path} is not a readable checkpoint: it holds objects other than tensors and plain values, "
@@ -48,21 +140,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path} is not a readable checkpoint ({type(err).__name__}: {_first_line(err)})"
         ) from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-        raise CheckpointError(f"{path} is not a checkpoint written by train.py")
-    return ckpt
+    return Checkpoint.from_dict(raw, path)
 
 
 def _first_line(err: Exception) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else "no details"
-
-
-def model_from_checkpoint(ckpt: dict[str, Any], attn_impl: str | None = None) -> GPT:
-    """Rebuild the model; attn_impl may differ from the training run's, since both paths share weights."""
-    config = dict(ckpt["model_config"])
-    if attn_impl is not None:
-        config["attn_impl"] = attn_impl
-    model = GPT(GPTConfig(**config))
-    model.load_state_dict(ckpt["model"])
-    return model

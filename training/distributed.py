@@ -23,8 +23,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-PARALLEL = ("ddp", "fsdp")
-
 
 @dataclass(frozen=True)
 class World:
@@ -150,21 +148,8 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, world: World)
 def load_full_state(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict, optimizer_state: dict | None
 ) -> None:
-    """The inverse of full_state, on every rank (each shards what it reads)."""
+    """The inverse of full_state, on every rank (each shards what it reads); the optimizer state keyed by name."""
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_state, options=options)
     if optimizer is not None and optimizer_state is not None:
-        set_optimizer_state_dict(model, optimizer, _keyed_by_name(optimizer_state, model, optimizer), options=options)
-
-
-def _keyed_by_name(state: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Checkpoints written before torchrun support key the optimizer's state by position (optimizer.state_dict()):
-    name each position's parameter, in the optimizer's order, which make_optimizer keeps the same."""
-    if not any(isinstance(key, int) for key in state["state"]):
-        return state
-    names = {id(p): name for name, p in model.named_parameters()}
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    return {
-        "state": {order[i]: value for i, value in state["state"].items()},
-        "param_groups": [{**group, "params": [order[i] for i in group["params"]]} for group in state["param_groups"]],
-    }
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)

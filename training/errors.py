@@ -1,19 +1,11 @@
-"""Errors a user can cause: the scripts print them as one line and exit non-zero, without a traceback."""
+"""The training layer's user errors (common.errors.UserError: one line on stderr, exit status 2)."""
 
-from data.errors import DataError
-from model.hf_gpt2 import PretrainedError
-
-
-class ConfigError(ValueError):
-    """A config value that can't work."""
+from common.errors import UserError
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A missing, unreadable or mismatched checkpoint."""
 
 
-class TrainingDiverged(ValueError):
+class TrainingDiverged(UserError):
     """The loss became NaN or infinite."""
-
-
-USER_ERRORS = (ConfigError, CheckpointError, DataError, PretrainedError, TrainingDiverged)

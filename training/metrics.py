@@ -1,18 +1,25 @@
-"""One record per log or eval line: to metrics.jsonl, to the console (and train.log), and to wandb."""
+"""metrics.jsonl, its one owner: one record per log or eval line, to the file, to the console (and train.log),
+and to wandb; and the log line's numbers (mean loss and throughput since the last one)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from training.schema import WandbConfig
+
 log = logging.getLogger("train")
+METRICS_NAME = "metrics.jsonl"
 
 
 class MetricsLog:
     def __init__(self, out_dir: Path, wandb_run: Any = None, active: bool = True) -> None:
-        self.path = out_dir / "metrics.jsonl"
+        self.path = out_dir / METRICS_NAME
         self.wandb_run = wandb_run
         self.active = active  # False on every torchrun rank but 0
 
@@ -25,7 +32,7 @@ class MetricsLog:
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
-    def log_samples(self, step: int, samples: list[tuple[str, str]]) -> None:
+    def log_samples(self, step: int, samples: list[list[str]]) -> None:
         """A few (prompt, text) pairs as a wandb table, to see what the numbers mean."""
         import wandb
 
@@ -34,6 +41,64 @@ class MetricsLog:
     def close(self) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def forget_metrics(out_dir: Path) -> None:
+    """A new run starts its own metrics: drop those of a run that died before its first checkpoint."""
+    (out_dir / METRICS_NAME).unlink(missing_ok=True)
+
+
+def drop_records_after(out_dir: Path, last_iter: int) -> None:
+    """On resume: lines a killed run wrote after its last checkpoint, and a line cut short by the kill."""
+
+    def kept(line: str) -> bool:
+        try:
+            return json.loads(line)["iter"] <= last_iter
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return False
+
+    path = out_dir / METRICS_NAME
+    if path.is_file():
+        path.write_text("".join(line for line in path.read_text().splitlines(keepends=True) if kept(line)))
+
+
+class LogWindow:
+    """The steps since the last log line: their mean loss and, excluding the first step of the process (compiling
+    and warming up), training time alone, so tokens/s and MFU leave evaluation and checkpoints out."""
+
+    def __init__(self, first_step: int, tokens_per_iter: int, flops_per_token: float, peak_flops: float) -> None:
+        self.first_step, self.tokens_per_iter = first_step, tokens_per_iter
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops  # peak: all processes together
+        self.loss_sum: torch.Tensor | float = 0.0
+        self.steps = 0  # applied steps (a skipped non-finite one doesn't count)
+        self.seconds, self.timed = 0.0, 0
+
+    def add(self, loss: torch.Tensor | None) -> None:
+        """One step's loss (0-dim, on the device: no sync here), or None for a skipped step."""
+        if loss is not None:
+            self.loss_sum = self.loss_sum + loss
+            self.steps += 1
+
+    def end_step(self, step: int, started: float, log_now: bool) -> dict[str, Any] | None:
+        """Call after step `step` (0-based), begun at perf_counter() `started`; the log numbers if log_now."""
+        log_now = log_now and self.steps > 0
+        if log_now:
+            train_loss = float(self.loss_sum) / self.steps  # waits for the GPU: timed as training
+        if step != self.first_step:
+            self.seconds += time.perf_counter() - started
+            self.timed += 1
+        if not log_now:
+            return None
+        record: dict[str, Any] = {"train_loss": train_loss}
+        if self.timed:
+            tokens_per_sec = self.tokens_per_iter * self.timed / self.seconds
+            record.update(
+                ms_per_iter=1000 * self.seconds / self.timed,
+                tokens_per_sec=tokens_per_sec,
+                mfu=self.flops_per_token * tokens_per_sec / self.peak_flops,
+            )
+        self.loss_sum, self.steps, self.seconds, self.timed = 0.0, 0, 0.0, 0
+        return record
 
 
 def _readable(r: dict[str, Any]) -> str:
@@ -46,28 +111,19 @@ def _readable(r: dict[str, Any]) -> str:
     return line + f", {r['ms_per_iter']:.1f} ms/iter, {r['tokens_per_sec']:,.0f} tok/s, mfu {100 * r['mfu']:.1f}%"
 
 
-def open_wandb(
-    enabled: bool,
-    project: str,
-    entity: str | None,
-    run_name: str | None,
-    mode: str | None,
-    tags: list[str],
-    group: str | None,
-    config: dict[str, Any],
-    out_dir: Path,
-) -> Any:
-    if not enabled:
+def open_wandb(config: WandbConfig, run_config: dict[str, Any], out_dir: Path) -> Any:
+    """A wandb run, or None when wandb.enabled is off (wandb isn't even imported then: it is slow to import)."""
+    if not config.enabled:
         return None
-    import wandb  # imported only when asked for: it is slow to import
+    import wandb
 
     return wandb.init(
-        project=project,
-        entity=entity,
-        name=run_name,
-        mode=mode,  # None: wandb follows $WANDB_MODE, online by default
-        tags=list(tags),
-        group=group,
-        config=config,
+        project=config.project,
+        entity=config.entity,
+        name=config.run_name,
+        mode=config.mode,  # None: wandb follows $WANDB_MODE, online by default
+        tags=list(config.tags),
+        group=config.group,
+        config=run_config,
         dir=str(out_dir),
     )

@@ -8,15 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
+from common.errors import ConfigError
 from data.errors import DataError
 from data.tokenizers import BpeTokenizer, Tokenizer, tokenizer_from_metadata
 from model import GPT
 from model.hf_gpt2 import load_pretrained
-from training.checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint
-from training.errors import ConfigError
+from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.runtime import Runtime, make_runtime
+from training.schema import SampleConfig
 
 GPT2_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's BPE
 
@@ -69,24 +69,16 @@ class Sampler:
         return ids[-block_size:]
 
 
-def load_sampler(cfg: DictConfig) -> Sampler:
-    if OmegaConf.is_missing(cfg, "out_dir") and cfg.init_from is None:
-        raise ConfigError("out_dir is required: pass out_dir=RUN, a directory written by train.py (or init_from=gpt2)")
-    if cfg.temperature <= 0:
-        raise ConfigError(f"temperature={cfg.temperature} must be > 0; use top_k=1 for greedy decoding")
-    if cfg.top_k is not None and cfg.top_k < 1:
-        raise ConfigError(f"top_k={cfg.top_k} must be at least 1 (or null for no cut-off)")
+def load_sampler(cfg: SampleConfig) -> Sampler:
+    """A run's model and tokenizer (or init_from's GPT-2), on the config's device, the random seed set."""
     runtime = make_runtime(cfg.device, cfg.dtype)
     if cfg.init_from is not None:  # OpenAI's GPT-2 weights as they are, with GPT-2's own BPE
         model = load_pretrained(cfg.init_from, attn_impl=cfg.attn_impl or "flash")
         tokenizer: Tokenizer = BpeTokenizer.from_name(GPT2_ENCODING)
     else:
-        ckpt = load_checkpoint(Path(cfg.out_dir) / CKPT_NAME)
-        try:
-            model = model_from_checkpoint(ckpt, cfg.attn_impl)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        tokenizer = tokenizer_from_metadata(ckpt["tokenizer"])
+        checkpoint = load_checkpoint(Path(cfg.out_dir) / CKPT_NAME)
+        model = checkpoint.build_model(cfg.attn_impl)
+        tokenizer = tokenizer_from_metadata(checkpoint.tokenizer)
     torch.manual_seed(cfg.seed)
     return Sampler(model.to(runtime.device).eval(), tokenizer, runtime)
 

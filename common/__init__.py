@@ -1,0 +1,1 @@
+"""What every layer and every command may import: user errors, their one-line exit, checked config fields."""

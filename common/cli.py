@@ -1,0 +1,49 @@
+"""What the command-line scripts share: user errors become one line on stderr and exit status 2;
+Ctrl-C (a second one, during training) exits with status 130 without a traceback."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+from common.errors import UserError
+
+
+@contextlib.contextmanager
+def exit_on_user_error(job: str | None = None) -> Iterator[None]:
+    """`job` names the sweep job, so a failing one says which it is (the sweep stops there)."""
+    try:
+        yield
+    except UserError as err:
+        print(f"error: {job + ': ' if job else ''}{err}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+def explain_unparsable_overrides(args: list[str]) -> None:
+    """Hydra's grammar rejects unquoted values with commas, spaces or symbols: say how to quote them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    overrides = _overrides(args)
+    try:
+        OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException:
+        text = " ".join(overrides)
+        print(
+            f"error: can't parse the overrides `{text}`. Quote values with spaces, commas or symbols "
+            "twice, once for the shell and once for Hydra: start=\"'To be, or not'\"",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+
+
+def _overrides(args: list[str]) -> list[str]:
+    """The overrides among the arguments, as Hydra's own parser sees them: not `job` in `--cfg job`."""
+    from hydra._internal.utils import get_args_parser
+
+    known, unknown = get_args_parser().parse_known_args(args)
+    return [*known.overrides, *(a for a in unknown if not a.startswith("-"))]

@@ -1,0 +1,50 @@
+"""The `data.*` keys: a text (train.bin / val.bin), or a corpus of documents (shards: the first is val, the rest
+train). Checked when built, so a bad value fails before anything is read or written."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.errors import ConfigError
+from common.fields import check_fields, option
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+
+
+@dataclass
+class DataConfig:
+    name: str = "shakespeare_char"  # folder under data/cache unless data.dir is set
+    tokenizer: str = "char"  # char, or a tiktoken encoding (r50k_base is GPT-2's BPE); a corpus needs a BPE
+    input: str | None = None  # a UTF-8 text file instead of the download, or a directory of .txt / .jsonl documents
+    url: str | None = SHAKESPEARE_URL
+    dir: str | None = None  # where the token files and meta.json live
+    val_fraction: float = option(0.1, above=0.0, below=1.0)  # a text's last part kept for val
+    hf_dataset: str | None = None  # a Hugging Face dataset to stream, e.g. HuggingFaceFW/fineweb-edu (pip ".[hf]")
+    hf_name: str | None = None  # its configuration, e.g. sample-10BT
+    # tokens per shard of a corpus (llm.c's and nanoGPT's 100M)
+    shard_tokens: int = option(100_000_000, at_least=1, hint="tokens per shard, 100M in llm.c")
+    max_tokens: int | None = option(None, at_least=1, hint="or null for the whole corpus")  # stop a corpus early
+    # processes encoding a corpus; null: the CPUs available less one
+    num_proc: int | None = option(None, at_least=1, hint="or null for the CPUs available less one")
+
+    def __post_init__(self) -> None:
+        check_fields(self, "data.")
+        if self.hf_name and not self.hf_dataset:
+            raise ConfigError(f"data.hf_name={self.hf_name} needs data.hf_dataset (say HuggingFaceFW/fineweb-edu)")
+        if self.hf_dataset and self.input:
+            raise ConfigError(
+                f"data.input and data.hf_dataset={self.hf_dataset} are both set; keep one (data.hf_dataset=null)"
+            )
+
+
+@dataclass
+class PrepareConfig:
+    """`python -m data.prepare`: only the data group."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+def register_prepare_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="prepare_schema", node=PrepareConfig)

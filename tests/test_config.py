@@ -1,0 +1,52 @@
+"""Config typed and checked once: every bad value is one ConfigError naming the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from common.errors import ConfigError
+from conftest import compose_config
+from training.schema import SampleConfig, TrainRunConfig, typed_config
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("temperature=0", "temperature=0.0 must be > 0.0; use top_k=1 for greedy decoding"),
+        ("top_k=0", "top_k=0 must be >= 1; or null for no cut-off"),
+        ("num_samples=0", "num_samples=0 must be >= 1"),
+        ("max_new_tokens=0", "max_new_tokens=0 must be >= 1"),
+        ("attn_impl=fast", "attn_impl=fast is unknown; use one of flash, math"),
+        ("dtype=fp8", "dtype=fp8 is unknown; use one of auto, float32, bfloat16, float16"),
+    ],
+)
+def test_sample_values_are_checked_when_typed(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        typed_config(compose_config(["out_dir=RUN", override], config_name="sample"), SampleConfig)
+
+
+def test_sample_needs_a_run_or_pretrained_weights() -> None:
+    with pytest.raises(ConfigError, match="out_dir is required"):
+        typed_config(compose_config([], config_name="sample"), SampleConfig)
+    assert typed_config(compose_config(["init_from=gpt2"], config_name="sample"), SampleConfig).out_dir is None
+    config = typed_config(compose_config(["out_dir=RUN", "top_k=null"], config_name="sample"), SampleConfig)
+    assert isinstance(config, SampleConfig) and config.top_k is None
+
+
+def test_a_run_config_is_typed_all_the_way_down_and_resolved() -> None:
+    config = typed_config(compose_config(["experiment=speedrun_cpu"]), TrainRunConfig)
+    assert type(config.model).__name__ == "ModelConfig" and config.model.pos_emb == "rope"
+    assert config.train.target_val_loss == 1.89 and "${" not in config.out_dir
+
+
+def test_a_saved_config_yaml_types_like_the_composed_one(tmp_path: Path) -> None:
+    """config.yaml is plain YAML (torchrun's resume test trains from one): it gets the schema on the way in."""
+    composed = compose_config(["experiment=speedrun_cpu", "out_dir=run"])
+    path = tmp_path / "config.yaml"
+    path.write_text(OmegaConf.to_yaml(composed))
+    assert typed_config(OmegaConf.load(path), TrainRunConfig) == typed_config(composed, TrainRunConfig)
+    with pytest.raises(ConfigError, match="train.eval_iters=0 must be >= 1"):
+        typed_config(OmegaConf.merge(OmegaConf.load(path), {"train": {"eval_iters": 0}}), TrainRunConfig)

@@ -1,0 +1,37 @@
+"""The layers' imports point one way: common < model, data < training, so the model and the data can be used,
+and tested, without the trainer."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+ALLOWED = {
+    "common": {"common"},
+    "model": {"common", "model"},
+    "data": {"common", "data"},
+}
+OURS = {"analysis", "common", "data", "model", "training"}
+
+
+def _imported_packages(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names & OURS
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_lower_layers_import_nothing_from_higher_ones(package: str) -> None:
+    files = sorted((REPO / package).glob("*.py"))
+    assert files
+    for path in files:
+        stray = _imported_packages(path) - ALLOWED[package]
+        assert not stray, f"{path.relative_to(REPO)} imports {sorted(stray)}"

@@ -1,0 +1,81 @@
+"""The Trainer's seams, without running the whole loop: step() on its own, save() and restore()."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import compose_config, tiny_run_overrides
+from training.build import build_trainer
+from training.checkpoint import CKPT_NAME, load_checkpoint
+from training.distributed import World
+from training.errors import TrainingDiverged
+from training.loop import train
+from training.optim import lr_at
+from training.runtime import make_runtime
+from training.schema import TrainRunConfig, typed_config
+from training.trainer import Trainer
+
+
+def _trainer(tmp_path: Path, corpus: Path, **extra: object) -> Trainer:
+    config = typed_config(compose_config(tiny_run_overrides(tmp_path, corpus, **extra)), TrainRunConfig)
+    return build_trainer(config, World(), make_runtime("cpu", "float32"))
+
+
+def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_five_steps_are_the_weights_of_a_five_iteration_run(tmp_path: Path, corpus_path: Path) -> None:
+    keys = {"train.max_iters": 5, "train.eval_interval": 100}
+    trainer = _trainer(tmp_path / "a", corpus_path, **keys)
+    losses = []
+    for it in range(5):
+        outcome = trainer.step()
+        assert trainer.progress.iter == it + 1 and not outcome.stop
+        assert outcome.lr == lr_at(it, 1e-3, 1e-4, 2, 5)  # the config's schedule
+        losses.append(outcome.loss.item())
+    assert all(math.isfinite(loss) for loss in losses)
+
+    train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, **keys)))
+    run = load_checkpoint(tmp_path / "b" / "run" / CKPT_NAME)
+    assert all(torch.equal(run.model[k], v) for k, v in trainer.model.state_dict().items())  # bit for bit
+
+
+def test_a_step_with_a_nonfinite_loss_never_touches_the_weights(tmp_path: Path, corpus_path: Path) -> None:
+    trainer = _trainer(tmp_path, corpus_path)
+    with torch.no_grad():
+        trainer.model.lm_head.weight[0, 0] = math.inf
+    before = _weights(trainer)
+    with pytest.raises(TrainingDiverged, match="at iter 0"):
+        trainer.step()
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+    trainer.config.train.on_nonfinite = "skip"
+    outcome = trainer.step()
+    assert outcome.loss is None and trainer.progress.iter == 1  # counted as an iteration, not applied
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_save_then_restore_gives_back_the_named_state(tmp_path: Path, corpus_path: Path) -> None:
+    first = _trainer(tmp_path, corpus_path, **{"model.dropout": 0.1})
+    for _ in range(3):
+        first.step()
+    first.progress.val_loss, first.progress.best_val_loss, first.progress.last_eval_iter = 2.5, 2.25, 3
+    first.save()
+    after_save = torch.rand(3)  # the dropout stream goes on from the saved state
+
+    second = _trainer(tmp_path, corpus_path, **{"model.dropout": 0.1, "resume": True})
+    p = second.progress
+    assert (p.iter, p.last_eval_iter, p.val_loss, p.best_val_loss) == (3, 3, 2.5, 2.25)
+    assert p.elapsed_s > 0
+    restored = torch.get_rng_state()
+    assert torch.equal(torch.rand(3), after_save)
+    assert all(torch.equal(first.model.state_dict()[k], v) for k, v in second.model.state_dict().items())
+    torch.set_rng_state(restored)
+    loss = first.step().loss
+    torch.set_rng_state(restored)
+    assert torch.equal(second.step().loss, loss)  # the same optimizer state, the same dropout masks

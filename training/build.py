@@ -1,0 +1,197 @@
+"""A Trainer from a checked config: the run directory, the data, the model (new, pretrained or resumed), its
+wrapping for torchrun and compilation, the optimizer, evaluation and logging."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from common.errors import ConfigError
+from data.prepare import PreparedData, ensure_prepared
+from data.tokenizers import tokenizer_from_metadata
+from model import GPT, GPTConfig
+from model.hf_gpt2 import load_pretrained
+from training.checkpoint import CKPT_NAME, Checkpoint, load_checkpoint
+from training.distributed import World, barrier, broadcast_from_main, wrap_model
+from training.errors import CheckpointError
+from training.evaluation import Evaluator
+from training.metrics import MetricsLog, forget_metrics, open_wandb
+from training.mfu import peak_flops
+from training.optim import make_optimizer
+from training.runtime import Runtime
+from training.schema import TrainRunConfig
+from training.trainer import Trainer
+
+log = logging.getLogger("train")
+FREE_MODEL_KEYS = ("attn_impl", "dropout")  # may change on resume: the weights don't depend on them
+
+
+def build_trainer(
+    config: TrainRunConfig,
+    world: World,
+    runtime: Runtime,
+    started: float | None = None,
+    before_step: Callable[[int], None] | None = None,
+) -> Trainer:
+    """Everything the run needs, restored from ckpt.pt when config.resume. `started`: the perf_counter() the
+    run's clock starts from (default: now)."""
+    started = time.perf_counter() if started is None else started
+    # Each rank's Hydra resolved ${now:} on its own clock: all write to rank 0's directory.
+    config = dataclasses.replace(config, out_dir=broadcast_from_main(config.out_dir, world))
+    out_dir = Path(config.out_dir)
+    checkpoint = _open_run_dir(out_dir, config.resume, world)
+    torch.manual_seed(config.seed)  # the same initial weights on every rank (FSDP2 shards each rank's own)
+    data = _prepared_data(config, world)
+    resolved = dataclasses.asdict(config)
+    model = _build_model(config, checkpoint, data)
+    if checkpoint is not None:
+        _log_changed_keys(checkpoint.config, resolved)
+    if world.rank:  # then each rank its own dropout masks (nanoGPT's seed offset); rank 0's stream goes on
+        torch.manual_seed(config.seed + world.rank)
+    _check_data_fits(data, model.config.block_size)
+
+    opt = config.train
+    num_params = model.num_params()  # before sharding
+    wrapped = _place(model, opt.parallel, world, runtime)
+    use_compile = runtime.is_cuda if opt.compile is None else opt.compile
+    tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
+    byte_lengths = torch.from_numpy(tokenizer.token_byte_lengths()).to(runtime.device, torch.float64)
+    peak = peak_flops(runtime.device, runtime.dtype)
+    trainer = Trainer(
+        config=config,
+        resolved=resolved,
+        world=world,
+        runtime=runtime,
+        out_dir=out_dir,
+        data=data,
+        tokenizer=tokenizer,
+        model=model,
+        wrapped=wrapped,
+        step_model=torch.compile(wrapped) if use_compile else wrapped,
+        optimizer=make_optimizer(model, opt.learning_rate, opt.weight_decay, (opt.beta1, opt.beta2), runtime.device),
+        scaler=torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16),
+        evaluator=Evaluator(data, opt, config.seed, model.config.block_size, byte_lengths, runtime, world),
+        metrics=MetricsLog(out_dir, active=world.is_main),
+        peak_flops=peak.flops * world.size,
+        started=started,
+        before_step=before_step,
+    )
+    if checkpoint is not None:
+        trainer.restore(checkpoint)
+    if world.is_main:
+        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+        trainer.metrics.wandb_run = open_wandb(config.wandb, resolved, out_dir)
+    log.info(
+        f"{num_params / 1e6:.2f}M parameters, {data.meta['vocab_size']} tokens in the vocabulary, "
+        f"{_machinery(runtime, world, opt.parallel, use_compile)}, out_dir {out_dir}"
+    )
+    log.info(f"MFU against {peak.flops / 1e12:.3g} TFLOP/s per process ({peak.source})")
+    return trainer
+
+
+def _machinery(runtime: Runtime, world: World, parallel: str, use_compile: bool) -> str:
+    processes = f", {world.size} processes ({parallel})" if world.distributed else ""
+    return f"device {runtime.device}, {str(runtime.dtype).removeprefix('torch.')}, compile {use_compile}{processes}"
+
+
+def _place(model: GPT, parallel: str, world: World, runtime: Runtime) -> torch.nn.Module:
+    """On the device, wrapped for DDP; or sharded in place by FSDP2, which moves each rank's shards to its device
+    itself (no GPU ever holds the whole model)."""
+    if not (world.distributed and parallel == "fsdp"):
+        model.to(runtime.device)
+    return wrap_model(model, parallel, world, runtime.device)
+
+
+def _open_run_dir(out_dir: Path, resume: bool, world: World) -> Checkpoint | None:
+    """The checkpoint to resume, or None for a new run; a new run never writes over another's."""
+    if resume:
+        checkpoint = load_checkpoint(out_dir / CKPT_NAME)
+    elif (out_dir / CKPT_NAME).exists():
+        raise ConfigError(f"out_dir={out_dir} already holds a run; pass resume=true to continue it, or another out_dir")
+    else:
+        checkpoint = None
+    barrier(world)  # every rank has looked for a checkpoint before rank 0 writes anything
+    if world.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if checkpoint is None:
+            forget_metrics(out_dir)
+    return checkpoint
+
+
+def _prepared_data(config: TrainRunConfig, world: World) -> PreparedData:
+    """Rank 0 tokenizes; the others then only read the prepared files."""
+    if world.is_main:
+        data = ensure_prepared(config.data)
+    barrier(world)
+    if not world.is_main:
+        data = ensure_prepared(config.data, prepare=False)
+    return data
+
+
+def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: PreparedData) -> GPT:
+    """A new model from model.*, init_from's pretrained one, or (resume) one of the checkpoint's shape."""
+    if config.init_from is not None and checkpoint is None:
+        return _pretrained_model(config, data.meta["vocab_size"])
+    free = {k: getattr(config.model, k) for k in FREE_MODEL_KEYS}
+    if config.init_from is not None:  # resuming a finetune: the shape is the pretrained model's, as saved
+        model_config = dataclasses.replace(checkpoint.model_config, **free)
+    else:
+        model_config = config.model.gpt_config(data.meta["vocab_size"])
+    if checkpoint is not None:
+        _check_same_shape(checkpoint.model_config, model_config)
+        if checkpoint.tokenizer != data.meta["tokenizer"]:
+            raise CheckpointError("resume=true with data tokenized differently from the checkpoint's; use its data")
+    return GPT(model_config)
+
+
+def _pretrained_model(config: TrainRunConfig, vocab_size: int) -> GPT:
+    """init_from's weights and shape; block_size (cropped), dropout and attn_impl from the config."""
+    keys = config.model
+    model = load_pretrained(
+        config.init_from, block_size=keys.block_size, dropout=keys.dropout, attn_impl=keys.attn_impl
+    )
+    if model.config.vocab_size != vocab_size:
+        raise ConfigError(
+            f"init_from={config.init_from} has a vocabulary of {model.config.vocab_size} tokens, the data's has "
+            f"{vocab_size}; use data tokenized like the model (GPT-2: data.tokenizer=r50k_base, e.g. data=shakespeare)"
+        )
+    shape = {k: getattr(model.config, k) for k in ("n_layer", "n_head", "n_embd", "bias", "activation", "pos_emb")}
+    log.info(f"init_from={config.init_from}: {shape}, block_size {model.config.block_size}")
+    return model
+
+
+def _check_data_fits(data: PreparedData, block_size: int) -> None:
+    for split, files in (("train", data.train), ("val", data.val)):
+        n = max(files.lengths)  # windows don't span files
+        if n <= block_size:
+            raise ConfigError(
+                f"the {split} split's longest token file has {n} tokens, too few for model.block_size={block_size}; "
+                "lower model.block_size or train on more text (or raise data.shard_tokens)"
+            )
+
+
+def _check_same_shape(saved: GPTConfig, current: GPTConfig) -> None:
+    old, new = dataclasses.asdict(saved), dataclasses.asdict(current)
+    changed = [k for k in new if k not in FREE_MODEL_KEYS and old[k] != new[k]]
+    if changed:
+        diffs = ", ".join(f"{k}: {old[k]} -> {new[k]}" for k in changed)
+        raise CheckpointError(
+            f"resume=true with a model that differs from the checkpoint's ({diffs}); drop those overrides"
+        )
+
+
+def _log_changed_keys(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> None:
+    """Training keys may change on resume (more iterations, another learning rate): say which did."""
+    for key in sorted(set(saved) | set(current)):
+        old, new = saved.get(key), current.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            _log_changed_keys(old, new, f"{prefix}{key}.")
+        elif old != new and f"{prefix}{key}" not in ("resume", "out_dir"):
+            log.info(f"resume: {prefix}{key} changed from {old} to {new}")

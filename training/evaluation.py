@@ -1,0 +1,90 @@
+"""The loss of each split, the same windows at every evaluation and whatever the number of processes."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from data.batches import TokenFiles, batch_generator, every_window, get_batch
+from data.prepare import PreparedData
+from training.distributed import World, all_reduce_sum
+from training.runtime import Runtime
+from training.schema import OptimConfig
+
+EVAL_PURPOSE = 1  # batch_generator's key for evaluation windows (training's is 0)
+
+
+@dataclass(frozen=True)
+class Losses:
+    train: float
+    val: float
+    val_bpb: float  # val in bits per byte of text: comparable across tokenizers
+
+
+@dataclass
+class Evaluator:
+    """Mean loss over the same eval_iters random windows of each split at every evaluation, or over every block of
+    the val split with train.full_val; and val in bits per byte: the nats of the tokens that are text over their
+    UTF-8 bytes, special tokens such as <|endoftext|> left out of both (as nanochat).
+
+    The batches are the same whatever the number of processes: each rank takes every world.size-th one and the
+    sums are reduced, so the result is the whole set's (not rank 0's share).
+    """
+
+    data: PreparedData
+    opt: OptimConfig
+    seed: int
+    block_size: int
+    byte_lengths: torch.Tensor  # UTF-8 bytes of each token id (0: a special token), float64 on the device
+    runtime: Runtime
+    world: World
+
+    @torch.no_grad()
+    def __call__(self, model: torch.nn.Module) -> Losses:
+        model.eval()
+        train_nats, train_tokens, _, _ = self._sums(model, self._batches("train", self.data.train))
+        val_nats, val_tokens, text_nats, text_bytes = self._sums(model, self._batches("val", self.data.val))
+        model.train()
+        bpb = text_nats / (math.log(2) * text_bytes) if text_bytes else math.nan
+        return Losses(train_nats / train_tokens, val_nats / val_tokens, bpb)
+
+    def _batches(self, split: str, files: TokenFiles) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if split == "val" and self.opt.full_val:
+            # The result doesn't depend on the batch size; bigger batches keep small models' matmuls efficient.
+            windows = max(self.opt.batch_size, 4096 // self.block_size)  # at least 4096 tokens a batch
+            return every_window(files, windows, self.block_size)
+        generator = batch_generator(self.seed, EVAL_PURPOSE, 0 if split == "train" else 1)
+        return (get_batch(files, self.opt.batch_size, self.block_size, generator) for _ in range(self.opt.eval_iters))
+
+    def _sums(self, model: torch.nn.Module, batches: Iterator) -> list[float]:
+        """Nats and count of all target tokens; nats and UTF-8 bytes of the text ones; over all ranks."""
+        sums = torch.zeros(4, dtype=torch.float64, device=self.runtime.device)
+        for x, y, counted in share_of(batches, self.world):
+            y = y.to(self.runtime.device).flatten()
+            with self.runtime.autocast():
+                logits, _ = model(x.to(self.runtime.device))
+            nats = F.cross_entropy(logits.flatten(0, 1).float(), y, reduction="none").double()
+            n_bytes = self.byte_lengths[y]
+            if counted:
+                sums += torch.stack((nats.sum(), nats.new_tensor(y.numel()), nats[n_bytes > 0].sum(), n_bytes.sum()))
+        return all_reduce_sum(sums, self.world).tolist()
+
+
+def share_of(
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]], world: World
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """Every world.size-th batch, starting at this rank's. All ranks run the same number of forward passes
+    (FSDP2 gathers weights collectively): a rank with no batch left in the last round repeats one, uncounted."""
+    while True:
+        round_ = list(itertools.islice(batches, world.size))
+        if not round_:
+            return
+        if world.rank < len(round_):
+            yield (*round_[world.rank], True)
+        else:
+            yield (*round_[0], False)

@@ -1,0 +1,301 @@
+"""One training run: its state (model, optimizer, Progress) and its loop, fit(). training/build.py makes a Trainer
+from the config; training/loop.py's train() is the entry point."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from data.batches import batch_generator, every_window, get_batch
+from data.prepare import PreparedData
+from data.tokenizers import Tokenizer
+from model import GPT
+from training.checkpoint import CKPT_NAME, Checkpoint, Progress, save_checkpoint
+from training.distributed import (
+    World,
+    agree_on_step,
+    all_gather_objects,
+    barrier,
+    full_state,
+    gradient_sync,
+    load_full_state,
+)
+from training.errors import TrainingDiverged
+from training.evaluation import Evaluator, Losses
+from training.metrics import LogWindow, MetricsLog, drop_records_after
+from training.optim import lr_at
+from training.preemption import StopRequests
+from training.runtime import Runtime
+from training.sampling import Sampler
+from training.schema import SampleConfig, TrainRunConfig
+
+log = logging.getLogger("train")
+TRAIN_PURPOSE = 0  # batch_generator's key for training windows (evaluation's is 1)
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    iters: int
+    val_loss: float
+    best_val_loss: float
+    elapsed_s: float
+    stopped_by: str | None = None  # the signal that ended the run early, if one did
+
+
+@dataclass
+class StepOutcome:
+    loss: torch.Tensor | None  # the step's mean loss over all micro-batches and ranks (0-dim); None if skipped
+    lr: float
+    stop: bool  # some rank was asked to stop: every rank stops after this step
+
+
+@dataclass(eq=False)
+class Trainer:
+    """What a run is made of. Only `progress`, the model's and optimizer's state, the GradScaler's and the random
+    state change as it trains, and they are exactly what save() writes and restore() reads."""
+
+    config: TrainRunConfig
+    resolved: dict[str, Any]  # the config as written to config.yaml and the checkpoint
+    world: World
+    runtime: Runtime
+    out_dir: Path
+    data: PreparedData
+    tokenizer: Tokenizer
+    model: GPT  # the plain module: checkpoints hold its names
+    wrapped: nn.Module  # the model under DDP (or the model itself, sharded in place by FSDP2)
+    step_model: nn.Module  # what forward passes call: `wrapped`, compiled or not
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    evaluator: Evaluator
+    metrics: MetricsLog
+    peak_flops: float  # all processes together, for MFU
+    progress: Progress = field(default_factory=Progress)  # elapsed_s: the run's wall time before this process
+    started: float = field(default_factory=time.perf_counter)
+    before_step: Callable[[int], None] | None = None  # a test seam: called with the iteration before each step
+
+    def fit(self) -> TrainResult:
+        """Evaluate (and checkpoint) when due, stop when done or the target is reached, step, log. A signal
+        stops the run after the current step, with a checkpoint."""
+        p, opt = self.progress, self.config.train
+        if self._target_reached():
+            log.info(f"the run already reached val loss {p.val_loss:.4f} <= {opt.target_val_loss} at iter {p.iter}")
+            return self._finish(None)
+        window = LogWindow(p.iter, self._tokens_per_iter(), self.model.flops_per_token(), self.peak_flops)
+        stopped_by = None
+        self.model.train()
+        with StopRequests(second_quits=not self.world.distributed) as stop:
+            while True:
+                if self._eval_due() and self._evaluate_and_save():
+                    break  # the target is reached
+                if p.iter >= opt.max_iters:
+                    break
+                if self.before_step is not None:
+                    self.before_step(p.iter)
+                started = time.perf_counter()
+                outcome = self.step(stop_requested=stop.signal is not None)
+                window.add(outcome.loss)
+                self._log_step(window.end_step(p.iter - 1, started, p.iter % opt.log_interval == 0), outcome.lr)
+                if outcome.stop:
+                    stopped_by = self._stop(stop.signal)
+                    break
+        return self._finish(stopped_by)
+
+    def step(self, stop_requested: bool = False) -> StepOutcome:
+        """One optimizer step over train.grad_accum micro-batches, this rank's share of them. The windows depend
+        only on the seed and the iteration. A non-finite loss never reaches the weights."""
+        it, opt = self.progress.iter, self.config.train
+        decay_iters = opt.max_iters if opt.lr_decay_iters is None else opt.lr_decay_iters
+        lr = lr_at(it, opt.learning_rate, opt.min_lr, opt.warmup_iters, decay_iters)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss, stop = agree_on_step(self._accumulate_gradients(it), stop_requested, self.world)
+        applied = self._apply_gradients(loss, it)
+        self.progress.iter += 1
+        return StepOutcome(loss if applied else None, lr, stop)
+
+    def _accumulate_gradients(self, it: int) -> torch.Tensor:
+        local_accum = self.config.train.grad_accum // self.world.size
+        device = self.runtime.device
+        step_loss = torch.zeros((), device=device)
+        for local in range(local_accum):
+            micro = self.world.rank * local_accum + local  # the step's micro-batches, split between the ranks
+            generator = batch_generator(self.config.seed, TRAIN_PURPOSE, it, micro)
+            x, y = get_batch(self.data.train, self.config.train.batch_size, self.model.config.block_size, generator)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with gradient_sync(self.wrapped, local == local_accum - 1):  # reduce on the last micro-batch only
+                with self.runtime.autocast():
+                    _, loss = self.step_model(x, y)
+                loss = loss / local_accum  # and DDP/FSDP average over the ranks: the mean of all micro-batches
+                self.scaler.scale(loss).backward()
+            step_loss += loss.detach()
+        return step_loss
+
+    def _apply_gradients(self, loss: torch.Tensor, it: int) -> bool:
+        """Checked before the step, so the weights stay finite; False when the step was skipped."""
+        opt = self.config.train
+        if not torch.isfinite(loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            if opt.on_nonfinite == "stop":
+                raise TrainingDiverged(
+                    f"the loss is {loss.item()} at iter {it}; {CKPT_NAME} keeps the last good state. "
+                    "Lower train.learning_rate, or set train.on_nonfinite=skip to drop such steps"
+                )
+            log.warning(f"skipped iter {it}: the loss is {loss.item()}")
+            return False
+        if opt.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), opt.grad_clip)  # global norm, also sharded
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
+
+    def evaluate(self) -> Losses:
+        return self.evaluator(self.step_model)
+
+    def _evaluate_and_save(self) -> bool:
+        """An eval line, and a checkpoint unless the val loss is non-finite; True if it reached the target."""
+        p, target = self.progress, self.config.train.target_val_loss
+        losses = self.evaluate()
+        p.val_loss, p.last_eval_iter = losses.val, p.iter
+        p.best_val_loss = min(p.best_val_loss, losses.val)
+        reached = target is not None and losses.val <= target
+        record = {
+            "iter": p.iter,
+            "train_loss": losses.train,
+            "val_loss": losses.val,
+            "val_bpb": losses.val_bpb,
+            "elapsed_s": self.elapsed(),
+        }
+        if reached:
+            record["time_to_target_s"] = record["elapsed_s"]
+        self.metrics.write(record)
+        if not math.isfinite(losses.val):
+            log.warning(f"val loss is {losses.val} at iter {p.iter}: keeping the previous checkpoint")
+        elif p.iter > 0:
+            self.save()
+        if reached:
+            elapsed = record["elapsed_s"]
+            log.info(f"reached val loss {losses.val:.4f} <= {target} at iter {p.iter}, {elapsed:.1f} s after the start")
+        return reached
+
+    def _eval_due(self) -> bool:
+        p, opt = self.progress, self.config.train
+        return (p.iter % opt.eval_interval == 0 or p.iter == opt.max_iters) and p.last_eval_iter != p.iter
+
+    def _target_reached(self) -> bool:
+        """A resumed run that stopped at its target, evaluated at its last iteration."""
+        p, target = self.progress, self.config.train.target_val_loss
+        return target is not None and p.last_eval_iter == p.iter and p.val_loss <= target
+
+    def _log_step(self, numbers: dict[str, Any] | None, lr: float) -> None:
+        if numbers is not None:
+            train_loss = numbers.pop("train_loss")
+            record = {"iter": self.progress.iter, "train_loss": train_loss, "lr": lr, "elapsed_s": self.elapsed()}
+            self.metrics.write({**record, **numbers})
+
+    def elapsed(self) -> float:
+        """The run's wall time, its earlier processes included."""
+        return round(self.progress.elapsed_s + time.perf_counter() - self.started, 3)
+
+    def _tokens_per_iter(self) -> int:
+        opt = self.config.train
+        return opt.batch_size * opt.grad_accum * self.model.config.block_size  # all processes together
+
+    def save(self) -> None:
+        """ckpt.pt from the run's named state. Collective under FSDP2 (every rank gathers); rank 0 writes."""
+        model_state, optimizer_state = full_state(self.model, self.optimizer, self.world)
+        rng = all_gather_objects(self._rng_state(), self.world)  # each rank's dropout stream
+        if not self.world.is_main:
+            return
+        checkpoint = Checkpoint(
+            model_config=self.model.config,
+            model=model_state,
+            tokenizer=self.data.meta["tokenizer"],
+            config=self.resolved,
+            progress=dataclasses.replace(self.progress, elapsed_s=self.elapsed()),
+            optimizer=optimizer_state,
+            scaler=self.scaler.state_dict(),
+            rng=rng,
+        )
+        save_checkpoint(self.out_dir / CKPT_NAME, checkpoint)
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Continue a saved run exactly: weights, optimizer and GradScaler, progress, random state, metrics. The
+        optimizer's hyperparameters stay the config's (they may change on resume), not the saved ones."""
+        opt = self.config.train
+        optimizer_state = checkpoint.optimizer_state_for(self.model, self.optimizer)
+        load_full_state(self.model, self.optimizer, checkpoint.model, optimizer_state)
+        for group in self.optimizer.param_groups:
+            group["betas"] = (opt.beta1, opt.beta2)
+        self.optimizer.param_groups[0]["weight_decay"] = opt.weight_decay
+        if checkpoint.scaler:  # empty when the checkpoint's run didn't use fp16
+            self.scaler.load_state_dict(checkpoint.scaler)
+        self.progress = dataclasses.replace(checkpoint.progress)
+        self._restore_rng(checkpoint.rng)
+        if self.world.is_main:
+            drop_records_after(self.out_dir, self.progress.iter)  # written after the checkpoint by a killed run
+        log.info(f"resuming {self.out_dir} at iter {self.progress.iter}")
+
+    def _rng_state(self) -> dict[str, Any]:
+        """Dropout draws from torch's global generators; batches and evaluation use their own."""
+        cuda = [torch.cuda.get_rng_state(self.runtime.device)] if self.runtime.is_cuda else []
+        return {"torch": torch.get_rng_state(), "cuda": cuda}
+
+    def _restore_rng(self, states: list[dict[str, Any]]) -> None:
+        """Each rank's own stream; with another number of processes than saved, dropout streams start afresh."""
+        if len(states) != self.world.size:
+            log.warning(f"resuming {len(states)} processes' run with {self.world.size}: dropout won't repeat exactly")
+            return
+        state = states[self.world.rank]
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] and self.runtime.is_cuda:
+            torch.cuda.set_rng_state(state["cuda"][0], self.runtime.device)
+
+    def _stop(self, received: signal.Signals | None) -> str:
+        self.save()
+        barrier(self.world)  # none exits before rank 0 has written: torchrun stops the others when one exits
+        name = (received or signal.SIGTERM).name  # another rank's signal, forwarded by agree_on_step
+        log.warning(
+            f"stopped by {name} at iter {self.progress.iter}; checkpoint {self.out_dir / CKPT_NAME}. "
+            f"Resume with: python train.py out_dir={self.out_dir} resume=true (and the same overrides)"
+        )
+        return name
+
+    def _finish(self, stopped_by: str | None) -> TrainResult:
+        p = self.progress
+        sharded = self.world.distributed and self.config.train.parallel == "fsdp"
+        # generate() can't run on one rank's shards, and a preempted run has no time to spare
+        if self.metrics.wandb_run is not None and stopped_by is None and not sharded:
+            self.metrics.log_samples(p.iter, self._samples())
+        self.metrics.close()
+        if stopped_by is None:
+            log.info(
+                f"done: {p.iter} iters, val loss {p.val_loss:.4f} (best {p.best_val_loss:.4f}), "
+                f"{self.elapsed():.1f} s; checkpoint {self.out_dir / CKPT_NAME}"
+            )
+        return TrainResult(self.out_dir, p.iter, p.val_loss, p.best_val_loss, self.elapsed(), stopped_by)
+
+    def _samples(self, count: int = 3, tokens: int = 200) -> list[list[str]]:
+        """Continuations of the val split's first token, with sample.py's default temperature and top_k; drawn
+        after the last checkpoint, whose random state is already saved."""
+        first = int(next(every_window(self.data.val, 1, 1))[0][0, 0])
+        defaults = SampleConfig(out_dir=str(self.out_dir))
+        sampler = Sampler(self.model, self.tokenizer, self.runtime)
+        self.model.eval()
+        ids = sampler.generate([first], count, tokens, defaults.temperature, defaults.top_k, use_cache=True)
+        texts = [self.tokenizer.decode(sample) for sample in ids]
+        self.model.train()
+        prompt = self.tokenizer.decode([first])
+        return [[prompt, text] for text in texts]

@@ -44,11 +44,12 @@ REPO = Path(__file__).resolve().parent
 def bench_train(args: argparse.Namespace) -> list[dict]:
     from hydra import compose, initialize_config_dir
 
+    from common.config import typed_config
     from data.prepare import ensure_prepared
     from training.loop import train
     from training.mfu import peak_flops
     from training.runtime import make_runtime
-    from training.schema import TrainRunConfig, register_schemas, typed_config
+    from training.schema import TrainRunConfig, register_schemas
 
     register_schemas()
     out_dir = Path(tempfile.mkdtemp(prefix="bench-"))

@@ -25,8 +25,9 @@ import hydra
 from omegaconf import DictConfig
 
 from common.cli import exit_on_user_error, explain_unparsable_overrides
+from common.config import typed_config
 from training.sampling import load_sampler, warn
-from training.schema import SampleConfig, register_schemas, typed_config
+from training.schema import SampleConfig, register_schemas
 
 register_schemas()
 

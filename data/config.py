@@ -1,12 +1,12 @@
 """The `data.*` keys: a text (train.bin / val.bin), or a corpus of documents (shards: the first is val, the rest
-train). Checked when built, so a bad value fails before anything is read or written."""
+train). Checked when built, so a bad value fails before any data is read or prepared."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.config import check_fields, option
 from common.errors import ConfigError
-from common.fields import check_fields, option
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
@@ -22,10 +22,10 @@ class DataConfig:
     hf_dataset: str | None = None  # a Hugging Face dataset to stream, e.g. HuggingFaceFW/fineweb-edu (pip ".[hf]")
     hf_name: str | None = None  # its configuration, e.g. sample-10BT
     # tokens per shard of a corpus (llm.c's and nanoGPT's 100M)
-    shard_tokens: int = option(100_000_000, at_least=1, hint="tokens per shard, 100M in llm.c")
-    max_tokens: int | None = option(None, at_least=1, hint="or null for the whole corpus")  # stop a corpus early
+    shard_tokens: int = option(100_000_000, at_least=1, hint="it counts tokens per shard (100M in llm.c)")
+    max_tokens: int | None = option(None, at_least=1, hint="null means the whole corpus")  # stop a corpus early
     # processes encoding a corpus; null: the CPUs available less one
-    num_proc: int | None = option(None, at_least=1, hint="or null for the CPUs available less one")
+    num_proc: int | None = option(None, at_least=1, hint="null means the CPUs available less one")
 
     def __post_init__(self) -> None:
         check_fields(self, "data.")

@@ -108,45 +108,49 @@ def _chunks(text: str) -> Iterator[str]:
     yield text[start:]
 
 
-def ensure_prepared(c: DataConfig, *, prepare: bool = True) -> PreparedData:
+def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData:
     """Reuse the token files in the dataset folder if they were made from the same source and tokenizer.
 
     A text file (or the download) gives train.bin / val.bin; a directory of documents or a Hugging Face dataset
     gives shards. prepare=False (a torchrun rank other than 0) only reads what rank 0 prepared.
     """
-    out_dir = dataset_dir(c.name, c.dir)
-    if c.hf_dataset or (c.input and Path(c.input).expanduser().is_dir()):
-        return _ensure_corpus(out_dir, c, prepare)
+    out_dir = dataset_dir(config.name, config.dir)
+    if config.hf_dataset or (config.input and Path(config.input).expanduser().is_dir()):
+        return _ensure_corpus(out_dir, config, prepare)
     fingerprint = {
-        "source": source_fingerprint(c.input, c.url),
-        "tokenizer_spec": c.tokenizer,
-        "val_fraction": c.val_fraction,
+        "source": source_fingerprint(config.input, config.url),
+        "tokenizer_spec": config.tokenizer,
+        "val_fraction": config.val_fraction,
     }
     prepared = _reusable(out_dir, fingerprint)
     if prepared:
         return prepared
     _refuse_unless(prepare, out_dir)
-    text = read_text(c.input, out_dir / "input.txt", c.url)
+    text = read_text(config.input, out_dir / "input.txt", config.url)
     if not text:
-        raise DataError(f"the text for dataset {c.name!r} is empty; pass a non-empty file with data.input=PATH")
-    return write_dataset(text, make_tokenizer(c.tokenizer, text), out_dir, c.val_fraction, fingerprint)
+        raise DataError(f"the text for dataset {config.name!r} is empty; pass a non-empty file with data.input=PATH")
+    return write_dataset(text, make_tokenizer(config.tokenizer, text), out_dir, config.val_fraction, fingerprint)
 
 
-def _ensure_corpus(out_dir: Path, c: DataConfig, prepare: bool) -> PreparedData:
+def _ensure_corpus(out_dir: Path, config: DataConfig, prepare: bool) -> PreparedData:
     fingerprint = {
-        "source": corpus.source_fingerprint(c.input, c.hf_dataset, c.hf_name),
-        "tokenizer_spec": c.tokenizer,
-        "shard_tokens": c.shard_tokens,
-        "max_tokens": c.max_tokens,
+        "source": corpus.source_fingerprint(config.input, config.hf_dataset, config.hf_name),
+        "tokenizer_spec": config.tokenizer,
+        "shard_tokens": config.shard_tokens,
+        "max_tokens": config.max_tokens,
     }
     prepared = _reusable(out_dir, fingerprint)
     if prepared:
         return prepared
     _refuse_unless(prepare, out_dir)
-    bpe = corpus.corpus_tokenizer(c.tokenizer)
-    documents = corpus.hf_documents(c.hf_dataset, c.hf_name) if c.hf_dataset else corpus.local_documents(Path(c.input))
-    procs = c.num_proc or corpus.default_num_proc()
-    meta = corpus.write_corpus(documents, bpe, out_dir, c.shard_tokens, c.max_tokens, procs, fingerprint)
+    bpe = corpus.corpus_tokenizer(config.tokenizer)
+    documents = (
+        corpus.hf_documents(config.hf_dataset, config.hf_name)
+        if config.hf_dataset
+        else corpus.local_documents(Path(config.input))
+    )
+    procs = config.num_proc or corpus.default_num_proc()
+    meta = corpus.write_corpus(documents, bpe, out_dir, config.shard_tokens, config.max_tokens, procs, fingerprint)
     return PreparedData(out_dir, meta)
 
 
@@ -191,17 +195,18 @@ def _reusable(out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData | None
 
 if __name__ == "__main__":
     import hydra
-    from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig
 
     from common.cli import exit_on_user_error
-    from data.config import register_prepare_schema
+    from common.config import typed_config
+    from data.config import PrepareConfig, register_prepare_schema
 
     register_prepare_schema()
 
     @hydra.main(version_base="1.3", config_path="../configs", config_name="prepare")
     def main(cfg: DictConfig) -> None:
         with exit_on_user_error():
-            data = ensure_prepared(OmegaConf.to_object(cfg).data)  # typed and checked
+            data = ensure_prepared(typed_config(cfg, PrepareConfig).data)
         m = data.meta
         shards = f" in {m['train_shards'] + m['val_shards']} shards" if m.get("sharded") else ""
         print(

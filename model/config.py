@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.config import check_fields, option
 from common.errors import ConfigError
-from common.fields import check_fields, option
 
 ATTN_IMPLS = ("flash", "math")
 # gelu: exact (erf); gelu_tanh: the tanh approximation OpenAI's GPT-2 weights were trained with (HF's gelu_new);

@@ -7,16 +7,17 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from common.config import typed_config
 from common.errors import ConfigError
 from conftest import compose_config
-from training.schema import SampleConfig, TrainRunConfig, typed_config
+from training.schema import SampleConfig, TrainRunConfig
 
 
 @pytest.mark.parametrize(
     ("override", "message"),
     [
         ("temperature=0", "temperature=0.0 must be > 0.0; use top_k=1 for greedy decoding"),
-        ("top_k=0", "top_k=0 must be >= 1; or null for no cut-off"),
+        ("top_k=0", "top_k=0 must be >= 1; null means no cut-off"),
         ("num_samples=0", "num_samples=0 must be >= 1"),
         ("max_new_tokens=0", "max_new_tokens=0 must be >= 1"),
         ("attn_impl=fast", "attn_impl=fast is unknown; use one of flash, math"),

@@ -211,6 +211,16 @@ def test_truncated_or_foreign_checkpoints_are_one_line_errors(tmp_path: Path, co
     assert "\n" not in str(info.value)
 
 
+def test_sampling_refuses_a_checkpoint_without_a_tokenizer(tmp_path: Path) -> None:
+    from common.config import typed_config
+    from training.sampling import load_sampler
+    from training.schema import SampleConfig
+
+    save_checkpoint(tmp_path / CKPT_NAME, Checkpoint(GPTConfig(n_layer=1, n_embd=12, n_head=2), {}, tokenizer={}))
+    with pytest.raises(CheckpointError, match="holds no tokenizer"):
+        load_sampler(typed_config(SampleConfig(out_dir=str(tmp_path)), SampleConfig))
+
+
 def test_sample_py_names_a_broken_checkpoint(tmp_path: Path) -> None:
     (tmp_path / CKPT_NAME).write_text("not a checkpoint")
     result = run_script("sample.py", [f"out_dir={tmp_path}"], cwd=tmp_path)
@@ -310,7 +320,7 @@ def test_a_checkpoint_in_the_layout_before_the_trainer_resumes_exactly_and_sampl
         "tokenizer": raw["tokenizer"],
         "config": raw["config"],
     }
-    assert set(legacy) == set(raw)  # today's writer still writes exactly that layout
+    assert list(legacy) == list(raw)  # today's writer still writes exactly that layout, in that order
     torch.save(legacy, path)
     sampled = run_script("sample.py", [f"out_dir={path.parent}", "max_new_tokens=8", "num_samples=1"], cwd=tmp_path)
     assert sampled.returncode == 0 and len(sampled.stdout) > 8, sampled.stderr

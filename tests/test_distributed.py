@@ -13,13 +13,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from common.config import typed_config
 from common.errors import ConfigError
 from conftest import REPO, compose_config, run_script, tiny_run_overrides
 from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
 from training.evaluation import share_of
 from training.loop import check_for_world, train
-from training.schema import TrainRunConfig, typed_config
+from training.schema import TrainRunConfig
 
 # Four micro-batches a step: one process runs all four, each of two processes two (gradients reduced on the
 # second). eval_iters is odd so the train-split batches don't divide evenly between the ranks; the val split is

@@ -130,6 +130,8 @@ def test_resume_with_a_different_model_shape_names_the_keys(tmp_path: Path, corp
         ({"model.dropout": 1.0}, "model.dropout=1.0 must be < 1.0"),
         ({"data.val_fraction": 1.5}, "data.val_fraction=1.5 must be < 1.0"),
         ({"wandb.mode": "on"}, "wandb.mode=on is unknown; use one of online, offline, disabled"),
+        ({"train.learning_rate": 0}, "train.learning_rate=0.0 must be > 0.0"),
+        ({"train.beta2": 1.0}, "train.beta2=1.0 must be < 1.0"),
     ],
 )
 def test_bad_config_values_are_config_errors(tmp_path: Path, corpus_path: Path, extra: dict, message: str) -> None:
@@ -143,8 +145,9 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path: Path, corpus_pat
 
 
 def test_bpe_run_trains_and_samples(tmp_path: Path, corpus_path: Path) -> None:
+    from common.config import typed_config
     from training.sampling import load_sampler
-    from training.schema import SampleConfig, typed_config
+    from training.schema import SampleConfig
 
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"data.tokenizer": TINY_BPE})))
     ckpt = load_checkpoint(tmp_path / "run" / CKPT_NAME)
@@ -181,10 +184,14 @@ def test_model_keys_are_derived_from_gptconfig_without_vocab_size() -> None:
     from dataclasses import fields
 
     from model import GPTConfig
-    from training.schema import ModelConfig
+    from training.schema import SCHEMA_SHAPE, ModelConfig
 
-    ours = {f.name: (f.default, f.metadata) for f in fields(GPTConfig) if f.name != "vocab_size"}
-    assert {f.name: (f.default, f.metadata) for f in fields(ModelConfig)} == ours
+    gpt = {
+        f.name: (SCHEMA_SHAPE.get(f.name, f.default), f.metadata) for f in fields(GPTConfig) if f.name != "vocab_size"
+    }
+    assert {f.name: (f.default, f.metadata) for f in fields(ModelConfig)} == gpt
+    assert [f.name for f in fields(ModelConfig)][:4] == ["n_layer", "n_head", "n_embd", "block_size"]  # config.yaml
+    assert SCHEMA_SHAPE == {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64}  # the baby model
     with pytest.raises(ConfigCompositionException):
         compose_config(["model.vocab_size=100"])  # the data's, never the user's
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
+from common.config import typed_config
 from conftest import compose_config, tiny_run_overrides
 from training.build import build_trainer
 from training.checkpoint import CKPT_NAME, load_checkpoint
@@ -16,7 +18,7 @@ from training.errors import TrainingDiverged
 from training.loop import train
 from training.optim import lr_at
 from training.runtime import make_runtime
-from training.schema import TrainRunConfig, typed_config
+from training.schema import TrainRunConfig
 from training.trainer import Trainer
 
 
@@ -79,3 +81,20 @@ def test_save_then_restore_gives_back_the_named_state(tmp_path: Path, corpus_pat
     loss = first.step().loss
     torch.set_rng_state(restored)
     assert torch.equal(second.step().loss, loss)  # the same optimizer state, the same dropout masks
+
+
+def test_a_signal_during_a_step_stops_the_run_after_that_step(tmp_path: Path, corpus_path: Path) -> None:
+    """Preemption arrives while a step computes (forward, backward): that step completes, then a checkpoint."""
+    trainer = _trainer(tmp_path, corpus_path, **{"train.max_iters": 1000, "train.eval_interval": 500})
+    forwards = 0
+
+    def signal_on_the_eighth_training_forward(module: torch.nn.Module, inputs: tuple) -> None:
+        nonlocal forwards
+        forwards += module.training
+        if module.training and forwards == 8:  # the forward of step 7 (one micro-batch a step)
+            signal.raise_signal(signal.SIGTERM)
+
+    trainer.model.register_forward_pre_hook(signal_on_the_eighth_training_forward)
+    result = trainer.fit()
+    assert result.stopped_by == "SIGTERM" and result.iters == 8
+    assert load_checkpoint(tmp_path / "run" / CKPT_NAME).progress.iter == 8

@@ -47,23 +47,16 @@ def build_trainer(
     config = dataclasses.replace(config, out_dir=broadcast_from_main(config.out_dir, world))
     out_dir = Path(config.out_dir)
     checkpoint = _open_run_dir(out_dir, config.resume, world)
-    torch.manual_seed(config.seed)  # the same initial weights on every rank (FSDP2 shards each rank's own)
-    data = _prepared_data(config, world)
-    resolved = dataclasses.asdict(config)
-    model = _build_model(config, checkpoint, data)
-    if checkpoint is not None:
-        _log_changed_keys(checkpoint.config, resolved)
-    if world.rank:  # then each rank its own dropout masks (nanoGPT's seed offset); rank 0's stream goes on
-        torch.manual_seed(config.seed + world.rank)
-    _check_data_fits(data, model.config.block_size)
-
+    resolved = dataclasses.asdict(config)  # what config.yaml and the checkpoint hold
+    data, model = _data_and_model(config, checkpoint, world)
     opt = config.train
-    num_params = model.num_params()  # before sharding
+    num_params, flops_per_token = model.num_params(), model.flops_per_token()  # before sharding
     wrapped = _place(model, opt.parallel, world, runtime)
     use_compile = runtime.is_cuda if opt.compile is None else opt.compile
     tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
     byte_lengths = torch.from_numpy(tokenizer.token_byte_lengths()).to(runtime.device, torch.float64)
     peak = peak_flops(runtime.device, runtime.dtype)
+    wandb_run = open_wandb(config.wandb, resolved, out_dir) if world.is_main else None
     trainer = Trainer(
         config=config,
         resolved=resolved,
@@ -78,7 +71,8 @@ def build_trainer(
         optimizer=make_optimizer(model, opt.learning_rate, opt.weight_decay, (opt.beta1, opt.beta2), runtime.device),
         scaler=torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16),
         evaluator=Evaluator(data, opt, config.seed, model.config.block_size, byte_lengths, runtime, world),
-        metrics=MetricsLog(out_dir, active=world.is_main),
+        metrics=MetricsLog(out_dir, wandb_run, active=world.is_main),
+        flops_per_token=flops_per_token,
         peak_flops=peak.flops * world.size,
         started=started,
         before_step=before_step,
@@ -87,7 +81,6 @@ def build_trainer(
         trainer.restore(checkpoint)
     if world.is_main:
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
-        trainer.metrics.wandb_run = open_wandb(config.wandb, resolved, out_dir)
     log.info(
         f"{num_params / 1e6:.2f}M parameters, {data.meta['vocab_size']} tokens in the vocabulary, "
         f"{_machinery(runtime, world, opt.parallel, use_compile)}, out_dir {out_dir}"
@@ -123,6 +116,18 @@ def _open_run_dir(out_dir: Path, resume: bool, world: World) -> Checkpoint | Non
         if checkpoint is None:
             forget_metrics(out_dir)
     return checkpoint
+
+
+def _data_and_model(config: TrainRunConfig, checkpoint: Checkpoint | None, world: World) -> tuple[PreparedData, GPT]:
+    torch.manual_seed(config.seed)  # the same initial weights on every rank (FSDP2 shards each rank's own)
+    data = _prepared_data(config, world)
+    model = _build_model(config, checkpoint, data)
+    if checkpoint is not None:
+        _log_changed_keys(checkpoint.config, dataclasses.asdict(config))
+    if world.rank:  # then each rank its own dropout masks (nanoGPT's seed offset); rank 0's stream goes on
+        torch.manual_seed(config.seed + world.rank)
+    _check_data_fits(data, model.config.block_size)
+    return data, model
 
 
 def _prepared_data(config: TrainRunConfig, world: World) -> PreparedData:

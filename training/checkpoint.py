@@ -33,7 +33,7 @@ class Progress:
     last_eval_iter: int = -1  # the iteration of the last evaluation (-1: none yet)
     val_loss: float = math.nan  # at that evaluation
     best_val_loss: float = math.inf
-    elapsed_s: float = 0.0  # wall time of the run so far, all its resumes together
+    elapsed_s: float = 0.0  # the run's wall time at the last save, all its processes together
 
 
 @dataclass
@@ -71,13 +71,19 @@ class Checkpoint:
         }
 
     def to_dict(self) -> dict[str, Any]:
+        """The layout on disk, key for key and in the order the first release wrote."""
+        p = self.progress
         return {
             "model_config": dataclasses.asdict(self.model_config),
             "model": self.model,
             "optimizer": self.optimizer,
             "scaler": self.scaler,
-            **dataclasses.asdict(self.progress),
+            "iter": p.iter,
+            "last_eval_iter": p.last_eval_iter,
+            "val_loss": p.val_loss,
+            "best_val_loss": p.best_val_loss,
             "rng": self.rng,
+            "elapsed_s": p.elapsed_s,
             "tokenizer": self.tokenizer,
             "config": self.config,
         }

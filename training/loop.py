@@ -1,5 +1,6 @@
-"""train(cfg): the entry point of train.py, bench.py, scripts/gpu_check.py and the tests. One process's part of
-the run: all of it alone, or one rank's under torchrun. The loop itself is Trainer.fit (training/trainer.py)."""
+"""train(cfg): the entry point of train.py (which bench.py and scripts/gpu_check.py run too) and of the tests.
+One process's part of the run: all of it alone, or one rank's under torchrun. The loop itself is Trainer.fit
+(training/trainer.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from collections.abc import Callable
 
 from omegaconf import DictConfig
 
+from common.config import typed_config
 from common.errors import ConfigError
 from training.build import build_trainer
 from training.distributed import World, barrier, close_process_group, init_process_group, world_from_env
 from training.runtime import make_runtime
-from training.schema import OptimConfig, TrainRunConfig, typed_config
+from training.schema import OptimConfig, TrainRunConfig
 from training.trainer import TrainResult
 
 log = logging.getLogger("train")
@@ -25,7 +27,7 @@ def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] |
     world = world_from_env()
     if not world.is_main:
         log.setLevel(logging.WARNING)  # one voice: rank 0's
-    config = cfg if isinstance(cfg, TrainRunConfig) else typed_config(cfg, TrainRunConfig)
+    config = typed_config(cfg, TrainRunConfig)
     check_for_world(config.train, world)
     runtime = make_runtime(config.device, config.train.dtype, world.local_rank if world.distributed else None)
     init_process_group(world, runtime.device)

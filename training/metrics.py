@@ -79,26 +79,27 @@ class LogWindow:
             self.loss_sum = self.loss_sum + loss
             self.steps += 1
 
-    def end_step(self, step: int, started: float, log_now: bool) -> dict[str, Any] | None:
-        """Call after step `step` (0-based), begun at perf_counter() `started`; the log numbers if log_now."""
+    def end_step(self, step: int, began: float, log_now: bool) -> tuple[float, dict[str, float]] | None:
+        """Call after step `step` (0-based), begun at perf_counter() `began`. If log_now (and a step counted): the
+        mean train loss and the throughput numbers (none while only the first step was run), then a new window."""
         log_now = log_now and self.steps > 0
         if log_now:
             train_loss = float(self.loss_sum) / self.steps  # waits for the GPU: timed as training
         if step != self.first_step:
-            self.seconds += time.perf_counter() - started
+            self.seconds += time.perf_counter() - began
             self.timed += 1
         if not log_now:
             return None
-        record: dict[str, Any] = {"train_loss": train_loss}
+        throughput = {}
         if self.timed:
             tokens_per_sec = self.tokens_per_iter * self.timed / self.seconds
-            record.update(
-                ms_per_iter=1000 * self.seconds / self.timed,
-                tokens_per_sec=tokens_per_sec,
-                mfu=self.flops_per_token * tokens_per_sec / self.peak_flops,
-            )
+            throughput = {
+                "ms_per_iter": 1000 * self.seconds / self.timed,
+                "tokens_per_sec": tokens_per_sec,
+                "mfu": self.flops_per_token * tokens_per_sec / self.peak_flops,
+            }
         self.loss_sum, self.steps, self.seconds, self.timed = 0.0, 0, 0.0, 0
-        return record
+        return train_loss, throughput
 
 
 def _readable(r: dict[str, Any]) -> str:

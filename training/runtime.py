@@ -10,8 +10,9 @@ import torch
 from common.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda", "mps")  # the `device` key's values; auto: cuda > mps > cpu
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the `dtype` keys' values; auto: bf16 autocast on GPUs that support it, fp16 on older ones, fp32 elsewhere
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("auto", *_TORCH_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def make_runtime(device: str, dtype: str, gpu_index: int | None = None) -> Runti
         else:
             resolved = torch.float32
     else:
-        resolved = DTYPES[dtype]
+        resolved = _TORCH_DTYPES[dtype]
     if dev.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls
     return Runtime(dev, resolved)

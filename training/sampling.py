@@ -15,6 +15,7 @@ from data.tokenizers import BpeTokenizer, Tokenizer, tokenizer_from_metadata
 from model import GPT
 from model.hf_gpt2 import load_pretrained
 from training.checkpoint import CKPT_NAME, load_checkpoint
+from training.errors import CheckpointError
 from training.runtime import Runtime, make_runtime
 from training.schema import SampleConfig
 
@@ -76,7 +77,10 @@ def load_sampler(cfg: SampleConfig) -> Sampler:
         model = load_pretrained(cfg.init_from, attn_impl=cfg.attn_impl or "flash")
         tokenizer: Tokenizer = BpeTokenizer.from_name(GPT2_ENCODING)
     else:
-        checkpoint = load_checkpoint(Path(cfg.out_dir) / CKPT_NAME)
+        path = Path(cfg.out_dir) / CKPT_NAME
+        checkpoint = load_checkpoint(path)
+        if not checkpoint.tokenizer:
+            raise CheckpointError(f"{path} holds no tokenizer to decode samples with: it wasn't written by train.py")
         model = checkpoint.build_model(cfg.attn_impl)
         tokenizer = tokenizer_from_metadata(checkpoint.tokenizer)
     torch.manual_seed(cfg.seed)

@@ -1,7 +1,8 @@
 """Typed config schemas, registered with Hydra's ConfigStore so a misspelt key or a wrong type fails at start.
 
-Each key's allowed values are declared once, beside it (common.fields.option); `typed_config` turns Hydra's
-DictConfig into these dataclasses, and building them checks every value: one ConfigError naming the key.
+Each key's allowed values are declared once, beside it (common.config.option); common.config.typed_config turns
+Hydra's DictConfig into these dataclasses, and building them checks every value: one ConfigError naming the key.
+The `model.*` keys come from model/config.py, the `data.*` keys from data/config.py.
 """
 
 from __future__ import annotations
@@ -9,31 +10,33 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
 
+from common.config import check_fields, option
 from common.errors import ConfigError
-from common.fields import check_fields, option
 from data.config import DataConfig, register_prepare_schema
 from model.config import ATTN_IMPLS, GPTConfig
 from training.runtime import DEVICES, DTYPES
 
 ON_NONFINITE = ("stop", "skip")
 PARALLEL = ("ddp", "fsdp")
-Config = TypeVar("Config")
+# The schema's defaults for the model's shape: the baby model (configs/model/baby.yaml), not GPTConfig's GPT-2.
+# Their order is the keys' order in config.yaml; the other keys follow in GPTConfig's.
+SCHEMA_SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64}
 
 
 def _model_keys() -> type:
     """`model.*`: GPTConfig's fields less vocab_size (the data's), with their defaults and allowed values, so the
     keys can't drift from the model. Building one checks it as GPTConfig would, naming keys as model.KEY."""
     hints = typing.get_type_hints(GPTConfig)
-    keys = [
-        (f.name, hints[f.name], field(default=f.default, metadata=f.metadata))
-        for f in dataclasses.fields(GPTConfig)
-        if f.name != "vocab_size"
-    ]
+    gpt_fields = {f.name: f for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size"}
+    order = [*SCHEMA_SHAPE, *(name for name in gpt_fields if name not in SCHEMA_SHAPE)]
+    keys = []
+    for name in order:
+        default = SCHEMA_SHAPE.get(name, gpt_fields[name].default)
+        keys.append((name, hints[name], field(default=default, metadata=gpt_fields[name].metadata)))
 
     def gpt_config(self: Any, vocab_size: int) -> GPTConfig:
         """The model these keys describe, for the data's vocabulary."""
@@ -60,22 +63,22 @@ class OptimConfig:
 
     batch_size: int = option(12, at_least=1)  # sequences per micro-batch, in each process
     grad_accum: int = option(1, at_least=1)  # micro-batches per optimizer step, all processes together
-    learning_rate: float = 1e-3
-    min_lr: float = 1e-4  # the cosine decays to this
+    learning_rate: float = option(1e-3, above=0.0)
+    min_lr: float = option(1e-4, at_least=0.0)  # the cosine decays to this
     max_iters: int = option(2000, at_least=0)
-    lr_decay_iters: int | None = None  # default: max_iters
-    warmup_iters: int = 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.99
-    grad_clip: float = 1.0  # 0 disables clipping
+    lr_decay_iters: int | None = option(None, at_least=0)  # default: max_iters
+    warmup_iters: int = option(100, at_least=0)
+    weight_decay: float = option(0.1, at_least=0.0)
+    beta1: float = option(0.9, at_least=0.0, below=1.0)
+    beta2: float = option(0.99, at_least=0.0, below=1.0)
+    grad_clip: float = option(1.0, at_least=0.0)  # 0 disables clipping
     eval_interval: int = option(250, at_least=1)
     eval_iters: int = option(100, at_least=1)  # batches per split in each evaluation
     full_val: bool = False  # evaluate val on every block of the split, in order, instead of eval_iters batches
     target_val_loss: float | None = None  # stop once an evaluation reaches it; metrics get time_to_target_s
     log_interval: int = option(10, at_least=1)
     compile: bool | None = None  # default: on for CUDA, off elsewhere
-    dtype: str = option("auto", choices=tuple(DTYPES))
+    dtype: str = option("auto", choices=DTYPES)
     on_nonfinite: str = option("stop", choices=ON_NONFINITE)  # a NaN/Inf loss: stop (ckpt.pt stays) | skip the step
     parallel: str = option("ddp", choices=PARALLEL)  # under torchrun: ddp (replicas) | fsdp (FSDP2: sharded)
 
@@ -110,7 +113,7 @@ class TrainRunConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
-        check_fields(self)  # its own keys; the groups checked themselves when they were built
+        check_fields(self)  # its own keys; the groups checked themselves as they were built
 
 
 @dataclass
@@ -121,10 +124,10 @@ class SampleConfig:
     num_samples: int = option(3, at_least=1)
     max_new_tokens: int = option(500, at_least=1)
     temperature: float = option(0.8, above=0.0, hint="use top_k=1 for greedy decoding")
-    top_k: int | None = option(200, at_least=1, hint="or null for no cut-off")
+    top_k: int | None = option(200, at_least=1, hint="null means no cut-off")
     seed: int = 1337
     device: str = option("auto", choices=DEVICES)
-    dtype: str = option("auto", choices=tuple(DTYPES))
+    dtype: str = option("auto", choices=DTYPES)
     attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
     use_cache: bool = True  # KV cache: run the prompt once, then one token per step
     attention_dir: str | None = None  # write attention.npz and one PNG per layer here
@@ -136,13 +139,6 @@ class SampleConfig:
             raise ConfigError(
                 "out_dir is required: pass out_dir=RUN, a directory written by train.py (or init_from=gpt2)"
             )
-
-
-def typed_config(cfg: DictConfig, schema: type[Config]) -> Config:
-    """The schema's dataclasses, built from Hydra's config (interpolations resolved) and so checked."""
-    if not isinstance(cfg, DictConfig) or OmegaConf.get_type(cfg) is not schema:
-        cfg = OmegaConf.merge(OmegaConf.structured(schema), cfg)
-    return OmegaConf.to_object(cfg)
 
 
 def register_schemas() -> None:

@@ -60,7 +60,7 @@ class StepOutcome:
     stop: bool  # some rank was asked to stop: every rank stops after this step
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class Trainer:
     """What a run is made of. Only `progress`, the model's and optimizer's state, the GradScaler's and the random
     state change as it trains, and they are exactly what save() writes and restore() reads."""
@@ -79,9 +79,11 @@ class Trainer:
     scaler: torch.amp.GradScaler
     evaluator: Evaluator
     metrics: MetricsLog
-    peak_flops: float  # all processes together, for MFU
-    progress: Progress = field(default_factory=Progress)  # elapsed_s: the run's wall time before this process
-    started: float = field(default_factory=time.perf_counter)
+    flops_per_token: float  # the whole model's, forward and backward, for MFU
+    peak_flops: float  # all processes together
+    progress: Progress = field(default_factory=Progress)
+    started: float = field(default_factory=time.perf_counter)  # when this process's part of the run began
+    elapsed_before: float = 0.0  # the run's wall time before this process (a resumed run's)
     before_step: Callable[[int], None] | None = None  # a test seam: called with the iteration before each step
 
     def fit(self) -> TrainResult:
@@ -91,7 +93,7 @@ class Trainer:
         if self._target_reached():
             log.info(f"the run already reached val loss {p.val_loss:.4f} <= {opt.target_val_loss} at iter {p.iter}")
             return self._finish(None)
-        window = LogWindow(p.iter, self._tokens_per_iter(), self.model.flops_per_token(), self.peak_flops)
+        window = LogWindow(p.iter, self._tokens_per_iter(), self.flops_per_token, self.peak_flops)
         stopped_by = None
         self.model.train()
         with StopRequests(second_quits=not self.world.distributed) as stop:
@@ -102,24 +104,29 @@ class Trainer:
                     break
                 if self.before_step is not None:
                     self.before_step(p.iter)
-                started = time.perf_counter()
-                outcome = self.step(stop_requested=stop.signal is not None)
+                step_began = time.perf_counter()
+                outcome = self.step(stop_requested=lambda: stop.signal is not None)
                 window.add(outcome.loss)
-                self._log_step(window.end_step(p.iter - 1, started, p.iter % opt.log_interval == 0), outcome.lr)
+                log_now = p.iter % opt.log_interval == 0
+                self._log_step(window.end_step(p.iter - 1, step_began, log_now), outcome.lr)
                 if outcome.stop:
                     stopped_by = self._stop(stop.signal)
                     break
         return self._finish(stopped_by)
 
-    def step(self, stop_requested: bool = False) -> StepOutcome:
+    def step(self, stop_requested: Callable[[], bool] | None = None) -> StepOutcome:
         """One optimizer step over train.grad_accum micro-batches, this rank's share of them. The windows depend
-        only on the seed and the iteration. A non-finite loss never reaches the weights."""
+        only on the seed and the iteration. A non-finite loss never reaches the weights. stop_requested is asked
+        once the gradients are in (a signal usually arrives during forward and backward): then this step is the
+        run's last, on every rank."""
         it, opt = self.progress.iter, self.config.train
         decay_iters = opt.max_iters if opt.lr_decay_iters is None else opt.lr_decay_iters
         lr = lr_at(it, opt.learning_rate, opt.min_lr, opt.warmup_iters, decay_iters)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss, stop = agree_on_step(self._accumulate_gradients(it), stop_requested, self.world)
+        local_loss = self._accumulate_gradients(it)
+        asked = stop_requested is not None and stop_requested()
+        loss, stop = agree_on_step(local_loss, asked, self.world)
         applied = self._apply_gradients(loss, it)
         self.progress.iter += 1
         return StepOutcome(loss if applied else None, lr, stop)
@@ -199,15 +206,15 @@ class Trainer:
         p, target = self.progress, self.config.train.target_val_loss
         return target is not None and p.last_eval_iter == p.iter and p.val_loss <= target
 
-    def _log_step(self, numbers: dict[str, Any] | None, lr: float) -> None:
-        if numbers is not None:
-            train_loss = numbers.pop("train_loss")
+    def _log_step(self, window: tuple[float, dict[str, float]] | None, lr: float) -> None:
+        if window is not None:
+            train_loss, throughput = window
             record = {"iter": self.progress.iter, "train_loss": train_loss, "lr": lr, "elapsed_s": self.elapsed()}
-            self.metrics.write({**record, **numbers})
+            self.metrics.write({**record, **throughput})
 
     def elapsed(self) -> float:
         """The run's wall time, its earlier processes included."""
-        return round(self.progress.elapsed_s + time.perf_counter() - self.started, 3)
+        return round(self.elapsed_before + time.perf_counter() - self.started, 3)
 
     def _tokens_per_iter(self) -> int:
         opt = self.config.train
@@ -219,12 +226,13 @@ class Trainer:
         rng = all_gather_objects(self._rng_state(), self.world)  # each rank's dropout stream
         if not self.world.is_main:
             return
+        self.progress.elapsed_s = self.elapsed()
         checkpoint = Checkpoint(
             model_config=self.model.config,
             model=model_state,
             tokenizer=self.data.meta["tokenizer"],
             config=self.resolved,
-            progress=dataclasses.replace(self.progress, elapsed_s=self.elapsed()),
+            progress=dataclasses.replace(self.progress),
             optimizer=optimizer_state,
             scaler=self.scaler.state_dict(),
             rng=rng,
@@ -243,6 +251,7 @@ class Trainer:
         if checkpoint.scaler:  # empty when the checkpoint's run didn't use fp16
             self.scaler.load_state_dict(checkpoint.scaler)
         self.progress = dataclasses.replace(checkpoint.progress)
+        self.elapsed_before = checkpoint.progress.elapsed_s
         self._restore_rng(checkpoint.rng)
         if self.world.is_main:
             drop_records_after(self.out_dir, self.progress.iter)  # written after the checkpoint by a killed run
@@ -291,10 +300,9 @@ class Trainer:
         """Continuations of the val split's first token, with sample.py's default temperature and top_k; drawn
         after the last checkpoint, whose random state is already saved."""
         first = int(next(every_window(self.data.val, 1, 1))[0][0, 0])
-        defaults = SampleConfig(out_dir=str(self.out_dir))
         sampler = Sampler(self.model, self.tokenizer, self.runtime)
         self.model.eval()
-        ids = sampler.generate([first], count, tokens, defaults.temperature, defaults.top_k, use_cache=True)
+        ids = sampler.generate([first], count, tokens, SampleConfig.temperature, SampleConfig.top_k, use_cache=True)
         texts = [self.tokenizer.decode(sample) for sample in ids]
         self.model.train()
         prompt = self.tokenizer.decode([first])

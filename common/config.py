@@ -1,16 +1,22 @@
-"""Config fields that carry their own allowed values, and one check for all of them.
+"""Typed configs whose fields carry their own allowed values.
 
-A key's choices or range are declared once, beside the key, in field metadata; `check_fields` walks a config
-(nested dataclasses included) and raises one ConfigError naming the key, the value and what is allowed.
+A key's choices or range are declared once, beside the key (`option`); each config dataclass calls
+`check_fields` from its __post_init__, so building one checks it. `typed_config` builds them from Hydra's
+DictConfig: the config is typed and checked once, at start, and a bad value is one ConfigError naming the key,
+the value and what is allowed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
 
 from common.errors import ConfigError
+
+Config = TypeVar("Config")
 
 
 def option(
@@ -29,15 +35,23 @@ def option(
 
 
 def check_fields(config: Any, prefix: str = "") -> None:
-    """Every field with rules, in nested dataclasses too; the key is named with its dotted path."""
+    """This dataclass's own fields with rules (nested configs check themselves); keys named as prefix + name."""
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if dataclasses.is_dataclass(value):
-            check_fields(value, f"{prefix}{f.name}.")
-        elif "rules" in f.metadata and value is not None:
+        if "rules" in f.metadata and value is not None:
             problem = _problem(value, **f.metadata["rules"])
             if problem:
                 raise ConfigError(f"{prefix}{f.name}={value} {problem}")
+
+
+def typed_config(cfg: DictConfig | Config, schema: type[Config]) -> Config:
+    """The schema's dataclasses, interpolations such as ${now:} resolved, every value checked as they are built.
+    cfg: Hydra's config, a plain one (a saved config.yaml) or an instance of the schema."""
+    if isinstance(cfg, schema):
+        cfg = OmegaConf.structured(cfg)
+    if OmegaConf.get_type(cfg) is not schema:
+        cfg = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+    return OmegaConf.to_object(cfg)
 
 
 def _problem(

@@ -4,6 +4,7 @@ import json
 import logging
 import math
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,16 @@ from training.loop import train
 
 # Dropout on, so the restored random state matters; 40 iterations, evaluated every 10.
 EXACT = {"model.dropout": 0.1, "train.max_iters": 40, "train.eval_interval": 10, "train.log_interval": 1}
+HALF = {**EXACT, "train.lr_decay_iters": 40}  # a 20-iteration run with the schedule of the 40-iteration one
+
+
+@pytest.fixture(scope="module")
+def half_run(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> tuple[Path, Path]:
+    """An uninterrupted 40-iteration run, and the first 20 iterations of it to resume in each test's own copy."""
+    root = tmp_path_factory.mktemp("half")
+    train(compose_config(tiny_run_overrides(root / "whole", corpus_path, **HALF)))
+    train(compose_config(tiny_run_overrides(root / "half", corpus_path, **{**HALF, "train.max_iters": 20})))
+    return root / "whole" / "run", root / "half"
 
 
 def _val_losses(run: Path) -> list[tuple[int, float]]:
@@ -45,18 +56,19 @@ def _tiny_checkpoint(w: torch.Tensor, it: int) -> Checkpoint:
 
 
 @pytest.mark.parametrize("stop_at", [7, 19, 30])
-def test_interrupted_and_resumed_equals_uninterrupted(tmp_path: Path, corpus_path: Path, stop_at: int) -> None:
-    reference = train(compose_config(tiny_run_overrides(tmp_path / "a", corpus_path, **EXACT)))
-
+def test_interrupted_and_resumed_equals_uninterrupted(
+    half_run: tuple[Path, Path], tmp_path: Path, corpus_path: Path, stop_at: int
+) -> None:
+    reference, _ = half_run  # the uninterrupted run: EXACT's lr_decay_iters is its max_iters, 40
     hook = _signal_at_step(stop_at, signal.SIGTERM)
     stopped = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, **EXACT)), before_step=hook)
     assert stopped.stopped_by == "SIGTERM" and stopped.iters == stop_at + 1
     assert load_checkpoint(tmp_path / "b" / "run" / CKPT_NAME).progress.iter == stop_at + 1
     resumed = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, **EXACT)))
 
-    assert resumed.iters == reference.iters == 40
-    assert _val_losses(tmp_path / "b" / "run") == _val_losses(tmp_path / "a" / "run")  # bit-identical
-    final_a = load_checkpoint(tmp_path / "a" / "run" / CKPT_NAME).model
+    assert resumed.iters == 40
+    assert _val_losses(tmp_path / "b" / "run") == _val_losses(reference)  # bit-identical
+    final_a = load_checkpoint(reference / CKPT_NAME).model
     final_b = load_checkpoint(tmp_path / "b" / "run" / CKPT_NAME).model
     assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
 
@@ -274,57 +286,63 @@ def _raw(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def test_a_checkpoint_from_before_torchrun_support_resumes_exactly(tmp_path: Path, corpus_path: Path) -> None:
+def _resume_copy(half_run: tuple[Path, Path], tmp_path: Path, corpus_path: Path, rewrite: Callable) -> None:
+    """Copy the half run, rewrite its checkpoint's raw dict, resume it to 40: the same val losses as the whole."""
+    whole, half = half_run
+    shutil.copytree(half, tmp_path / "b")
+    path = tmp_path / "b" / "run" / CKPT_NAME
+    torch.save(rewrite(_raw(path), path), path)
+    resumed = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, **HALF)))
+    assert resumed.iters == 40
+    assert _val_losses(tmp_path / "b" / "run") == _val_losses(whole)
+
+
+def test_a_checkpoint_from_before_torchrun_support_resumes_exactly(
+    half_run: tuple[Path, Path], tmp_path: Path, corpus_path: Path
+) -> None:
     """Earlier checkpoints keyed the optimizer state by position and held one random state, not one per rank."""
     from training.distributed import load_full_state
     from training.optim import make_optimizer
 
-    keys = {**EXACT, "train.lr_decay_iters": 40}
-    reference = train(compose_config(tiny_run_overrides(tmp_path / "a", corpus_path, **keys)))
-    train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, **{**keys, "train.max_iters": 20})))
-    path = tmp_path / "b" / "run" / CKPT_NAME
-    raw = _raw(path)
-    model = load_checkpoint(path).build_model()
-    optimizer = make_optimizer(model, 1e-3, 0.1, (0.9, 0.99), torch.device("cpu"))
-    load_full_state(model, optimizer, raw["model"], raw["optimizer"])
-    raw["optimizer"], raw["rng"] = optimizer.state_dict(), raw["rng"][0]  # the old layout
-    del raw["elapsed_s"]  # not written before timed resumes either
-    assert isinstance(next(iter(raw["optimizer"]["state"])), int)
-    torch.save(raw, path)
+    def old_layout(raw: dict, path: Path) -> dict:
+        model = load_checkpoint(path).build_model()
+        optimizer = make_optimizer(model, 1e-3, 0.1, (0.9, 0.99), torch.device("cpu"))
+        load_full_state(model, optimizer, raw["model"], raw["optimizer"])
+        raw["optimizer"], raw["rng"] = optimizer.state_dict(), raw["rng"][0]
+        del raw["elapsed_s"]  # not written before timed resumes either
+        assert isinstance(next(iter(raw["optimizer"]["state"])), int)
+        return raw
 
-    resumed = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, **keys)))
-    assert resumed.iters == reference.iters == 40
-    assert _val_losses(tmp_path / "b" / "run") == _val_losses(tmp_path / "a" / "run")
+    _resume_copy(half_run, tmp_path, corpus_path, old_layout)
 
 
 def test_a_checkpoint_in_the_layout_before_the_trainer_resumes_exactly_and_samples(
-    tmp_path: Path, corpus_path: Path
+    half_run: tuple[Path, Path], tmp_path: Path, corpus_path: Path
 ) -> None:
     """The dict the training loop wrote by hand before training.checkpoint owned the format, key by key."""
-    keys = {**EXACT, "train.lr_decay_iters": 40}
-    reference = train(compose_config(tiny_run_overrides(tmp_path / "a", corpus_path, **keys)))
-    train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, **{**keys, "train.max_iters": 20})))
-    path = tmp_path / "b" / "run" / CKPT_NAME
-    raw = _raw(path)
-    legacy = {
-        "model_config": raw["model_config"],
-        "model": raw["model"],
-        "optimizer": raw["optimizer"],
-        "scaler": raw["scaler"],
-        "iter": raw["iter"],
-        "last_eval_iter": raw["last_eval_iter"],
-        "val_loss": raw["val_loss"],
-        "best_val_loss": raw["best_val_loss"],
-        "rng": raw["rng"],
-        "elapsed_s": raw["elapsed_s"],
-        "tokenizer": raw["tokenizer"],
-        "config": raw["config"],
-    }
-    assert list(legacy) == list(raw)  # today's writer still writes exactly that layout, in that order
-    torch.save(legacy, path)
-    sampled = run_script("sample.py", [f"out_dir={path.parent}", "max_new_tokens=8", "num_samples=1"], cwd=tmp_path)
-    assert sampled.returncode == 0 and len(sampled.stdout) > 8, sampled.stderr
+    from common.config import typed_config
+    from training.sampling import load_sampler
+    from training.schema import SampleConfig
 
-    resumed = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, **keys)))
-    assert resumed.iters == reference.iters == 40
-    assert _val_losses(tmp_path / "b" / "run") == _val_losses(tmp_path / "a" / "run")
+    def before_the_trainer(raw: dict, path: Path) -> dict:
+        legacy = {
+            "model_config": raw["model_config"],
+            "model": raw["model"],
+            "optimizer": raw["optimizer"],
+            "scaler": raw["scaler"],
+            "iter": raw["iter"],
+            "last_eval_iter": raw["last_eval_iter"],
+            "val_loss": raw["val_loss"],
+            "best_val_loss": raw["best_val_loss"],
+            "rng": raw["rng"],
+            "elapsed_s": raw["elapsed_s"],
+            "tokenizer": raw["tokenizer"],
+            "config": raw["config"],
+        }
+        assert list(legacy) == list(raw)  # today's writer still writes exactly that layout, in that order
+        return legacy
+
+    _resume_copy(half_run, tmp_path, corpus_path, before_the_trainer)
+    sampler = load_sampler(typed_config(SampleConfig(out_dir=str(tmp_path / "b" / "run")), SampleConfig))
+    (ids,) = sampler.generate(sampler.encode_prompt("The"), 1, 8, 0.8, 200, use_cache=True)
+    assert len(sampler.tokenizer.decode(ids)) == len("The") + 8

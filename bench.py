@@ -52,13 +52,11 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
     from training.schema import TrainRunConfig, register_schemas
 
     register_schemas()
-    out_dir = Path(tempfile.mkdtemp(prefix="bench-"))
     n = args.train_iters
     overrides = [
         f"experiment={args.experiment}",
         f"device={args.device}",
         *args.override,
-        f"out_dir={out_dir}",
         f"train.max_iters={2 * n}",
         f"train.log_interval={n}",
         f"train.eval_interval={10 * n}",
@@ -67,6 +65,8 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
     ]
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         config = typed_config(compose(config_name="config", overrides=overrides), TrainRunConfig)
+    out_dir = Path(tempfile.mkdtemp(prefix="bench-"))
+    config.out_dir = str(out_dir)
     try:
         train(config)  # the first n iterations warm up (and compile); the second n are measured
         ours = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()][-2]

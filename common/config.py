@@ -1,7 +1,7 @@
 """Typed configs whose fields carry their own allowed values.
 
-A key's choices or range are declared once, beside the key (`option`); each config dataclass calls
-`check_fields` from its __post_init__, so building one checks it. `typed_config` builds them from Hydra's
+A key's choices or range are declared once, beside the key (`option`); each config dataclass checks itself in
+its __post_init__ (most with `check_fields`), so building one checks it. `typed_config` builds them from Hydra's
 DictConfig: the config is typed and checked once, at start, and a bad value is one ConfigError naming the key,
 the value and what is allowed.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
@@ -47,6 +48,8 @@ def check_fields(config: Any, prefix: str = "") -> None:
 def typed_config(cfg: DictConfig | Config, schema: type[Config]) -> Config:
     """The schema's dataclasses, interpolations such as ${now:} resolved, every value checked as they are built.
     cfg: Hydra's config, a plain one (a saved config.yaml) or an instance of the schema."""
+    if not OmegaConf.has_resolver("now"):  # Hydra's, registered once Hydra composes: ${now:%H-%M-%S}
+        OmegaConf.register_new_resolver("now", lambda pattern: datetime.now().strftime(pattern), use_cache=True)
     if isinstance(cfg, schema):
         cfg = OmegaConf.structured(cfg)
     if OmegaConf.get_type(cfg) is not schema:

@@ -51,3 +51,10 @@ def test_a_saved_config_yaml_types_like_the_composed_one(tmp_path: Path) -> None
     assert typed_config(OmegaConf.load(path), TrainRunConfig) == typed_config(composed, TrainRunConfig)
     with pytest.raises(ConfigError, match="train.eval_iters=0 must be >= 1"):
         typed_config(OmegaConf.merge(OmegaConf.load(path), {"train": {"eval_iters": 0}}), TrainRunConfig)
+
+
+def test_a_config_built_in_python_is_resolved_like_hydras() -> None:
+    """train(TrainRunConfig(...)) works without Hydra: the default out_dir's ${now:} is resolved."""
+    config = typed_config(TrainRunConfig(), TrainRunConfig)
+    assert config.out_dir.startswith("outputs/") and "${" not in config.out_dir
+    assert config.model.n_layer == 4  # the schema's own defaults: the baby model

@@ -229,7 +229,7 @@ def test_sampling_refuses_a_checkpoint_without_a_tokenizer(tmp_path: Path) -> No
     from training.schema import SampleConfig
 
     save_checkpoint(tmp_path / CKPT_NAME, Checkpoint(GPTConfig(n_layer=1, n_embd=12, n_head=2), {}, tokenizer={}))
-    with pytest.raises(CheckpointError, match="holds no tokenizer"):
+    with pytest.raises(CheckpointError, match=f"{tmp_path / CKPT_NAME} holds no tokenizer"):
         load_sampler(typed_config(SampleConfig(out_dir=str(tmp_path)), SampleConfig))
 
 

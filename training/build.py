@@ -22,7 +22,7 @@ from training.checkpoint import CKPT_NAME, Checkpoint, load_checkpoint
 from training.distributed import World, barrier, broadcast_from_main, wrap_model
 from training.errors import CheckpointError
 from training.evaluation import Evaluator
-from training.metrics import MetricsLog, forget_metrics, open_wandb
+from training.metrics import MetricsLog, forget_metrics
 from training.mfu import peak_flops
 from training.optim import make_optimizer
 from training.runtime import Runtime
@@ -56,7 +56,6 @@ def build_trainer(
     tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
     byte_lengths = torch.from_numpy(tokenizer.token_byte_lengths()).to(runtime.device, torch.float64)
     peak = peak_flops(runtime.device, runtime.dtype)
-    wandb_run = open_wandb(config.wandb, resolved, out_dir) if world.is_main else None
     trainer = Trainer(
         config=config,
         resolved=resolved,
@@ -71,7 +70,7 @@ def build_trainer(
         optimizer=make_optimizer(model, opt.learning_rate, opt.weight_decay, (opt.beta1, opt.beta2), runtime.device),
         scaler=torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16),
         evaluator=Evaluator(data, opt, config.seed, model.config.block_size, byte_lengths, runtime, world),
-        metrics=MetricsLog(out_dir, wandb_run, active=world.is_main),
+        metrics=MetricsLog(out_dir, active=world.is_main),
         flops_per_token=flops_per_token,
         peak_flops=peak.flops * world.size,
         started=started,
@@ -81,6 +80,7 @@ def build_trainer(
         trainer.restore(checkpoint)
     if world.is_main:
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+    trainer.metrics.start_wandb(config.wandb, resolved)
     log.info(
         f"{num_params / 1e6:.2f}M parameters, {data.meta['vocab_size']} tokens in the vocabulary, "
         f"{_machinery(runtime, world, opt.parallel, use_compile)}, out_dir {out_dir}"
@@ -151,7 +151,7 @@ def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: Pr
         model_config = config.model.gpt_config(data.meta["vocab_size"])
     if checkpoint is not None:
         _check_same_shape(checkpoint.model_config, model_config)
-        if checkpoint.tokenizer != data.meta["tokenizer"]:
+        if checkpoint.tokenizer_for_decoding(Path(config.out_dir) / CKPT_NAME) != data.meta["tokenizer"]:
             raise CheckpointError("resume=true with data tokenized differently from the checkpoint's; use its data")
     return GPT(model_config)
 

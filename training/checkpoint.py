@@ -1,7 +1,8 @@
 """ckpt.pt, the one owner of its format: what a resumed run and sample.py need, as tensors and plain values.
 
-On disk it is a flat dict (the layout since the first release): model_config, model, optimizer, scaler, the
-Progress fields (iter, last_eval_iter, val_loss, best_val_loss, elapsed_s), rng, tokenizer and config. In memory
+On disk it is a flat dict, the layout train.py has written since runs resume on the clock: model_config, model,
+optimizer, scaler, the Progress fields (iter, last_eval_iter, val_loss, best_val_loss, elapsed_s), rng, tokenizer
+and config. In memory
 it is a Checkpoint. Every compatibility rule for older files is in this module.
 """
 
@@ -33,7 +34,7 @@ class Progress:
     last_eval_iter: int = -1  # the iteration of the last evaluation (-1: none yet)
     val_loss: float = math.nan  # at that evaluation
     best_val_loss: float = math.inf
-    elapsed_s: float = 0.0  # the run's wall time at the last save, all its processes together
+    elapsed_s: float = 0.0  # the run's wall time at the last save, over all the processes that resumed it
 
 
 @dataclass
@@ -56,6 +57,13 @@ class Checkpoint:
         model.load_state_dict(self.model)
         return model
 
+    def tokenizer_for_decoding(self, path: Path) -> dict[str, Any]:
+        """The tokenizer's metadata; a checkpoint that has none (an export's input needs none) can't sample or
+        resume."""
+        if not self.tokenizer:
+            raise CheckpointError(f"{path} holds no tokenizer: it wasn't written by train.py")
+        return self.tokenizer
+
     def optimizer_state_for(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """The optimizer state keyed by parameter name. Checkpoints written before torchrun support keyed it by
         position (optimizer.state_dict()): name each position's parameter in the optimizer's order, which
@@ -71,7 +79,7 @@ class Checkpoint:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        """The layout on disk, key for key and in the order the first release wrote."""
+        """The layout on disk, key for key and in the order train.py has always written it."""
         p = self.progress
         return {
             "model_config": dataclasses.asdict(self.model_config),

@@ -18,10 +18,27 @@ METRICS_NAME = "metrics.jsonl"
 
 
 class MetricsLog:
-    def __init__(self, out_dir: Path, wandb_run: Any = None, active: bool = True) -> None:
+    def __init__(self, out_dir: Path, active: bool = True) -> None:
         self.path = out_dir / METRICS_NAME
-        self.wandb_run = wandb_run
         self.active = active  # False on every torchrun rank but 0
+        self.wandb_run: Any = None
+
+    def start_wandb(self, config: WandbConfig, run_config: dict[str, Any]) -> None:
+        """A wandb run beside the metrics when wandb.enabled (wandb isn't even imported otherwise: it is slow)."""
+        if not (self.active and config.enabled):
+            return
+        import wandb
+
+        self.wandb_run = wandb.init(
+            project=config.project,
+            entity=config.entity,
+            name=config.run_name,
+            mode=config.mode,  # None: wandb follows $WANDB_MODE, online by default
+            tags=list(config.tags),
+            group=config.group,
+            config=run_config,
+            dir=str(self.path.parent),
+        )
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.active:
@@ -110,21 +127,3 @@ def _readable(r: dict[str, Any]) -> str:
     if "tokens_per_sec" not in r:
         return line + " (warm-up, not timed)"
     return line + f", {r['ms_per_iter']:.1f} ms/iter, {r['tokens_per_sec']:,.0f} tok/s, mfu {100 * r['mfu']:.1f}%"
-
-
-def open_wandb(config: WandbConfig, run_config: dict[str, Any], out_dir: Path) -> Any:
-    """A wandb run, or None when wandb.enabled is off (wandb isn't even imported then: it is slow to import)."""
-    if not config.enabled:
-        return None
-    import wandb
-
-    return wandb.init(
-        project=config.project,
-        entity=config.entity,
-        name=config.run_name,
-        mode=config.mode,  # None: wandb follows $WANDB_MODE, online by default
-        tags=list(config.tags),
-        group=config.group,
-        config=run_config,
-        dir=str(out_dir),
-    )

@@ -15,7 +15,6 @@ from data.tokenizers import BpeTokenizer, Tokenizer, tokenizer_from_metadata
 from model import GPT
 from model.hf_gpt2 import load_pretrained
 from training.checkpoint import CKPT_NAME, load_checkpoint
-from training.errors import CheckpointError
 from training.runtime import Runtime, make_runtime
 from training.schema import SampleConfig
 
@@ -79,10 +78,8 @@ def load_sampler(cfg: SampleConfig) -> Sampler:
     else:
         path = Path(cfg.out_dir) / CKPT_NAME
         checkpoint = load_checkpoint(path)
-        if not checkpoint.tokenizer:
-            raise CheckpointError(f"{path} holds no tokenizer to decode samples with: it wasn't written by train.py")
+        tokenizer = tokenizer_from_metadata(checkpoint.tokenizer_for_decoding(path))
         model = checkpoint.build_model(cfg.attn_impl)
-        tokenizer = tokenizer_from_metadata(checkpoint.tokenizer)
     torch.manual_seed(cfg.seed)
     return Sampler(model.to(runtime.device).eval(), tokenizer, runtime)
 

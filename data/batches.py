@@ -41,6 +41,9 @@ class TokenFiles:
         return sum(self.lengths)
 
 
+TRAIN_WINDOWS, EVAL_WINDOWS = 0, 1  # batch_generator's second key: what the windows are for
+
+
 def batch_generator(*keys: int) -> torch.Generator:
     """A generator determined by (seed, purpose, step, ...) alone, so batches don't depend on history:
     a resumed run sees exactly the windows the uninterrupted one would."""

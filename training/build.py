@@ -34,20 +34,14 @@ FREE_MODEL_KEYS = ("attn_impl", "dropout")  # may change on resume: the weights 
 
 
 def build_trainer(
-    config: TrainRunConfig,
-    world: World,
-    runtime: Runtime,
-    started: float | None = None,
-    before_step: Callable[[int], None] | None = None,
+    config: TrainRunConfig, world: World, runtime: Runtime, before_step: Callable[[int], None] | None = None
 ) -> Trainer:
-    """Everything the run needs, restored from ckpt.pt when config.resume. `started`: the perf_counter() the
-    run's clock starts from (default: now)."""
-    started = time.perf_counter() if started is None else started
+    """Everything the run needs, restored from ckpt.pt when config.resume. The run's clock starts here."""
+    started = time.perf_counter()
     # Each rank's Hydra resolved ${now:} on its own clock: all write to rank 0's directory.
     config = dataclasses.replace(config, out_dir=broadcast_from_main(config.out_dir, world))
     out_dir = Path(config.out_dir)
     checkpoint = _open_run_dir(out_dir, config.resume, world)
-    resolved = dataclasses.asdict(config)  # what config.yaml and the checkpoint hold
     data, model = _data_and_model(config, checkpoint, world)
     opt = config.train
     num_params, flops_per_token = model.num_params(), model.flops_per_token()  # before sharding
@@ -58,7 +52,6 @@ def build_trainer(
     peak = peak_flops(runtime.device, runtime.dtype)
     trainer = Trainer(
         config=config,
-        resolved=resolved,
         world=world,
         runtime=runtime,
         out_dir=out_dir,
@@ -79,8 +72,8 @@ def build_trainer(
     if checkpoint is not None:
         trainer.restore(checkpoint)
     if world.is_main:
-        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
-    trainer.metrics.start_wandb(config.wandb, resolved)
+        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(trainer.resolved))
+    trainer.metrics.start_wandb(config.wandb, trainer.resolved)
     log.info(
         f"{num_params / 1e6:.2f}M parameters, {data.meta['vocab_size']} tokens in the vocabulary, "
         f"{_machinery(runtime, world, opt.parallel, use_compile)}, out_dir {out_dir}"

@@ -10,14 +10,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from data.batches import TokenFiles, batch_generator, every_window, get_batch
+from data.batches import EVAL_WINDOWS, TokenFiles, batch_generator, every_window, get_batch
 from data.prepare import PreparedData
 from training.distributed import World, all_reduce_sum
 from training.runtime import Runtime
 from training.schema import OptimConfig
 
-EVAL_PURPOSE = 1  # batch_generator's key for evaluation windows (training's is 0)
-SPLIT_KEYS = {"train": 0, "val": 1}  # and each split's own windows
+SPLIT_KEYS = {"train": 0, "val": 1}  # batch_generator's key for each split's own evaluation windows
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ class Evaluator:
             # The result doesn't depend on the batch size; bigger batches keep small models' matmuls efficient.
             windows = max(self.opt.batch_size, 4096 // self.block_size)  # at least 4096 tokens a batch
             return every_window(files, windows, self.block_size)
-        generator = batch_generator(self.seed, EVAL_PURPOSE, SPLIT_KEYS[split])
+        generator = batch_generator(self.seed, EVAL_WINDOWS, SPLIT_KEYS[split])
         return (get_batch(files, self.opt.batch_size, self.block_size, generator) for _ in range(self.opt.eval_iters))
 
     def _sums(self, model: torch.nn.Module, batches: Iterator) -> list[float]:

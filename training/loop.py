@@ -5,7 +5,6 @@ One process's part of the run: all of it alone, or one rank's under torchrun. Th
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 from omegaconf import DictConfig
@@ -32,7 +31,7 @@ def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] |
     runtime = make_runtime(config.device, config.train.dtype, world.local_rank if world.distributed else None)
     init_process_group(world, runtime.device)
     try:
-        result = build_trainer(config, world, runtime, time.perf_counter(), before_step).fit()
+        result = build_trainer(config, world, runtime, before_step).fit()
         barrier(world)  # leave together: none tears its process group down while rank 0 still writes
         return result
     finally:

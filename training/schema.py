@@ -85,6 +85,11 @@ class OptimConfig:
     def __post_init__(self) -> None:
         check_fields(self, "train.")
 
+    @property
+    def decay_iters(self) -> int:
+        """Where the cosine reaches min_lr: lr_decay_iters, or max_iters when that is null."""
+        return self.max_iters if self.lr_decay_iters is None else self.lr_decay_iters
+
 
 @dataclass
 class WandbConfig:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from data.batches import batch_generator, every_window, get_batch
+from data.batches import TRAIN_WINDOWS, batch_generator, every_window, get_batch
 from data.prepare import PreparedData
 from data.tokenizers import Tokenizer
 from model import GPT
@@ -40,7 +40,6 @@ from training.sampling import Sampler
 from training.schema import SampleConfig, TrainRunConfig
 
 log = logging.getLogger("train")
-TRAIN_PURPOSE = 0  # batch_generator's key for training windows (evaluation's is 1)
 
 
 @dataclass
@@ -66,7 +65,6 @@ class Trainer:
     state change as it trains, and they are exactly what save() writes and restore() reads."""
 
     config: TrainRunConfig
-    resolved: dict[str, Any]  # the config as written to config.yaml and the checkpoint
     world: World
     runtime: Runtime
     out_dir: Path
@@ -81,8 +79,8 @@ class Trainer:
     metrics: MetricsLog
     flops_per_token: float  # the whole model's, forward and backward, for MFU
     peak_flops: float  # all processes together
+    started: float  # perf_counter() when this process's part of the run began
     progress: Progress = field(default_factory=Progress)
-    started: float = field(default_factory=time.perf_counter)  # when this process's part of the run began
     elapsed_before: float = 0.0  # the run's wall time before this process (a resumed run's)
     before_step: Callable[[int], None] | None = None  # a test seam: called with the iteration before each step
 
@@ -120,8 +118,7 @@ class Trainer:
         once the gradients are in (a signal usually arrives during forward and backward): then this step is the
         run's last, on every rank."""
         it, opt = self.progress.iter, self.config.train
-        decay_iters = opt.max_iters if opt.lr_decay_iters is None else opt.lr_decay_iters
-        lr = lr_at(it, opt.learning_rate, opt.min_lr, opt.warmup_iters, decay_iters)
+        lr = lr_at(it, opt.learning_rate, opt.min_lr, opt.warmup_iters, opt.decay_iters)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         local_loss = self._accumulate_gradients(it)
@@ -137,7 +134,7 @@ class Trainer:
         step_loss = torch.zeros((), device=device)
         for local in range(local_accum):
             micro = self.world.rank * local_accum + local  # the step's micro-batches, split between the ranks
-            generator = batch_generator(self.config.seed, TRAIN_PURPOSE, it, micro)
+            generator = batch_generator(self.config.seed, TRAIN_WINDOWS, it, micro)
             x, y = get_batch(self.data.train, self.config.train.batch_size, self.model.config.block_size, generator)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with gradient_sync(self.wrapped, local == local_accum - 1):  # reduce on the last micro-batch only
@@ -177,7 +174,7 @@ class Trainer:
         losses = self.evaluate()
         p.val_loss, p.last_eval_iter = losses.val, p.iter
         p.best_val_loss = min(p.best_val_loss, losses.val)
-        reached = target is not None and losses.val <= target
+        reached = self._reaches_target(losses.val)
         record = {
             "iter": p.iter,
             "train_loss": losses.train,
@@ -203,8 +200,17 @@ class Trainer:
 
     def _target_reached(self) -> bool:
         """A resumed run that stopped at its target, evaluated at its last iteration."""
-        p, target = self.progress, self.config.train.target_val_loss
-        return target is not None and p.last_eval_iter == p.iter and p.val_loss <= target
+        p = self.progress
+        return p.last_eval_iter == p.iter and self._reaches_target(p.val_loss)
+
+    def _reaches_target(self, val_loss: float) -> bool:
+        target = self.config.train.target_val_loss
+        return target is not None and val_loss <= target
+
+    @property
+    def resolved(self) -> dict[str, Any]:
+        """The config as config.yaml and the checkpoint hold it."""
+        return dataclasses.asdict(self.config)
 
     def _log_step(self, window: tuple[float, dict[str, float]] | None, lr: float) -> None:
         if window is not None:

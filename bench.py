@@ -9,14 +9,17 @@ train: tokens/s, ms/iter and MFU of train.py's loop for an experiment, against a
   loop on the same model, data and machine, measured in the same run (warm-up excluded). MFU's peak comes
   from a datasheet for known GPUs, else from a matmul measured here; the table says which.
 attention: the flash path against the math path, forward + backward, time and peak memory (bf16 on CUDA,
-  as training runs there; fp32 on CPU).
-sampling: tokens/s of model.generate with and without the KV cache, on both attention paths.
+  as training runs there; fp32 on CPU); and the flash path with a sliding window of each --windows size.
+  time_vs_shortest: the time over the same row's at the shortest length (linear cost: the ratio of lengths).
+sampling: tokens/s of model.generate with and without the KV cache, on both attention paths; with --attn-window,
+  also a model windowed in every layer (rope), whose cache rolls on past --block-size.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import resource
 import shutil
@@ -33,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from model import ATTN_IMPLS, GPT, GPTConfig, causal_mask, masked_attention
+from model.attention import windowed_attention
 
 if TYPE_CHECKING:  # imported where used: the attention and sampling sections need no training code
     from training.runtime import Runtime
@@ -150,31 +154,28 @@ def _nanogpt_style_tokens_per_sec(
 
 def bench_attention(args: argparse.Namespace) -> list[dict]:
     rows = []
+    kinds = [(impl, None) for impl in ATTN_IMPLS] + [("flash", window) for window in args.windows]
     for length in args.lengths:
-        for impl in ATTN_IMPLS:
+        for impl, window in kinds:
             probe = [
-                sys.executable,
-                str(REPO / "bench.py"),
-                "--attention-probe",
-                impl,
-                str(length),
-                "--device",
-                args.device,
-                "--repeats",
-                str(args.repeats),
-                "--attn-shape",
-                *(str(v) for v in args.attn_shape),
+                *(sys.executable, str(REPO / "bench.py"), "--attention-probe", impl, str(length), str(window or 0)),
+                *("--device", args.device, "--repeats", str(args.repeats)),
+                *("--attn-shape", *(str(v) for v in args.attn_shape)),
             ]
             result = subprocess.run(probe, capture_output=True, text=True, check=True)  # fresh process: clean peak
-            rows.append({"section": "attention", "attn_impl": impl, "T": length, **json.loads(result.stdout)})
-        flash, math_ = rows[-2], rows[-1]
+            row = {"section": "attention", "attn_impl": impl, "window": window or "-", "T": length}
+            rows.append({**row, **json.loads(result.stdout)})
+        flash, math_ = rows[-len(kinds)], rows[-len(kinds) + 1]
         for row in (flash, math_):
             row["math_over_flash_time"] = math_["seconds"] / flash["seconds"]
+    for row in rows:
+        shortest = next(r for r in rows if (r["attn_impl"], r["window"]) == (row["attn_impl"], row["window"]))
+        row["time_vs_shortest"] = row["seconds"] / shortest["seconds"]
     return rows
 
 
-def attention_probe(impl: str, length: int, device: str, repeats: int, shape: list[int]) -> dict:
-    """Forward + backward of causal attention alone; peak memory above the inputs, in MiB."""
+def attention_probe(impl: str, length: int, window: int | None, device: str, repeats: int, shape: list[int]) -> dict:
+    """Forward + backward of causal (or sliding-window) attention alone; peak memory above the inputs, in MiB."""
     batch, heads, head_dim = shape
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32  # as training runs on each
@@ -183,10 +184,12 @@ def attention_probe(impl: str, length: int, device: str, repeats: int, shape: li
     )
 
     def run() -> None:
-        if impl == "flash":
+        if impl == "flash" and window is not None:
+            out = windowed_attention(q, k, v, window)
+        elif impl == "flash":
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            out, _ = masked_attention(q, k, v, causal_mask(length, length, device))
+            out, _ = masked_attention(q, k, v, causal_mask(length, length, device, window))
         out.backward(torch.ones_like(out))
 
     if device.startswith("cuda"):
@@ -205,16 +208,12 @@ def attention_probe(impl: str, length: int, device: str, repeats: int, shape: li
 
 def bench_sampling(args: argparse.Namespace) -> list[dict]:
     rows = []
-    for impl in ATTN_IMPLS:
+    shape = dict(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    rolling = dict(pos_emb="rope", attn_window=args.attn_window, window_pattern="S" * args.n_layer)
+    windows = [None] if args.attn_window is None else [None, args.attn_window]
+    for impl, window in itertools.product(ATTN_IMPLS, windows):
         torch.manual_seed(0)
-        config = GPTConfig(
-            vocab_size=65,
-            block_size=args.block_size,
-            n_layer=args.n_layer,
-            n_head=args.n_head,
-            n_embd=args.n_embd,
-            attn_impl=impl,
-        )
+        config = GPTConfig(vocab_size=65, **shape, attn_impl=impl, **(rolling if window else {}))
         model = GPT(config).to(args.device).eval()
         prompt = torch.randint(config.vocab_size, (1, args.prompt_tokens), device=args.device)
         seconds = {}
@@ -227,6 +226,7 @@ def bench_sampling(args: argparse.Namespace) -> list[dict]:
                 {
                     "section": "sampling",
                     "attn_impl": impl,
+                    "window": window or "-",
                     "kv_cache": use_cache,
                     "new_tokens": args.new_tokens,
                     "seconds": s,
@@ -285,7 +285,8 @@ def main() -> None:
     attention_args = parser.add_argument_group("attention")
     attention_args.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
     attention_args.add_argument("--attn-shape", type=int, nargs=3, default=[4, 6, 64], metavar=("B", "H", "D"))
-    attention_args.add_argument("--attention-probe", nargs=2, metavar=("IMPL", "T"), help=argparse.SUPPRESS)
+    attention_args.add_argument("--windows", type=int, nargs="*", default=[256], help="sliding windows to time")
+    attention_args.add_argument("--attention-probe", nargs=3, metavar=("IMPL", "T", "W"), help=argparse.SUPPRESS)
     sampling_args = parser.add_argument_group("sampling")
     sampling_args.add_argument("--n-layer", type=int, default=4)
     sampling_args.add_argument("--n-head", type=int, default=4)
@@ -293,13 +294,15 @@ def main() -> None:
     sampling_args.add_argument("--block-size", type=int, default=256)
     sampling_args.add_argument("--prompt-tokens", type=int, default=8)
     sampling_args.add_argument("--new-tokens", type=int, default=240)
+    sampling_args.add_argument("--attn-window", type=int, help="also a model with this window in every layer")
     args = parser.parse_args()
     unknown = set(args.sections) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown section {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
     if args.attention_probe:
-        impl, length = args.attention_probe
-        print(json.dumps(attention_probe(impl, int(length), args.device, args.repeats, args.attn_shape)))
+        impl, length, window = args.attention_probe
+        probe = attention_probe(impl, int(length), int(window) or None, args.device, args.repeats, args.attn_shape)
+        print(json.dumps(probe))
         return
     rows = [row for name in (args.sections or SECTIONS) for row in SECTIONS[name](args)]
     print(f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads\n")

@@ -10,12 +10,14 @@ Only the samples, and the causality report when asked for, go to stdout.
     python sample.py init_from=gpt2 start="The meaning of life is"   # OpenAI's GPT-2 (pip install ".[hf]")
 
 attention_dir=DIR runs the prompt and the first sample's continuation through the math path of the same
-weights and writes DIR/attention.npz (weights: (n_layer, n_head, T, T), tokens) and one PNG per layer.
-In each heat map row i is a query position and column j a key position; each row is a softmax over
-tokens 0..i, so it sums to 1, and everything above the diagonal is 0 (black): the causal mask.
+weights and writes DIR/attention.npz (weights: (n_layer, n_head, T, T), mask: (n_layer, T, T), tokens) and
+one PNG per layer. In each heat map row i is a query position and column j a key position; each row is a
+softmax over the keys the mask allows, so it sums to 1; masked cells (above the diagonal, and outside a
+sliding window's band) are grey.
 
 check_causal=true changes the middle token of that sequence and prints, position by position, the
-largest change of the logits on both attention paths: zero before the change, non-zero from it on.
+largest change of the logits on both attention paths: zero before the change, non-zero from it on (and,
+with a sliding window in every layer, zero again past the receptive field).
 """
 
 import sys

@@ -1,8 +1,10 @@
 """Attention weights of a trained model, saved as numbers (attention.npz) and pictures (one PNG per layer).
 
 How to read a picture: one heat map per head; row i is query position i, column j key position j, and the
-colour is how much token i attends to token j. Each row is a softmax over tokens 0..i, so it sums to 1,
-and everything above the diagonal is exactly 0 (black): the causal mask, made visible.
+colour is how much token i attends to token j. Each row is a softmax over the keys the mask allows, so it
+sums to 1. The masked cells (above the diagonal, and outside the band of a sliding-window layer) are exactly
+0 and drawn in grey, so they can't be mistaken for small weights, which run from black up: the mask, made
+visible.
 """
 
 from __future__ import annotations
@@ -12,21 +14,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model import GPT
+from model import GPT, causal_mask
 
 LABELS_UP_TO = 48  # token labels on the axes only while they stay readable
+MASKED_COLOUR = "#9a9a9a"  # neutral grey: no weight's colour in the map's scale
 
 
 def save_attention_maps(model: GPT, ids: list[int], tokens: list[str], out_dir: Path) -> list[Path]:
-    """Write out_dir/attention.npz (weights: float32 (n_layer, n_head, T, T), tokens) and the PNGs."""
+    """Write out_dir/attention.npz (weights: float32 (n_layer, n_head, T, T); mask: bool (n_layer, T, T), True
+    where a query may attend; tokens) and the PNGs."""
     out_dir.mkdir(parents=True, exist_ok=True)
     idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
     weights = model.attention_weights(idx)[:, 0].float().cpu().numpy()
-    np.savez(out_dir / "attention.npz", weights=weights, tokens=np.array(tokens))
-    return [_plot_layer(weights[layer], tokens, layer, out_dir) for layer in range(len(weights))]
+    T = len(ids)
+    mask = np.stack([causal_mask(T, T, window=w).numpy() for w in model.config.layer_windows()])
+    np.savez(out_dir / "attention.npz", weights=weights, mask=mask, tokens=np.array(tokens))
+    return [_plot_layer(weights[layer], mask[layer], tokens, layer, out_dir) for layer in range(len(weights))]
 
 
-def _plot_layer(weights: np.ndarray, tokens: list[str], layer: int, out_dir: Path) -> Path:
+def _plot_layer(weights: np.ndarray, mask: np.ndarray, tokens: list[str], layer: int, out_dir: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -41,12 +47,14 @@ def _plot_layer(weights: np.ndarray, tokens: list[str], layer: int, out_dir: Pat
         rows, cols, figsize=(size * cols + 1, size * rows + 0.6), squeeze=False, layout="constrained"
     )
     norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)  # stretch small weights; 0 stays black
+    cmap = plt.get_cmap("inferno").with_extremes(bad=MASKED_COLOUR)  # "bad": the masked cells
     labels = [_readable(t) for t in tokens]
     for head, ax in enumerate(axes.flat):
         if head >= n_head:
             ax.axis("off")
             continue
-        image = ax.imshow(weights[head], cmap="inferno", norm=norm, interpolation="nearest")
+        cells = np.ma.masked_array(weights[head], mask=~mask)
+        image = ax.imshow(cells, cmap=cmap, norm=norm, interpolation="nearest")
         ax.set_title(f"head {head}", fontsize=9)
         if T <= LABELS_UP_TO:
             ax.set_xticks(range(T), labels, rotation=90, fontsize=6, family="monospace")
@@ -55,7 +63,7 @@ def _plot_layer(weights: np.ndarray, tokens: list[str], layer: int, out_dir: Pat
             ax.set_xlabel("key position", fontsize=8)
             ax.set_ylabel("query position", fontsize=8)
     fig.suptitle(f"layer {layer}: attention weights (rows: queries, columns: keys)", fontsize=10)
-    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="weight")
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="weight (grey: masked, no weight)")
     path = out_dir / f"attention_layer{layer}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,7 +1,9 @@
 """The end-to-end proof of masked attention: change one token and watch which logits move.
 
 With a causal mask, the logits before the changed position stay exactly the same (a token can't see
-the future) and those from it on change. Run on both attention paths with the same weights.
+the future) and those from it on change. With sliding windows in every layer the change also stops: each
+windowed layer carries it window - 1 positions further, so it reaches p .. p + receptive_field - 1 and no
+further. Run on both attention paths with the same weights.
 """
 
 from __future__ import annotations
@@ -17,14 +19,32 @@ from model import ATTN_IMPLS, GPT
 class CausalityReport:
     position: int  # the token that was changed
     changes: dict[str, torch.Tensor]  # attn_impl -> largest |change| of the logits at each position, (T,)
+    receptive_field: int | None = None  # the model's (GPTConfig.receptive_field); None: every later position
+
+    @property
+    def length(self) -> int:
+        return len(next(iter(self.changes.values())))
+
+    @property
+    def last_reachable(self) -> int:
+        """The last position the change may reach."""
+        if self.receptive_field is None:
+            return self.length - 1
+        return min(self.length - 1, self.position + self.receptive_field - 1)
+
+    @property
+    def unreachable(self) -> torch.Tensor:
+        """(T,) True where the change must not reach: before it, and past the receptive field."""
+        positions = torch.arange(self.length)
+        return (positions < self.position) | (positions > self.last_reachable)
 
     @property
     def mask_held(self) -> bool:
-        return all(bool((c[: self.position] == 0).all()) for c in self.changes.values())
+        return all(bool((c[self.unreachable] == 0).all()) for c in self.changes.values())
 
     @property
     def information_flows(self) -> bool:
-        return all(bool((c[self.position :] > 0).all()) for c in self.changes.values())
+        return all(bool((c[~self.unreachable] > 0).all()) for c in self.changes.values())
 
 
 def check_causality(model: GPT, ids: list[int], position: int | None = None) -> CausalityReport:
@@ -41,7 +61,7 @@ def check_causality(model: GPT, ids: list[int], position: int | None = None) -> 
             before, _ = twin(idx)
             after, _ = twin(perturbed)
         changes[impl] = (after - before)[0].abs().amax(dim=-1).float().cpu()
-    return CausalityReport(position, changes)
+    return CausalityReport(position, changes, model.config.receptive_field)
 
 
 def format_report(report: CausalityReport, tokens: list[str], changed_to: str) -> str:
@@ -56,13 +76,28 @@ def format_report(report: CausalityReport, tokens: list[str], changed_to: str) -
         marker = "  <- changed" if i == t else ""
         cells = "".join(f"{report.changes[impl][i].item():>12.3g}" for impl in impls)
         lines.append(f"{i:>5}  {token!r:<8}{cells}{marker}")
-    if report.mask_held:
-        verdict = (
-            f"mask held: positions 0-{t - 1} are unchanged on {' and '.join(impls)}, "
-            f"positions {t}-{len(tokens) - 1} {'changed' if report.information_flows else 'mostly changed'}"
-        )
-    else:
-        leaks = {impl: int((c[:t] != 0).sum()) for impl, c in report.changes.items()}
-        verdict = "MASK LEAKED: earlier positions changed (" + ", ".join(f"{k}: {v}" for k, v in leaks.items()) + ")"
-    lines.append(verdict)
+    lines.append(_verdict(report, " and ".join(impls)))
     return "\n".join(lines)
+
+
+def _verdict(report: CausalityReport, paths: str) -> str:
+    t, last, end = report.position, report.last_reachable, report.length - 1
+    if report.receptive_field is None:
+        expected = f"positions {t}-{end}"
+    else:
+        expected = f"positions {t}-{last} (receptive field: {report.receptive_field} tokens)"
+    if not report.mask_held:
+        leaks = ", ".join(f"{impl}: {int((c[report.unreachable] != 0).sum())}" for impl, c in report.changes.items())
+        return f"MASK LEAKED: positions outside the expected {expected} changed ({leaks})"
+    unchanged = " and ".join(f"{a}-{b}" for a, b in ((0, t - 1), (last + 1, end)) if a <= b) or "none"
+    found = sorted({_changed_span(c) for c in report.changes.values()})
+    return (
+        f"mask held: positions {unchanged} are unchanged on {paths}, "
+        f"expected {expected} to change, found {' / '.join(found)} changed"
+        + ("" if report.information_flows else " (some positions inside were unchanged)")
+    )
+
+
+def _changed_span(change: torch.Tensor) -> str:
+    changed = change.nonzero().flatten().tolist()
+    return f"{changed[0]}-{changed[-1]}" if changed else "none"

@@ -1,8 +1,12 @@
-"""Causal multi-head self-attention, with a fused (flash) path and the textbook (math) path."""
+"""Causal multi-head self-attention, with a fused (flash) path and the textbook (math) path, over all earlier
+tokens or a sliding window of them."""
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +15,9 @@ from torch import nn
 from model.config import GPTConfig
 from model.kv_cache import KVCache
 from model.rotary import Rotary
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 def masked_attention(
@@ -28,10 +35,76 @@ def masked_attention(
     return F.dropout(weights, p=dropout_p) @ v, weights
 
 
-def causal_mask(n_queries: int, n_keys: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Lower-triangular mask for queries that are the last `n_queries` of `n_keys` positions."""
+def causal_mask(
+    n_queries: int, n_keys: int, device: torch.device | str | None = None, window: int | None = None
+) -> torch.Tensor:
+    """Lower-triangular mask for queries that are the last `n_queries` of `n_keys` positions; with a window,
+    a band: query position i sees keys i - window + 1 .. i."""
     ones = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device)
-    return ones.tril(diagonal=n_keys - n_queries)
+    mask = ones.tril(diagonal=n_keys - n_queries)
+    if window is not None:
+        mask &= ones.triu(diagonal=n_keys - n_queries - window + 1)
+    return mask
+
+
+QUERY_BLOCK = 64  # queries per SDPA call off CUDA: smaller blocks waste fewer keys, but each call has overhead
+
+
+def windowed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, dropout_p: float = 0.0
+) -> torch.Tensor:
+    """Fused attention under the sliding-window mask (q, k, v: (B, n_head, T, head_dim), the same T tokens) at a
+    cost linear in T. On CUDA, FlexAttention skips the blocks outside the band. Elsewhere, each block of queries
+    goes through SDPA with only the key blocks its window reaches instead of all T keys."""
+    T = q.size(-2)
+    if window >= T:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    if q.is_cuda and dropout_p == 0.0:  # FlexAttention has no dropout
+        return flex_windowed_attention(q, k, v, window)
+    # Blocks of QUERY_BLOCK queries, each against its own keys and the `reach` blocks before it that its window
+    # touches. split and cat (not slicing), so that backward is linear too: a slice's gradient is a zero tensor
+    # of the full size.
+    reach = math.ceil((window - 1) / QUERY_BLOCK)
+    queries, keys, values = (t.split(QUERY_BLOCK, dim=-2) for t in (q, k, v))
+    band = causal_mask(QUERY_BLOCK, (reach + 1) * QUERY_BLOCK, q.device, window)  # a whole block's rows
+    outputs = []
+    for j, block in enumerate(queries):
+        first, n = max(0, j - reach), block.size(-2)  # the first key block the window touches; queries here
+        # band's columns span reach + 1 whole key blocks ending with block j: drop those before the sequence
+        mask = band[:n, (reach - (j - first)) * QUERY_BLOCK : reach * QUERY_BLOCK + n]
+        block_keys, block_values = torch.cat(keys[first : j + 1], -2), torch.cat(values[first : j + 1], -2)
+        outputs.append(
+            F.scaled_dot_product_attention(block, block_keys, block_values, attn_mask=mask, dropout_p=dropout_p)
+        )
+    return torch.cat(outputs, dim=-2)
+
+
+def flex_windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """FlexAttention with the band as a block mask, compiled into one fused kernel on CUDA (inside a compiled
+    model, by that compilation). Elsewhere it runs eagerly, materialising all scores: there it only checks the
+    mask, without gradients on CPU."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compile_here = q.is_cuda and not torch.compiler.is_compiling()
+    kernel = _compiled_flex_attention() if compile_here else flex_attention
+    return kernel(q, k, v, block_mask=_band_block_mask(q.size(-2), window, q.device))
+
+
+@functools.cache
+def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=16)
+def _band_block_mask(length: int, window: int, device: torch.device) -> BlockMask:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def in_band(batch: torch.Tensor, head: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        return (key <= query) & (query - key < window)
+
+    return create_block_mask(in_band, None, None, length, length, device=device)
 
 
 class CausalSelfAttention(nn.Module):
@@ -47,6 +120,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.dropout = config.dropout
         self.attn_impl = config.attn_impl
+        self.window = config.layer_windows()[layer_index]  # None: every earlier key
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         head_size = config.n_embd // config.n_head
@@ -66,13 +140,18 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.extend(self.layer_index, k, v)
         dropout_p = self.dropout if self.training else 0.0
         if self.attn_impl == "math" or self.captured is not None:
-            y, weights = masked_attention(q, k, v, causal_mask(T, n_past + T, x.device), dropout_p)
+            # A windowed layer's cache returns only the keys its window may reach, ending at the newest token.
+            mask = causal_mask(T, k.size(-2), x.device, self.window)
+            y, weights = masked_attention(q, k, v, mask, dropout_p)
             if self.captured is not None:
                 self.captured.append(weights)
+        elif n_past == 0 and self.window is not None:
+            y = windowed_attention(q, k, v, self.window, dropout_p)
         elif n_past == 0:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         elif T == 1:
-            # is_causal aligns the mask to the first key; a single query after the cache may see every key.
+            # is_causal aligns the mask to the first key; a single query after the cache may see every key
+            # the cache returned (a windowed layer's cache returns only those in its window).
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
         else:
             raise ValueError("the flash path extends a non-empty KV cache one token at a time")

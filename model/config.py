@@ -16,6 +16,7 @@ ATTN_IMPLS = ("flash", "math")
 # relu2: ReLU(x)², as in modded-nanogpt, cheaper than GELU's erf on CPU.
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu2")
 POS_EMBS = ("learned", "rope")  # rope: rotary embeddings on queries and keys instead of a learned table
+WINDOWED, FULL = "S", "L"  # window_pattern's letters: a sliding-window layer, a full causal one
 _SIZES = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
 
 
@@ -31,6 +32,13 @@ class GPTConfig:
     attn_impl: str = option("flash", choices=ATTN_IMPLS)  # flash (fused SDPA) | math (the textbook formula)
     activation: str = option("gelu", choices=ACTIVATIONS)
     pos_emb: str = option("learned", choices=POS_EMBS)
+    # Sliding-window attention: query i sees keys i-attn_window+1 .. i (null: every earlier key, causal as GPT-2).
+    attn_window: int | None = option(None, at_least=1)
+    # Which layers use attn_window: S (windowed) or L (full), first layer first. A pattern shorter than n_layer
+    # is repeated and its last layer made L; one of exactly n_layer letters is used as written ("SSSS": every
+    # layer windowed, so with rope generation can roll past block_size). Null means "S": all but the last layer.
+    # While attn_window is null no layer is windowed, whatever the pattern: attn_window=null switches windows off.
+    window_pattern: str | None = None
 
     def __post_init__(self) -> None:
         """Raises ConfigError (a ValueError) naming the field."""
@@ -45,3 +53,36 @@ class GPTConfig:
             )
         if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
             raise ConfigError(f"pos_emb=rope needs an even head size; n_embd/n_head is {self.n_embd // self.n_head}")
+        self._check_window_pattern()
+
+    def _check_window_pattern(self) -> None:
+        pattern = self.window_pattern
+        if pattern is None:
+            return
+        if not pattern or set(pattern) - {WINDOWED, FULL}:
+            raise ConfigError(f"window_pattern={pattern} may only hold the letters S (windowed) and L (full)")
+        if WINDOWED not in pattern:
+            raise ConfigError(f"window_pattern={pattern} windows no layer; add an S or set attn_window=null")
+        if len(pattern) > self.n_layer:
+            raise ConfigError(f"window_pattern={pattern} has more letters than n_layer={self.n_layer}")
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's attention window, first layer first (None: full causal attention)."""
+        if self.attn_window is None:
+            return [None] * self.n_layer
+        pattern = self.window_pattern or WINDOWED
+        if len(pattern) < self.n_layer:
+            pattern = (pattern * self.n_layer)[: self.n_layer - 1] + FULL
+        return [self.attn_window if letter == WINDOWED else None for letter in pattern]
+
+    @property
+    def rolls(self) -> bool:
+        """Every layer windowed and positions relative (rope): no position depends on where the sequence began,
+        so the model runs on sequences of any length and a KV cache can roll past block_size."""
+        return self.pos_emb == "rope" and None not in self.layer_windows()
+
+    @property
+    def receptive_field(self) -> int | None:
+        """How many tokens, itself included, can change one position's logits; None: all earlier ones."""
+        windows = self.layer_windows()
+        return None if None in windows else 1 + sum(w - 1 for w in windows)

@@ -82,15 +82,17 @@ class GPT(nn.Module):
         return n - wpe.weight.numel() if non_embedding and wpe is not None else n
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token (forward + backward), as in the PaLM paper's appendix B."""
+        """Training FLOPs per token (forward + backward), as in the PaLM paper's appendix B; a windowed layer's
+        attention counts the keys its window spans instead of the whole block."""
         c = self.config
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size
+        spans = (c.block_size if w is None else min(w, c.block_size) for w in c.layer_windows())
+        return 6 * self.num_params() + 12 * c.n_embd * sum(spans)
 
     def _hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Final hidden states (B, T, C) of the new tokens `idx`, after those already in `cache`."""
         n_past = 0 if cache is None else cache.length
         T = idx.size(1)
-        if n_past + T > self.config.block_size:
+        if n_past + T > self.config.block_size and not self.config.rolls:
             raise ValueError(
                 f"sequence length {n_past + T} exceeds block_size={self.config.block_size}; "
                 "crop the input to the last block_size tokens"
@@ -141,20 +143,23 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Sample `max_new_tokens` tokens after `idx` (B, T), feeding back the last block_size tokens.
 
-        With the cache the prompt is run once, then each step runs only the newest token. Learned
-        positions can't slide, so once the sequence outgrows block_size every step recomputes the
-        cropped window, exactly as use_cache=False does.
+        With the cache the prompt is run once, then each step runs only the newest token. Once the sequence
+        outgrows block_size, every step recomputes the cropped window, exactly as use_cache=False does:
+        positions can't slide past a full layer. A rolling model (config.rolls: every layer windowed, rope)
+        has no such limit: its cache keeps rolling, and without a cache each step recomputes the last
+        receptive_field tokens (or block_size, if more), all that can reach the next token.
         """
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0; use top_k=1 for greedy decoding")
-        block_size = self.config.block_size
-        cache = KVCache(self.config) if use_cache else None
+        config = self.config
+        context = max(config.block_size, config.receptive_field or 0) if config.rolls else config.block_size
+        cache = KVCache(config) if use_cache else None
         for _ in range(max_new_tokens):
-            if cache is not None and idx.size(1) <= block_size:
+            if cache is not None and (config.rolls or idx.size(1) <= context):
                 new_tokens = idx[:, cache.length :]
                 hidden = self._hidden(new_tokens, cache)
             else:
-                hidden = self._hidden(idx[:, -block_size:])
+                hidden = self._hidden(idx[:, -context:])
             logits = self.lm_head(hidden[:, -1, :]) / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]

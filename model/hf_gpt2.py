@@ -10,7 +10,7 @@ import logging
 from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,17 +28,17 @@ _ACTIVATION_FROM_HF = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"
 _ACTIVATION_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 _GPT2_EOT = 50256  # <|endoftext|> in GPT-2's BPE: the start and end token of HF's generate()
 _HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older transformers versions kept in state_dict
+# GPTConfig fields the weights don't fix: loading takes them as given (GPTConfig's defaults otherwise).
+SETTINGS = ("dropout", "attn_impl", "attn_window", "window_pattern")
 
 
 class PretrainedError(UserError):
     """transformers missing, weights that can't be loaded, or a model the other format can't express."""
 
 
-def load_pretrained(
-    name_or_dir: str, *, block_size: int | None = None, dropout: float = 0.0, attn_impl: str = "flash"
-) -> GPT:
+def load_pretrained(name_or_dir: str, *, block_size: int | None = None, **settings: Any) -> GPT:
     """One of PRETRAINED (downloaded once by HF, then read from its cache) or a directory written by
-    save_pretrained, as our GPT; block_size crops the position table."""
+    save_pretrained, as our GPT; block_size crops the position table; settings: any of SETTINGS."""
     is_dir = Path(name_or_dir).is_dir()
     if name_or_dir not in PRETRAINED and not is_dir:
         raise PretrainedError(
@@ -62,7 +62,7 @@ def load_pretrained(
     missing = sorted(info["missing_keys"])
     if missing:  # from_pretrained leaves them randomly initialised and only warns
         raise PretrainedError(f"{name_or_dir!r} holds no weights for {missing[0]}: it is not a GPT-2 model")
-    return gpt_from_hf(hf_model, block_size=block_size, dropout=dropout, attn_impl=attn_impl)
+    return gpt_from_hf(hf_model, block_size=block_size, **settings)
 
 
 @contextlib.contextmanager
@@ -79,11 +79,13 @@ def _quiet_hub() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def gpt_from_hf(
-    hf_model: GPT2LMHeadModel, *, block_size: int | None = None, dropout: float = 0.0, attn_impl: str = "flash"
-) -> GPT:
+def gpt_from_hf(hf_model: GPT2LMHeadModel, *, block_size: int | None = None, **settings: Any) -> GPT:
     """Our GPT computing the same logits as hf_model. A block_size below the model's n_positions keeps only
-    the first position embeddings (as nanoGPT's crop_block_size does), to finetune on shorter windows."""
+    the first position embeddings (as nanoGPT's crop_block_size does), to finetune on shorter windows.
+    settings: any of SETTINGS (dropout, attn_impl, a sliding window), which the weights leave open."""
+    unknown = set(settings) - set(SETTINGS)
+    if unknown:
+        raise TypeError(f"gpt_from_hf() takes no setting {sorted(unknown)}: the weights fix it")
     hf = hf_model.config
     _check_expressible(hf_model)
     if block_size is None:
@@ -99,10 +101,9 @@ def gpt_from_hf(
         n_layer=hf.n_layer,
         n_head=hf.n_head,
         n_embd=hf.n_embd,
-        dropout=dropout,
         bias=True,
-        attn_impl=attn_impl,
         activation=_ACTIVATION_FROM_HF[hf.activation_function],
+        **settings,
     )
     model = GPT(config)
     ours = model.state_dict()
@@ -121,6 +122,11 @@ def hf_from_gpt(model: GPT) -> GPT2LMHeadModel:
     """The HF GPT2LMHeadModel computing the same logits as model, for HF's tools (save_pretrained, generate,
     evaluation harnesses). Without biases (bias=False), it gets zero biases: the same function."""
     config = model.config
+    if config.attn_window is not None:
+        raise PretrainedError(
+            f"attn_window={config.attn_window} can't be exported: GPT-2 attends to every earlier token "
+            "(attn_window=null)"
+        )
     if config.pos_emb != "learned":
         raise PretrainedError(
             f"pos_emb={config.pos_emb!r} can't be exported: GPT-2 has a learned position table only (pos_emb=learned)"

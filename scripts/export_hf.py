@@ -4,7 +4,8 @@
 
 RUN_DIR is a directory written by train.py (its ckpt.pt); HF_DIR receives config.json and model.safetensors,
 readable with GPT2LMHeadModel.from_pretrained(HF_DIR). Only the model is exported, not the tokenizer. Needs
-transformers (pip install ".[hf]"); models with activation=relu2 or pos_emb=rope have no GPT-2 equivalent.
+transformers (pip install ".[hf]"); models with activation=relu2, pos_emb=rope or an attn_window have no GPT-2
+equivalent.
 """
 
 from __future__ import annotations

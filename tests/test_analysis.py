@@ -53,7 +53,7 @@ def test_causality_check_reports_a_leak_when_the_mask_is_removed(
 ) -> None:
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    def no_mask(n_queries: int, n_keys: int, device: object = None) -> torch.Tensor:
+    def no_mask(n_queries: int, n_keys: int, device: object = None, window: int | None = None) -> torch.Tensor:
         return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device)
 
     monkeypatch.setattr(model.attention, "causal_mask", no_mask)

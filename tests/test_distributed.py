@@ -24,8 +24,14 @@ from training.schema import TrainRunConfig
 
 # Four micro-batches a step: one process runs all four, each of two processes two (gradients reduced on the
 # second). eval_iters is odd so the train-split batches don't divide evenly between the ranks; the val split is
-# evaluated whole (full_val).
-RUN = {"train.grad_accum": 4, "train.eval_iters": 5, "train.full_val": True, "train.max_iters": 12}
+# evaluated whole (full_val). The first layer attends through a sliding window (its fused path: windowed_attention).
+RUN = {
+    "train.grad_accum": 4,
+    "train.eval_iters": 5,
+    "train.full_val": True,
+    "train.max_iters": 12,
+    "model.attn_window": 8,
+}
 
 
 def torchrun(processes: int, args: list[str], cwd: Path) -> subprocess.CompletedProcess:

@@ -123,6 +123,18 @@ def test_pretrained_loads_a_save_pretrained_directory(tmp_path: Path) -> None:
     _assert_same_logits(model.eval(), hf_model, length=32)
 
 
+def test_pretrained_weights_take_a_sliding_window_but_not_a_new_shape() -> None:
+    hf_model = _hf_model()
+    windowed = gpt_from_hf(hf_model, attn_window=4, window_pattern="S")
+    assert windowed.config.layer_windows()[0] == 4
+    with torch.no_grad():
+        idx = torch.randint(SHAPE["vocab_size"], (1, 12))
+        changed = (windowed(idx)[0] - gpt_from_hf(hf_model)(idx)[0]).abs().amax(dim=-1)[0]
+    assert torch.all(changed[:4] < 1e-5) and torch.all(changed[4:] > 1e-4)  # the window starts to bite at 4
+    with pytest.raises(TypeError, match="n_layer"):
+        gpt_from_hf(hf_model, n_layer=1)
+
+
 @pytest.mark.parametrize(
     ("options", "key"), [({"activation": "relu2"}, "activation"), ({"pos_emb": "rope"}, "pos_emb")]
 )

@@ -17,6 +17,7 @@ from common.errors import ConfigError
 from data.prepare import PreparedData, ensure_prepared
 from data.tokenizers import tokenizer_from_metadata
 from model import GPT, GPTConfig
+from model.hf_gpt2 import SETTINGS as PRETRAINED_SETTINGS
 from model.hf_gpt2 import load_pretrained
 from training.checkpoint import CKPT_NAME, Checkpoint, load_checkpoint
 from training.distributed import World, barrier, broadcast_from_main, wrap_model
@@ -150,17 +151,19 @@ def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: Pr
 
 
 def _pretrained_model(config: TrainRunConfig, vocab_size: int) -> GPT:
-    """init_from's weights and shape; block_size (cropped), dropout and attn_impl from the config."""
+    """init_from's weights and shape; block_size (cropped) and the settings the weights leave open (dropout,
+    attn_impl, the sliding window) from the config."""
     keys = config.model
-    model = load_pretrained(
-        config.init_from, block_size=keys.block_size, dropout=keys.dropout, attn_impl=keys.attn_impl
-    )
+    settings = {name: getattr(keys, name) for name in PRETRAINED_SETTINGS}
+    model = load_pretrained(config.init_from, block_size=keys.block_size, **settings)
     if model.config.vocab_size != vocab_size:
         raise ConfigError(
             f"init_from={config.init_from} has a vocabulary of {model.config.vocab_size} tokens, the data's has "
             f"{vocab_size}; use data tokenized like the model (GPT-2: data.tokenizer=r50k_base, e.g. data=shakespeare)"
         )
     shape = {k: getattr(model.config, k) for k in ("n_layer", "n_head", "n_embd", "bias", "activation", "pos_emb")}
+    if model.config.attn_window is not None:
+        shape["layer_windows"] = model.config.layer_windows()
     log.info(f"init_from={config.init_from}: {shape}, block_size {model.config.block_size}")
     return model
 

@@ -42,7 +42,7 @@ class Sampler:
         if not ids:
             raise ConfigError('start is empty; give a prompt such as start="ROMEO:"')
         block_size = self.model.config.block_size
-        if len(ids) > block_size:
+        if len(ids) > block_size and not self.model.config.rolls:
             warn(f"the prompt has {len(ids)} tokens; the model sees only its last {block_size} (block_size)")
         return ids
 

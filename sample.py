@@ -59,7 +59,8 @@ def main(dict_cfg: DictConfig) -> None:
         if cfg.check_causal:
             from analysis.causality import check_causality, format_report
 
-            window = sampler.last_window(first, "causality check")
+            # A rolling model runs any length in one pass: all of it, so its receptive field's far edge shows.
+            window = first if sampler.model.config.rolls else sampler.last_window(first, "causality check")
             if len(window) < 2:
                 warn("causality check: needs at least 2 tokens; raise max_new_tokens")
                 return

@@ -59,7 +59,7 @@ def windowed_attention(
     T = q.size(-2)
     if window >= T:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    if q.is_cuda and dropout_p == 0.0:  # FlexAttention has no dropout
+    if q.is_cuda and dropout_p == 0.0:  # FlexAttention has no dropout: with dropout, the blocks below
         return flex_windowed_attention(q, k, v, window)
     # Blocks of QUERY_BLOCK queries, each against its own keys and the `reach` blocks before it that its window
     # touches. split and cat (not slicing), so that backward is linear too: a slice's gradient is a zero tensor
@@ -85,19 +85,20 @@ def flex_windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w
     mask, without gradients on CPU."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    compile_here = q.is_cuda and not torch.compiler.is_compiling()
-    kernel = _compiled_flex_attention() if compile_here else flex_attention
-    return kernel(q, k, v, block_mask=_band_block_mask(q.size(-2), window, q.device))
+    length = q.size(-2)
+    if torch.compiler.is_compiling():  # traced into the model's graph, as modded-nanogpt builds its masks
+        return flex_attention(q, k, v, block_mask=_band_block_mask(length, window, q.device))
+    kernel = _compiled_flex_attention() if q.is_cuda else flex_attention
+    return kernel(q, k, v, block_mask=_cached_band_block_mask(length, window, q.device))
 
 
 @functools.cache
 def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)
 
 
-@functools.lru_cache(maxsize=16)
 def _band_block_mask(length: int, window: int, device: torch.device) -> BlockMask:
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -105,6 +106,12 @@ def _band_block_mask(length: int, window: int, device: torch.device) -> BlockMas
         return (key <= query) & (query - key < window)
 
     return create_block_mask(in_band, None, None, length, length, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_band_block_mask(length: int, window: int, device: torch.device) -> BlockMask:
+    with torch.inference_mode(False):  # made while sampling, it must still serve training
+        return _band_block_mask(length, window, device)
 
 
 class CausalSelfAttention(nn.Module):

@@ -61,7 +61,7 @@ class GPTConfig:
             return
         if not pattern or set(pattern) - {WINDOWED, FULL}:
             raise ConfigError(f"window_pattern={pattern} may only hold the letters S (windowed) and L (full)")
-        if WINDOWED not in pattern:
+        if WINDOWED not in pattern and self.attn_window is not None:
             raise ConfigError(f"window_pattern={pattern} windows no layer; add an S or set attn_window=null")
         if len(pattern) > self.n_layer:
             raise ConfigError(f"window_pattern={pattern} has more letters than n_layer={self.n_layer}")
@@ -78,8 +78,10 @@ class GPTConfig:
     @property
     def rolls(self) -> bool:
         """Every layer windowed and positions relative (rope): no position depends on where the sequence began,
-        so the model runs on sequences of any length and a KV cache can roll past block_size."""
-        return self.pos_emb == "rope" and None not in self.layer_windows()
+        so the model runs on sequences of any length and a KV cache can roll past block_size. Only for a window
+        within block_size: a wider one would look further back than training ever showed it."""
+        windowed = self.attn_window is not None and self.attn_window <= self.block_size
+        return windowed and self.pos_emb == "rope" and None not in self.layer_windows()
 
     @property
     def receptive_field(self) -> int | None:

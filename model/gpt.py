@@ -120,7 +120,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def attention_weights(self, idx: torch.Tensor) -> torch.Tensor:
         """Softmax weights of every layer and head, (n_layer, B, n_head, T, T), through the math path
-        of these same weights whatever attn_impl is: row i is query i's distribution over keys 0..i."""
+        of these same weights whatever attn_impl is: row i is query i's distribution over keys 0..i (or, in a
+        windowed layer, i - attn_window + 1 .. i)."""
         attentions = [block.attn for block in self.transformer.h]
         weights: list[torch.Tensor] = []
         for attn in attentions:
@@ -141,7 +142,7 @@ class GPT(nn.Module):
         top_k: int | None = None,
         use_cache: bool = True,
     ) -> torch.Tensor:
-        """Sample `max_new_tokens` tokens after `idx` (B, T), feeding back the last block_size tokens.
+        """Sample `max_new_tokens` tokens after `idx` (B, T), each step conditioned on all the model can see.
 
         With the cache the prompt is run once, then each step runs only the newest token. Once the sequence
         outgrows block_size, every step recomputes the cropped window, exactly as use_cache=False does:

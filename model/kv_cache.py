@@ -6,19 +6,21 @@ import torch
 
 from model.config import GPTConfig
 
+ROLL_SLACK = 64  # a windowed layer's spare slots: it moves its live tokens to the front once per this many steps
+
 
 class LayerCache:
-    """One layer's keys and values (2, B, n_head, capacity, head_dim), oldest first.
+    """One layer's keys and values (2, B, n_head, slots, head_dim), oldest first.
 
-    A full layer keeps every token, preallocated to block_size, so appending writes in place. A windowed
-    layer needs only its last window - 1 tokens: when the buffer fills, those move to its front and the rest
-    is overwritten, so memory stays bounded however long generation runs (a rolling buffer whose live part
-    is always one contiguous, oldest-first slice, ready for the attention kernels).
+    A full layer keeps every token, preallocated to block_size, so appending writes in place. A windowed layer
+    needs only its last window - 1 tokens: its buffer holds twice that plus ROLL_SLACK, and when it fills, the
+    live tokens move to the front and the rest is overwritten. Memory stays bounded however long generation
+    runs, and the live part is always one contiguous, oldest-first slice, ready for the attention kernels.
     """
 
     def __init__(self, block_size: int, window: int | None) -> None:
         self.keep = None if window is None else window - 1  # earlier tokens a new query may still see
-        self.capacity = block_size if window is None else block_size + window
+        self.slots = block_size if window is None else 2 * (window - 1) + ROLL_SLACK
         self.buffer: torch.Tensor | None = None  # allocated on first use: batch, device and dtype as given
         self.stored = 0
 
@@ -26,11 +28,11 @@ class LayerCache:
         """Store the T new tokens' keys and values (B, n_head, T, head_dim); return those the new queries can
         see: every stored token for a full layer, the last window - 1 before the new ones for a windowed one."""
         T = k.size(2)
-        if self.keep is not None and self.stored + T > self.capacity:
+        if self.keep is not None and self.buffer is not None and self.stored + T > self.buffer.size(3):
             self._roll(T)
-        if self.buffer is None:
+        if self.buffer is None:  # a prompt longer than the slots gets as many; the next roll shrinks them back
             B, n_head, _, head_dim = k.shape
-            self.buffer = k.new_empty(2, B, n_head, self.capacity, head_dim)
+            self.buffer = k.new_empty(2, B, n_head, max(self.slots, T), head_dim)
         end = self.stored + T
         self.buffer[0, :, :, self.stored : end] = k
         self.buffer[1, :, :, self.stored : end] = v
@@ -40,21 +42,18 @@ class LayerCache:
         return keys, values
 
     def _roll(self, n_new: int) -> None:
-        """Move the tokens still in the window to the front; grow if n_new tokens would still not fit."""
-        assert self.keep is not None
+        """Move the tokens still in the window to the front of a buffer with room for n_new more."""
+        assert self.buffer is not None and self.keep is not None
         kept = min(self.stored, self.keep)
-        if self.buffer is not None and kept:
-            self.buffer[:, :, :, :kept] = self.buffer[:, :, :, self.stored - kept : self.stored].clone()
+        live = self.buffer[:, :, :, self.stored - kept : self.stored]
+        slots = max(self.slots, kept + n_new)
+        if slots != self.buffer.size(3):
+            resized = self.buffer.new_empty(*self.buffer.shape[:3], slots, self.buffer.size(4))
+            resized[:, :, :, :kept] = live
+            self.buffer = resized
+        else:
+            self.buffer[:, :, :, :kept] = live.clone()  # source and destination may overlap
         self.stored = kept
-        if kept + n_new > self.capacity:
-            self.capacity = kept + n_new
-            self.buffer = None if self.buffer is None else _grown(self.buffer, self.capacity, kept)
-
-
-def _grown(buffer: torch.Tensor, capacity: int, n_live: int) -> torch.Tensor:
-    bigger = buffer.new_empty(*buffer.shape[:3], capacity, buffer.size(4))
-    bigger[:, :, :, :n_live] = buffer[:, :, :, :n_live]
-    return bigger
 
 
 class KVCache:

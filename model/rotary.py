@@ -10,12 +10,17 @@ from torch import nn
 class Rotary(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, base: float = 10000.0) -> None:
         super().__init__()
-        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # (positions, head_dim/2)
+        # float64 on the CPU, not a buffer (MPS has no float64): a rolling model's positions grow without bound,
+        # and position x frequency in float32 would drift by 1e-3 of a radian by position 100,000.
+        self.inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        cos, sin = self._cos_sin(0, max_positions)  # (positions, head_dim/2)
         # Derived, not learned: kept out of the state dict so checkpoints don't depend on them.
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _cos_sin(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = torch.outer(torch.arange(start, end, dtype=torch.float64), self.inv_freq)
+        return angles.cos().float(), angles.sin().float()
 
     def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Rotate x (B, n_head, T, head_dim) as positions start .. start + T - 1."""
@@ -23,8 +28,6 @@ class Rotary(nn.Module):
         if start + T <= self.cos.size(0):
             cos, sin = self.cos[start : start + T], self.sin[start : start + T]
         else:  # past the table (a rolling model's generation): the same angles, computed for these positions
-            positions = torch.arange(start, start + T, dtype=torch.float32, device=x.device)
-            angles = torch.outer(positions, self.inv_freq.float())
-            cos, sin = angles.cos(), angles.sin()
+            cos, sin = (t.to(x.device) for t in self._cos_sin(start, start + T))
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)

@@ -127,9 +127,11 @@ def test_gpu_check_dry_run_passes_on_cpu(tmp_path: Path, corpus_path: Path) -> N
     assert [c["check"] for c in checks] == [
         "flash = math (float32)",
         "flash = math (bfloat16)",
+        "flash = math (float32, window 5)",
+        "flash = math (bfloat16, window 5)",
         "shakespeare to val <= 4.0",
         "speedrun_gpu to val <= 4.0",
         "GPT-2 124M throughput (tiny stand-in)",
     ]
     assert all(c["ok"] for c in checks)
-    assert checks[2]["time_to_target_s"] > 0 and checks[3]["time_to_target_s"] > 0 and checks[4]["tokens_per_sec"] > 0
+    assert checks[4]["time_to_target_s"] > 0 and checks[5]["time_to_target_s"] > 0 and checks[6]["tokens_per_sec"] > 0

@@ -20,6 +20,7 @@ from conftest import REPO, TINY_BPE, compose_config, run_script, tiny_encoding, 
 from model import GPT, GPTConfig
 from model.hf_gpt2 import PRETRAINED, PretrainedError, gpt_from_hf, hf_from_gpt, load_pretrained
 from training.checkpoint import CKPT_NAME, Checkpoint, load_checkpoint, save_checkpoint
+from training.errors import CheckpointError
 from training.loop import train
 
 SHAPE = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=97)
@@ -251,6 +252,8 @@ def test_pretrained_init_from_trains_from_the_hf_weights_and_resumes(tmp_path: P
     # A finetune resumes with the pretrained shape, though the config's model group is the default's.
     overrides = tiny_run_overrides(tmp_path, corpus_path, **{**extra, "resume": True, "train.max_iters": 6})
     assert result.iters == 4 and train(compose_config(overrides)).iters == 6
+    with pytest.raises(CheckpointError, match="attn_window: None -> 4"):  # a setting init_from took is kept too
+        train(compose_config([*overrides, "model.attn_window=4"]))
 
 
 def test_pretrained_init_from_refuses_data_with_another_vocabulary(tmp_path: Path, corpus_path: Path) -> None:

@@ -21,7 +21,8 @@ from conftest import compose_config, run_script, tiny_run_overrides
 from model import GPT, GPTConfig, causal_mask, masked_attention
 from model.attention import flex_windowed_attention, windowed_attention
 from model.hf_gpt2 import PretrainedError, hf_from_gpt
-from model.kv_cache import KVCache
+from model.kv_cache import ROLL_SLACK, KVCache
+from model.rotary import Rotary
 from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.errors import CheckpointError
 from training.loop import train
@@ -118,6 +119,7 @@ def test_what_rolls_and_how_far_a_token_reaches() -> None:
     assert everywhere.rolls and everywhere.receptive_field == 1 + 3 * 4
     assert not replace(everywhere, pos_emb="learned").rolls  # learned positions stop at block_size
     assert not GPTConfig(**SMALL, attn_window=5, pos_emb="rope").rolls  # its last layer is full
+    assert not replace(everywhere, attn_window=33).rolls  # wider than block_size: reaches further than training
     assert GPTConfig(**SMALL, attn_window=5, pos_emb="rope").receptive_field is None
 
 
@@ -137,12 +139,13 @@ def test_bad_window_settings_are_one_line_errors(overrides: dict, message: str) 
 
 @pytest.mark.parametrize("attn_impl", ["flash", "math"])
 @pytest.mark.parametrize("window", [1, 4, 70])
-@pytest.mark.parametrize("prompt_length", [1, 9, 40])  # 40: more than a windowed layer's buffer holds at first
+@pytest.mark.parametrize("prompt_length", [1, 9, 80])  # 80: more than a buffer of windows 1 and 4 has slots for
 def test_cached_logits_equal_one_pass_over_the_sequence_across_the_window_and_past_block_size(
     attn_impl: str, window: int, prompt_length: int
 ) -> None:
-    rolling = _model(attn_impl, attn_window=window, window_pattern="SSS", pos_emb="rope")
-    T = 3 * SMALL["block_size"]  # a rolling model runs past block_size: positions are relative, every layer windowed
+    block_size = 80  # room for a window over one query block of 64
+    rolling = _model(attn_impl, block_size=block_size, attn_window=window, window_pattern="SSS", pos_emb="rope")
+    T = 3 * block_size  # a rolling model runs past block_size: positions are relative, every layer windowed
     idx = torch.randint(SMALL["vocab_size"], (2, T))
     with torch.no_grad():
         full, _ = _twin(rolling, "math")(idx)
@@ -152,8 +155,34 @@ def test_cached_logits_equal_one_pass_over_the_sequence_across_the_window_and_pa
         for t in range(prompt_length, T):
             step, _ = rolling(idx[:, t : t + 1], cache=cache)
             torch.testing.assert_close(step[:, 0], full[:, t], atol=1e-5, rtol=0)
-    # Memory stays bounded: each layer holds at most its window and a block (or the prompt), however long it runs.
-    assert all(layer.buffer.size(3) <= max(window + SMALL["block_size"], prompt_length) for layer in cache.layers)
+    # Memory stays bounded: each layer's buffer is back to 2 (W - 1) + 64 slots, whatever the prompt was.
+    assert [layer.buffer.size(3) for layer in cache.layers] == [2 * (window - 1) + ROLL_SLACK] * SMALL["n_layer"]
+
+
+def test_cached_decoding_in_chunks_on_the_math_path_equals_one_pass() -> None:
+    rolling = _model("math", attn_window=5, window_pattern="SSS", pos_emb="rope")
+    idx = torch.randint(SMALL["vocab_size"], (3, 100))
+    with torch.no_grad():
+        full, _ = rolling(idx)
+        cache, chunks, start = KVCache(rolling.config), [], 0
+        for size in [7, 3, 1, 12, 2, 40, 1, 1, 33]:  # the math path takes several new tokens after a cache
+            chunks.append(rolling(idx[:, start : start + size], cache=cache)[0])
+            start += size
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_rotary_positions_stay_exact_far_past_the_table() -> None:
+    rotary = Rotary(head_dim=16, max_positions=32)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+
+    def score(i: int, j: int) -> torch.Tensor:
+        return (rotary(q, i) * rotary(k, j)).sum()
+
+    # A rolling cache rotates keys at their absolute position; a recompute starts again from 0.
+    for far in (1_000, 100_000):
+        torch.testing.assert_close(score(far + 3, far + 1), score(3, 1), atol=1e-5, rtol=0)
+    x = torch.randn(1, 1, 4, 16)
+    torch.testing.assert_close(rotary(x, 30)[..., :2, :], rotary(x[..., :2, :], 30))  # off the table = on it
 
 
 @pytest.mark.parametrize("attn_impl", ["flash", "math"])
@@ -267,14 +296,10 @@ def test_a_windowed_run_resumes_and_samples_past_block_size(tmp_path: Path, corp
     assert result.returncode == 0, result.stderr
     sample, report = result.stdout.split("\n---------------\n")
     assert len(sample) == len("ROMEO:") + 80  # 86 characters from a model of block_size 32
-    warnings_ = [line for line in result.stderr.splitlines() if line.startswith("warning")]
-    assert warnings_ == ["warning: causality check: the sequence has 86 tokens; using its last 32 (block_size)"]
-    # The check runs on the last 32 tokens, changing the 16th: 1 + 2 x 5 = 11 positions may change.
-    assert (
-        report.rstrip()
-        .splitlines()[-1]
-        .startswith(
-            "mask held: positions 0-15 and 27-31 are unchanged on flash and math, "
-            "expected positions 16-26 (receptive field: 11 tokens) to change"
-        )
+    assert "warning" not in result.stderr  # nothing cropped: the cache rolled, the check ran on all 86 tokens
+    # 1 + 2 x 5 = 11 positions may change: the check changes token 37, which centres them.
+    verdict = report.rstrip().splitlines()[-1]
+    assert verdict.startswith(
+        "mask held: positions 0-36 and 48-85 are unchanged on flash and math, "
+        "expected positions 37-47 (receptive field: 11 tokens) to change"
     )

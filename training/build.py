@@ -138,9 +138,9 @@ def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: Pr
     """A new model from model.*, init_from's pretrained one, or (resume) one of the checkpoint's shape."""
     if config.init_from is not None and checkpoint is None:
         return _pretrained_model(config, data.meta["vocab_size"])
-    free = {k: getattr(config.model, k) for k in FREE_MODEL_KEYS}
     if config.init_from is not None:  # resuming a finetune: the shape is the pretrained model's, as saved
-        model_config = dataclasses.replace(checkpoint.model_config, **free)
+        settings = {k: getattr(config.model, k) for k in PRETRAINED_SETTINGS}  # what init_from took from the config
+        model_config = dataclasses.replace(checkpoint.model_config, **settings)
     else:
         model_config = config.model.gpt_config(data.meta["vocab_size"])
     if checkpoint is not None:

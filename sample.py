@@ -15,9 +15,10 @@ one PNG per layer. In each heat map row i is a query position and column j a key
 softmax over the keys the mask allows, so it sums to 1; masked cells (above the diagonal, and outside a
 sliding window's band) are grey.
 
-check_causal=true changes the middle token of that sequence and prints, position by position, the
-largest change of the logits on both attention paths: zero before the change, non-zero from it on (and,
-with a sliding window in every layer, zero again past the receptive field).
+check_causal=true changes one token of that sequence (the middle one; with a sliding window in every layer, the
+one that centres its receptive field) and prints, position by position, the largest change of the logits on
+both attention paths: zero before the change, non-zero from it on (and, with a window in every layer, zero
+again past the receptive field).
 """
 
 import sys
@@ -59,8 +60,10 @@ def main(dict_cfg: DictConfig) -> None:
         if cfg.check_causal:
             from analysis.causality import check_causality, format_report
 
-            # A rolling model runs any length in one pass: all of it, so its receptive field's far edge shows.
-            window = first if sampler.model.config.rolls else sampler.last_window(first, "causality check")
+            # A rolling model runs any length in one pass: enough that its receptive field's far edge shows.
+            config = sampler.model.config
+            span = max(config.block_size, 2 * config.receptive_field) if config.rolls else None
+            window = sampler.last_window(first, "causality check", span)
             if len(window) < 2:
                 warn("causality check: needs at least 2 tokens; raise max_new_tokens")
                 return

@@ -13,14 +13,15 @@ class LayerCache:
     """One layer's keys and values (2, B, n_head, slots, head_dim), oldest first.
 
     A full layer keeps every token, preallocated to block_size, so appending writes in place. A windowed layer
-    needs only its last window - 1 tokens: its buffer holds twice that plus ROLL_SLACK, and when it fills, the
-    live tokens move to the front and the rest is overwritten. Memory stays bounded however long generation
-    runs, and the live part is always one contiguous, oldest-first slice, ready for the attention kernels.
+    needs only its last window - 1 tokens: its buffer holds twice that plus ROLL_SLACK (block_size at most), and
+    when it fills, the live tokens move to the front and the rest is overwritten. Memory stays bounded however
+    long generation runs, and the live part is always one contiguous, oldest-first slice, ready for the
+    attention kernels.
     """
 
     def __init__(self, block_size: int, window: int | None) -> None:
         self.keep = None if window is None else window - 1  # earlier tokens a new query may still see
-        self.slots = block_size if window is None else 2 * (window - 1) + ROLL_SLACK
+        self.slots = block_size if window is None else min(block_size, 2 * (window - 1) + ROLL_SLACK)
         self.buffer: torch.Tensor | None = None  # allocated on first use: batch, device and dtype as given
         self.stored = 0
 

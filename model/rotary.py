@@ -10,16 +10,24 @@ from torch import nn
 class Rotary(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, base: float = 10000.0) -> None:
         super().__init__()
-        # float64 on the CPU, not a buffer (MPS has no float64): a rolling model's positions grow without bound,
-        # and position x frequency in float32 would drift by 1e-3 of a radian by position 100,000.
-        self.inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        cos, sin = self._cos_sin(0, max_positions)  # (positions, head_dim/2)
+        # Angles in float64: a rolling model's positions grow without bound, and position x frequency in float32
+        # drifts by up to 5e-3 of a radian by position 100,000. Not a buffer, so it stays float64 as the model
+        # moves or changes dtype; a copy per device (none on MPS, which has no float64).
+        self.inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {self.inv_freq.device: self.inv_freq}
+        cos, sin = self._cos_sin(0, max_positions, self.inv_freq.device)  # (positions, head_dim/2)
         # Derived, not learned: kept out of the state dict so checkpoints don't depend on them.
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def _cos_sin(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = torch.outer(torch.arange(start, end, dtype=torch.float64), self.inv_freq)
+    def _cos_sin(self, start: int, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin of positions start .. end - 1, computed in float64 on `device` (CPU for MPS)."""
+        if device.type == "mps":
+            device = torch.device("cpu")
+        if device not in self._inv_freq_on:
+            self._inv_freq_on[device] = self.inv_freq.to(device)
+        positions = torch.arange(start, end, dtype=torch.float64, device=device)
+        angles = torch.outer(positions, self._inv_freq_on[device])
         return angles.cos().float(), angles.sin().float()
 
     def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
@@ -28,6 +36,6 @@ class Rotary(nn.Module):
         if start + T <= self.cos.size(0):
             cos, sin = self.cos[start : start + T], self.sin[start : start + T]
         else:  # past the table (a rolling model's generation): the same angles, computed for these positions
-            cos, sin = (t.to(x.device) for t in self._cos_sin(start, start + T))
+            cos, sin = (t.to(x.device, self.cos.dtype) for t in self._cos_sin(start, start + T, x.device))
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)

@@ -34,8 +34,8 @@ def test_bench_py_runs_every_section_on_tiny_sizes(tmp_path: Path, corpus_path: 
         "--train-iters",
         "3",
         "--lengths",
-        "16",
         "32",
+        "16",
         "--attn-shape",
         "1",
         "2",
@@ -66,6 +66,8 @@ def test_bench_py_runs_every_section_on_tiny_sizes(tmp_path: Path, corpus_path: 
     attention = [r for r in rows if r["section"] == "attention"]
     assert {(r["attn_impl"], r["T"]) for r in attention} == {(i, t) for i in ("flash", "math") for t in (16, 32)}
     assert all(r["seconds"] > 0 and r["peak_mib"] >= 0 for r in attention)
+    assert {r["window"] for r in attention} == {"-", 256}
+    assert all((r["time_vs_shortest"] == 1) == (r["T"] == 16) for r in attention)  # given longest first
     sampling = [r for r in rows if r["section"] == "sampling"]
     assert {(r["attn_impl"], r["kv_cache"]) for r in sampling} == {
         (a, c) for a in ("flash", "math") for c in (False, True)

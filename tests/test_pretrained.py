@@ -252,8 +252,9 @@ def test_pretrained_init_from_trains_from_the_hf_weights_and_resumes(tmp_path: P
     # A finetune resumes with the pretrained shape, though the config's model group is the default's.
     overrides = tiny_run_overrides(tmp_path, corpus_path, **{**extra, "resume": True, "train.max_iters": 6})
     assert result.iters == 4 and train(compose_config(overrides)).iters == 6
-    with pytest.raises(CheckpointError, match="attn_window: None -> 4"):  # a setting init_from took is kept too
-        train(compose_config([*overrides, "model.attn_window=4"]))
+    for change, message in (("model.attn_window=4", "attn_window: None -> 4"), ("model.block_size=16", "32 -> 16")):
+        with pytest.raises(CheckpointError, match=message):  # what init_from took from the config is kept too
+            train(compose_config([*overrides, change]))
 
 
 def test_pretrained_init_from_refuses_data_with_another_vocabulary(tmp_path: Path, corpus_path: Path) -> None:

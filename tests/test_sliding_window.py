@@ -19,7 +19,7 @@ from analysis.causality import check_causality, format_report
 from common.errors import ConfigError
 from conftest import compose_config, run_script, tiny_run_overrides
 from model import GPT, GPTConfig, causal_mask, masked_attention
-from model.attention import flex_windowed_attention, windowed_attention
+from model.attention import _cached_band_block_mask, flex_windowed_attention, windowed_attention
 from model.hf_gpt2 import PretrainedError, hf_from_gpt
 from model.kv_cache import ROLL_SLACK, KVCache
 from model.rotary import Rotary
@@ -77,6 +77,26 @@ def test_flex_attentions_block_mask_is_the_same_band() -> None:
     torch.testing.assert_close(flex, reference, atol=1e-5, rtol=1e-5)
 
 
+def test_flex_attention_inside_a_compiled_model_builds_the_same_band() -> None:
+    # Under torch.compile the block mask is traced into the graph; the eager backend runs that trace here.
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 130, 16) for _ in range(3))
+    compiled = torch.compile(flex_windowed_attention, backend="eager", fullgraph=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flex = compiled(q, k, v, 37)
+    reference, _ = masked_attention(q, k, v, causal_mask(130, 130, window=37))
+    torch.testing.assert_close(flex, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_a_block_mask_made_while_sampling_can_serve_training() -> None:
+    _cached_band_block_mask.cache_clear()
+    with torch.inference_mode():  # as generate() runs
+        block_mask = _cached_band_block_mask(96, 9, torch.device("cpu"))
+    assert not block_mask.kv_num_blocks.is_inference() and not block_mask.kv_indices.is_inference()
+    assert _cached_band_block_mask(96, 9, torch.device("cpu")) is block_mask
+
+
 def test_the_fused_path_costs_keys_in_the_window_not_the_whole_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple[int, int]] = []
     sdpa = F.scaled_dot_product_attention
@@ -114,6 +134,7 @@ def test_window_pattern_is_tiled_with_the_last_layer_full_unless_written_out(
 def test_what_rolls_and_how_far_a_token_reaches() -> None:
     assert GPTConfig(**SMALL).layer_windows() == [None, None, None]
     assert GPTConfig(**SMALL, window_pattern="SSS").layer_windows() == [None, None, None]  # no window: none
+    assert GPTConfig(**SMALL, window_pattern="LL").layer_windows() == [None, None, None]
     assert GPTConfig(**SMALL).receptive_field is None
     everywhere = GPTConfig(**SMALL, attn_window=5, window_pattern="SSS", pos_emb="rope")
     assert everywhere.rolls and everywhere.receptive_field == 1 + 3 * 4
@@ -155,20 +176,26 @@ def test_cached_logits_equal_one_pass_over_the_sequence_across_the_window_and_pa
         for t in range(prompt_length, T):
             step, _ = rolling(idx[:, t : t + 1], cache=cache)
             torch.testing.assert_close(step[:, 0], full[:, t], atol=1e-5, rtol=0)
-    # Memory stays bounded: each layer's buffer is back to 2 (W - 1) + 64 slots, whatever the prompt was.
-    assert [layer.buffer.size(3) for layer in cache.layers] == [2 * (window - 1) + ROLL_SLACK] * SMALL["n_layer"]
+    # Memory stays bounded: each layer's buffer is back to 2 (W - 1) + 64 slots (at most block_size), whatever
+    # the prompt was.
+    slots = min(block_size, 2 * (window - 1) + ROLL_SLACK)
+    assert [layer.buffer.size(3) for layer in cache.layers] == [slots] * SMALL["n_layer"]
 
 
 def test_cached_decoding_in_chunks_on_the_math_path_equals_one_pass() -> None:
     rolling = _model("math", attn_window=5, window_pattern="SSS", pos_emb="rope")
-    idx = torch.randint(SMALL["vocab_size"], (3, 100))
+    sizes = [7, 3, 1, 12, 2, 40, 1, 1, 33, 80, 1]  # 80: more than the 32 slots (block_size) after a roll
+    idx = torch.randint(SMALL["vocab_size"], (3, sum(sizes)))
     with torch.no_grad():
         full, _ = rolling(idx)
         cache, chunks, start = KVCache(rolling.config), [], 0
-        for size in [7, 3, 1, 12, 2, 40, 1, 1, 33]:  # the math path takes several new tokens after a cache
+        for size in sizes:  # the math path takes several new tokens after a cache
             chunks.append(rolling(idx[:, start : start + size], cache=cache)[0])
             start += size
+            if size == 80:
+                assert cache.layers[0].buffer.size(3) == 4 + 80  # grown for the chunk: the window's 4 and it
     torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=0)
+    assert cache.layers[0].buffer.size(3) == SMALL["block_size"]  # and back at the next roll
 
 
 def test_rotary_positions_stay_exact_far_past_the_table() -> None:
@@ -296,10 +323,13 @@ def test_a_windowed_run_resumes_and_samples_past_block_size(tmp_path: Path, corp
     assert result.returncode == 0, result.stderr
     sample, report = result.stdout.split("\n---------------\n")
     assert len(sample) == len("ROMEO:") + 80  # 86 characters from a model of block_size 32
-    assert "warning" not in result.stderr  # nothing cropped: the cache rolled, the check ran on all 86 tokens
-    # 1 + 2 x 5 = 11 positions may change: the check changes token 37, which centres them.
+    # The sample rolled on without a word; the check looks at the last block (more than twice the receptive field).
+    assert result.stderr.splitlines() == [
+        "warning: causality check: the sequence has 86 tokens; using its last 32 (block_size)"
+    ]
+    # 1 + 2 x 5 = 11 positions may change: the check changes token 10, which centres them.
     verdict = report.rstrip().splitlines()[-1]
     assert verdict.startswith(
-        "mask held: positions 0-36 and 48-85 are unchanged on flash and math, "
-        "expected positions 37-47 (receptive field: 11 tokens) to change"
+        "mask held: positions 0-9 and 21-31 are unchanged on flash and math, "
+        "expected positions 10-20 (receptive field: 11 tokens) to change"
     )

@@ -139,7 +139,8 @@ def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: Pr
     if config.init_from is not None and checkpoint is None:
         return _pretrained_model(config, data.meta["vocab_size"])
     if config.init_from is not None:  # resuming a finetune: the shape is the pretrained model's, as saved
-        settings = {k: getattr(config.model, k) for k in PRETRAINED_SETTINGS}  # what init_from took from the config
+        # What init_from took from the config: a change of those that shape the model is refused below.
+        settings = {k: getattr(config.model, k) for k in ("block_size", *PRETRAINED_SETTINGS)}
         model_config = dataclasses.replace(checkpoint.model_config, **settings)
     else:
         model_config = config.model.gpt_config(data.meta["vocab_size"])

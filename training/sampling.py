@@ -61,12 +61,14 @@ class Sampler:
                 out = self.model.generate(idx, max_new_tokens, temperature, top_k, use_cache=use_cache)
             yield out[0].tolist()
 
-    def last_window(self, ids: list[int], purpose: str) -> list[int]:
-        """The last block_size tokens, which is all the model can look at in one pass."""
+    def last_window(self, ids: list[int], purpose: str, span: int | None = None) -> list[int]:
+        """The last `span` tokens; by default block_size, all the model can look at in one pass."""
         block_size = self.model.config.block_size
-        if len(ids) > block_size:
-            warn(f"{purpose}: the sequence has {len(ids)} tokens; using its last {block_size} (block_size)")
-        return ids[-block_size:]
+        span = block_size if span is None else span
+        if len(ids) > span:
+            why = " (block_size)" if span == block_size else ""
+            warn(f"{purpose}: the sequence has {len(ids)} tokens; using its last {span}{why}")
+        return ids[-span:]
 
 
 def load_sampler(cfg: SampleConfig) -> Sampler:

@@ -33,9 +33,15 @@ def explain_unparsable_overrides(args: list[str]) -> None:
         OverridesParser.create().parse_overrides(overrides)
     except OverrideParseException:
         text = " ".join(overrides)
+        windows = (
+            " A Windows path works unquoted (data.input=C:\\Users\\me\\input.txt); quoted, double a backslash "
+            "before the closing quote: \"data.dir='C:\\data\\\\'\""
+            if "\\" in text
+            else ""
+        )
         print(
             f"error: can't parse the overrides `{text}`. Quote values with spaces, commas or symbols "
-            "twice, once for the shell and once for Hydra: start=\"'To be, or not'\"",
+            f"twice, once for the shell and once for Hydra: start=\"'To be, or not'\".{windows}",
             file=sys.stderr,
         )
         sys.exit(2)

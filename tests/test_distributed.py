@@ -82,7 +82,7 @@ def test_only_rank_0_writes_the_run(two_processes: Path) -> None:
     lines = [(r["iter"], "val_loss" in r) for r in records(two_processes)]
     assert len(lines) == len(set(lines))  # no record written twice
     files = sorted(p.name for p in two_processes.iterdir())
-    assert files == [".hydra", CKPT_NAME, "config.yaml", "metrics.jsonl", "train.log"]
+    assert files == [".hydra", ".lock", CKPT_NAME, "config.yaml", "metrics.jsonl", "train.log"]
     log = (two_processes / "train.log").read_text()
     assert "2 processes" in log and log.count("done:") == 1
     cwd = two_processes.parents[2]  # tmp/outputs/DATE_TIME/rank0

@@ -4,7 +4,9 @@ wrapping for torchrun and compilation, the optimizer, evaluation and logging."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,7 +49,7 @@ def build_trainer(
     opt = config.train
     num_params, flops_per_token = model.num_params(), model.flops_per_token()  # before sharding
     wrapped = _place(model, opt.parallel, world, runtime)
-    use_compile = runtime.is_cuda if opt.compile is None else opt.compile
+    use_compile = compile_by_default(runtime) if opt.compile is None else opt.compile
     tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
     byte_lengths = torch.from_numpy(tokenizer.token_byte_lengths()).to(runtime.device, torch.float64)
     peak = peak_flops(runtime.device, runtime.dtype)
@@ -81,6 +83,17 @@ def build_trainer(
     )
     log.info(f"MFU against {peak.flops / 1e12:.3g} TFLOP/s per process ({peak.source})")
     return trainer
+
+
+def compile_by_default(runtime: Runtime) -> bool:
+    """train.compile=null: on for CUDA, where it pays, if torch.compile can run there. On Windows its GPU
+    backend needs triton, which PyTorch doesn't bring: off without it, saying so."""
+    if not runtime.is_cuda:
+        return False
+    if sys.platform == "win32" and importlib.util.find_spec("triton") is None:
+        log.info("train.compile: off (torch.compile on Windows needs triton: pip install triton-windows)")
+        return False
+    return True
 
 
 def _machinery(runtime: Runtime, world: World, parallel: str, use_compile: bool) -> str:

@@ -121,8 +121,9 @@ class Checkpoint:
 
 
 def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
-    """Write beside the target, fsync, then rename over it: a crash leaves the old or the new file."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write beside the target, fsync, then rename over it: a crash leaves the old or the new file. The
+    temporary name is this process's own, so no other writer can rename a half-written file of ours."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
             torch.save(checkpoint.to_dict(), f)
@@ -132,11 +133,22 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
     except BaseException:  # a full disk, a second Ctrl-C: the previous checkpoint stays as it was
         tmp.unlink(missing_ok=True)
         raise
-    directory = os.open(path.parent, os.O_RDONLY)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename in `directory` durable where the platform can: POSIX fsyncs the directory itself; Windows
+    can't open one (PermissionError), and there os.replace is all there is. Some filesystems refuse too."""
     try:
-        os.fsync(directory)  # make the rename itself durable
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
     finally:
-        os.close(directory)
+        os.close(handle)
 
 
 def load_checkpoint(path: Path) -> Checkpoint:

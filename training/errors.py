@@ -9,3 +9,7 @@ class CheckpointError(UserError):
 
 class TrainingDiverged(UserError):
     """The loss became NaN or infinite."""
+
+
+class RunLocked(UserError):
+    """Another process is training in the same run directory."""

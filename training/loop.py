@@ -4,8 +4,10 @@ One process's part of the run: all of it alone, or one rank's under torchrun. Th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -13,6 +15,7 @@ from common.config import typed_config
 from common.errors import ConfigError
 from training.build import build_trainer
 from training.distributed import World, barrier, close_process_group, init_process_group, world_from_env
+from training.run_lock import run_lock
 from training.runtime import make_runtime
 from training.schema import OptimConfig, TrainRunConfig
 from training.trainer import TrainResult
@@ -31,8 +34,10 @@ def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] |
     runtime = make_runtime(config.device, config.train.dtype, world.local_rank if world.distributed else None)
     init_process_group(world, runtime.device)
     try:
-        result = build_trainer(config, world, runtime, before_step).fit()
-        barrier(world)  # leave together: none tears its process group down while rank 0 still writes
+        # Rank 0 writes the run, so it alone holds the lock; the others follow its out_dir.
+        with run_lock(Path(config.out_dir)) if world.is_main else contextlib.nullcontext():
+            result = build_trainer(config, world, runtime, before_step).fit()
+            barrier(world)  # leave together: none tears its process group down while rank 0 still writes
         return result
     finally:
         close_process_group()

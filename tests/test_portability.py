@@ -1,0 +1,200 @@
+"""Windows and macOS branches, forced on this Linux machine: a directory that can't be opened or fsynced, the run
+lock, files never held open across a rename, compile's default, Windows paths in overrides, and MPS where it
+exists. (Corpus encoding under spawn equals fork's: tests/test_corpus.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import training.build
+import training.checkpoint
+from conftest import REPO, compose_config, run_script, tiny_run_overrides
+from model import GPT, GPTConfig
+from training.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
+from training.loop import train
+from training.runtime import Runtime, make_runtime
+
+
+def _windows_directories(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windows refuses os.open on a directory (PermissionError), so a rename can't be fsynced there."""
+    real_open = os.open
+
+    def refusing(path: object, flags: int, *args: object, **kwargs: object) -> int:
+        if Path(str(path)).is_dir():
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(training.checkpoint.os, "open", refusing)
+
+
+def _val_losses(run: Path) -> list[float]:
+    lines = (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
+    return [r["val_loss"] for r in lines if "val_loss" in r]
+
+
+def test_a_run_checkpoints_and_resumes_exactly_where_directories_cant_be_fsynced(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, corpus_path: Path
+) -> None:
+    _windows_directories(monkeypatch)
+    schedule = {"train.lr_decay_iters": 20}  # the same schedule whether the run stops at 10 or goes on to 20
+    whole = tiny_run_overrides(tmp_path / "whole", corpus_path, **schedule, **{"train.max_iters": 20})
+    train(compose_config(whole))
+    half = tiny_run_overrides(tmp_path / "half", corpus_path, **schedule, **{"train.max_iters": 10})
+    train(compose_config(half))
+    train(compose_config([*half, "resume=true", "train.max_iters=20"]))
+    assert _val_losses(tmp_path / "half" / "run") == _val_losses(tmp_path / "whole" / "run")  # bit for bit
+    assert not list((tmp_path / "half" / "run").glob("*.tmp"))
+
+
+def test_a_filesystem_that_refuses_to_fsync_a_directory_still_gets_the_checkpoint(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    real_fsync = os.fsync
+
+    def refusing(fd: int) -> None:
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(22, "Invalid argument")
+        real_fsync(fd)
+
+    monkeypatch.setattr(training.checkpoint.os, "fsync", refusing)
+    checkpoint = _checkpoint()
+    save_checkpoint(tmp_path / CKPT_NAME, checkpoint)
+    assert load_checkpoint(tmp_path / CKPT_NAME).model.keys() == checkpoint.model.keys()
+
+
+def test_each_writer_writes_its_own_temporary_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    renamed: list[str] = []
+    real_replace = os.replace
+    monkeypatch.setattr(
+        training.checkpoint.os, "replace", lambda src, dst: (renamed.append(Path(src).name), real_replace(src, dst))
+    )
+    save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
+    assert renamed == [f"{CKPT_NAME}.{os.getpid()}.tmp"]
+
+
+def _checkpoint() -> training.checkpoint.Checkpoint:
+    from training.checkpoint import Checkpoint, Progress
+
+    config = GPTConfig(vocab_size=10, block_size=4, n_layer=1, n_head=1, n_embd=4)
+    return Checkpoint(
+        model_config=config,
+        model=GPT(config).state_dict(),
+        tokenizer={"kind": "char", "chars": list("abcdefghij")},
+        config={},
+        progress=Progress(),
+        optimizer={},
+        scaler={},
+        rng=[],
+    )
+
+
+HOLD_THE_LOCK = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from training.run_lock import run_lock
+    with run_lock(Path(sys.argv[1])):
+        print("held", flush=True)
+        time.sleep(120)
+    """
+)
+
+
+def test_a_second_writer_is_refused_naming_the_holder_until_it_dies(tmp_path: Path, corpus_path: Path) -> None:
+    run = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_LOCK, str(run)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        args = tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 2})
+        refused = run_script("train.py", args, cwd=tmp_path)
+        assert refused.returncode == 2
+        assert refused.stderr.strip().splitlines()[-1] == (
+            f"error: out_dir={run} is being written by another run (PID {holder.pid}); "
+            "wait for it to end or stop it, or use another out_dir"
+        )
+        assert not (run / CKPT_NAME).exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)  # as the OOM killer would: no cleanup runs
+        holder.wait()
+    done = run_script("train.py", args, cwd=tmp_path)  # the kernel released the dead holder's lock
+    assert done.returncode == 0, done.stderr
+    assert (run / CKPT_NAME).exists() and not (run / ".lock.pid").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc to see open files")
+def test_no_token_file_stays_open_or_mapped_after_a_run(tmp_path: Path, corpus_path: Path) -> None:
+    """Windows can't replace or delete an open file: re-preparing data after a run in the same process (a sweep)
+    must find the token files closed."""
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 3})))
+    data_dir = str((tmp_path / "data").resolve())
+    maps = Path("/proc/self/maps").read_text()
+    open_files = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
+    assert data_dir not in maps and not [f for f in open_files if f.startswith(data_dir)]
+
+
+@pytest.mark.parametrize(
+    ("platform", "triton", "cuda", "expected"),
+    [
+        ("linux", False, True, True),
+        ("win32", False, True, False),
+        ("win32", True, True, True),
+        ("darwin", False, False, False),
+    ],
+)
+def test_compile_is_on_by_default_only_where_it_can_run(
+    monkeypatch: pytest.MonkeyPatch, platform: str, triton: bool, cuda: bool, expected: bool
+) -> None:
+    monkeypatch.setattr(training.build.sys, "platform", platform)
+    monkeypatch.setattr(training.build.importlib.util, "find_spec", lambda name: object() if triton else None)
+    runtime = Runtime(torch.device("cuda" if cuda else "mps"), torch.float32)
+    assert training.build.compile_by_default(runtime) is expected
+
+
+@pytest.mark.parametrize(
+    ("override", "value"),
+    [
+        ("data.input=C:\\Users\\me\\input.txt", "C:\\Users\\me\\input.txt"),
+        ("data.input=C:\\temp\\new\\x.txt", "C:\\temp\\new\\x.txt"),  # no \t or \n escapes
+        ("data.input='C:\\Users\\me\\my file (1).txt'", "C:\\Users\\me\\my file (1).txt"),
+        ("data.dir='C:\\data\\\\'", "C:\\data\\"),
+    ],
+)
+def test_windows_paths_reach_the_config_intact(override: str, value: str) -> None:
+    data = compose_config([override]).data
+    assert (data.input if override.startswith("data.input") else data.dir) == value
+
+
+def test_a_windows_path_hydra_cannot_parse_gets_the_quoting_that_works(tmp_path: Path) -> None:
+    result = run_script("train.py", ["data.dir='C:\\data\\'"], cwd=tmp_path)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "quoted, double a backslash before the closing quote: \"data.dir='C:\\data\\\\'\"" in result.stderr
+
+
+def test_auto_picks_mps_on_apple_silicon_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert make_runtime("auto", "auto") == Runtime(torch.device("mps"), torch.float32)
+
+
+def test_flash_equals_math_in_float32_on_this_machines_device() -> None:
+    """On a Mac this runs on MPS; elsewhere on the CPU (CUDA has scripts/gpu_check.py)."""
+    device = "mps" if torch.backends.mps.is_available() else "cpu"
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    flash = GPT(config).to(device)
+    math_ = GPT(dataclasses.replace(config, attn_impl="math")).to(device)
+    math_.load_state_dict(flash.state_dict())
+    idx = torch.randint(50, (2, 32), device=device)
+    torch.testing.assert_close(flash(idx)[0], math_(idx)[0], atol=1e-4, rtol=1e-4)

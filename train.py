@@ -9,11 +9,13 @@ torchrun --standalone --nproc_per_node=8 train.py experiment=gpt2   # 8 GPUs (DD
 
 import signal
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from common.cli import exit_on_user_error, explain_unparsable_overrides
 from training.distributed import world_from_env
@@ -32,9 +34,25 @@ def main(cfg: DictConfig) -> None:
         if not any(o.lstrip("+").startswith("out_dir=") for o in hydra_cfg.overrides.task):
             cfg.out_dir = hydra_cfg.runtime.output_dir  # one run directory per job, under the sweep directory
     with exit_on_user_error(job):
-        result = train(cfg)
+        result = train(cfg, on_locked=_hydra_files(cfg, hydra_cfg))
     if result.stopped_by is not None:
         sys.exit(128 + signal.Signals[result.stopped_by].value)  # the shell's convention for "killed by"
+
+
+def _hydra_files(cfg: DictConfig, hydra_cfg: DictConfig) -> Callable[[Path], None]:
+    """Hydra's record of the command (.hydra/: config.yaml, hydra.yaml, overrides.yaml), written once this
+    process holds the run. Hydra would write it before train.py could check that no other run is writing there,
+    so the config turns Hydra's own writing off (hydra.output_subdir: null)."""
+    task = OmegaConf.to_container(cfg)  # as composed, interpolations unresolved, before train() changes anything
+
+    def save(out_dir: Path) -> None:
+        folder = out_dir / ".hydra"
+        folder.mkdir(exist_ok=True)
+        OmegaConf.save(OmegaConf.create(task), folder / "config.yaml")
+        OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), folder / "hydra.yaml")
+        OmegaConf.save(OmegaConf.create(list(hydra_cfg.overrides.task)), folder / "overrides.yaml")
+
+    return save
 
 
 def _quiet_hydra_on_other_ranks(argv: list[str]) -> list[str]:

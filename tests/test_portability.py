@@ -5,6 +5,7 @@ exists. (Corpus encoding under spawn equals fork's: tests/test_corpus.py.)"""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from conftest import REPO, compose_config, run_script, tiny_run_overrides
 from model import GPT, GPTConfig
 from training.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
 from training.loop import train
+from training.run_lock import run_lock
 from training.runtime import Runtime, make_runtime
 
 
@@ -72,6 +74,50 @@ def test_a_filesystem_that_refuses_to_fsync_a_directory_still_gets_the_checkpoin
     assert load_checkpoint(tmp_path / CKPT_NAME).model.keys() == checkpoint.model.keys()
 
 
+def test_a_directory_is_fsynced_where_it_can_be_and_an_io_error_is_not_swallowed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    synced: list[bool] = []
+    real_fsync = os.fsync
+
+    def spying(fd: int) -> None:
+        synced.append(os.path.isdir(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(training.checkpoint.os, "fsync", spying)
+    save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
+    assert synced == [False, True]  # the file, then the directory holding the rename
+
+    def failing(fd: int) -> None:
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(training.checkpoint.os, "fsync", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
+
+
+def test_a_replace_that_meets_a_reader_on_windows_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    refusals = iter([True, True, False])
+    real_replace = os.replace
+
+    def windows_replace(src: object, dst: object) -> None:
+        if next(refusals):  # another process has the target open
+            raise PermissionError(13, "The process cannot access the file", str(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(training.checkpoint.os, "replace", windows_replace)
+    save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
+    assert load_checkpoint(tmp_path / CKPT_NAME).model_config.n_embd == 4
+    refusals = iter([True] * 3)  # a reader that never lets go: the last refusal is raised
+    (tmp_path / "a").write_text("new")
+    with pytest.raises(PermissionError):
+        training.checkpoint.replace_file(tmp_path / "a", tmp_path / "b", attempts=3)
+
+
 def test_each_writer_writes_its_own_temporary_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     renamed: list[str] = []
     real_replace = os.replace
@@ -117,6 +163,8 @@ def test_a_second_writer_is_refused_naming_the_holder_until_it_dies(tmp_path: Pa
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        (run / ".hydra").mkdir()
+        (run / ".hydra" / "overrides.yaml").write_text("the running command's\n")
         args = tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 2})
         refused = run_script("train.py", args, cwd=tmp_path)
         assert refused.returncode == 2
@@ -125,12 +173,25 @@ def test_a_second_writer_is_refused_naming_the_holder_until_it_dies(tmp_path: Pa
             "wait for it to end or stop it, or use another out_dir"
         )
         assert not (run / CKPT_NAME).exists()
+        assert (run / ".hydra" / "overrides.yaml").read_text() == "the running command's\n"  # left as it was
     finally:
         holder.send_signal(signal.SIGKILL)  # as the OOM killer would: no cleanup runs
         holder.wait()
+    (run / f"{CKPT_NAME}.{holder.pid}.tmp").write_bytes(b"half a checkpoint")  # what a killed save leaves
     done = run_script("train.py", args, cwd=tmp_path)  # the kernel released the dead holder's lock
     assert done.returncode == 0, done.stderr
-    assert (run / CKPT_NAME).exists() and not (run / ".lock.pid").exists()
+    assert (run / CKPT_NAME).exists() and not list(run.glob("*.tmp")) and not (run / ".lock.pid").exists()
+    assert "train.max_iters=2" in (run / ".hydra" / "overrides.yaml").read_text()  # now the run's own
+
+
+def test_under_torchrun_every_rank_stops_when_the_run_is_locked(tmp_path: Path, corpus_path: Path) -> None:
+    from test_distributed import torchrun
+
+    with run_lock(tmp_path / "run"):
+        result = torchrun(2, tiny_run_overrides(tmp_path, corpus_path, **{"train.grad_accum": 2}), cwd=tmp_path)
+    assert result.returncode != 0
+    refusal = f"is being written by another run (PID {os.getpid()})"
+    assert (result.stdout + result.stderr).count(refusal) == 2  # from both ranks, at once
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc to see open files")

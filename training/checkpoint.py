@@ -9,9 +9,11 @@ it is a Checkpoint. Every compatibility rule for older files is in this module.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 import pickle
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,24 +131,39 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
             torch.save(checkpoint.to_dict(), f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_file(tmp, path)
     except BaseException:  # a full disk, a second Ctrl-C: the previous checkpoint stays as it was
         tmp.unlink(missing_ok=True)
         raise
     fsync_directory(path.parent)
 
 
+def replace_file(source: Path, target: Path, attempts: int = 10) -> None:
+    """os.replace, the atomic step on every platform. Windows refuses to replace a file another process has
+    open (a sample.py reading the checkpoint): a reader holds it briefly, so try again, waiting longer."""
+    for attempt in range(attempts):
+        try:
+            os.replace(source, target)
+            return
+        except PermissionError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+
+
 def fsync_directory(directory: Path) -> None:
-    """Make a rename in `directory` durable where the platform can: POSIX fsyncs the directory itself; Windows
-    can't open one (PermissionError), and there os.replace is all there is. Some filesystems refuse too."""
+    """Make a rename in `directory` durable where the platform can: POSIX fsyncs the directory itself. Windows
+    can't open a directory (PermissionError), and some filesystems can't fsync one (EINVAL, ENOTSUP): there
+    os.replace is all there is. Any other error (EIO: the rename may be lost) is raised."""
     try:
         handle = os.open(directory, os.O_RDONLY)
-    except OSError:
+    except PermissionError:
         return
     try:
         os.fsync(handle)
-    except OSError:
-        pass
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
     finally:
         os.close(handle)
 

@@ -14,7 +14,16 @@ from omegaconf import DictConfig
 from common.config import typed_config
 from common.errors import ConfigError
 from training.build import build_trainer
-from training.distributed import World, barrier, close_process_group, init_process_group, world_from_env
+from training.checkpoint import CKPT_NAME
+from training.distributed import (
+    World,
+    barrier,
+    broadcast_from_main,
+    close_process_group,
+    init_process_group,
+    world_from_env,
+)
+from training.errors import RunLocked
 from training.run_lock import run_lock
 from training.runtime import make_runtime
 from training.schema import OptimConfig, TrainRunConfig
@@ -23,9 +32,14 @@ from training.trainer import TrainResult
 log = logging.getLogger("train")
 
 
-def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] | None = None) -> TrainResult:
+def train(
+    cfg: DictConfig | TrainRunConfig,
+    before_step: Callable[[int], None] | None = None,
+    on_locked: Callable[[Path], None] | None = None,
+) -> TrainResult:
     """cfg: Hydra's config (typed and checked here, before anything runs) or a TrainRunConfig.
-    before_step: called with the iteration before each optimizer step (a seam for tests)."""
+    before_step: called with the iteration before each optimizer step (a seam for tests).
+    on_locked: called with out_dir once this process holds the run (train.py writes Hydra's files then)."""
     world = world_from_env()
     if not world.is_main:
         log.setLevel(logging.WARNING)  # one voice: rank 0's
@@ -34,13 +48,32 @@ def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] |
     runtime = make_runtime(config.device, config.train.dtype, world.local_rank if world.distributed else None)
     init_process_group(world, runtime.device)
     try:
-        # Rank 0 writes the run, so it alone holds the lock; the others follow its out_dir.
-        with run_lock(Path(config.out_dir)) if world.is_main else contextlib.nullcontext():
+        with contextlib.ExitStack() as held:
+            _lock_run(Path(config.out_dir), world, held)
+            if world.is_main and on_locked is not None:
+                on_locked(Path(config.out_dir))
             result = build_trainer(config, world, runtime, before_step).fit()
             barrier(world)  # leave together: none tears its process group down while rank 0 still writes
         return result
     finally:
         close_process_group()
+
+
+def _lock_run(out_dir: Path, world: World, held: contextlib.ExitStack) -> None:
+    """Rank 0 writes the run, so it alone holds the lock; if it can't, every rank stops with its message. Then
+    no writer is left mid-save: checkpoint temporaries of a killed one go."""
+    refusal = None
+    if world.is_main:
+        try:
+            held.enter_context(run_lock(out_dir))
+        except RunLocked as err:
+            refusal = str(err)
+        else:
+            for stale in out_dir.glob(f"{CKPT_NAME}.*.tmp"):
+                stale.unlink()
+    refusal = broadcast_from_main(refusal, world)
+    if refusal is not None:
+        raise RunLocked(refusal)
 
 
 def check_for_world(opt: OptimConfig, world: World) -> None:

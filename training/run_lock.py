@@ -16,7 +16,7 @@ from filelock import FileLock, Timeout
 
 from training.errors import RunLocked
 
-LOCK_NAME = ".lock"  # in the run directory; the file stays, the lock goes with its holder
+LOCK_NAME = ".lock"  # in the run directory; the lock goes with its holder (the file stays, except on Windows)
 HOLDER_NAME = ".lock.pid"  # the holder's PID, for the message a second writer gets
 
 
@@ -33,11 +33,18 @@ def run_lock(out_dir: Path) -> Iterator[None]:
             "wait for it to end or stop it, or use another out_dir"
         ) from None
     try:
-        (out_dir / HOLDER_NAME).write_text(str(os.getpid()))
+        _write_holder(out_dir)
         yield
     finally:
         (out_dir / HOLDER_NAME).unlink(missing_ok=True)
         lock.release()
+
+
+def _write_holder(out_dir: Path) -> None:
+    """Whole or not at all: a writer refused meanwhile reads the previous PID (a dead holder's) or this one."""
+    tmp = out_dir / f"{HOLDER_NAME}.{os.getpid()}.tmp"
+    tmp.write_text(str(os.getpid()))
+    os.replace(tmp, out_dir / HOLDER_NAME)
 
 
 def _holder(out_dir: Path) -> str:

@@ -7,6 +7,7 @@ python train.py -m train.learning_rate=1e-3,3e-3       # a sweep: one run direct
 torchrun --standalone --nproc_per_node=8 train.py experiment=gpt2   # 8 GPUs (DDP; train.parallel=fsdp: FSDP2)
 """
 
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -34,30 +35,36 @@ def main(cfg: DictConfig) -> None:
         if not any(o.lstrip("+").startswith("out_dir=") for o in hydra_cfg.overrides.task):
             cfg.out_dir = hydra_cfg.runtime.output_dir  # one run directory per job, under the sweep directory
     with exit_on_user_error(job):
-        result = train(cfg, on_locked=_hydra_files(cfg, hydra_cfg))
+        result = train(cfg, on_run_opened=_hydra_files(cfg, hydra_cfg))
     if result.stopped_by is not None:
         sys.exit(128 + signal.Signals[result.stopped_by].value)  # the shell's convention for "killed by"
 
 
 def _hydra_files(cfg: DictConfig, hydra_cfg: DictConfig) -> Callable[[Path], None]:
     """Hydra's record of the command (.hydra/: config.yaml, hydra.yaml, overrides.yaml), written once this
-    process holds the run. Hydra would write it before train.py could check that no other run is writing there,
-    so the config turns Hydra's own writing off (hydra.output_subdir: null)."""
-    task = OmegaConf.to_container(cfg)  # as composed, interpolations unresolved, before train() changes anything
+    process holds the run and the run accepted the command. Hydra would write it before train.py could check
+    either, so the config turns Hydra's own writing off (hydra.output_subdir: null)."""
+    records = {
+        "config.yaml": OmegaConf.create(OmegaConf.to_container(cfg)),  # as composed, interpolations unresolved
+        "hydra.yaml": OmegaConf.create({"hydra": hydra_cfg}),
+        "overrides.yaml": OmegaConf.create(list(hydra_cfg.overrides.task)),
+    }
 
     def save(out_dir: Path) -> None:
         folder = out_dir / ".hydra"
         folder.mkdir(exist_ok=True)
-        OmegaConf.save(OmegaConf.create(task), folder / "config.yaml")
-        OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), folder / "hydra.yaml")
-        OmegaConf.save(OmegaConf.create(list(hydra_cfg.overrides.task)), folder / "overrides.yaml")
+        for name, record in records.items():  # each whole or not at all
+            tmp = folder / f"{name}.{os.getpid()}.tmp"
+            OmegaConf.save(record, tmp)
+            os.replace(tmp, folder / name)
 
     return save
 
 
 def _quiet_hydra_on_other_ranks(argv: list[str]) -> list[str]:
-    """Under torchrun only rank 0 writes Hydra's files (.hydra/, train.log); the others log to the console and
-    stay in the current directory, since their ${now:} may differ from rank 0's (the run dir is rank 0's)."""
+    """Under torchrun only rank 0 writes Hydra's files (train.py writes .hydra/ on rank 0; Hydra train.log); the
+    others log to the console and stay in the current directory, since their ${now:} may differ from rank 0's
+    (the run dir is rank 0's)."""
     if world_from_env().is_main:
         return argv
     return [*argv, "hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]

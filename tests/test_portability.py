@@ -110,12 +110,17 @@ def test_a_replace_that_meets_a_reader_on_windows_is_tried_again(
         real_replace(src, dst)
 
     monkeypatch.setattr(training.checkpoint.os, "replace", windows_replace)
+    monkeypatch.setattr(training.checkpoint.sys, "platform", "win32")
     save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
     assert load_checkpoint(tmp_path / CKPT_NAME).model_config.n_embd == 4
     refusals = iter([True] * 3)  # a reader that never lets go: the last refusal is raised
     (tmp_path / "a").write_text("new")
     with pytest.raises(PermissionError):
         training.checkpoint.replace_file(tmp_path / "a", tmp_path / "b", attempts=3)
+    monkeypatch.setattr(training.checkpoint.sys, "platform", "linux")  # there it means something else: at once
+    refusals = iter([True, False])
+    with pytest.raises(PermissionError):
+        training.checkpoint.replace_file(tmp_path / "a", tmp_path / "b")
 
 
 def test_each_writer_writes_its_own_temporary_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -182,6 +187,9 @@ def test_a_second_writer_is_refused_naming_the_holder_until_it_dies(tmp_path: Pa
     assert done.returncode == 0, done.stderr
     assert (run / CKPT_NAME).exists() and not list(run.glob("*.tmp")) and not (run / ".lock.pid").exists()
     assert "train.max_iters=2" in (run / ".hydra" / "overrides.yaml").read_text()  # now the run's own
+    again = run_script("train.py", [*args, "train.max_iters=3"], cwd=tmp_path)  # forgot resume=true
+    assert again.returncode == 2 and "already holds a run" in again.stderr
+    assert "train.max_iters=3" not in (run / ".hydra" / "overrides.yaml").read_text()  # the record is the run's
 
 
 def test_under_torchrun_every_rank_stops_when_the_run_is_locked(tmp_path: Path, corpus_path: Path) -> None:

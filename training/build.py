@@ -37,9 +37,14 @@ FREE_MODEL_KEYS = ("attn_impl", "dropout")  # may change on resume: the weights 
 
 
 def build_trainer(
-    config: TrainRunConfig, world: World, runtime: Runtime, before_step: Callable[[int], None] | None = None
+    config: TrainRunConfig,
+    world: World,
+    runtime: Runtime,
+    before_step: Callable[[int], None] | None = None,
+    on_run_opened: Callable[[Path], None] | None = None,
 ) -> Trainer:
-    """Everything the run needs, restored from ckpt.pt when config.resume. The run's clock starts here."""
+    """Everything the run needs, restored from ckpt.pt when config.resume. The run's clock starts here.
+    on_run_opened: see training.loop.train."""
     started = time.perf_counter()
     # Each rank's Hydra resolved ${now:} on its own clock: all write to rank 0's directory.
     config = dataclasses.replace(config, out_dir=broadcast_from_main(config.out_dir, world))
@@ -75,6 +80,8 @@ def build_trainer(
     if checkpoint is not None:
         trainer.restore(checkpoint)
     if world.is_main:
+        if on_run_opened is not None:
+            on_run_opened(out_dir)
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(trainer.resolved))
     trainer.metrics.start_wandb(config.wandb, trainer.resolved)
     log.info(

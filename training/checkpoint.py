@@ -13,6 +13,7 @@ import errno
 import math
 import os
 import pickle
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,13 +141,13 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
 
 def replace_file(source: Path, target: Path, attempts: int = 10) -> None:
     """os.replace, the atomic step on every platform. Windows refuses to replace a file another process has
-    open (a sample.py reading the checkpoint): a reader holds it briefly, so try again, waiting longer."""
+    open (a sample.py reading the checkpoint): a reader holds it briefly, so there try again, waiting longer."""
     for attempt in range(attempts):
         try:
             os.replace(source, target)
             return
         except PermissionError:
-            if attempt == attempts - 1:
+            if sys.platform != "win32" or attempt == attempts - 1:
                 raise
             time.sleep(0.05 * (attempt + 1))
 
@@ -162,7 +163,7 @@ def fsync_directory(directory: Path) -> None:
     try:
         os.fsync(handle)
     except OSError as err:
-        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF):
             raise
     finally:
         os.close(handle)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,11 +36,12 @@ log = logging.getLogger("train")
 def train(
     cfg: DictConfig | TrainRunConfig,
     before_step: Callable[[int], None] | None = None,
-    on_locked: Callable[[Path], None] | None = None,
+    on_run_opened: Callable[[Path], None] | None = None,
 ) -> TrainResult:
     """cfg: Hydra's config (typed and checked here, before anything runs) or a TrainRunConfig.
     before_step: called with the iteration before each optimizer step (a seam for tests).
-    on_locked: called with out_dir once this process holds the run (train.py writes Hydra's files then)."""
+    on_run_opened: called on rank 0 with out_dir once it holds the run and every check passed, just before the
+    run's config.yaml is written (train.py writes Hydra's files then)."""
     world = world_from_env()
     if not world.is_main:
         log.setLevel(logging.WARNING)  # one voice: rank 0's
@@ -50,9 +52,7 @@ def train(
     try:
         with contextlib.ExitStack() as held:
             _lock_run(Path(config.out_dir), world, held)
-            if world.is_main and on_locked is not None:
-                on_locked(Path(config.out_dir))
-            result = build_trainer(config, world, runtime, before_step).fit()
+            result = build_trainer(config, world, runtime, before_step, on_run_opened).fit()
             barrier(world)  # leave together: none tears its process group down while rank 0 still writes
         return result
     finally:
@@ -60,20 +60,22 @@ def train(
 
 
 def _lock_run(out_dir: Path, world: World, held: contextlib.ExitStack) -> None:
-    """Rank 0 writes the run, so it alone holds the lock; if it can't, every rank stops with its message. Then
-    no writer is left mid-save: checkpoint temporaries of a killed one go."""
-    refusal = None
+    """Rank 0 writes the run, so it alone holds the lock; if it can't (or fails trying), every rank stops. Then
+    no other writer is mid-save: a killed one's checkpoint temporaries go."""
+    error = None
     if world.is_main:
         try:
             held.enter_context(run_lock(out_dir))
-        except RunLocked as err:
-            refusal = str(err)
-        else:
-            for stale in out_dir.glob(f"{CKPT_NAME}.*.tmp"):
-                stale.unlink()
-    refusal = broadcast_from_main(refusal, world)
-    if refusal is not None:
-        raise RunLocked(refusal)
+            for stale in out_dir.iterdir():
+                if re.fullmatch(rf"{re.escape(CKPT_NAME)}\.\d+\.tmp", stale.name) and stale.is_file():
+                    stale.unlink()
+        except Exception as err:
+            error = err
+    message = broadcast_from_main(None if error is None else str(error), world)
+    if error is not None:
+        raise error
+    if message is not None:  # the other ranks
+        raise RunLocked(message)
 
 
 def check_for_world(opt: OptimConfig, world: World) -> None:

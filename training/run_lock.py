@@ -33,6 +33,8 @@ def run_lock(out_dir: Path) -> Iterator[None]:
             "wait for it to end or stop it, or use another out_dir"
         ) from None
     try:
+        for stale in out_dir.glob(f"{HOLDER_NAME}.*.tmp"):  # a holder killed while it wrote its PID
+            stale.unlink(missing_ok=True)
         _write_holder(out_dir)
         yield
     finally:

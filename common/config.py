@@ -9,6 +9,8 @@ the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import typing
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, TypeVar
@@ -52,9 +54,26 @@ def typed_config(cfg: DictConfig | Config, schema: type[Config]) -> Config:
         OmegaConf.register_new_resolver("now", lambda pattern: datetime.now().strftime(pattern), use_cache=True)
     if isinstance(cfg, schema):
         cfg = OmegaConf.structured(cfg)
+    else:
+        _refuse_unknown_keys(cfg, schema)
     if OmegaConf.get_type(cfg) is not schema:
         cfg = OmegaConf.merge(OmegaConf.structured(schema), cfg)
     return OmegaConf.to_object(cfg)
+
+
+def _refuse_unknown_keys(cfg: Any, schema: type, prefix: str = "") -> None:
+    """Hydra's `+key=value` adds a key even to a typed config: refuse one the schema lacks, as Hydra refuses a
+    misspelt key without `+`, naming the closest real one."""
+    hints = typing.get_type_hints(schema)
+    for key in cfg:
+        name = f"{prefix}{key}"
+        if key not in hints:
+            known = list(hints)
+            closest = [k for k in known if k.startswith(str(key))] or difflib.get_close_matches(str(key), known, 1, 0.5)
+            suggestion = f"; did you mean {prefix}{closest[0]}?" if closest else "; see the keys with --cfg job"
+            raise ConfigError(f"{name} is not a key of this config{suggestion}")
+        if dataclasses.is_dataclass(hints[key]) and OmegaConf.is_dict(cfg[key]):
+            _refuse_unknown_keys(cfg[key], hints[key], f"{name}.")
 
 
 def _problem(

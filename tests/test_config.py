@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ from omegaconf import OmegaConf
 
 from common.config import typed_config
 from common.errors import ConfigError
-from conftest import compose_config
+from conftest import compose_config, run_script
 from training.schema import SampleConfig, TrainRunConfig
 
 
@@ -27,6 +28,31 @@ from training.schema import SampleConfig, TrainRunConfig
 def test_sample_values_are_checked_when_typed(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=f"^{message}$"):
         typed_config(compose_config(["out_dir=RUN", override], config_name="sample"), SampleConfig)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "config_name", "key", "hint"),
+    [
+        (["+train.learning_rat=1"], "config", "train.learning_rat", "did you mean train.learning_rate?"),
+        (["+model.attn_windw=4"], "config", "model.attn_windw", "did you mean model.attn_window?"),
+        (["+train.foo=1"], "config", "train.foo", "see the keys with --cfg job"),
+        (["out_dir=RUN", "+temp=0.5"], "sample", "temp", "did you mean temperature?"),
+    ],
+)
+def test_a_key_added_with_plus_must_exist_like_any_other(
+    overrides: list[str], config_name: str, key: str, hint: str
+) -> None:
+    schema = TrainRunConfig if config_name == "config" else SampleConfig
+    with pytest.raises(ConfigError, match=f"^{re.escape(f'{key} is not a key of this config; {hint}')}$"):
+        typed_config(compose_config(overrides, config_name=config_name), schema)
+
+
+def test_a_misspelt_plus_key_stops_train_py_with_one_line(tmp_path: Path) -> None:
+    result = run_script("train.py", ["+train.foo=1"], cwd=tmp_path)
+    assert result.returncode == 2
+    one_line = "error: train.foo is not a key of this config; see the keys with --cfg job"
+    assert result.stderr.strip().splitlines() == [one_line]
+    assert not list(tmp_path.rglob("ckpt.pt"))
 
 
 def test_sample_needs_a_run_or_pretrained_weights() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -43,6 +44,18 @@ def torchrun(processes: int, args: list[str], cwd: Path) -> subprocess.Completed
 
 def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _last_iter_logged(run: Path) -> int:
+    """While the run writes metrics.jsonl: its last line may be half written, so read whole lines only."""
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    iters = [0]
+    for line in path.read_text().split("\n")[:-1]:  # the piece after the last newline is still being written
+        with contextlib.suppress(json.JSONDecodeError):
+            iters.append(json.loads(line)["iter"])
+    return max(iters)
 
 
 def evals(run: Path) -> list[tuple[int, float, float, float]]:
@@ -135,7 +148,7 @@ def test_fsdp_run_stopped_by_sigterm_to_torchrun_saves_once_and_resumes_on_two_p
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     process = subprocess.Popen([*command, str(REPO / "train.py"), *args], cwd=tmp_path, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
-    while not (run / "metrics.jsonl").is_file() or max((r["iter"] for r in records(run)), default=0) < 10:
+    while _last_iter_logged(run) < 10:
         assert process.poll() is None and time.monotonic() < deadline, "the run did not get going"
         time.sleep(0.2)
     process.send_signal(signal.SIGTERM)

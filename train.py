@@ -7,7 +7,6 @@ python train.py -m train.learning_rate=1e-3,3e-3       # a sweep: one run direct
 torchrun --standalone --nproc_per_node=8 train.py experiment=gpt2   # 8 GPUs (DDP; train.parallel=fsdp: FSDP2)
 """
 
-import os
 import signal
 import sys
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from common.cli import exit_on_user_error, explain_unparsable_overrides
+from common.files import write_text_atomically
 from training.distributed import world_from_env
 from training.loop import train
 from training.schema import register_schemas
@@ -51,12 +51,9 @@ def _hydra_files(cfg: DictConfig, hydra_cfg: DictConfig) -> Callable[[Path], Non
     }
 
     def save(out_dir: Path) -> None:
-        folder = out_dir / ".hydra"
-        folder.mkdir(exist_ok=True)
-        for name, record in records.items():  # each whole or not at all
-            tmp = folder / f"{name}.{os.getpid()}.tmp"
-            OmegaConf.save(record, tmp)
-            os.replace(tmp, folder / name)
+        (out_dir / ".hydra").mkdir(exist_ok=True)
+        for name, record in records.items():
+            write_text_atomically(out_dir / ".hydra" / name, OmegaConf.to_yaml(record))
 
     return save
 

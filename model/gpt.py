@@ -153,10 +153,11 @@ class GPT(nn.Module):
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0; use top_k=1 for greedy decoding")
         config = self.config
-        context = max(config.block_size, config.receptive_field or 0) if config.rolls else config.block_size
+        rolls = config.rolls  # derived from the layer windows: once, not every step
+        context = max(config.block_size, config.receptive_field or 0) if rolls else config.block_size
         cache = KVCache(config) if use_cache else None
         for _ in range(max_new_tokens):
-            if cache is not None and (config.rolls or idx.size(1) <= context):
+            if cache is not None and (rolls or idx.size(1) <= context):
                 new_tokens = idx[:, cache.length :]
                 hidden = self._hidden(new_tokens, cache)
             else:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import common.files
 import training.build
 import training.checkpoint
 from conftest import REPO, compose_config, run_script, tiny_run_overrides
@@ -110,17 +111,17 @@ def test_a_replace_that_meets_a_reader_on_windows_is_tried_again(
         real_replace(src, dst)
 
     monkeypatch.setattr(training.checkpoint.os, "replace", windows_replace)
-    monkeypatch.setattr(training.checkpoint.sys, "platform", "win32")
+    monkeypatch.setattr(common.files.sys, "platform", "win32")
     save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
     assert load_checkpoint(tmp_path / CKPT_NAME).model_config.n_embd == 4
     refusals = iter([True] * 3)  # a reader that never lets go: the last refusal is raised
     (tmp_path / "a").write_text("new")
     with pytest.raises(PermissionError):
-        training.checkpoint.replace_file(tmp_path / "a", tmp_path / "b", attempts=3)
-    monkeypatch.setattr(training.checkpoint.sys, "platform", "linux")  # there it means something else: at once
+        common.files.replace_file(tmp_path / "a", tmp_path / "b", attempts=3)
+    monkeypatch.setattr(common.files.sys, "platform", "linux")  # there it means something else: at once
     refusals = iter([True, False])
     with pytest.raises(PermissionError):
-        training.checkpoint.replace_file(tmp_path / "a", tmp_path / "b")
+        common.files.replace_file(tmp_path / "a", tmp_path / "b")
 
 
 def test_each_writer_writes_its_own_temporary_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

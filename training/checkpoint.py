@@ -9,12 +9,9 @@ it is a Checkpoint. Every compatibility rule for older files is in this module.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import math
 import os
 import pickle
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +20,7 @@ import torch
 from torch import nn
 
 from common.errors import ConfigError
+from common.files import fsync_directory, replace_file, temporary_beside
 from model import GPT, GPTConfig
 from training.errors import CheckpointError
 
@@ -126,7 +124,7 @@ class Checkpoint:
 def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
     """Write beside the target, fsync, then rename over it: a crash leaves the old or the new file. The
     temporary name is this process's own, so no other writer can rename a half-written file of ours."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp = temporary_beside(path)
     try:
         with open(tmp, "wb") as f:
             torch.save(checkpoint.to_dict(), f)
@@ -137,36 +135,6 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_directory(path.parent)
-
-
-def replace_file(source: Path, target: Path, attempts: int = 10) -> None:
-    """os.replace, the atomic step on every platform. Windows refuses to replace a file another process has
-    open (a sample.py reading the checkpoint): a reader holds it briefly, so there try again, waiting longer."""
-    for attempt in range(attempts):
-        try:
-            os.replace(source, target)
-            return
-        except PermissionError:
-            if sys.platform != "win32" or attempt == attempts - 1:
-                raise
-            time.sleep(0.05 * (attempt + 1))
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make a rename in `directory` durable where the platform can: POSIX fsyncs the directory itself. Windows
-    can't open a directory (PermissionError), and some filesystems can't fsync one (EINVAL, ENOTSUP): there
-    os.replace is all there is. Any other error (EIO: the rename may be lost) is raised."""
-    try:
-        handle = os.open(directory, os.O_RDONLY)
-    except PermissionError:
-        return
-    try:
-        os.fsync(handle)
-    except OSError as err:
-        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF):
-            raise
-    finally:
-        os.close(handle)
 
 
 def load_checkpoint(path: Path) -> Checkpoint:

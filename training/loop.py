@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from omegaconf import DictConfig
 
 from common.config import typed_config
 from common.errors import ConfigError
+from common.files import discard_temporaries
 from training.build import build_trainer
 from training.checkpoint import CKPT_NAME
 from training.distributed import (
@@ -66,9 +66,7 @@ def _lock_run(out_dir: Path, world: World, held: contextlib.ExitStack) -> None:
     if world.is_main:
         try:
             held.enter_context(run_lock(out_dir))
-            for stale in out_dir.iterdir():
-                if re.fullmatch(rf"{re.escape(CKPT_NAME)}\.\d+\.tmp", stale.name) and stale.is_file():
-                    stale.unlink()
+            discard_temporaries(out_dir / CKPT_NAME)
         except Exception as err:
             error = err
     message = broadcast_from_main(None if error is None else str(error), world)

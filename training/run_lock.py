@@ -14,6 +14,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from common.files import discard_temporaries, write_text_atomically
 from training.errors import RunLocked
 
 LOCK_NAME = ".lock"  # in the run directory; the lock goes with its holder (the file stays, except on Windows)
@@ -33,20 +34,13 @@ def run_lock(out_dir: Path) -> Iterator[None]:
             "wait for it to end or stop it, or use another out_dir"
         ) from None
     try:
-        for stale in out_dir.glob(f"{HOLDER_NAME}.*.tmp"):  # a holder killed while it wrote its PID
-            stale.unlink(missing_ok=True)
-        _write_holder(out_dir)
+        discard_temporaries(out_dir / HOLDER_NAME)  # a holder killed while it wrote its PID
+        # Whole or not at all: a writer refused meanwhile reads the previous PID (a dead holder's) or this one.
+        write_text_atomically(out_dir / HOLDER_NAME, str(os.getpid()))
         yield
     finally:
         (out_dir / HOLDER_NAME).unlink(missing_ok=True)
         lock.release()
-
-
-def _write_holder(out_dir: Path) -> None:
-    """Whole or not at all: a writer refused meanwhile reads the previous PID (a dead holder's) or this one."""
-    tmp = out_dir / f"{HOLDER_NAME}.{os.getpid()}.tmp"
-    tmp.write_text(str(os.getpid()))
-    os.replace(tmp, out_dir / HOLDER_NAME)
 
 
 def _holder(out_dir: Path) -> str:

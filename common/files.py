@@ -1,0 +1,61 @@
+"""Files replaced whole, on every platform: written beside the target under this process's own temporary name,
+then renamed over it, so a reader or a crash sees the old file or the new one, never half of either."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+
+def temporary_beside(path: Path) -> Path:
+    """This process's temporary for `path`: another writer, even one that bypassed a lock, never renames it."""
+    return path.with_name(f"{path.name}.{os.getpid()}.tmp")
+
+
+def discard_temporaries(path: Path) -> None:
+    """Remove what killed writers left of `path` (their temporary_beside files); only while no writer can be
+    running, i.e. holding the run's lock."""
+    pattern = re.compile(rf"{re.escape(path.name)}\.\d+\.tmp")
+    for stale in path.parent.glob(f"{path.name}.*.tmp"):
+        if pattern.fullmatch(stale.name) and stale.is_file():
+            stale.unlink(missing_ok=True)
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    tmp = temporary_beside(path)
+    tmp.write_text(text, encoding="utf-8")
+    replace_file(tmp, path)
+
+
+def replace_file(source: Path, target: Path, attempts: int = 10) -> None:
+    """os.replace, the atomic step on every platform. Windows refuses to replace a file another process has
+    open (a sample.py reading the checkpoint): a reader holds it briefly, so there try again, waiting longer."""
+    for attempt in range(attempts):
+        try:
+            os.replace(source, target)
+            return
+        except PermissionError:
+            if sys.platform != "win32" or attempt == attempts - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename in `directory` durable where the platform can: POSIX fsyncs the directory itself. Windows
+    can't open a directory (PermissionError), and some filesystems can't fsync one (EINVAL, ENOTSUP): there
+    os.replace is all there is. Any other error (EIO: the rename may be lost) is raised."""
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except PermissionError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF):
+            raise
+    finally:
+        os.close(handle)

@@ -42,6 +42,13 @@ def torchrun(processes: int, args: list[str], cwd: Path) -> subprocess.Completed
     )
 
 
+def failure(result: subprocess.CompletedProcess) -> str:
+    """torchrun's summary ends stderr; a rank's own dying words (a C++ abort) come earlier, so keep those too."""
+    words = ("terminate called", "what():", "Fatal Python error", "Traceback", "Error")
+    dying = [line for line in result.stderr.splitlines() if any(w in line for w in words)]
+    return "\n".join(dying[:40]) + "\n...\n" + result.stderr[-2000:]
+
+
 def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -77,7 +84,7 @@ def two_processes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     overrides = [o for o in tiny_run_overrides(tmp, corpus_path, **RUN) if not o.startswith("out_dir=")]
     out_dir = "out_dir=outputs/${now:%Y-%m-%d_%H-%M-%S}/rank${oc.env:RANK}"
     result = torchrun(2, [*overrides, out_dir, f"train.parallel={request.param}"], cwd=tmp)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     assert [p.name for p in tmp.glob("outputs/*/*")] == ["rank0"], "the ranks wrote to different directories"
     return next(tmp.glob("outputs/*/rank0"))
 
@@ -158,5 +165,31 @@ def test_fsdp_run_stopped_by_sigterm_to_torchrun_saves_once_and_resumes_on_two_p
 
     resume = [*args, "resume=true", f"train.max_iters={stopped_at + 3}"]
     result = torchrun(2, [a for a in resume if not a.startswith("train.max_iters=100000")], cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:] + "\ntrain.log:\n" + (run / "train.log").read_text()[-2000:]
+    assert result.returncode == 0, failure(result) + "\ntrain.log:\n" + (run / "train.log").read_text()[-2000:]
     assert load_checkpoint(run / CKPT_NAME).progress.iter == stopped_at + 3 == evals(run)[-1][0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through Linux's /proc")
+def test_closing_frees_an_fsdp_process_group_at_once_not_at_interpreter_exit(tmp_path: Path) -> None:
+    """DTensor's caches keep FSDP2's mesh, and its gloo group, alive until exit, where the group's threads may
+    drop tensors after Python is gone (a rare SIGABRT once training is done). close_process_group frees it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from training.distributed import close_process_group
+
+    def gloo_threads() -> int:
+        names = [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
+        return sum(name.startswith("pt_gloo") for name in names)
+
+    before = gloo_threads()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    model = fully_shard(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), mesh=init_device_mesh("cpu", (1,))
+    )
+    model(torch.randn(2, 4)).sum().backward()
+    assert gloo_threads() > before
+    del model  # as train() drops its trainer
+    close_process_group()
+    assert gloo_threads() == before

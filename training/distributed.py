@@ -7,6 +7,7 @@ training loop has one code path.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,8 +59,18 @@ def init_process_group(world: World, device: torch.device) -> None:
 
 
 def close_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy the process groups and free them now, while the interpreter is whole. FSDP2's DeviceMesh keeps
+    its group in a registry that DTensor's caches hold until interpreter exit; a gloo group freed that late
+    lets its worker threads drop tensors after Python is gone, which aborts the process (SIGABRT) now and then."""
+    if not dist.is_initialized():
+        return
+    dist.destroy_process_group()
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            getattr(obj, "_pg_registry", {}).clear()
+    gc.collect()  # the trainer's reference cycles hold the sharded model, and with it the group
 
 
 def wrap_model(model: nn.Module, parallel: str, world: World, device: torch.device) -> nn.Module:

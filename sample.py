@@ -27,7 +27,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from common.cli import exit_on_user_error, explain_unparsable_overrides
+from common.cli import check_overrides, exit_on_user_error
 from common.config import typed_config
 from training.sampling import load_sampler, warn
 from training.schema import SampleConfig, register_schemas
@@ -73,5 +73,5 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    explain_unparsable_overrides(sys.argv[1:])
+    check_overrides(sys.argv[1:], SampleConfig)
     main()

@@ -17,11 +17,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from common.cli import exit_on_user_error, explain_unparsable_overrides
+from common.cli import check_overrides, exit_on_user_error
 from common.files import write_text_atomically
 from training.distributed import world_from_env
 from training.loop import train
-from training.schema import register_schemas
+from training.schema import TrainRunConfig, register_schemas
 
 register_schemas()
 
@@ -68,6 +68,6 @@ def _quiet_hydra_on_other_ranks(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    explain_unparsable_overrides(sys.argv[1:])
+    check_overrides(sys.argv[1:], TrainRunConfig)
     sys.argv = _quiet_hydra_on_other_ranks(sys.argv)
     main()

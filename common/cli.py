@@ -6,8 +6,14 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
+from hydra.core.override_parser.types import Override
+
+from common.config import check_override
 from common.errors import UserError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # Hydra's config groups are its folders
 
 
 @contextlib.contextmanager
@@ -23,14 +29,30 @@ def exit_on_user_error(job: str | None = None) -> Iterator[None]:
         sys.exit(130)
 
 
-def explain_unparsable_overrides(args: list[str]) -> None:
+def check_overrides(args: list[str], schema: type) -> None:
+    """Before Hydra composes (and makes out_dir): every `key=value` parses, names a key of the schema and has a
+    value of its type and range, or the command ends here with one line and status 2. Hydra's own reports are
+    several lines, and tell a misspelt key to add itself with `+`. Config groups (experiment=, model=) and
+    hydra.* are Hydra's to judge."""
+    parsed = _parse(args)
+    groups = {path.name for path in CONFIG_DIR.iterdir() if path.is_dir()}
+    for override in parsed:
+        if override.is_hydra_override() or override.is_delete() or override.key_or_group in groups:
+            continue
+        values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+        with exit_on_user_error():
+            for value in values:
+                check_override(schema, override.key_or_group, value)
+
+
+def _parse(args: list[str]) -> list[Override]:
     """Hydra's grammar rejects unquoted values with commas, spaces or symbols: say how to quote them."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
     overrides = _overrides(args)
     try:
-        OverridesParser.create().parse_overrides(overrides)
+        return OverridesParser.create().parse_overrides(overrides)
     except OverrideParseException:
         text = " ".join(overrides)
         windows = (

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
 import typing
 from collections.abc import Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ValidationError
 
 from common.errors import ConfigError
 
@@ -29,11 +32,14 @@ def option(
     at_least: float | None = None,
     above: float | None = None,
     below: float | None = None,
+    directory: bool = False,
     hint: str = "",
 ) -> Any:
     """A dataclass field with a default and the values it accepts (None always passes: the type allows it or
-    OmegaConf refuses it first). `hint` is appended to the error: what to do instead."""
-    rules = {"choices": choices, "at_least": at_least, "above": above, "below": below, "hint": hint}
+    OmegaConf refuses it first). directory: a path to a directory (made if missing), so no file may stand there
+    or above it. `hint` is appended to the error: what to do instead."""
+    rules = {"choices": choices, "at_least": at_least, "above": above, "below": below, "directory": directory}
+    rules["hint"] = hint
     return dataclasses.field(default=default, metadata={"rules": rules})
 
 
@@ -61,19 +67,67 @@ def typed_config(cfg: DictConfig | Config, schema: type[Config]) -> Config:
     return OmegaConf.to_object(cfg)
 
 
+def check_override(schema: type, key: str, value: Any) -> None:
+    """A command-line `key=value`, before Hydra composes: the key must exist, the value must have the key's type
+    and pass its rules. One ConfigError naming the key, not Hydra's report (whose advice is `+key`)."""
+    owner, *parents = schema, *key.split(".")[:-1]
+    prefix = ""
+    for part in parents:
+        hints = typing.get_type_hints(owner)
+        if part not in hints or not dataclasses.is_dataclass(hints[part]):
+            raise ConfigError(_unknown_key(part, hints, prefix))
+        owner, prefix = hints[part], f"{prefix}{part}."
+    name, hints = key.split(".")[-1], typing.get_type_hints(owner)
+    if name not in hints:
+        raise ConfigError(_unknown_key(name, hints, prefix))
+    if isinstance(value, str) and "${" in value:
+        return  # an interpolation: judged once resolved
+    try:
+        OmegaConf.structured(owner)[name] = value  # OmegaConf's own conversion, as when Hydra merges
+    except ValidationError:
+        raise ConfigError(f"{key}={value} is not {_kind(hints[name])}") from None
+    field = next(f for f in dataclasses.fields(owner) if f.name == name)
+    problem = _problem(value, **field.metadata["rules"]) if "rules" in field.metadata and value is not None else ""
+    if problem:
+        raise ConfigError(f"{key}={value} {problem}")
+
+
+def _kind(hint: Any) -> str:
+    """What a type annotation accepts, in words: `int | None` is "an integer or null"."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    members = typing.get_args(hint) if union else (hint,)
+    kinds = {int: "an integer", float: "a number", bool: "true or false", str: "text", type(None): "null"}
+    words = [
+        "a list such as [a,b]" if typing.get_origin(t) in (list, tuple) else kinds.get(t, getattr(t, "__name__", "?"))
+        for t in members
+    ]
+    return " or ".join(sorted(words, key=lambda word: word == "null"))
+
+
+def _unknown_key(key: str, hints: dict[str, Any], prefix: str) -> str:
+    known = list(hints)
+    closest = [k for k in known if k.startswith(key)] or difflib.get_close_matches(key, known, 1, 0.5)
+    suggestion = f"; did you mean {prefix}{closest[0]}?" if closest else "; see the keys with --cfg job"
+    return f"{prefix}{key} is not a key of this config{suggestion}"
+
+
 def _refuse_unknown_keys(cfg: Any, schema: type, prefix: str = "") -> None:
     """Hydra's `+key=value` adds a key even to a typed config: refuse one the schema lacks, as Hydra refuses a
     misspelt key without `+`, naming the closest real one."""
     hints = typing.get_type_hints(schema)
     for key in cfg:
-        name = f"{prefix}{key}"
         if key not in hints:
-            known = list(hints)
-            closest = [k for k in known if k.startswith(str(key))] or difflib.get_close_matches(str(key), known, 1, 0.5)
-            suggestion = f"; did you mean {prefix}{closest[0]}?" if closest else "; see the keys with --cfg job"
-            raise ConfigError(f"{name} is not a key of this config{suggestion}")
+            raise ConfigError(_unknown_key(str(key), hints, prefix))
         if dataclasses.is_dataclass(hints[key]) and OmegaConf.is_dict(cfg[key]):
-            _refuse_unknown_keys(cfg[key], hints[key], f"{name}.")
+            _refuse_unknown_keys(cfg[key], hints[key], f"{prefix}{key}.")
+
+
+def _file_in_the_way(path: Path) -> Path | None:
+    """The path itself or its nearest existing ancestor, if that is not a directory."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return None if candidate.is_dir() else candidate
+    return None
 
 
 def _problem(
@@ -82,9 +136,13 @@ def _problem(
     at_least: float | None,
     above: float | None,
     below: float | None,
+    directory: bool,
     hint: str,
 ) -> str:
-    if choices is not None and value not in choices:
+    if directory and (file := _file_in_the_way(Path(value).expanduser())):
+        problem = "is a file, not a directory" if file == Path(value).expanduser() else f"is inside the file {file}"
+        problem += "; name a directory"
+    elif choices is not None and value not in choices:
         problem = f"is unknown; use one of {', '.join(choices)}"
     elif at_least is not None and value < at_least:
         problem = f"must be >= {at_least}"

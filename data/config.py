@@ -17,7 +17,7 @@ class DataConfig:
     tokenizer: str = "char"  # char, or a tiktoken encoding (r50k_base is GPT-2's BPE); a corpus needs a BPE
     input: str | None = None  # a UTF-8 text file instead of the download, or a directory of .txt / .jsonl documents
     url: str | None = SHAKESPEARE_URL
-    dir: str | None = None  # where the token files and meta.json live
+    dir: str | None = option(None, directory=True)  # where the token files and meta.json live
     val_fraction: float = option(0.1, above=0.0, below=1.0)  # a text's last part kept for val
     hf_dataset: str | None = None  # a Hugging Face dataset to stream, e.g. HuggingFaceFW/fineweb-edu (pip ".[hf]")
     hf_name: str | None = None  # its configuration, e.g. sample-10BT

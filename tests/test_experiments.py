@@ -26,11 +26,11 @@ TINY = [
 def sweep(tmp_path: Path, corpus: Path, *params: str) -> subprocess.CompletedProcess:
     args = [
         "-m",
-        *params,
         *TINY,
         f"data.input={corpus}",
         f"data.dir={tmp_path / 'data'}",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        *params,  # last, so they win over TINY's
     ]
     return run_script("train.py", args, cwd=tmp_path)
 
@@ -54,11 +54,18 @@ def test_a_sweep_writes_one_complete_run_per_job(two_run_sweep: Path) -> None:
 
 
 def test_a_failing_job_is_named_and_fails_the_sweep(tmp_path: Path, corpus_path: Path) -> None:
-    result = sweep(tmp_path, corpus_path, "model.n_layer=1,0")
+    """Keys that fail together (a head count that doesn't divide the width) show in the job that combines them."""
+    result = sweep(tmp_path, corpus_path, "model.n_head=2,3")
     assert result.returncode == 2
-    assert "error: job 1 (model.n_layer=0 " in result.stderr
-    assert "model.n_layer=0 must be >= 1" in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: job 1 (model.n_embd=32 model.n_head=3 ")
+    assert "model.n_embd=32 is not divisible by n_head=3" in result.stderr and "Traceback" not in result.stderr
     assert (tmp_path / "sweep" / "0" / "ckpt.pt").is_file()
+
+
+def test_a_sweep_value_out_of_range_stops_the_sweep_before_its_first_job(tmp_path: Path, corpus_path: Path) -> None:
+    result = sweep(tmp_path, corpus_path, "model.n_layer=1,0")
+    assert result.returncode == 2 and result.stderr == "error: model.n_layer=0 must be >= 1\n"
+    assert not (tmp_path / "sweep").exists()
 
 
 @pytest.mark.parametrize("x_axis", ["iter", "time", "tokens"])

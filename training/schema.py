@@ -100,6 +100,8 @@ class WandbConfig:
     mode: str | None = option(None, choices=("online", "offline", "disabled"))  # default: $WANDB_MODE, else online
     tags: list[str] = field(default_factory=list)
     group: str | None = None
+    # seconds wandb may take to start (no network stalls it); then training goes on without it, with a warning
+    init_timeout: float = option(30.0, above=0.0)
 
     def __post_init__(self) -> None:
         check_fields(self, "wandb.")
@@ -107,7 +109,7 @@ class WandbConfig:
 
 @dataclass
 class TrainRunConfig:
-    out_dir: str = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
+    out_dir: str = option("outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}", directory=True)
     device: str = option("auto", choices=DEVICES)
     seed: int = 1337
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
@@ -135,7 +137,7 @@ class SampleConfig:
     dtype: str = option("auto", choices=DTYPES)
     attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
     use_cache: bool = True  # KV cache: run the prompt once, then one token per step
-    attention_dir: str | None = None  # write attention.npz and one PNG per layer here
+    attention_dir: str | None = option(None, directory=True)  # write attention.npz and one PNG per layer here
     check_causal: bool = False  # print the causality demonstration after the samples
 
     def __post_init__(self) -> None:

@@ -1,15 +1,18 @@
 """Turn a text into train.bin / val.bin (uint16 token streams), or a corpus into shards (data.corpus), and meta.json.
 
 Runs on first use from train.py; on its own: `python -m data.prepare data=shakespeare`.
+
+A text is streamed, in bounded memory whatever its size: one pass counts its characters (the split falls at a number
+of them) and collects a char tokenizer's vocabulary, a second encodes it piece by piece, appending each piece's ids
+to the token file. The files are those encoding the whole text at once would give.
 """
 
 from __future__ import annotations
 
-import hashlib
+import itertools
 import json
-import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -18,15 +21,16 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from common.files import replace_file, temporary_beside, write_text_atomically
 from data import corpus
 from data.batches import TokenFiles
 from data.config import DataConfig
 from data.errors import DataError
-from data.source import input_file, read_text
-from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer
+from data.source import TextFile, file_sha256, input_file, text_file
+from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer, tokenizer_from_metadata
 
 DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
-_CHUNK_CHARS = 1 << 20  # encode in ~1 MB pieces so a progress bar can move
+_CHUNK_CHARS = 1 << 20  # BPE: encode pieces of at least this many characters, cut where it is safe
 # A lone newline between two non-space characters: GPT-2's pre-tokenizer always splits after it,
 # so cutting there gives the same tokens as encoding the whole text at once.
 _SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
@@ -59,45 +63,93 @@ def dataset_dir(name: str, dir: str | None) -> Path:
 def source_fingerprint(input_path: str | None, url: str | None) -> dict[str, str | None]:
     """What the bins were made from, so a different data.input is never served stale tokens."""
     if input_path:
-        digest = hashlib.sha256(input_file(input_path).read_bytes()).hexdigest()
-        return {"input_sha256": digest}
+        return {"input_sha256": file_sha256(input_file(input_path))}
     return {"url": url}
 
 
-def make_tokenizer(spec: str, text: str) -> Tokenizer:
-    return CharTokenizer.from_text(text) if spec == "char" else BpeTokenizer.from_name(spec)
+def make_tokenizer(spec: str, chars: Iterable[str]) -> Tokenizer:
+    return CharTokenizer(sorted(set(chars))) if spec == "char" else BpeTokenizer.from_name(spec)
 
 
 def write_dataset(
-    text: str, tokenizer: Tokenizer, out_dir: Path, val_fraction: float, extra_meta: dict
+    text: TextFile, tokenizer: Tokenizer, out_dir: Path, val_fraction: float, extra_meta: dict
 ) -> PreparedData:
     """Split the text (first part train, last part val), encode each part and write the streams."""
     if tokenizer.vocab_size > np.iinfo(np.uint16).max + 1:
         raise DataError(f"vocabulary of {tokenizer.vocab_size} tokens does not fit in uint16 token files")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "meta.json").unlink(missing_ok=True)  # no meta.json: the folder is not a finished dataset
-    split = int(len(text) * (1 - val_fraction))
+    train, val = _split(text.pieces(), int(text.length * (1 - val_fraction)))
     counts = {}
     with tqdm(
-        total=len(text), unit="char", unit_scale=True, desc="tokenizing", disable=len(text) < 4 * _CHUNK_CHARS
+        total=text.length, unit="char", unit_scale=True, desc="tokenizing", disable=text.length < 4 * _CHUNK_CHARS
     ) as bar:
-        for name, part in (("train", text[:split]), ("val", text[split:])):
-            ids = []
-            for chunk in _chunks(part):
-                ids.extend(tokenizer.encode(chunk))
-                bar.update(len(chunk))
-            counts[f"{name}_tokens"] = len(ids)
-            tmp = out_dir / f"{name}.bin.tmp"
-            np.asarray(ids, dtype=np.uint16).tofile(tmp)
-            os.replace(tmp, out_dir / f"{name}.bin")
+        for name, part in (("train", train), ("val", val)):
+            # characters encode one by one: any cut will do; BPE needs safe cuts
+            pieces = part if isinstance(tokenizer, CharTokenizer) else _safely_cut(part)
+            counts[f"{name}_tokens"] = _write_tokens(out_dir / f"{name}.bin", pieces, tokenizer, bar)
     meta = {"tokenizer": tokenizer.metadata(), "vocab_size": tokenizer.vocab_size, **counts, **extra_meta}
-    tmp = out_dir / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, ensure_ascii=False))
-    os.replace(tmp, out_dir / "meta.json")  # last: only now do the bins count as prepared
+    write_text_atomically(out_dir / "meta.json", json.dumps(meta, ensure_ascii=False))  # last: now they count
     return PreparedData(out_dir, meta)
 
 
+def _split(pieces: Iterator[str], at: int) -> tuple[Iterator[str], Iterator[str]]:
+    """The first `at` characters of the pieces, then the rest: take the second only once the first is used up."""
+    rest: list[str] = []  # the far side of the piece the split falls in
+
+    def first() -> Iterator[str]:
+        left = at
+        for piece in pieces:
+            if len(piece) >= left:
+                yield piece[:left]
+                rest.append(piece[left:])
+                return
+            left -= len(piece)
+            yield piece
+
+    return first(), itertools.chain(rest, pieces)  # chain reads `rest` only when it gets to it
+
+
+def _write_tokens(path: Path, pieces: Iterable[str], tokenizer: Tokenizer, bar: tqdm) -> int:
+    """Encode piece by piece, appending the ids to a temporary that replaces `path` once whole; the token count."""
+    tmp = temporary_beside(path)
+    count = 0
+    try:
+        with tmp.open("wb") as f:
+            for piece in pieces:
+                ids = np.asarray(tokenizer.encode(piece), dtype=np.uint16)
+                ids.tofile(f)
+                count += len(ids)
+                bar.update(len(piece))
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # an error or Ctrl-C: leave no partial file behind
+        raise
+    replace_file(tmp, path)
+    return count
+
+
+def _safely_cut(pieces: Iterable[str]) -> Iterator[str]:
+    """The pieces cut again at safe cuts only (_chunks), so encoding them one by one with BPE gives the ids of the
+    whole text: what follows the last safe cut is held and put before the next piece.
+
+    Memory grows with the longest stretch of text without a safe cut: all of it if there is none (one paragraph a
+    line, blank lines between). A piece is joined to the held text only when it brings a safe cut, so such a
+    stretch is joined once, not once per piece.
+    """
+    held: list[str] = []
+    for piece in pieces:
+        context = held[-1][-2:] if held else ""  # a safe cut looks at the two characters before it
+        if held and _SAFE_CUT.search(context + piece) is None:
+            held.append(piece)
+            continue
+        *whole, tail = _chunks("".join(held) + piece)
+        yield from whole
+        held = [tail]
+    yield "".join(held)
+
+
 def _chunks(text: str) -> Iterator[str]:
+    """Pieces of at least _CHUNK_CHARS characters, each ending at a safe cut, then the rest."""
     start = 0
     while len(text) - start > _CHUNK_CHARS:
         cut = _SAFE_CUT.search(text, start + _CHUNK_CHARS)
@@ -126,10 +178,12 @@ def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData
     if prepared:
         return prepared
     _refuse_unless(prepare, out_dir)
-    text = read_text(config.input, out_dir / "input.txt", config.url)
-    if not text:
+    path = text_file(config.input, out_dir / "input.txt", config.url)
+    text = TextFile.survey(path, chars=config.tokenizer == "char")
+    if not text.length:
         raise DataError(f"the text for dataset {config.name!r} is empty; pass a non-empty file with data.input=PATH")
-    return write_dataset(text, make_tokenizer(config.tokenizer, text), out_dir, config.val_fraction, fingerprint)
+    tokenizer = make_tokenizer(config.tokenizer, text.chars)
+    return write_dataset(text, tokenizer, out_dir, config.val_fraction, fingerprint)
 
 
 def _ensure_corpus(out_dir: Path, config: DataConfig, prepare: bool) -> PreparedData:
@@ -167,7 +221,9 @@ def _reusable(out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData | None
     """The folder's dataset if meta.json matches the fingerprint and its token files are all there and whole.
 
     A shard's header is checked against its size and the counts against meta.json's (a few reads per shard, no
-    token read), so a truncated or damaged file is prepared again here rather than failing training later.
+    token read), so a truncated or damaged file is prepared again here rather than failing training later. The
+    vocabulary is checked against the tokenizer meta.json names and, for a text, against the largest token id
+    (one pass over the tokens): a wrong vocab_size would make a model of the wrong size.
     """
     try:
         meta = json.loads((out_dir / "meta.json").read_text())
@@ -190,14 +246,39 @@ def _reusable(out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData | None
         return None  # a file missing, truncated or not a shard: prepare again
     if any(meta.get(f"{name}_tokens", count) != count for name, count in counts.items()):
         return None
+    if not _vocabulary_agrees(data):
+        return None
     return data
 
 
+def _vocabulary_agrees(data: PreparedData) -> bool:
+    meta = data.meta
+    try:
+        tokenizer_vocab = tokenizer_from_metadata(meta["tokenizer"]).vocab_size
+    except (KeyError, TypeError):
+        return False  # no tokenizer named, or not one we know
+    if meta.get("vocab_size") != tokenizer_vocab:
+        return False
+    if meta.get("sharded"):
+        return True  # a corpus's tokens come from that BPE; reading every shard at each start would cost minutes
+    return all(_largest_token(path) < tokenizer_vocab for path in data.train.paths + data.val.paths)
+
+
+def _largest_token(path: Path) -> int:
+    largest = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):  # an even number of bytes: whole uint16 tokens
+            largest = max(largest, int(np.frombuffer(chunk, dtype=np.uint16).max()))
+    return largest
+
+
 if __name__ == "__main__":
+    import sys
+
     import hydra
     from omegaconf import DictConfig
 
-    from common.cli import exit_on_user_error
+    from common.cli import check_overrides, exit_on_user_error
     from common.config import typed_config
     from data.config import PrepareConfig, register_prepare_schema
 
@@ -214,4 +295,5 @@ if __name__ == "__main__":
             f"vocabulary {m['vocab_size']}"
         )
 
+    check_overrides(sys.argv[1:], PrepareConfig)
     main()

@@ -1,11 +1,25 @@
-"""Where the training text comes from: the user's file, then a cached copy, then a download."""
+"""Where the training text comes from: the user's file, then a cached copy, then a download (saved as that copy).
+
+A text is read in pieces of _READ_BYTES, never whole, so preparing a text takes bounded memory whatever its size.
+The pieces decode exactly as reading the whole file in text mode would: UTF-8, with universal newlines
+(\\r\\n and \\r become \\n), a character or a \\r\\n cut by a read completed by the next.
+"""
 
 from __future__ import annotations
 
+import codecs
+import hashlib
+import io
+import shutil
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+from common.files import replace_file, temporary_beside
 from data.errors import DataError
+
+_READ_BYTES = 1 << 22  # 4 MiB a read: the decoded piece and its ids take a few times that
 
 
 def input_file(input_path: str) -> Path:
@@ -17,27 +31,85 @@ def input_file(input_path: str) -> Path:
     return path
 
 
-def read_text(input_path: str | None, cached_copy: Path, url: str | None) -> str:
+def text_file(input_path: str | None, cached_copy: Path, url: str | None) -> Path:
+    """The file holding the text: data.input, else the cached copy, else the download saved as the cached copy."""
     if input_path:
-        return read_utf8(input_file(input_path))
+        return input_file(input_path)
     if cached_copy.is_file():
-        return read_utf8(cached_copy)
+        return cached_copy
     if not url:
         raise DataError("no text to train on: pass data.input=/path/to/text.txt")
+    tmp = temporary_beside(cached_copy)
     try:
         with urllib.request.urlopen(url, timeout=30) as response:
-            raw = response.read()
+            cached_copy.parent.mkdir(parents=True, exist_ok=True)
+            with tmp.open("wb") as out:
+                shutil.copyfileobj(response, out)
     except OSError as err:
+        tmp.unlink(missing_ok=True)
         raise DataError(
             f"could not download {url} ({err}); point at a local copy with data.input=/path/to/text.txt"
         ) from None
-    cached_copy.parent.mkdir(parents=True, exist_ok=True)
-    cached_copy.write_bytes(raw)
-    return raw.decode("utf-8")
+    replace_file(tmp, cached_copy)  # whole or not at all: a cut download is never taken for the text
+    return cached_copy
 
 
 def read_utf8(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
-        raise DataError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+        raise _not_utf8(path, err, err.start) from None
+
+
+def utf8_pieces(path: Path) -> Iterator[str]:
+    """The file's text in pieces of at most _READ_BYTES bytes, as read_utf8 would read it whole."""
+    decoder = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")(), translate=True)
+    offset = 0  # bytes read before this read
+    with path.open("rb") as f:
+        while True:
+            data = f.read(_READ_BYTES)
+            held = len(decoder.getstate()[0])  # the start of a character cut by the last read
+            try:
+                piece = decoder.decode(data, final=not data)
+            except UnicodeDecodeError as err:  # err.start counts from the held bytes
+                raise _not_utf8(path, err, offset - held + err.start) from None
+            if piece:
+                yield piece
+            if not data:
+                return
+            offset += len(data)
+
+
+def file_sha256(path: Path) -> str:
+    hasher = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(_READ_BYTES):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def _not_utf8(path: Path, err: UnicodeDecodeError, offset: int) -> DataError:
+    return DataError(f"{path} is not UTF-8 text ({err.reason} at byte {offset})")
+
+
+@dataclass(frozen=True)
+class TextFile:
+    """A UTF-8 text file surveyed in one streaming pass, before a second one encodes it: the split between train and
+    val falls at a number of characters, and a char tokenizer's vocabulary is the characters the text uses."""
+
+    path: Path
+    length: int  # in characters
+    chars: frozenset[str]  # empty unless the survey was asked for them
+
+    @classmethod
+    def survey(cls, path: Path, *, chars: bool) -> TextFile:
+        """Reads the whole file, so a text that is not UTF-8 fails here, before anything is written."""
+        length, seen = 0, set()
+        for piece in utf8_pieces(path):
+            length += len(piece)
+            if chars:
+                seen.update(piece)
+        return cls(path, length, frozenset(seen))
+
+    def pieces(self) -> Iterator[str]:
+        return utf8_pieces(self.path)

@@ -14,7 +14,7 @@ from data.batches import TokenFiles, get_batch
 from data.config import DataConfig
 from data.errors import DataError
 from data.prepare import ensure_prepared, write_dataset
-from data.source import read_text
+from data.source import read_utf8, text_file
 from data.tokenizers import BpeTokenizer, CharTokenizer, tokenizer_from_metadata
 
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
@@ -88,23 +88,23 @@ def test_text_source_order_input_then_cache_then_download(tmp_path: Path) -> Non
     cached = tmp_path / "cache" / "input.txt"
     unreachable = "http://127.0.0.1:9/input.txt"  # a closed port on this machine: fails at once
     with pytest.raises(DataError, match="data.input=/path/to/text.txt") as info:
-        read_text(None, cached, unreachable)
+        read_utf8(text_file(None, cached, unreachable))
     assert "\n" not in str(info.value)
     cached.parent.mkdir()
     cached.write_text("cached copy")
-    assert read_text(None, cached, unreachable) == "cached copy"
+    assert read_utf8(text_file(None, cached, unreachable)) == "cached copy"
     mine = tmp_path / "mine.txt"
     mine.write_text("my own text")
-    assert read_text(str(mine), cached, unreachable) == "my own text"
+    assert read_utf8(text_file(str(mine), cached, unreachable)) == "my own text"
     with pytest.raises(DataError, match="data.input=.*does not exist"):
-        read_text(str(tmp_path / "missing.txt"), cached, unreachable)
+        text_file(str(tmp_path / "missing.txt"), cached, unreachable)
 
 
 def test_non_utf8_input_is_a_clear_error(tmp_path: Path) -> None:
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("café".encode("latin-1"))
     with pytest.raises(DataError, match="not UTF-8"):
-        read_text(str(bad), tmp_path / "cache.txt", None)
+        read_utf8(text_file(str(bad), tmp_path / "cache.txt", None))
 
 
 def test_get_batch_gives_shifted_windows_and_depends_only_on_the_generator(tmp_path: Path) -> None:

@@ -18,13 +18,15 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from training.metrics import METRICS_NAME, read_records
+
 IGNORED_KEYS = ("out_dir", "resume")  # differ between runs without saying anything about them
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
     runs = []
     for path in paths:
-        found = [path] if (path / "metrics.jsonl").is_file() else sorted(p.parent for p in path.rglob("metrics.jsonl"))
+        found = [path] if (path / METRICS_NAME).is_file() else sorted(p.parent for p in path.rglob("metrics.jsonl"))
         if not found:
             sys.exit(f"error: no metrics.jsonl in or under {path}; pass train.py run directories or a sweep directory")
         runs += found
@@ -48,7 +50,9 @@ def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
 
 
 def summarize(run: Path, config: dict[str, Any], keys: list[str]) -> dict[str, Any]:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records, damaged = read_records(run)
+    if damaged:
+        print(f"warning: {run / METRICS_NAME}: left out {damaged} damaged line(s)", file=sys.stderr)
     evals = [r for r in records if "val_loss" in r]
     logs = [r for r in records if "tokens_per_sec" in r]
     finite = [r for r in evals if math.isfinite(r["val_loss"])]

@@ -57,7 +57,7 @@ def build_trainer(
     use_compile = compile_by_default(runtime) if opt.compile is None else opt.compile
     tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
     byte_lengths = torch.from_numpy(tokenizer.token_byte_lengths()).to(runtime.device, torch.float64)
-    peak = peak_flops(runtime.device, runtime.dtype)
+    peak = None if runtime.emulated else peak_flops(runtime.device, runtime.dtype)
     trainer = Trainer(
         config=config,
         world=world,
@@ -73,7 +73,7 @@ def build_trainer(
         evaluator=Evaluator(data, opt, config.seed, model.config.block_size, byte_lengths, runtime, world),
         metrics=MetricsLog(out_dir, active=world.is_main),
         flops_per_token=flops_per_token,
-        peak_flops=peak.flops * world.size,
+        peak_flops=None if peak is None else peak.flops * world.size,
         started=started,
         before_step=before_step,
     )
@@ -88,7 +88,14 @@ def build_trainer(
         f"{num_params / 1e6:.2f}M parameters, {data.meta['vocab_size']} tokens in the vocabulary, "
         f"{_machinery(runtime, world, opt.parallel, use_compile)}, out_dir {out_dir}"
     )
-    log.info(f"MFU against {peak.flops / 1e12:.3g} TFLOP/s per process ({peak.source})")
+    if peak is None:
+        name = str(runtime.dtype).removeprefix("torch.")
+        log.warning(
+            f"dtype={name}: this CPU has no {name} arithmetic, so torch emulates it, many times slower than "
+            "float32 (and MFU is left out); use dtype=float32"
+        )
+    else:
+        log.info(f"MFU against {peak.flops / 1e12:.3g} TFLOP/s per process ({peak.source})")
     return trainer
 
 
@@ -193,15 +200,21 @@ def _check_data_fits(data: PreparedData, block_size: int) -> None:
     for split, files in (("train", data.train), ("val", data.val)):
         n = max(files.lengths)  # windows don't span files
         if n <= block_size:
+            shards = " (or raise data.shard_tokens)" if data.meta.get("sharded") else ""
             raise ConfigError(
                 f"the {split} split's longest token file has {n} tokens, too few for model.block_size={block_size}; "
-                "lower model.block_size or train on more text (or raise data.shard_tokens)"
+                f"lower model.block_size or train on more text{shards}"
             )
 
 
 def _check_same_shape(saved: GPTConfig, current: GPTConfig) -> None:
     old, new = dataclasses.asdict(saved), dataclasses.asdict(current)
     changed = [k for k in new if k not in FREE_MODEL_KEYS and old[k] != new[k]]
+    if "vocab_size" in changed:  # the data's, not an override
+        raise CheckpointError(
+            f"resume=true, but the data's vocabulary has {new['vocab_size']} tokens and the checkpoint's model "
+            f"{old['vocab_size']}: resume with the data.* the run was trained on, or start a new run"
+        )
     if changed:
         diffs = ", ".join(f"{k}: {old[k]} -> {new[k]}" for k in changed)
         raise CheckpointError(

@@ -143,8 +143,13 @@ def load_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointError(f"no checkpoint at {path}; pass out_dir=RUN, a directory written by train.py")
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:  # weights_only refused something that is not plain data
-        raise CheckpointError(
+    except pickle.UnpicklingError as err:
+        if "Unsupported global" not in str(err):  # no object to build, just bytes that are no pickle
+            detail = str(err).partition("WeightsUnpickler error:")[2].strip() or str(err)
+            raise CheckpointError(
+                f"{path} is not a readable checkpoint: damaged, or not a checkpoint ({_first_line(detail)})"
+            ) from None
+        raise CheckpointError(  # weights_only refused to build an object: a class or a function
             f"{path} is not a readable checkpoint: it holds objects other than tensors and plain values, "
             "and unpickling those could run code"
         ) from None
@@ -155,6 +160,6 @@ def load_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint.from_dict(raw, path)
 
 
-def _first_line(err: Exception) -> str:
+def _first_line(err: object) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else "no details"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -29,16 +30,21 @@ class MetricsLog:
             return
         import wandb
 
-        self.wandb_run = wandb.init(
-            project=config.project,
-            entity=config.entity,
-            name=config.run_name,
-            mode=config.mode,  # None: wandb follows $WANDB_MODE, online by default
-            tags=list(config.tags),
-            group=config.group,
-            config=run_config,
-            dir=str(self.path.parent),
-        )
+        try:
+            self.wandb_run = wandb.init(
+                project=config.project,
+                entity=config.entity,
+                name=config.run_name,
+                mode=config.mode,  # None: wandb follows $WANDB_MODE, online by default
+                tags=list(config.tags),
+                group=config.group,
+                config=run_config,
+                dir=str(self.path.parent),
+                settings=wandb.Settings(init_timeout=config.init_timeout),
+            )
+        except Exception as err:  # no API key, no network, a refused login: the run matters more than its charts
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            log.warning(f"wandb did not start ({reason}); training goes on without it, metrics.jsonl has everything")
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.active:
@@ -65,27 +71,40 @@ def forget_metrics(out_dir: Path) -> None:
     (out_dir / METRICS_NAME).unlink(missing_ok=True)
 
 
+def read_records(out_dir: Path) -> tuple[list[dict[str, Any]], int]:
+    """metrics.jsonl's records, and how many of its lines are damaged (cut short by a kill, not UTF-8, not a
+    record), which are left out."""
+    lines = (out_dir / METRICS_NAME).read_bytes().splitlines()
+    records = [record for record in map(_record, lines) if record]
+    return records, len(lines) - len(records)
+
+
 def drop_records_after(out_dir: Path, last_iter: int) -> None:
-    """On resume: lines a killed run wrote after its last checkpoint, and a line cut short by the kill."""
-
-    def kept(line: str) -> bool:
-        try:
-            return json.loads(line)["iter"] <= last_iter
-        except (json.JSONDecodeError, KeyError, TypeError):
-            return False
-
+    """On resume: lines a killed run wrote after its last checkpoint, and damaged lines."""
     path = out_dir / METRICS_NAME
     if path.is_file():
-        path.write_text("".join(line for line in path.read_text().splitlines(keepends=True) if kept(line)))
+        kept = [line for line in path.read_bytes().splitlines(keepends=True) if _record(line, last_iter)]
+        path.write_bytes(b"".join(kept))
+
+
+def _record(line: bytes, last_iter: float = math.inf) -> dict[str, Any] | None:
+    """The line's record if it is whole and at or before last_iter."""
+    try:
+        record = json.loads(line)  # bytes: decoded as UTF-8 (a bad byte is a ValueError too)
+    except ValueError:
+        return None
+    whole = isinstance(record, dict) and isinstance(record.get("iter"), int)
+    return record if whole and record["iter"] <= last_iter else None
 
 
 class LogWindow:
     """The steps since the last log line: their mean loss and, excluding the first step of the process (compiling
     and warming up), training time alone, so tokens/s and MFU leave evaluation and checkpoints out."""
 
-    def __init__(self, first_step: int, tokens_per_iter: int, flops_per_token: float, peak_flops: float) -> None:
+    def __init__(self, first_step: int, tokens_per_iter: int, flops_per_token: float, peak_flops: float | None) -> None:
         self.first_step, self.tokens_per_iter = first_step, tokens_per_iter
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops  # peak: all processes together
+        # peak: all processes together; None where there is none to compare with (MFU left out)
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.loss_sum: torch.Tensor | float = 0.0
         self.steps = 0  # applied steps (a skipped non-finite one doesn't count)
         self.seconds, self.timed = 0.0, 0
@@ -110,11 +129,9 @@ class LogWindow:
         throughput = {}
         if self.timed:
             tokens_per_sec = self.tokens_per_iter * self.timed / self.seconds
-            throughput = {
-                "ms_per_iter": 1000 * self.seconds / self.timed,
-                "tokens_per_sec": tokens_per_sec,
-                "mfu": self.flops_per_token * tokens_per_sec / self.peak_flops,
-            }
+            throughput = {"ms_per_iter": 1000 * self.seconds / self.timed, "tokens_per_sec": tokens_per_sec}
+            if self.peak_flops is not None:
+                throughput["mfu"] = self.flops_per_token * tokens_per_sec / self.peak_flops
         self.loss_sum, self.steps, self.seconds, self.timed = 0.0, 0, 0.0, 0
         return train_loss, throughput
 
@@ -126,4 +143,5 @@ def _readable(r: dict[str, Any]) -> str:
     line = f"iter {r['iter']}: loss {r['train_loss']:.4f}, lr {r['lr']:.2e}"
     if "tokens_per_sec" not in r:
         return line + " (warm-up, not timed)"
-    return line + f", {r['ms_per_iter']:.1f} ms/iter, {r['tokens_per_sec']:,.0f} tok/s, mfu {100 * r['mfu']:.1f}%"
+    line += f", {r['ms_per_iter']:.1f} ms/iter, {r['tokens_per_sec']:,.0f} tok/s"
+    return line + f", mfu {100 * r['mfu']:.1f}%" if "mfu" in r else line

@@ -24,6 +24,18 @@ class Runtime:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    @property
+    def emulated(self) -> bool:
+        """Half precision that this CPU computes in software: far slower than float32, with no peak to compare
+        with (a matmul measured in it is no ceiling for the run's own, so MFU could pass 100%)."""
+        if self.device.type != "cpu":
+            return False
+        if self.dtype == torch.float16:
+            return not getattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)()
+        if self.dtype == torch.bfloat16:
+            return not getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+        return False
+
     def synchronize(self) -> None:
         synchronize(self.device)
 

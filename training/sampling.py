@@ -11,6 +11,7 @@ import torch
 
 from common.errors import ConfigError
 from data.errors import DataError
+from data.source import read_utf8
 from data.tokenizers import BpeTokenizer, Tokenizer, tokenizer_from_metadata
 from model import GPT
 from model.hf_gpt2 import load_pretrained
@@ -26,9 +27,11 @@ def read_prompt(start: str) -> str:
     if not start.startswith("FILE:"):
         return start
     path = Path(start.removeprefix("FILE:")).expanduser()
+    if path.is_dir():
+        raise DataError(f"start=FILE:{path} is a directory; name a text file")
     if not path.is_file():
         raise DataError(f"start=FILE:{path}: no such file")
-    return path.read_text(encoding="utf-8")
+    return read_utf8(path)
 
 
 @dataclass

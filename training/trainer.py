@@ -78,7 +78,7 @@ class Trainer:
     evaluator: Evaluator
     metrics: MetricsLog
     flops_per_token: float  # the whole model's, forward and backward, for MFU
-    peak_flops: float  # all processes together
+    peak_flops: float | None  # all processes together; None: MFU left out
     started: float  # perf_counter() when this process's part of the run began
     progress: Progress = field(default_factory=Progress)
     elapsed_before: float = 0.0  # the run's wall time before this process (a resumed run's)
@@ -187,7 +187,7 @@ class Trainer:
         self.metrics.write(record)
         if not math.isfinite(losses.val):
             log.warning(f"val loss is {losses.val} at iter {p.iter}: keeping the previous checkpoint")
-        elif p.iter > 0:
+        elif p.iter > 0 or p.iter >= self.config.train.max_iters:  # train.max_iters=0 keeps the initial weights
             self.save()
         if reached:
             elapsed = record["elapsed_s"]
@@ -296,9 +296,10 @@ class Trainer:
             self.metrics.log_samples(p.iter, self._samples())
         self.metrics.close()
         if stopped_by is None:
+            ckpt = self.out_dir / CKPT_NAME
             log.info(
                 f"done: {p.iter} iters, val loss {p.val_loss:.4f} (best {p.best_val_loss:.4f}), "
-                f"{self.elapsed():.1f} s; checkpoint {self.out_dir / CKPT_NAME}"
+                f"{self.elapsed():.1f} s; " + (f"checkpoint {ckpt}" if ckpt.is_file() else "no checkpoint written")
             )
         return TrainResult(self.out_dir, p.iter, p.val_loss, p.best_val_loss, self.elapsed(), stopped_by)
 

@@ -1,0 +1,213 @@
+"""What a careless or unlucky user does: each mistake is one line (status 2 from the scripts), nothing given is
+silently accepted, and damaged files are refused or repaired rather than trusted."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.config import check_override
+from common.errors import ConfigError
+from conftest import compose_config, run_script, tiny_run_overrides
+from data.config import DataConfig
+from data.errors import DataError
+from data.prepare import ensure_prepared
+from training.checkpoint import CKPT_NAME, CheckpointError, load_checkpoint
+from training.loop import train
+from training.metrics import METRICS_NAME, LogWindow, MetricsLog, drop_records_after, read_records
+from training.runtime import Runtime
+from training.sampling import read_prompt
+from training.schema import SampleConfig, TrainRunConfig, WandbConfig
+
+FAST = {"train.max_iters": 4, "train.eval_interval": 2, "train.log_interval": 1}
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        (
+            "train.lerning_rate",
+            1.0,
+            "train.lerning_rate is not a key of this config; did you mean train.learning_rate?",
+        ),  # noqa: E501
+        ("modle.n_layer", 2, "modle is not a key of this config; did you mean model?"),
+        ("train.max_iters", "abc", "train.max_iters=abc is not an integer"),
+        ("model.attn_window", "wide", "model.attn_window=wide is not an integer or null"),
+        ("train.compile", "maybe", "train.compile=maybe is not true or false or null"),
+        ("wandb.tags", "x", "wandb.tags=x is not a list such as [a,b]"),
+        ("data.val_fraction", 1.5, "data.val_fraction=1.5 must be < 1.0"),
+        ("train.learning_rate", 0.0, "train.learning_rate=0.0 must be > 0.0"),
+    ],
+)
+def test_a_command_line_override_is_checked_against_the_schema(key: str, value: object, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_override(TrainRunConfig, key, value)
+    assert str(info.value) == message
+
+
+def test_good_overrides_and_interpolations_pass() -> None:
+    for key, value in [("train.max_iters", 10), ("model.attn_window", None), ("out_dir", "${now:%H}"), ("seed", 3)]:
+        check_override(TrainRunConfig, key, value)
+
+
+def test_train_py_refuses_an_out_dir_that_is_a_file_before_hydra_makes_it(tmp_path: Path) -> None:
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    for out_dir, says in [(file, "is a file, not a directory"), (file / "run", f"is inside the file {file}")]:
+        result = run_script("train.py", [f"out_dir={out_dir}"], cwd=tmp_path)
+        assert result.returncode == 2 and result.stderr == f"error: out_dir={out_dir} {says}; name a directory\n"
+    assert file.read_text() == "mine"
+
+
+def test_a_misspelt_key_on_the_command_line_is_one_line_not_hydras_report(tmp_path: Path) -> None:
+    result = run_script("sample.py", ["out_dir=x", "temprature=0.5"], cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == "error: temprature is not a key of this config; did you mean temperature?\n"
+
+
+def test_attention_dir_naming_a_file_fails_before_any_sampling(tmp_path: Path) -> None:
+    file = tmp_path / "maps.txt"
+    file.write_text("")
+    with pytest.raises(ConfigError, match=f"attention_dir={file} is a file, not a directory"):
+        SampleConfig(out_dir="run", attention_dir=str(file))
+
+
+def test_a_prompt_file_that_is_a_directory_or_not_utf8_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=f"start=FILE:{tmp_path} is a directory"):
+        read_prompt(f"FILE:{tmp_path}")
+    binary = tmp_path / "prompt.bin"
+    binary.write_bytes(b"ROMEO:\xff\xfe")
+    with pytest.raises(DataError, match=r"is not UTF-8 text \(invalid start byte at byte 6\)"):
+        read_prompt(f"FILE:{binary}")
+
+
+def test_max_iters_0_writes_the_initial_weights_it_claims(
+    tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="train")
+    result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 0})))
+    assert result.iters == 0 and load_checkpoint(tmp_path / "run" / CKPT_NAME).progress.iter == 0
+    assert caplog.records[-1].getMessage().endswith(f"; checkpoint {tmp_path / 'run' / CKPT_NAME}")
+
+
+@pytest.mark.parametrize("tamper", ["vocab_size larger", "vocab_size smaller", "token out of range"])
+def test_prepared_data_that_disagrees_with_its_metadata_is_prepared_again(tmp_path: Path, tamper: str) -> None:
+    text = tmp_path / "input.txt"
+    text.write_text("to be or not to be, that is the question\n" * 50)
+    config = DataConfig(input=str(text), dir=str(tmp_path / "data"))
+    good = ensure_prepared(config)
+    meta_path, train_bin = good.dir / "meta.json", good.dir / "train.bin"
+    before = train_bin.read_bytes()
+    if tamper == "token out of range":
+        tokens = bytearray(before)
+        tokens[0:2] = (good.meta["vocab_size"] + 3).to_bytes(2, "little")
+        train_bin.write_bytes(bytes(tokens))
+    else:
+        meta = json.loads(meta_path.read_text())
+        meta["vocab_size"] += 35 if tamper == "vocab_size larger" else -5
+        meta_path.write_text(json.dumps(meta))
+    again = ensure_prepared(config)
+    assert again.meta == good.meta and train_bin.read_bytes() == before
+
+
+def test_float16_on_a_cpu_without_it_warns_once_and_reports_no_mfu(
+    tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="train")
+    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: False, raising=False)
+    assert Runtime(torch.device("cpu"), torch.float16).emulated
+    assert not Runtime(torch.device("cpu"), torch.float32).emulated
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **FAST, **{"train.dtype": "float16"})))
+    log = caplog.text
+    assert log.count("dtype=float16: this CPU has no float16 arithmetic") == 1 and "mfu" not in log
+    timed = [r for r in read_records(tmp_path / "run")[0] if "tokens_per_sec" in r]
+    assert timed and not any("mfu" in r for r in timed)
+
+
+def test_mfu_is_left_out_without_a_peak() -> None:
+    window = LogWindow(first_step=0, tokens_per_iter=100, flops_per_token=1e6, peak_flops=None)
+    for step in range(3):
+        window.add(torch.tensor(1.0))
+        result = window.end_step(step, began=0.0, log_now=step == 2)
+    assert result is not None and "tokens_per_sec" in result[1] and "mfu" not in result[1]
+
+
+def test_damaged_metrics_lines_are_dropped_on_resume_and_left_out_by_plot(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    good = [{"iter": 1, "train_loss": 2.0, "val_loss": 2.1, "val_bpb": 3.0}, {"iter": 2, "train_loss": 1.9}]
+    lines = [json.dumps(r).encode() + b"\n" for r in good]
+    (run / METRICS_NAME).write_bytes(lines[0] + b'{"iter": 2, "lo\xff\xfess": 1}\n' + lines[1] + b'{"iter": 3, "tra')
+    assert read_records(run) == (good, 2)
+    drop_records_after(run, 1)
+    assert (run / METRICS_NAME).read_bytes() == lines[0]
+    (run / METRICS_NAME).write_bytes(lines[0] + lines[1] + b'{"iter": 3, "tra')
+    result = run_script("plot.py", [str(run), "--out", str(tmp_path / "plot.png")], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"warning: {run / METRICS_NAME}: left out 1 damaged line(s)" in result.stderr
+
+
+def test_wandb_that_cannot_start_is_one_warning_and_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import wandb
+
+    seen = {}
+
+    def no_network(**kwargs: object) -> None:
+        seen["timeout"] = kwargs["settings"].init_timeout
+        raise wandb.errors.CommError("Run initialization has timed out after 3.0 sec.\nPlease retry.")
+
+    monkeypatch.setattr(wandb, "init", no_network)
+    metrics = MetricsLog(tmp_path)
+    metrics.start_wandb(WandbConfig(enabled=True, init_timeout=3.0), {})
+    assert metrics.wandb_run is None and seen["timeout"] == 3.0
+    assert [r.getMessage() for r in caplog.records] == [
+        "wandb did not start (Run initialization has timed out after 3.0 sec.); training goes on without it, "
+        "metrics.jsonl has everything"
+    ]
+    metrics.write({"iter": 1, "train_loss": 1.0, "lr": 1e-3})
+    assert read_records(tmp_path)[0] == [{"iter": 1, "train_loss": 1.0, "lr": 1e-3}]
+
+
+def test_random_bytes_are_called_damaged_not_dangerous(tmp_path: Path) -> None:
+    path = tmp_path / CKPT_NAME
+    path.write_bytes(random.Random(0).randbytes(4096))
+    with pytest.raises(CheckpointError, match="damaged, or not a checkpoint") as info:
+        load_checkpoint(path)
+    assert "run code" not in str(info.value)
+
+
+def test_resuming_on_data_with_another_vocabulary_names_the_data_not_overrides(
+    tmp_path: Path, corpus_path: Path
+) -> None:
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **FAST)))
+    other = tmp_path / "other.txt"
+    other.write_text("abc " * 2000)
+    overrides = tiny_run_overrides(tmp_path, other, **FAST, resume=True, **{"data.dir": tmp_path / "other"})
+    with pytest.raises(CheckpointError, match="the data's vocabulary has 4 tokens and the checkpoint's model") as info:
+        train(compose_config(overrides))
+    assert "overrides" not in str(info.value)
+
+
+def test_a_short_text_is_not_told_to_raise_shard_tokens(tmp_path: Path) -> None:
+    text = tmp_path / "short.txt"
+    text.write_text("a short text\n" * 5)
+    overrides = tiny_run_overrides(tmp_path, text, **{"model.block_size": 64})
+    with pytest.raises(ConfigError, match="too few for model.block_size=64") as info:
+        train(compose_config(overrides))
+    assert "shard_tokens" not in str(info.value)
+
+
+def test_data_dir_inside_a_file_is_refused(tmp_path: Path) -> None:
+    file = tmp_path / "f"
+    file.write_text("")
+    with pytest.raises(ConfigError, match=f"data.dir={file / 'd'} is inside the file {file}"):
+        DataConfig(dir=str(file / "d"))
+    assert os.listdir(tmp_path) == ["f"]

@@ -8,6 +8,7 @@ import dataclasses
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -191,6 +192,23 @@ def test_a_second_writer_is_refused_naming_the_holder_until_it_dies(tmp_path: Pa
     again = run_script("train.py", [*args, "train.max_iters=3"], cwd=tmp_path)  # forgot resume=true
     assert again.returncode == 2 and "already holds a run" in again.stderr
     assert "train.max_iters=3" not in (run / ".hydra" / "overrides.yaml").read_text()  # the record is the run's
+
+
+def test_sample_py_reads_a_run_whose_lock_another_process_holds(trained_run: Path, tmp_path: Path) -> None:
+    """Readers take no lock: a run being trained can be sampled (its ckpt.pt is only ever replaced whole)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_LOCK, str(run)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        result = run_script("sample.py", [f"out_dir={run}", "max_new_tokens=5", "num_samples=1"], cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.count("---------------") == 1
+    finally:
+        holder.send_signal(signal.SIGTERM)
+        holder.wait()
 
 
 def test_under_torchrun_every_rank_stops_when_the_run_is_locked(tmp_path: Path, corpus_path: Path) -> None:

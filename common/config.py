@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -70,26 +71,43 @@ def typed_config(cfg: DictConfig | Config, schema: type[Config]) -> Config:
 def check_override(schema: type, key: str, value: Any) -> None:
     """A command-line `key=value`, before Hydra composes: the key must exist, the value must have the key's type
     and pass its rules. One ConfigError naming the key, not Hydra's report (whose advice is `+key`)."""
-    owner, *parents = schema, *key.split(".")[:-1]
-    prefix = ""
+    owner, prefix = schema, ""
+    *parents, name = key.split(".")
     for part in parents:
         hints = typing.get_type_hints(owner)
-        if part not in hints or not dataclasses.is_dataclass(hints[part]):
+        if part not in hints:
             raise ConfigError(_unknown_key(part, hints, prefix))
+        if not dataclasses.is_dataclass(hints[part]):
+            raise ConfigError(f"{prefix}{part} is a value, not a group of keys, so {key} is not a key")
         owner, prefix = hints[part], f"{prefix}{part}."
-    name, hints = key.split(".")[-1], typing.get_type_hints(owner)
+    hints = typing.get_type_hints(owner)
     if name not in hints:
         raise ConfigError(_unknown_key(name, hints, prefix))
     if isinstance(value, str) and "${" in value:
         return  # an interpolation: judged once resolved
+    if dataclasses.is_dataclass(hints[name]) and isinstance(value, dict):  # train={max_iters:2,batch_size:8}
+        for sub_key, sub_value in value.items():
+            check_override(schema, f"{key}.{sub_key}", sub_value)
+        return
+    node = OmegaConf.structured(owner)
     try:
-        OmegaConf.structured(owner)[name] = value  # OmegaConf's own conversion, as when Hydra merges
+        node[name] = value  # OmegaConf's own conversion ("1e-3" to a float), as when Hydra merges
     except ValidationError:
-        raise ConfigError(f"{key}={value} is not {_kind(hints[name])}") from None
+        raise ConfigError(f"{key}={_shown(value)} is not {_kind(hints[name])}") from None
+    value = node[name]
     field = next(f for f in dataclasses.fields(owner) if f.name == name)
     problem = _problem(value, **field.metadata["rules"]) if "rules" in field.metadata and value is not None else ""
     if problem:
-        raise ConfigError(f"{key}={value} {problem}")
+        raise ConfigError(f"{key}={_shown(value)} {problem}")
+
+
+def _shown(value: Any) -> str:
+    """A value as it is written on the command line: null, true, [a,b]."""
+    if value is None or isinstance(value, bool):
+        return str(value).lower() if value is not None else "null"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(map(_shown, value)) + "]"
+    return str(value)
 
 
 def _kind(hint: Any) -> str:
@@ -139,7 +157,10 @@ def _problem(
     directory: bool,
     hint: str,
 ) -> str:
-    if directory and (file := _file_in_the_way(Path(value).expanduser())):
+    bounded = at_least is not None or above is not None or below is not None
+    if bounded and isinstance(value, float) and not math.isfinite(value):
+        problem = "must be a finite number"
+    elif directory and (file := _file_in_the_way(Path(value).expanduser())):
         problem = "is a file, not a directory" if file == Path(value).expanduser() else f"is inside the file {file}"
         problem += "; name a directory"
     elif choices is not None and value not in choices:

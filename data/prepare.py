@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import regex
+from filelock import FileLock, Timeout
 from tqdm import tqdm
 
 from common.files import replace_file, temporary_beside, write_text_atomically
@@ -29,6 +32,7 @@ from data.errors import DataError
 from data.source import TextFile, file_sha256, input_file, text_file
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer, tokenizer_from_metadata
 
+log = logging.getLogger(__name__)
 DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
 _CHUNK_CHARS = 1 << 20  # BPE: encode pieces of at least this many characters, cut where it is safe
 # A lone newline between two non-space characters: GPT-2's pre-tokenizer always splits after it,
@@ -86,7 +90,7 @@ def write_dataset(
     ) as bar:
         for name, part in (("train", train), ("val", val)):
             # characters encode one by one: any cut will do; BPE needs safe cuts
-            pieces = part if isinstance(tokenizer, CharTokenizer) else _safely_cut(part)
+            pieces = part if isinstance(tokenizer, CharTokenizer) else _safely_cut(part, tokenizer.pretokenizer())
             counts[f"{name}_tokens"] = _write_tokens(out_dir / f"{name}.bin", pieces, tokenizer, bar)
     meta = {"tokenizer": tokenizer.metadata(), "vocab_size": tokenizer.vocab_size, **counts, **extra_meta}
     write_text_atomically(out_dir / "meta.json", json.dumps(meta, ensure_ascii=False))  # last: now they count
@@ -128,23 +132,28 @@ def _write_tokens(path: Path, pieces: Iterable[str], tokenizer: Tokenizer, bar: 
     return count
 
 
-def _safely_cut(pieces: Iterable[str]) -> Iterator[str]:
-    """The pieces cut again at safe cuts only (_chunks), so encoding them one by one with BPE gives the ids of the
-    whole text: what follows the last safe cut is held and put before the next piece.
+def _safely_cut(pieces: Iterable[str], pretokenizer: regex.Pattern) -> Iterator[str]:
+    """The pieces cut again at safe cuts only, so encoding them one by one with BPE gives the ids of the whole
+    text: what follows the last safe cut is held and put before the next piece.
 
-    Memory grows with the longest stretch of text without a safe cut: all of it if there is none (one paragraph a
-    line, blank lines between). A piece is joined to the held text only when it brings a safe cut, so such a
-    stretch is joined once, not once per piece.
+    A lone newline between words is the cheap safe cut (_chunks). A text without one (a paragraph a line, blank
+    lines between) is cut where the encoding's own pre-tokenizer splits it whether or not the text goes on
+    (_pretoken_chunks), once more than 2 * _CHUNK_CHARS characters are held: memory stays bounded either way. A
+    piece is joined to the held text only when it brings a cut, so a long stretch is joined once, not per piece.
     """
     held: list[str] = []
+    held_chars = 0
     for piece in pieces:
-        context = held[-1][-2:] if held else ""  # a safe cut looks at the two characters before it
-        if held and _SAFE_CUT.search(context + piece) is None:
-            held.append(piece)
+        context = held[-1][-2:] if held else ""  # a newline cut looks at the two characters before it
+        held.append(piece)
+        held_chars += len(piece)
+        if len(held) > 1 and _SAFE_CUT.search(context + piece) is None and held_chars <= 2 * _CHUNK_CHARS:
             continue
-        *whole, tail = _chunks("".join(held) + piece)
+        *whole, tail = _chunks("".join(held))
+        if not whole and len(tail) > 2 * _CHUNK_CHARS:
+            *whole, tail = _pretoken_chunks(tail, pretokenizer)
         yield from whole
-        held = [tail]
+        held, held_chars = [tail], len(tail)
     yield "".join(held)
 
 
@@ -157,6 +166,26 @@ def _chunks(text: str) -> Iterator[str]:
             break
         yield text[start : cut.start()]
         start = cut.start()
+    yield text[start:]
+
+
+def _pretoken_chunks(text: str, pretokenizer: regex.Pattern, check: int = 4) -> Iterator[str]:
+    """Pieces of about _CHUNK_CHARS characters of a text that starts at a safe cut, each ending where the
+    pre-tokenizer (the regex that splits text into words before BPE merges) splits the text, checked: the last
+    `check` words before the cut come out the same when the text ends there (a trailing space or newline may
+    otherwise join them differently). The last piece keeps what follows the last cut, at least 1,024 characters."""
+    start, recent = 0, []
+    for match in pretokenizer.finditer(text):
+        recent = [*recent, match.span()][-check:]
+        cut = match.end()
+        if cut > len(text) - 1024:  # the words near the end may change with the text that follows
+            break
+        if cut - start < _CHUNK_CHARS or len(recent) < check:
+            continue
+        alone = [m.span() for m in pretokenizer.finditer(text, recent[0][0], cut)]  # as if the text ended at cut
+        if alone == recent:
+            yield text[start:cut]
+            start = cut
     yield text[start:]
 
 
@@ -174,16 +203,18 @@ def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData
         "tokenizer_spec": config.tokenizer,
         "val_fraction": config.val_fraction,
     }
-    prepared = _reusable(out_dir, fingerprint)
-    if prepared:
-        return prepared
-    _refuse_unless(prepare, out_dir)
-    path = text_file(config.input, out_dir / "input.txt", config.url)
-    text = TextFile.survey(path, chars=config.tokenizer == "char")
-    if not text.length:
-        raise DataError(f"the text for dataset {config.name!r} is empty; pass a non-empty file with data.input=PATH")
-    tokenizer = make_tokenizer(config.tokenizer, text.chars)
-    return write_dataset(text, tokenizer, out_dir, config.val_fraction, fingerprint)
+
+    def prepare_text() -> PreparedData:
+        path = text_file(config.input, out_dir / "input.txt", config.url)
+        text = TextFile.survey(path, chars=config.tokenizer == "char")
+        if not text.length:
+            raise DataError(
+                f"the text for dataset {config.name!r} is empty; pass a non-empty file with data.input=PATH"
+            )
+        tokenizer = make_tokenizer(config.tokenizer, text.chars)
+        return write_dataset(text, tokenizer, out_dir, config.val_fraction, fingerprint)
+
+    return _prepared_once(out_dir, fingerprint, prepare, prepare_text)
 
 
 def _ensure_corpus(out_dir: Path, config: DataConfig, prepare: bool) -> PreparedData:
@@ -193,19 +224,47 @@ def _ensure_corpus(out_dir: Path, config: DataConfig, prepare: bool) -> Prepared
         "shard_tokens": config.shard_tokens,
         "max_tokens": config.max_tokens,
     }
+
+    def prepare_corpus() -> PreparedData:
+        bpe = corpus.corpus_tokenizer(config.tokenizer)
+        documents = (
+            corpus.hf_documents(config.hf_dataset, config.hf_name)
+            if config.hf_dataset
+            else corpus.local_documents(Path(config.input))
+        )
+        procs = config.num_proc or corpus.default_num_proc()
+        meta = corpus.write_corpus(documents, bpe, out_dir, config.shard_tokens, config.max_tokens, procs, fingerprint)
+        return PreparedData(out_dir, meta)
+
+    return _prepared_once(out_dir, fingerprint, prepare, prepare_corpus)
+
+
+def _prepared_once(
+    out_dir: Path, fingerprint: dict[str, Any], prepare: bool, make: Callable[[], PreparedData]
+) -> PreparedData:
+    """The folder's dataset, made by `make` unless it is already there. One process prepares a folder at a time
+    (an OS file lock, released if it dies): another one on the same data waits, then reuses what it made. Holding
+    the lock, what killed preparations left (their temporaries) goes."""
     prepared = _reusable(out_dir, fingerprint)
     if prepared:
         return prepared
     _refuse_unless(prepare, out_dir)
-    bpe = corpus.corpus_tokenizer(config.tokenizer)
-    documents = (
-        corpus.hf_documents(config.hf_dataset, config.hf_name)
-        if config.hf_dataset
-        else corpus.local_documents(Path(config.input))
-    )
-    procs = config.num_proc or corpus.default_num_proc()
-    meta = corpus.write_corpus(documents, bpe, out_dir, config.shard_tokens, config.max_tokens, procs, fingerprint)
-    return PreparedData(out_dir, meta)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(out_dir / ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info(f"waiting for another process to finish preparing {out_dir}")
+        lock.acquire()
+    try:
+        prepared = _reusable(out_dir, fingerprint)
+        if prepared:
+            return prepared
+        for stale in out_dir.glob("*.tmp"):
+            stale.unlink(missing_ok=True)
+        return make()
+    finally:
+        lock.release()
 
 
 def _refuse_unless(prepare: bool, out_dir: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import numpy as np
+import regex
 import tiktoken
 
 from data.errors import DataError
@@ -71,6 +72,10 @@ class BpeTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.encoding.encode_ordinary(text)
+
+    def pretokenizer(self) -> regex.Pattern:
+        """The regex that splits text into words before BPE merges them (tiktoken's own, from its `regex`)."""
+        return regex.compile(self.encoding._pat_str)
 
     def decode(self, ids: list[int]) -> str:
         return self.encoding.decode(ids)

@@ -53,7 +53,7 @@ def measure(repo: Path, text: Path, tokenizer: str, data_dir: Path) -> dict:
     return {
         "text_mb": round(text.stat().st_size / 10**6),
         "tokenizer": tokenizer,
-        "peak_rss_mb": round(usage.ru_maxrss / 1024),  # kilobytes on Linux
+        "peak_rss_mb": round(usage.ru_maxrss / (1024**2 if sys.platform == "darwin" else 1024)),  # bytes on macOS
         "wall_s": round(wall, 1),
         "tokens": meta["train_tokens"] + meta["val_tokens"],
     }

@@ -185,11 +185,13 @@ def test_closing_frees_an_fsdp_process_group_at_once_not_at_interpreter_exit(tmp
 
     before = gloo_threads()
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    model = fully_shard(
-        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), mesh=init_device_mesh("cpu", (1,))
-    )
-    model(torch.randn(2, 4)).sum().backward()
-    assert gloo_threads() > before
-    del model  # as train() drops its trainer
-    close_process_group()
+    try:
+        model = fully_shard(
+            torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), mesh=init_device_mesh("cpu", (1,))
+        )
+        model(torch.randn(2, 4)).sum().backward()
+        assert gloo_threads() > before
+        del model  # as train() drops its trainer
+    finally:
+        close_process_group()  # never leave the group to later tests
     assert gloo_threads() == before

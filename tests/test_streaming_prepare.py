@@ -83,7 +83,7 @@ def _expected_files(path: Path, spec: str, val_fraction: float, source_meta: dic
 
 
 def _prepared_files(data_dir: Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in data_dir.iterdir() if path.name != "input.txt"}
+    return {path.name: path.read_bytes() for path in data_dir.iterdir() if path.name not in ("input.txt", ".lock")}
 
 
 def _prepare(path: Path | None, data_dir: Path, spec: str, url: str | None = None) -> None:
@@ -108,13 +108,30 @@ def test_encoding_the_reads_one_by_one_would_not_do(small_reads: None, tmp_path:
     reads = list(source.utf8_pieces(path))
     assert "".join(reads) == path.read_text(encoding="utf-8")
     assert [t for r in reads for t in bpe.encode(r)] != bpe.encode("".join(reads))
-    cut = list(prepare._safely_cut(reads))
+    cut = list(prepare._safely_cut(reads, bpe.pretokenizer()))
     assert len(cut) > 20 and [t for c in cut for t in bpe.encode(c)] == bpe.encode("".join(reads))
 
 
-def test_a_text_without_a_safe_cut_is_held_whole(small_reads: None) -> None:
-    reads = [NO_SAFE_CUT[i : i + 7] for i in range(0, len(NO_SAFE_CUT), 7)]
-    assert list(prepare._safely_cut(reads)) == [NO_SAFE_CUT]
+def test_a_text_without_a_newline_cut_is_cut_where_the_pretokenizer_splits_it(
+    small_reads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Paragraphs a line each: no lone newline to cut at, so the encoding's own word boundaries are used, checked
+    against the text ending there. Checking only the last word would cut "end.\n\n|Paragraph", where the text
+    ending at the cut makes "\n\n" one word instead of two: other ids."""
+    bpe = BpeTokenizer.from_name(TINY_BPE)
+    words = bpe.pretokenizer().findall  # BPE merges within these words only: equal words, equal ids
+    text = NO_SAFE_CUT * 3
+    reads = [text[i : i + 7] for i in range(0, len(text), 7)]
+    pieces = list(prepare._safely_cut(reads, bpe.pretokenizer()))
+    assert len(pieces) > 100 and max(map(len, pieces)) < 1024 + 3 * 5 + 7  # the margin, 2 pieces and a read
+    assert [w for p in pieces for w in words(p)] == words(text)
+    assert [t for p in pieces for t in bpe.encode(p)] == bpe.encode(text)
+    paragraph = NO_SAFE_CUT.index("Paragraph 1")
+    monkeypatch.setattr(prepare, "_CHUNK_CHARS", paragraph)  # the first candidate: right after "end.\n\n"
+    checked = list(prepare._pretoken_chunks(text, bpe.pretokenizer()))
+    assert len(checked) > 100 and [w for p in checked for w in words(p)] == words(text)
+    careless = list(prepare._pretoken_chunks(text, bpe.pretokenizer(), check=1))
+    assert "".join(careless) == text and [w for p in careless for w in words(p)] != words(text)
 
 
 def test_bpe_pieces_stay_near_a_read_long(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

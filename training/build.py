@@ -88,13 +88,13 @@ def build_trainer(
         f"{num_params / 1e6:.2f}M parameters, {data.meta['vocab_size']} tokens in the vocabulary, "
         f"{_machinery(runtime, world, opt.parallel, use_compile)}, out_dir {out_dir}"
     )
-    if peak is None:
+    if peak is None and world.is_main:
         name = str(runtime.dtype).removeprefix("torch.")
         log.warning(
             f"dtype={name}: this CPU has no {name} arithmetic, so torch emulates it, many times slower than "
             "float32 (and MFU is left out); use dtype=float32"
         )
-    else:
+    elif peak is not None:
         log.info(f"MFU against {peak.flops / 1e12:.3g} TFLOP/s per process ({peak.source})")
     return trainer
 
@@ -200,10 +200,13 @@ def _check_data_fits(data: PreparedData, block_size: int) -> None:
     for split, files in (("train", data.train), ("val", data.val)):
         n = max(files.lengths)  # windows don't span files
         if n <= block_size:
-            shards = " (or raise data.shard_tokens)" if data.meta.get("sharded") else ""
+            if data.meta.get("sharded"):
+                more = " (or raise data.shard_tokens)"
+            else:
+                more = " (or raise data.val_fraction)" if split == "val" else ""
             raise ConfigError(
                 f"the {split} split's longest token file has {n} tokens, too few for model.block_size={block_size}; "
-                f"lower model.block_size or train on more text{shards}"
+                f"lower model.block_size or train on more text{more}"
             )
 
 

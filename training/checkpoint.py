@@ -144,7 +144,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        if "Unsupported global" not in str(err):  # no object to build, just bytes that are no pickle
+        if "global" not in str(err).lower():  # no class or function to build: bytes that are no pickle
             detail = str(err).partition("WeightsUnpickler error:")[2].strip() or str(err)
             raise CheckpointError(
                 f"{path} is not a readable checkpoint: damaged, or not a checkpoint ({_first_line(detail)})"

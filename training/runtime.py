@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +29,8 @@ class Runtime:
     def emulated(self) -> bool:
         """Half precision that this CPU computes in software: far slower than float32, with no peak to compare
         with (a matmul measured in it is no ceiling for the run's own, so MFU could pass 100%)."""
-        if self.device.type != "cpu":
-            return False
+        if self.device.type != "cpu" or platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+            return False  # ARM CPUs (Apple silicon, Graviton) mostly compute half precision natively
         if self.dtype == torch.float16:
             return not getattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)()
         if self.dtype == torch.bfloat16:

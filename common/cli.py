@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hydra.core.override_parser.types import ChoiceSweep, Override
 
-from common.config import check_override
+from common.config import check_key, check_override
 from common.errors import UserError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # Hydra's config groups are its folders
@@ -33,23 +33,25 @@ def check_overrides(args: list[str], schema: type) -> None:
     """Before Hydra composes (and makes out_dir): every `key=value` parses, names a key of the schema and has a
     value of its type and range, or the command ends here with one line and status 2. Hydra's own reports are
     several lines, and tell a misspelt key to add itself with `+`. Config groups (experiment=, model=) and
-    hydra.* are Hydra's to judge, and so are range() and interval() sweeps (each job checks its value)."""
-    if {"-sc", "--shell-completion"} & set(args):
+    hydra.* are Hydra's to judge, and so are the values of range() and interval() sweeps (each job checks its own)."""
+    from hydra._internal.utils import get_args_parser
+
+    if get_args_parser().parse_known_args(args)[0].shell_completion:
         return  # `-sc install=bash` and its queries are not overrides
     parsed = _parse(args)
     groups = {path.name for path in CONFIG_DIR.iterdir() if path.is_dir()}
     for override in parsed:
-        if override.is_hydra_override() or override.is_delete() or override.key_or_group in groups:
-            continue
-        if not override.is_sweep_override():
-            values = [override.value()]
-        elif isinstance(override.value(), ChoiceSweep):  # a,b,c or choice(a,b,c)
-            values = list(override.sweep_iterator())
-        else:
+        key = override.key_or_group
+        if override.is_hydra_override() or override.is_delete() or key in groups:
             continue
         with exit_on_user_error():
-            for value in values:
-                check_override(schema, override.key_or_group, value)
+            if not override.is_sweep_override():
+                check_override(schema, key, override.value())
+            elif isinstance(override.value(), ChoiceSweep):  # a,b,c or choice(a,b,c)
+                for value in override.sweep_iterator():
+                    check_override(schema, key, value)
+            else:
+                check_key(schema, key)
 
 
 def _parse(args: list[str]) -> list[Override]:

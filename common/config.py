@@ -68,9 +68,9 @@ def typed_config(cfg: DictConfig | Config, schema: type[Config]) -> Config:
     return OmegaConf.to_object(cfg)
 
 
-def check_override(schema: type, key: str, value: Any) -> None:
-    """A command-line `key=value`, before Hydra composes: the key must exist, the value must have the key's type
-    and pass its rules. One ConfigError naming the key, not Hydra's report (whose advice is `+key`)."""
+def check_key(schema: type, key: str) -> tuple[type, str, Any]:
+    """The dataclass holding `key` (a dotted path), the field's name in it and its type; a ConfigError naming the
+    closest real key if there is none."""
     owner, prefix = schema, ""
     *parents, name = key.split(".")
     for part in parents:
@@ -83,17 +83,26 @@ def check_override(schema: type, key: str, value: Any) -> None:
     hints = typing.get_type_hints(owner)
     if name not in hints:
         raise ConfigError(_unknown_key(name, hints, prefix))
+    return owner, name, hints[name]
+
+
+def check_override(schema: type, key: str, value: Any) -> None:
+    """A command-line `key=value`, before Hydra composes: the key must exist, the value must have the key's type
+    and pass its rules. One ConfigError naming the key, not Hydra's report (whose advice is `+key`)."""
+    owner, name, hint = check_key(schema, key)
     if isinstance(value, str) and "${" in value:
         return  # an interpolation: judged once resolved
-    if dataclasses.is_dataclass(hints[name]) and isinstance(value, dict):  # train={max_iters:2,batch_size:8}
-        for sub_key, sub_value in value.items():
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={_shown(value)}: {key} is a group of keys; set one as {key}.KEY=VALUE")
+        for sub_key, sub_value in value.items():  # train={max_iters:2,batch_size:8}
             check_override(schema, f"{key}.{sub_key}", sub_value)
         return
     node = OmegaConf.structured(owner)
     try:
         node[name] = value  # OmegaConf's own conversion ("1e-3" to a float), as when Hydra merges
     except ValidationError:
-        raise ConfigError(f"{key}={_shown(value)} is not {_kind(hints[name])}") from None
+        raise ConfigError(f"{key}={_shown(value)} is not {_kind(hint)}") from None
     value = node[name]
     field = next(f for f in dataclasses.fields(owner) if f.name == name)
     problem = _problem(value, **field.metadata["rules"]) if "rules" in field.metadata and value is not None else ""
@@ -107,6 +116,8 @@ def _shown(value: Any) -> str:
         return str(value).lower() if value is not None else "null"
     if isinstance(value, list | tuple):
         return "[" + ",".join(map(_shown, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_shown(v)}" for k, v in value.items()) + "}"
     return str(value)
 
 

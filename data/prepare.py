@@ -9,6 +9,7 @@ to the token file. The files are those encoding the whole text at once would giv
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import logging
@@ -24,7 +25,7 @@ import regex
 from filelock import FileLock, Timeout
 from tqdm import tqdm
 
-from common.files import replace_file, temporary_beside, write_text_atomically
+from common.files import discard_temporaries, replace_file, temporary_beside, write_text_atomically
 from data import corpus
 from data.batches import TokenFiles
 from data.config import DataConfig
@@ -33,6 +34,7 @@ from data.source import TextFile, file_sha256, input_file, text_file
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer, tokenizer_from_metadata
 
 log = logging.getLogger(__name__)
+PREPARE_LOCK = ".prepare.lock"  # held by the one process preparing a data folder
 DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
 _CHUNK_CHARS = 1 << 20  # BPE: encode pieces of at least this many characters, cut where it is safe
 # A lone newline between two non-space characters: GPT-2's pre-tokenizer always splits after it,
@@ -138,8 +140,13 @@ def _safely_cut(pieces: Iterable[str], pretokenizer: regex.Pattern) -> Iterator[
 
     A lone newline between words is the cheap safe cut (_chunks). A text without one (a paragraph a line, blank
     lines between) is cut where the encoding's own pre-tokenizer splits it whether or not the text goes on
-    (_pretoken_chunks), once more than 2 * _CHUNK_CHARS characters are held: memory stays bounded either way. A
-    piece is joined to the held text only when it brings a cut, so a long stretch is joined once, not per piece.
+    (_pretoken_chunks), once more than 2 * _CHUNK_CHARS characters are held: memory stays bounded either way,
+    unless the text is one giant word (a run of letters or spaces millions long), which is held whole. A piece is
+    joined to the held text only when it brings a cut, so a long stretch is joined once, not per piece.
+
+    Both rules are proven (and fuzzed) for GPT-2's pre-tokenizer pattern, which r50k_base and p50k_base use: the
+    encodings whose vocabularies fit the uint16 token files. cl100k's and o200k's patterns join words differently
+    across newlines and are not covered.
     """
     held: list[str] = []
     held_chars = 0
@@ -173,19 +180,24 @@ def _pretoken_chunks(text: str, pretokenizer: regex.Pattern, check: int = 4) -> 
     """Pieces of about _CHUNK_CHARS characters of a text that starts at a safe cut, each ending where the
     pre-tokenizer (the regex that splits text into words before BPE merges) splits the text, checked: the last
     `check` words before the cut come out the same when the text ends there (a trailing space or newline may
-    otherwise join them differently). The last piece keeps what follows the last cut, at least 1,024 characters."""
-    start, recent = 0, []
-    for match in pretokenizer.finditer(text):
-        recent = [*recent, match.span()][-check:]
-        cut = match.end()
+    otherwise join them differently). The last piece keeps what follows the last cut, at least 1,024 characters.
+    The words are found in one findall (C, not a Python loop per word): they tile the text, so their lengths give
+    where each ends."""
+    ends = [0, *itertools.accumulate(map(len, pretokenizer.findall(text)))]
+    if ends[-1] != len(text):  # a pattern that skips characters: no telling where words end
+        yield text
+        return
+    start, word = 0, check  # ends[word] is where the word-th word ends
+    while True:
+        word = max(word, bisect.bisect_left(ends, start + _CHUNK_CHARS))
+        cut = ends[word] if word < len(ends) else len(text)
         if cut > len(text) - 1024:  # the words near the end may change with the text that follows
             break
-        if cut - start < _CHUNK_CHARS or len(recent) < check:
-            continue
-        alone = [m.span() for m in pretokenizer.finditer(text, recent[0][0], cut)]  # as if the text ended at cut
-        if alone == recent:
+        words = list(zip(ends[word - check : word], ends[word - check + 1 : word + 1], strict=True))
+        if [m.span() for m in pretokenizer.finditer(text, words[0][0], cut)] == words:  # as if the text ended there
             yield text[start:cut]
             start = cut
+        word += 1
     yield text[start:]
 
 
@@ -250,7 +262,7 @@ def _prepared_once(
         return prepared
     _refuse_unless(prepare, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(out_dir / ".lock")
+    lock = FileLock(out_dir / PREPARE_LOCK)  # not the run's .lock: data.dir may be the run directory
     try:
         lock.acquire(timeout=0)
     except Timeout:
@@ -260,8 +272,8 @@ def _prepared_once(
         prepared = _reusable(out_dir, fingerprint)
         if prepared:
             return prepared
-        for stale in out_dir.glob("*.tmp"):
-            stale.unlink(missing_ok=True)
+        for name in ("train.bin", "val.bin", "meta.json", "input.txt"):  # what temporary_beside names here
+            discard_temporaries(out_dir / name)
         return make()
     finally:
         lock.release()

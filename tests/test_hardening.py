@@ -49,6 +49,7 @@ FAST = {"train.max_iters": 4, "train.eval_interval": 2, "train.log_interval": 1}
         ("seed", None, "seed=null is not an integer"),
         ("train.learning_rate.x", 1, "train.learning_rate is a value, not a group of keys, so train.learning_rate.x"),
         ("train", {"max_iterz": 2}, "train.max_iterz is not a key of this config; did you mean train.max_iters?"),
+        ("train", 5, "train=5: train is a group of keys; set one as train.KEY=VALUE"),
     ],
 )
 def test_a_command_line_override_is_checked_against_the_schema(key: str, value: object, message: str) -> None:
@@ -67,10 +68,20 @@ def test_a_command_line_override_is_checked_against_the_schema(key: str, value: 
         ['train.learning_rate="1e-3"', "train.max_iters='100'", "train.learning_rate=1", "train.compile=true"],
         ["train={max_iters:2,batch_size:8}", "data.input=C:\\Users\\me\\input.txt"],
         ["-sc", "install=bash"],  # shell completion, not overrides
+        ["--shell-comp", "install=bash"],
     ],
 )
 def test_commands_that_hydra_takes_still_pass(args: list[str]) -> None:
     check_overrides(args, TrainRunConfig)
+
+
+def test_a_range_sweep_over_a_misspelt_key_is_one_line(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        check_overrides(["-m", "train.max_iterz=range(1,3)"], TrainRunConfig)
+    assert info.value.code == 2
+    assert (
+        capsys.readouterr().err == "error: train.max_iterz is not a key of this config; did you mean train.max_iters?\n"
+    )
 
 
 def test_a_quoted_number_is_judged_as_the_number_it_becomes() -> None:
@@ -236,7 +247,8 @@ def test_a_short_text_is_one_line_naming_the_split(
     with pytest.raises(ConfigError, match=expected) as info:
         train(compose_config(overrides))
     assert "shard_tokens" not in str(info.value)
-    assert ("raise data.val_fraction" in str(info.value)) == ("val split" in expected)
+    hint = "raise data.val_fraction" if "val split" in expected else "lower data.val_fraction"
+    assert str(info.value).endswith(f"train on more text (or {hint})")
 
 
 def test_data_dir_inside_a_file_is_refused(tmp_path: Path) -> None:
@@ -255,9 +267,18 @@ def test_a_killed_preparation_leaves_no_temporaries_behind_the_next(tmp_path: Pa
     stale = [tmp_path / "data" / name for name in ("train.bin.4242.tmp", "val.bin.4243.tmp", "meta.json.4242.tmp")]
     for path in stale:
         path.write_bytes(b"half written by a killed process")
+    (tmp_path / "data" / "notes.tmp").write_text("the user's")  # not ours: stays
+    (tmp_path / "data" / "build.tmp").mkdir()
     ensure_prepared(config)
     assert not any(path.exists() for path in stale)
-    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [".lock", "meta.json", "train.bin", "val.bin"]
+    names = sorted(p.name for p in (tmp_path / "data").iterdir())
+    assert names == [".prepare.lock", "build.tmp", "meta.json", "notes.tmp", "train.bin", "val.bin"]
+
+
+def test_data_prepared_inside_the_run_directory_trains(tmp_path: Path, corpus_path: Path) -> None:
+    """The run's lock and the data folder's lock are two files, so one process can hold both."""
+    overrides = tiny_run_overrides(tmp_path, corpus_path, **FAST, **{"data.dir": tmp_path / "run"})
+    assert train(compose_config(overrides)).iters == 4
 
 
 def test_a_checkpoint_that_would_call_os_system_is_called_dangerous_not_damaged(tmp_path: Path) -> None:

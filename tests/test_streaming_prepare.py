@@ -83,7 +83,9 @@ def _expected_files(path: Path, spec: str, val_fraction: float, source_meta: dic
 
 
 def _prepared_files(data_dir: Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in data_dir.iterdir() if path.name not in ("input.txt", ".lock")}
+    return {
+        path.name: path.read_bytes() for path in data_dir.iterdir() if path.name not in ("input.txt", ".prepare.lock")
+    }
 
 
 def _prepare(path: Path | None, data_dir: Path, spec: str, url: str | None = None) -> None:

@@ -203,7 +203,7 @@ def _check_data_fits(data: PreparedData, block_size: int) -> None:
             if data.meta.get("sharded"):
                 more = " (or raise data.shard_tokens)"
             else:
-                more = " (or raise data.val_fraction)" if split == "val" else ""
+                more = f" (or {'raise' if split == 'val' else 'lower'} data.val_fraction)"
             raise ConfigError(
                 f"the {split} split's longest token file has {n} tokens, too few for model.block_size={block_size}; "
                 f"lower model.block_size or train on more text{more}"

@@ -83,7 +83,7 @@ def drop_records_after(out_dir: Path, last_iter: int) -> None:
     """On resume: lines a killed run wrote after its last checkpoint, and damaged lines."""
     path = out_dir / METRICS_NAME
     if path.is_file():
-        kept = [line.rstrip(b"\r\n") + b"\n" for line in path.read_bytes().splitlines() if _record(line, last_iter)]
+        kept = [line + b"\n" for line in path.read_bytes().splitlines() if _record(line, last_iter)]
         path.write_bytes(b"".join(kept))  # each line ended: the next record starts on a line of its own
 
 

@@ -43,7 +43,7 @@ def main(dict_cfg: DictConfig) -> None:
         prompt = sampler.encode_prompt(cfg.start)
         first = None
         for ids in sampler.generate(
-            prompt, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.use_cache
+            prompt, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.use_cache, cfg.top_p, cfg.min_p
         ):
             print(sampler.tokenizer.decode(ids))
             print("---------------")

@@ -33,14 +33,15 @@ def option(
     at_least: float | None = None,
     above: float | None = None,
     below: float | None = None,
+    at_most: float | None = None,
     directory: bool = False,
     hint: str = "",
 ) -> Any:
     """A dataclass field with a default and the values it accepts (None always passes: the type allows it or
     OmegaConf refuses it first). directory: a path to a directory (made if missing), so no file may stand there
     or above it. `hint` is appended to the error: what to do instead."""
-    rules = {"choices": choices, "at_least": at_least, "above": above, "below": below, "directory": directory}
-    rules["hint"] = hint
+    rules = {"choices": choices, "at_least": at_least, "above": above, "below": below, "at_most": at_most}
+    rules |= {"directory": directory, "hint": hint}
     return dataclasses.field(default=default, metadata={"rules": rules})
 
 
@@ -165,10 +166,11 @@ def _problem(
     at_least: float | None,
     above: float | None,
     below: float | None,
+    at_most: float | None,
     directory: bool,
     hint: str,
 ) -> str:
-    bounded = at_least is not None or above is not None or below is not None
+    bounded = any(bound is not None for bound in (at_least, above, below, at_most))
     if bounded and isinstance(value, float) and not math.isfinite(value):
         problem = "must be a finite number"
     elif directory and (file := _file_in_the_way(Path(value).expanduser())):
@@ -182,6 +184,8 @@ def _problem(
         problem = f"must be > {above}"
     elif below is not None and value >= below:
         problem = f"must be < {below}"
+    elif at_most is not None and value > at_most:
+        problem = f"must be <= {at_most}"
     else:
         return ""
     return f"{problem}; {hint}" if hint else problem

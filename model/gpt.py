@@ -10,6 +10,7 @@ from torch import nn
 
 from model.attention import CausalSelfAttention
 from model.config import GPTConfig
+from model.decoding import Decoding
 from model.kv_cache import KVCache
 
 
@@ -141,6 +142,9 @@ class GPT(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         use_cache: bool = True,
+        *,
+        top_p: float | None = None,
+        min_p: float | None = None,
     ) -> torch.Tensor:
         """Sample `max_new_tokens` tokens after `idx` (B, T), each step conditioned on all the model can see.
 
@@ -148,10 +152,10 @@ class GPT(nn.Module):
         outgrows block_size, every step recomputes the cropped window, exactly as use_cache=False does:
         positions can't slide past a full layer. A rolling model (config.rolls: every layer windowed, rope)
         has no such limit: its cache keeps rolling, and without a cache each step recomputes the last
-        receptive_field tokens (or block_size, if more), all that can reach the next token.
+        receptive_field tokens (or block_size, if more), all that can reach the next token. Decoding
+        (model/decoding.py): temperature=0 is greedy; top_k, top_p and min_p cut the draw.
         """
-        if temperature <= 0:
-            raise ValueError(f"temperature={temperature} must be > 0; use top_k=1 for greedy decoding")
+        decoding = Decoding(temperature, top_k, top_p, min_p)
         config = self.config
         rolls = config.rolls  # derived from the layer windows: once, not every step
         context = max(config.block_size, config.receptive_field or 0) if rolls else config.block_size
@@ -162,10 +166,6 @@ class GPT(nn.Module):
                 hidden = self._hidden(new_tokens, cache)
             else:
                 hidden = self._hidden(idx[:, -context:])
-            logits = self.lm_head(hidden[:, -1, :]) / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            next_id = decoding.next_token(self.lm_head(hidden[:, -1, :]))
             idx = torch.cat((idx, next_id), dim=1)
         return idx

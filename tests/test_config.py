@@ -17,7 +17,8 @@ from training.schema import SampleConfig, TrainRunConfig
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("temperature=0", "temperature=0.0 must be > 0.0; use top_k=1 for greedy decoding"),
+        ("temperature=-1", "temperature=-1.0 must be >= 0.0; 0 means greedy decoding \\(the most likely token\\)"),
+        ("top_p=1.01", "top_p=1.01 must be <= 1.0; null means no cut-off"),
         ("top_k=0", "top_k=0 must be >= 1; null means no cut-off"),
         ("num_samples=0", "num_samples=0 must be >= 1"),
         ("max_new_tokens=0", "max_new_tokens=0 must be >= 1"),

@@ -57,11 +57,15 @@ class Sampler:
         temperature: float,
         top_k: int | None,
         use_cache: bool,
+        top_p: float | None = None,
+        min_p: float | None = None,
     ) -> Iterator[list[int]]:
         idx = torch.tensor([prompt], dtype=torch.long, device=self.runtime.device)
         for _ in range(num_samples):
             with self.runtime.autocast():
-                out = self.model.generate(idx, max_new_tokens, temperature, top_k, use_cache=use_cache)
+                out = self.model.generate(
+                    idx, max_new_tokens, temperature, top_k, use_cache=use_cache, top_p=top_p, min_p=min_p
+                )
             yield out[0].tolist()
 
     def last_window(self, ids: list[int], purpose: str, span: int | None = None) -> list[int]:

@@ -130,8 +130,10 @@ class SampleConfig:
     start: str = "\n"  # the prompt, or FILE:path to read it from a file
     num_samples: int = option(3, at_least=1)
     max_new_tokens: int = option(500, at_least=1)
-    temperature: float = option(0.8, above=0.0, hint="use top_k=1 for greedy decoding")
-    top_k: int | None = option(200, at_least=1, hint="null means no cut-off")
+    temperature: float = option(0.8, at_least=0.0, hint="0 means greedy decoding (the most likely token)")
+    top_k: int | None = option(200, at_least=1, hint="null means no cut-off")  # the k most likely tokens
+    top_p: float | None = option(None, above=0.0, at_most=1.0, hint="null means no cut-off")  # nucleus: mass p
+    min_p: float | None = option(None, above=0.0, at_most=1.0, hint="null means no cut-off")  # p >= min_p * top
     seed: int = 1337
     device: str = option("auto", choices=DEVICES)
     dtype: str = option("auto", choices=DTYPES)

@@ -1,0 +1,52 @@
+"""How the next token is picked from the logits: temperature, then the cut-offs (top_k, top_p, min_p), then a draw.
+
+Each cut-off removes tokens from the draw by setting their logits to -inf; the most likely token always survives.
+temperature=0 is greedy decoding: the argmax, no draw, the cut-offs moot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Decoding:
+    temperature: float = 1.0  # 0: greedy (argmax); below 1 sharper, above 1 flatter
+    top_k: int | None = None  # keep the k most likely tokens
+    top_p: float | None = None  # keep the fewest most likely tokens whose probabilities add up to p (nucleus)
+    min_p: float | None = None  # keep tokens at least min_p times as likely as the most likely one
+
+    def __post_init__(self) -> None:
+        """Bugs in a caller, not user errors: the sample config checks the same ranges with one line each."""
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0: greedy)")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k={self.top_k} must be >= 1")
+        for name in ("top_p", "min_p"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 1:
+                raise ValueError(f"{name}={value} must be in (0, 1]")
+
+    def next_token(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V) logits of the last position -> (B, 1) token ids."""
+        if self.temperature == 0:
+            return logits.argmax(dim=-1, keepdim=True)
+        return torch.multinomial(F.softmax(self.cut(logits / self.temperature), dim=-1), num_samples=1)
+
+    def cut(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with every token outside the cut-offs at -inf (after temperature, as it is applied)."""
+        if self.top_k is not None and self.top_k < logits.size(-1):
+            kth = torch.topk(logits, self.top_k).values[:, [-1]]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1:
+            ordered, order = torch.sort(logits, dim=-1, descending=True)
+            before = ordered.softmax(dim=-1).cumsum(dim=-1) - ordered.softmax(dim=-1)  # mass of the likelier ones
+            drop = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, before >= self.top_p)
+            logits = logits.masked_fill(drop, float("-inf"))
+        if self.min_p is not None:
+            probs = logits.softmax(dim=-1)
+            logits = logits.masked_fill(probs < self.min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+        return logits

@@ -24,7 +24,8 @@ from common.files import fsync_directory, replace_file, temporary_beside
 from model import GPT, GPTConfig
 from training.errors import CheckpointError
 
-CKPT_NAME = "ckpt.pt"
+CKPT_NAME = "ckpt.pt"  # the latest state, to resume from
+BEST_NAME = "best.pt"  # with train.keep_best: the state of the lowest val loss so far
 
 
 @dataclass

@@ -15,7 +15,7 @@ from common.config import typed_config
 from common.errors import ConfigError
 from common.files import discard_temporaries
 from training.build import build_trainer
-from training.checkpoint import CKPT_NAME
+from training.checkpoint import BEST_NAME, CKPT_NAME
 from training.distributed import (
     World,
     barrier,
@@ -66,7 +66,8 @@ def _lock_run(out_dir: Path, world: World, held: contextlib.ExitStack) -> None:
     if world.is_main:
         try:
             held.enter_context(run_lock(out_dir))
-            discard_temporaries(out_dir / CKPT_NAME)
+            for name in (CKPT_NAME, BEST_NAME):
+                discard_temporaries(out_dir / name)
         except Exception as err:
             error = err
     message = broadcast_from_main(None if error is None else str(error), world)

@@ -15,7 +15,8 @@ from data.source import read_utf8
 from data.tokenizers import BpeTokenizer, Tokenizer, tokenizer_from_metadata
 from model import GPT
 from model.hf_gpt2 import load_pretrained
-from training.checkpoint import CKPT_NAME, load_checkpoint
+from training.checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint
+from training.errors import CheckpointError
 from training.runtime import Runtime, make_runtime
 from training.schema import SampleConfig
 
@@ -85,7 +86,11 @@ def load_sampler(cfg: SampleConfig) -> Sampler:
         model = load_pretrained(cfg.init_from, attn_impl=cfg.attn_impl or "flash")
         tokenizer: Tokenizer = BpeTokenizer.from_name(GPT2_ENCODING)
     else:
-        path = Path(cfg.out_dir) / CKPT_NAME
+        path = Path(cfg.out_dir) / (BEST_NAME if cfg.ckpt == "best" else CKPT_NAME)
+        if cfg.ckpt == "best" and not path.is_file() and (Path(cfg.out_dir) / CKPT_NAME).is_file():
+            raise CheckpointError(
+                f"no {BEST_NAME} in {cfg.out_dir}: train with train.keep_best=true, or use ckpt=latest"
+            )
         checkpoint = load_checkpoint(path)
         tokenizer = tokenizer_from_metadata(checkpoint.tokenizer_for_decoding(path))
         model = checkpoint.build_model(cfg.attn_impl)

@@ -76,6 +76,7 @@ class OptimConfig:
     eval_iters: int = option(100, at_least=1)  # batches per split in each evaluation
     full_val: bool = False  # evaluate val on every block of the split, in order, instead of eval_iters batches
     target_val_loss: float | None = None  # stop once an evaluation reaches it; metrics get time_to_target_s
+    keep_best: bool = False  # also keep best.pt, the checkpoint of the lowest val loss (ckpt.pt stays the latest)
     log_interval: int = option(10, at_least=1)
     compile: bool | None = None  # default: on for CUDA, off elsewhere
     dtype: str = option("auto", choices=DTYPES)
@@ -127,6 +128,7 @@ class TrainRunConfig:
 class SampleConfig:
     out_dir: str | None = None  # a train.py run directory holding ckpt.pt (or init_from)
     init_from: str | None = None  # instead of out_dir: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 dir
+    ckpt: str = option("latest", choices=("latest", "best"))  # the run's ckpt.pt, or its best.pt (train.keep_best)
     start: str = "\n"  # the prompt, or FILE:path to read it from a file
     num_samples: int = option(3, at_least=1)
     max_new_tokens: int = option(500, at_least=1)

@@ -20,7 +20,7 @@ from data.batches import TRAIN_WINDOWS, batch_generator, every_window, get_batch
 from data.prepare import PreparedData
 from data.tokenizers import Tokenizer
 from model import GPT
-from training.checkpoint import CKPT_NAME, Checkpoint, Progress, save_checkpoint
+from training.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, Progress, save_checkpoint
 from training.distributed import (
     World,
     agree_on_step,
@@ -172,6 +172,7 @@ class Trainer:
         """An eval line, and a checkpoint unless the val loss is non-finite; True if it reached the target."""
         p, target = self.progress, self.config.train.target_val_loss
         losses = self.evaluate()
+        best = self.config.train.keep_best and losses.val < p.best_val_loss
         p.val_loss, p.last_eval_iter = losses.val, p.iter
         p.best_val_loss = min(p.best_val_loss, losses.val)
         reached = self._reaches_target(losses.val)
@@ -187,8 +188,8 @@ class Trainer:
         self.metrics.write(record)
         if not math.isfinite(losses.val):
             log.warning(f"val loss is {losses.val} at iter {p.iter}: keeping the previous checkpoint")
-        elif p.iter > 0 or p.iter >= self.config.train.max_iters:  # train.max_iters=0 keeps the initial weights
-            self.save()
+        elif p.iter > 0 or p.iter >= self.config.train.max_iters or best:  # max_iters=0 keeps the initial weights
+            self.save(best=best)
         if reached:
             elapsed = record["elapsed_s"]
             log.info(f"reached val loss {losses.val:.4f} <= {target} at iter {p.iter}, {elapsed:.1f} s after the start")
@@ -226,8 +227,9 @@ class Trainer:
         opt = self.config.train
         return opt.batch_size * opt.grad_accum * self.model.config.block_size  # all processes together
 
-    def save(self) -> None:
-        """ckpt.pt from the run's named state. Collective under FSDP2 (every rank gathers); rank 0 writes."""
+    def save(self, best: bool = False) -> None:
+        """ckpt.pt from the run's named state, and best.pt too if `best`. Collective under FSDP2 (every rank
+        gathers); rank 0 writes."""
         model_state, optimizer_state = full_state(self.model, self.optimizer, self.world)
         rng = all_gather_objects(self._rng_state(), self.world)  # each rank's dropout stream
         if not self.world.is_main:
@@ -244,6 +246,9 @@ class Trainer:
             rng=rng,
         )
         save_checkpoint(self.out_dir / CKPT_NAME, checkpoint)
+        if best:
+            save_checkpoint(self.out_dir / BEST_NAME, checkpoint)
+            log.info(f"{BEST_NAME}: iter {self.progress.iter}, val loss {self.progress.val_loss:.4f}")
 
     def restore(self, checkpoint: Checkpoint) -> None:
         """Continue a saved run exactly: weights, optimizer and GradScaler, progress, random state, metrics. The

@@ -1,0 +1,63 @@
+"""train.keep_best: best.pt holds the state of the lowest val loss, ckpt.pt stays the latest; sample.py ckpt=best."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.config import typed_config
+from conftest import compose_config, tiny_run_overrides
+from training.checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint
+from training.errors import CheckpointError
+from training.evaluation import Losses
+from training.loop import train
+from training.sampling import load_sampler
+from training.schema import SampleConfig
+from training.trainer import Trainer
+
+SCRIPTED_VAL = {0: 3.0, 2: 2.0, 4: 2.5, 6: 2.2}  # iteration -> val loss: the best is at 2, the last at 6
+
+
+@pytest.fixture
+def scripted_evaluations(monkeypatch: pytest.MonkeyPatch) -> None:
+    def evaluate(self: Trainer) -> Losses:
+        val = SCRIPTED_VAL[self.progress.iter]
+        return Losses(train=val, val=val, val_bpb=val)
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+
+
+def run(tmp_path: Path, corpus: Path, keep_best: bool) -> Path:
+    extra = {"train.max_iters": 6, "train.eval_interval": 2, "train.keep_best": keep_best}
+    train(compose_config(tiny_run_overrides(tmp_path, corpus, **extra)))
+    return tmp_path / "run"
+
+
+def test_best_pt_holds_the_lowest_val_loss_and_ckpt_pt_the_latest(
+    tmp_path: Path, corpus_path: Path, scripted_evaluations: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="train")
+    out = run(tmp_path, corpus_path, keep_best=True)
+    best, latest = load_checkpoint(out / BEST_NAME), load_checkpoint(out / CKPT_NAME)
+    assert (best.progress.iter, best.progress.val_loss) == (2, 2.0)
+    assert (latest.progress.iter, latest.progress.val_loss, latest.progress.best_val_loss) == (6, 2.2, 2.0)
+    assert not torch.equal(best.model["lm_head.weight"], latest.model["lm_head.weight"])
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(BEST_NAME)]
+    assert lines == ["best.pt: iter 0, val loss 3.0000", "best.pt: iter 2, val loss 2.0000"]
+
+
+def test_sample_py_picks_best_or_latest_and_says_when_there_is_no_best(
+    tmp_path: Path, corpus_path: Path, scripted_evaluations: None
+) -> None:
+    out = run(tmp_path / "kept", corpus_path, keep_best=True)
+    for which, name in (("best", BEST_NAME), ("latest", CKPT_NAME)):
+        sampler = load_sampler(typed_config(SampleConfig(out_dir=str(out), ckpt=which, device="cpu"), SampleConfig))
+        saved = load_checkpoint(out / name).model["lm_head.weight"]
+        assert torch.equal(sampler.model.lm_head.weight.detach(), saved)
+    plain = run(tmp_path / "plain", corpus_path, keep_best=False)
+    assert not (plain / BEST_NAME).exists()
+    with pytest.raises(CheckpointError, match="no best.pt in .*: train with train.keep_best=true, or use ckpt=latest"):
+        load_sampler(typed_config(SampleConfig(out_dir=str(plain), ckpt="best", device="cpu"), SampleConfig))

@@ -21,7 +21,7 @@ class Decoding:
 
     def __post_init__(self) -> None:
         """Bugs in a caller, not user errors: the sample config checks the same ranges with one line each."""
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0: greedy)")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k={self.top_k} must be >= 1")
@@ -31,7 +31,9 @@ class Decoding:
                 raise ValueError(f"{name}={value} must be in (0, 1]")
 
     def next_token(self, logits: torch.Tensor) -> torch.Tensor:
-        """(B, V) logits of the last position -> (B, 1) token ids."""
+        """(B, V) logits of the last position -> (B, 1) token ids. In float32: under autocast they may be half
+        precision, too coarse for the probability sums of top_p and min_p."""
+        logits = logits.float()
         if self.temperature == 0:
             return logits.argmax(dim=-1, keepdim=True)
         return torch.multinomial(F.softmax(self.cut(logits / self.temperature), dim=-1), num_samples=1)
@@ -43,7 +45,8 @@ class Decoding:
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if self.top_p is not None and self.top_p < 1:
             ordered, order = torch.sort(logits, dim=-1, descending=True)
-            before = ordered.softmax(dim=-1).cumsum(dim=-1) - ordered.softmax(dim=-1)  # mass of the likelier ones
+            mass = ordered.softmax(dim=-1).cumsum(dim=-1)
+            before = torch.cat((torch.zeros_like(mass[:, :1]), mass[:, :-1]), dim=-1)  # mass of the likelier ones
             drop = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, before >= self.top_p)
             logits = logits.masked_fill(drop, float("-inf"))
         if self.min_p is not None:

@@ -41,10 +41,43 @@ def kept(decoding: Decoding) -> set[int]:
         (Decoding(min_p=0.2), {1, 2, 3}),  # at least 0.1
         (Decoding(min_p=1.0), {1}),
         (Decoding(top_k=3, top_p=0.7, min_p=0.5), {1, 3}),
+        (Decoding(top_k=2, top_p=0.6), {1}),  # top_p on what top_k left, renormalised: 0.5/0.8 reaches 0.6
     ],
 )
 def test_each_cut_off_keeps_the_tokens_its_definition_names(decoding: Decoding, tokens: set[int]) -> None:
     assert kept(decoding) == tokens
+
+
+def test_top_p_stops_at_the_exact_boundary() -> None:
+    cut = Decoding(top_p=0.7).cut(torch.tensor([[0.5, 0.2, 0.1, 0.1, 0.1]]).log())
+    assert (cut > float("-inf")).sum().item() == 2  # 0.5 + 0.2 reaches 0.7: no third token
+
+
+def test_half_precision_logits_are_decoded_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+    original = Decoding.cut
+    monkeypatch.setattr(Decoding, "cut", lambda self, logits: seen.append(logits.dtype) or original(self, logits))
+    Decoding(top_p=0.9).next_token(logits().to(torch.bfloat16))
+    assert seen == [torch.float32]
+
+
+def test_min_p_is_relative_to_each_rows_own_most_likely_token() -> None:
+    rows = torch.tensor([[0.6, 0.3, 0.1], [0.22, 0.28, 0.5]]).log()  # thresholds 0.24 and 0.2
+    keep = Decoding(min_p=0.4).cut(rows) > float("-inf")
+    assert keep.tolist() == [[True, True, False], [True, True, True]]
+
+
+def test_sample_py_passes_top_p_and_min_p_to_the_model(
+    trained_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from common.config import typed_config
+    from training.sampling import load_sampler
+
+    seen = []
+    monkeypatch.setattr(Decoding, "cut", lambda self, logits: seen.append((self.top_p, self.min_p)) or logits)
+    sampler = load_sampler(typed_config(SampleConfig(out_dir=str(trained_run), device="cpu"), SampleConfig))
+    list(sampler.generate(sampler.encode_prompt("The"), 1, 3, 1.0, None, True, 0.9, 0.05))
+    assert seen == [(0.9, 0.05)] * 3
 
 
 def test_draws_never_leave_the_nucleus_and_follow_its_renormalised_probabilities() -> None:

@@ -21,7 +21,7 @@ from data.tokenizers import tokenizer_from_metadata
 from model import GPT, GPTConfig
 from model.hf_gpt2 import SETTINGS as PRETRAINED_SETTINGS
 from model.hf_gpt2 import load_pretrained
-from training.checkpoint import CKPT_NAME, Checkpoint, load_checkpoint
+from training.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
 from training.distributed import World, barrier, broadcast_from_main, wrap_model
 from training.errors import CheckpointError
 from training.evaluation import Evaluator
@@ -79,6 +79,8 @@ def build_trainer(
     )
     if checkpoint is not None:
         trainer.restore(checkpoint)
+        if not opt.keep_best and (out_dir / BEST_NAME).is_file() and world.is_main:
+            log.warning(f"{BEST_NAME} stays as it is: this resume has train.keep_best=false")
     if world.is_main:
         if on_run_opened is not None:
             on_run_opened(out_dir)
@@ -136,6 +138,7 @@ def _open_run_dir(out_dir: Path, resume: bool, world: World) -> Checkpoint | Non
         out_dir.mkdir(parents=True, exist_ok=True)
         if checkpoint is None:
             forget_metrics(out_dir)
+            (out_dir / BEST_NAME).unlink(missing_ok=True)  # a run that died before its first ckpt.pt: not ours
     return checkpoint
 
 

@@ -36,6 +36,7 @@ class Progress:
     last_eval_iter: int = -1  # the iteration of the last evaluation (-1: none yet)
     val_loss: float = math.nan  # at that evaluation
     best_val_loss: float = math.inf
+    kept_best_val_loss: float = math.inf  # that of best.pt (train.keep_best); inf: none kept in this run yet
     elapsed_s: float = 0.0  # the run's wall time at the last save, over all the processes that resumed it
 
 
@@ -81,7 +82,8 @@ class Checkpoint:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        """The layout on disk, key for key and in the order train.py has always written it."""
+        """The layout on disk, key for key and in the order train.py has always written it (keys added since at
+        their place)."""
         p = self.progress
         return {
             "model_config": dataclasses.asdict(self.model_config),
@@ -92,6 +94,7 @@ class Checkpoint:
             "last_eval_iter": p.last_eval_iter,
             "val_loss": p.val_loss,
             "best_val_loss": p.best_val_loss,
+            "kept_best_val_loss": p.kept_best_val_loss,
             "rng": self.rng,
             "elapsed_s": p.elapsed_s,
             "tokenizer": self.tokenizer,
@@ -100,8 +103,9 @@ class Checkpoint:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], path: Path) -> Checkpoint:
-        """Older layouts: rng as one dict (before torchrun support), no elapsed_s (before timed resumes), model
-        config keys added since (their defaults), optimizer state by position (optimizer_state_for)."""
+        """Older layouts: rng as one dict (before torchrun support), no elapsed_s (before timed resumes) or
+        kept_best_val_loss (before train.keep_best), model config keys added since (their defaults), optimizer
+        state by position (optimizer_state_for)."""
         if not isinstance(raw, dict) or "model" not in raw or "model_config" not in raw:
             raise CheckpointError(f"{path} is not a checkpoint written by train.py")
         try:

@@ -172,7 +172,10 @@ class Trainer:
         """An eval line, and a checkpoint unless the val loss is non-finite; True if it reached the target."""
         p, target = self.progress, self.config.train.target_val_loss
         losses = self.evaluate()
-        best = self.config.train.keep_best and losses.val < p.best_val_loss
+        # against best.pt's own val loss, not best_val_loss: that may come from before keep_best was turned on
+        best = self.config.train.keep_best and losses.val < p.kept_best_val_loss
+        if best:
+            p.kept_best_val_loss = losses.val
         p.val_loss, p.last_eval_iter = losses.val, p.iter
         p.best_val_loss = min(p.best_val_loss, losses.val)
         reached = self._reaches_target(losses.val)
@@ -188,8 +191,9 @@ class Trainer:
         self.metrics.write(record)
         if not math.isfinite(losses.val):
             log.warning(f"val loss is {losses.val} at iter {p.iter}: keeping the previous checkpoint")
-        elif p.iter > 0 or p.iter >= self.config.train.max_iters or best:  # max_iters=0 keeps the initial weights
-            self.save(best=best)
+        elif p.iter > 0 or p.iter >= self.config.train.max_iters or best:
+            # at iter 0 only best.pt, if kept (the initial weights); ckpt.pt too if max_iters=0 ends the run there
+            self.save(latest=p.iter > 0 or p.iter >= self.config.train.max_iters, best=best)
         if reached:
             elapsed = record["elapsed_s"]
             log.info(f"reached val loss {losses.val:.4f} <= {target} at iter {p.iter}, {elapsed:.1f} s after the start")
@@ -227,8 +231,9 @@ class Trainer:
         opt = self.config.train
         return opt.batch_size * opt.grad_accum * self.model.config.block_size  # all processes together
 
-    def save(self, best: bool = False) -> None:
-        """ckpt.pt from the run's named state, and best.pt too if `best`. Collective under FSDP2 (every rank
+    def save(self, latest: bool = True, best: bool = False) -> None:
+        """ckpt.pt (latest) and/or best.pt (best) from the run's named state; best.pt first, so a run killed in
+        between resumes from the previous ckpt.pt and writes best.pt again. Collective under FSDP2 (every rank
         gathers); rank 0 writes."""
         model_state, optimizer_state = full_state(self.model, self.optimizer, self.world)
         rng = all_gather_objects(self._rng_state(), self.world)  # each rank's dropout stream
@@ -245,10 +250,11 @@ class Trainer:
             scaler=self.scaler.state_dict(),
             rng=rng,
         )
-        save_checkpoint(self.out_dir / CKPT_NAME, checkpoint)
         if best:
             save_checkpoint(self.out_dir / BEST_NAME, checkpoint)
             log.info(f"{BEST_NAME}: iter {self.progress.iter}, val loss {self.progress.val_loss:.4f}")
+        if latest:
+            save_checkpoint(self.out_dir / CKPT_NAME, checkpoint)
 
     def restore(self, checkpoint: Checkpoint) -> None:
         """Continue a saved run exactly: weights, optimizer and GradScaler, progress, random state, metrics. The

@@ -104,3 +104,13 @@ def test_sample_py_picks_best_or_latest_and_says_when_there_is_no_best(
     assert not (plain / BEST_NAME).exists()
     with pytest.raises(CheckpointError, match="no best.pt in .*: train with train.keep_best=true, or use ckpt=latest"):
         load_sampler(typed_config(SampleConfig(out_dir=str(plain), ckpt="best", device="cpu"), SampleConfig))
+
+
+def test_a_killed_writers_best_pt_temporary_goes_at_the_next_start(
+    tmp_path: Path, corpus_path: Path, scripted_evaluations: None
+) -> None:
+    out = run(tmp_path, corpus_path, keep_best=True, max_iters=2)
+    stale = out / f"{BEST_NAME}.4242.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    run(tmp_path, corpus_path, keep_best=True, max_iters=4, resume=True)
+    assert not stale.exists()

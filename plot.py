@@ -26,7 +26,7 @@ IGNORED_KEYS = ("out_dir", "resume")  # differ between runs without saying anyth
 def find_runs(paths: list[Path]) -> list[Path]:
     runs = []
     for path in paths:
-        found = [path] if (path / METRICS_NAME).is_file() else sorted(p.parent for p in path.rglob("metrics.jsonl"))
+        found = [path] if (path / METRICS_NAME).is_file() else sorted(p.parent for p in path.rglob(METRICS_NAME))
         if not found:
             sys.exit(f"error: no metrics.jsonl in or under {path}; pass train.py run directories or a sweep directory")
         runs += found

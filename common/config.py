@@ -173,8 +173,8 @@ def _problem(
     bounded = any(bound is not None for bound in (at_least, above, below, at_most))
     if bounded and isinstance(value, float) and not math.isfinite(value):
         problem = "must be a finite number"
-    elif directory and (file := _file_in_the_way(Path(value).expanduser())):
-        problem = "is a file, not a directory" if file == Path(value).expanduser() else f"is inside the file {file}"
+    elif directory and (file := _file_in_the_way(path := Path(value).expanduser())):
+        problem = "is a file, not a directory" if file == path else f"is inside the file {file}"
         problem += "; name a directory"
     elif choices is not None and value not in choices:
         problem = f"is unknown; use one of {', '.join(choices)}"

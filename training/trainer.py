@@ -191,9 +191,11 @@ class Trainer:
         self.metrics.write(record)
         if not math.isfinite(losses.val):
             log.warning(f"val loss is {losses.val} at iter {p.iter}: keeping the previous checkpoint")
-        elif p.iter > 0 or p.iter >= self.config.train.max_iters or best:
+        else:
             # at iter 0 only best.pt, if kept (the initial weights); ckpt.pt too if max_iters=0 ends the run there
-            self.save(latest=p.iter > 0 or p.iter >= self.config.train.max_iters, best=best)
+            latest = p.iter > 0 or p.iter >= self.config.train.max_iters
+            if latest or best:
+                self.save(latest=latest, best=best)
         if reached:
             elapsed = record["elapsed_s"]
             log.info(f"reached val loss {losses.val:.4f} <= {target} at iter {p.iter}, {elapsed:.1f} s after the start")

@@ -12,15 +12,11 @@ import torch
 from common.errors import ConfigError
 from data.errors import DataError
 from data.source import read_utf8
-from data.tokenizers import BpeTokenizer, Tokenizer, tokenizer_from_metadata
+from data.tokenizers import Tokenizer
 from model import GPT
-from model.hf_gpt2 import load_pretrained
-from training.checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint
-from training.errors import CheckpointError
+from training.load import load_model
 from training.runtime import Runtime, make_runtime
 from training.schema import SampleConfig
-
-GPT2_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's BPE
 
 
 def read_prompt(start: str) -> str:
@@ -80,22 +76,11 @@ class Sampler:
 
 
 def load_sampler(cfg: SampleConfig) -> Sampler:
-    """A run's model and tokenizer (or init_from's GPT-2), on the config's device, the random seed set."""
+    """The run's model (or init_from's GPT-2) and tokenizer, on the config's device, the random seed set."""
     runtime = make_runtime(cfg.device, cfg.dtype)
-    if cfg.init_from is not None:  # OpenAI's GPT-2 weights as they are, with GPT-2's own BPE
-        model = load_pretrained(cfg.init_from, attn_impl=cfg.attn_impl or "flash")
-        tokenizer: Tokenizer = BpeTokenizer.from_name(GPT2_ENCODING)
-    else:
-        path = Path(cfg.out_dir) / (BEST_NAME if cfg.ckpt == "best" else CKPT_NAME)
-        if cfg.ckpt == "best" and not path.is_file() and (Path(cfg.out_dir) / CKPT_NAME).is_file():
-            raise CheckpointError(
-                f"no {BEST_NAME} in {cfg.out_dir}: train with train.keep_best=true, or use ckpt=latest"
-            )
-        checkpoint = load_checkpoint(path)
-        tokenizer = tokenizer_from_metadata(checkpoint.tokenizer_for_decoding(path))
-        model = checkpoint.build_model(cfg.attn_impl)
+    loaded = load_model(cfg.out_dir, cfg.init_from, cfg.ckpt, cfg.attn_impl)
     torch.manual_seed(cfg.seed)
-    return Sampler(model.to(runtime.device).eval(), tokenizer, runtime)
+    return Sampler(loaded.model.to(runtime.device).eval(), loaded.tokenizer, runtime)
 
 
 def warn(message: str) -> None:

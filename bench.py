@@ -4,6 +4,7 @@
     python bench.py train --experiment shakespeare_char_cpu --json out.json
     python bench.py attention --lengths 256 1024 2048
     python bench.py sampling
+    python bench.py sampling-batch --num-samples 8
 
 train: tokens/s, ms/iter and MFU of train.py's loop for an experiment, against a plain eager nanoGPT-style
   loop on the same model, data and machine, measured in the same run (warm-up excluded). MFU's peak comes
@@ -13,6 +14,9 @@ attention: the flash path against the math path, forward + backward, time and pe
   time_vs_shortest: the time over the same row's at the shortest length (linear cost: the ratio of lengths).
 sampling: tokens/s of model.generate with and without the KV cache, on both attention paths; with --attn-window,
   also a model windowed in every layer (rope), whose cache rolls on past --block-size.
+sampling-batch: sample.py's --num-samples samples as one batch with the KV cache, against the same one at a time
+  and against nanoGPT's sample.py loop (one at a time, recomputing the window every step); vs_nanogpt: its time
+  over the row's. nanoGPT's CPU model and sample.py: --block-size 64 --new-tokens 500 --num-samples 3.
 """
 
 from __future__ import annotations
@@ -237,6 +241,63 @@ def bench_sampling(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+NANOGPT_SAMPLING = dict(temperature=0.8, top_k=200)  # nanoGPT's sample.py defaults, ours too
+
+
+def bench_batched_sampling(args: argparse.Namespace) -> list[dict]:
+    """sample.py's way (--num-samples drawn side by side as one batch, KV cache) against the same samples one at a
+    time, and against nanoGPT's sample.py loop: one sample at a time, the cropped window recomputed every step."""
+    from data.tokenizers import CharTokenizer
+    from model.decoding import Decoding
+    from training.runtime import make_runtime
+    from training.sampling import Sampler
+
+    torch.manual_seed(0)
+    shape = dict(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    model = GPT(GPTConfig(vocab_size=65, **shape, bias=False)).to(args.device).eval()
+    sampler = Sampler(model, CharTokenizer([chr(32 + i) for i in range(65)]), make_runtime(args.device, "auto"))
+    decoding = Decoding(**NANOGPT_SAMPLING)
+    prompt = torch.randint(65, (args.prompt_tokens,)).tolist()
+    n, new = args.num_samples, args.new_tokens
+
+    ways: dict[str, Callable[[], object]] = {
+        "nanoGPT's loop, one at a time": lambda: [_nanogpt_sample(model, prompt, new, args.device) for _ in range(n)],
+        "one at a time, KV cache": lambda: [sampler.generate(prompt, 1, new, decoding) for _ in range(n)],
+        "one batch, KV cache (sample.py)": lambda: sampler.generate(prompt, n, new, decoding),
+    }
+    sampler.generate(prompt, n, 4, decoding)  # warm-up
+    seconds = {way: min(_timed(run, args.device) for _ in range(args.repeats)) for way, run in ways.items()}
+    reference = seconds["nanoGPT's loop, one at a time"]
+    return [
+        {
+            "section": "sampling: batch and nanoGPT",
+            "way": way,
+            "samples": n,
+            "new_tokens": new,
+            "block_size": args.block_size,
+            "seconds": s,
+            "tokens_per_sec": n * new / s,
+            "vs_nanogpt": reference / s,
+        }
+        for way, s in seconds.items()
+    ]
+
+
+@torch.no_grad()
+def _nanogpt_sample(model: GPT, prompt: list[int], max_new_tokens: int, device: str) -> torch.Tensor:
+    """nanoGPT's model.generate as written (the same weights): every step runs the last block_size tokens and
+    keeps the last position's logits."""
+    idx = torch.tensor([prompt], device=device)
+    for _ in range(max_new_tokens):
+        idx_cond = idx[:, -model.config.block_size :]
+        logits = model.lm_head(model._hidden(idx_cond)[:, [-1], :])[:, -1, :] / NANOGPT_SAMPLING["temperature"]
+        v, _ = torch.topk(logits, min(NANOGPT_SAMPLING["top_k"], logits.size(-1)))
+        logits[logits < v[:, [-1]]] = -float("Inf")
+        idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+        idx = torch.cat((idx, idx_next), dim=1)
+    return idx
+
+
 def _timed(fn: Callable[[], object], device: str) -> float:
     from training.runtime import synchronize
 
@@ -251,6 +312,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {
     "train": bench_train,
     "attention": bench_attention,
     "sampling": bench_sampling,
+    "sampling-batch": bench_batched_sampling,
 }
 
 
@@ -295,6 +357,7 @@ def main() -> None:
     sampling_args.add_argument("--prompt-tokens", type=int, default=8)
     sampling_args.add_argument("--new-tokens", type=int, default=240)
     sampling_args.add_argument("--attn-window", type=int, help="also a model with this window in every layer")
+    sampling_args.add_argument("--num-samples", type=int, default=8, help="sampling-batch: samples in the batch")
     args = parser.parse_args()
     unknown = set(args.sections) - set(SECTIONS)
     if unknown:

@@ -1,8 +1,10 @@
 """Generate text from a trained run; optionally look inside the model.
 
-Only the samples, and the causality report when asked for, go to stdout.
+Only the samples, and the causality report when asked for, go to stdout: as they are generated when it is a
+terminal (stream=true), one after another; the num_samples samples are drawn side by side as one batch.
 
     python sample.py out_dir=RUN start="ROMEO:" num_samples=3 max_new_tokens=500
+    python sample.py out_dir=RUN start="ROMEO:" stop=['\n\n']   # each sample ends before its first blank line
     python sample.py out_dir=RUN start=FILE:prompt.txt
     python sample.py out_dir=RUN start="'To be, or not'"   # quote prompts with commas, spaces or symbols
     python sample.py out_dir=RUN start="ROMEO:" max_new_tokens=60 attention_dir=DIR   # attention maps
@@ -29,6 +31,8 @@ from omegaconf import DictConfig
 
 from common.cli import check_overrides, exit_on_user_error
 from common.config import typed_config
+from model.decoding import Decoding
+from training.sample_text import SEPARATOR, stop_strings
 from training.sampling import load_sampler, warn
 from training.schema import SampleConfig, register_schemas
 
@@ -41,15 +45,17 @@ def main(dict_cfg: DictConfig) -> None:
         cfg = typed_config(dict_cfg, SampleConfig)  # checked: one line for a bad value
         sampler = load_sampler(cfg)
         prompt = sampler.encode_prompt(cfg.start)
-        first = None
-        for ids in sampler.generate(
-            prompt, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.use_cache, cfg.top_p, cfg.min_p
-        ):
-            print(sampler.tokenizer.decode(ids))
-            print("---------------")
-            first = first or ids
-        if first is None or not (cfg.attention_dir or cfg.check_causal):
+        decoding = Decoding(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+        stop = stop_strings(cfg.stop, sampler.tokenizer)
+        stream = sys.stdout.isatty() if cfg.stream is None else cfg.stream
+        samples = sampler.generate(
+            prompt, cfg.num_samples, cfg.max_new_tokens, decoding, cfg.use_cache, stop, sys.stdout if stream else None
+        )
+        if not stream:
+            sys.stdout.write("".join(sample.text + SEPARATOR for sample in samples))
+        if not (cfg.attention_dir or cfg.check_causal):
             return
+        first = samples[0].ids
         decode_each = [sampler.tokenizer.decode([i]) for i in first]
         if cfg.attention_dir:
             from analysis.attention_maps import save_attention_maps

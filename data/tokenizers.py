@@ -16,6 +16,9 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
+    def token_bytes(self, token: int) -> bytes: ...
+    @property
+    def end_of_text(self) -> str | None: ...
     def metadata(self) -> dict[str, Any]: ...
     def token_byte_lengths(self) -> np.ndarray: ...
 
@@ -41,6 +44,14 @@ class CharTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i] for i in ids)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.chars[token].encode("utf-8")
+
+    @property
+    def end_of_text(self) -> str | None:
+        """None: a character vocabulary has no token that ends a document."""
+        return None
 
     def metadata(self) -> dict[str, Any]:
         return {"kind": "char", "chars": self.chars}
@@ -79,6 +90,16 @@ class BpeTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.encoding.decode(ids)
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's own bytes, which may be part of a character: text shown token by token decodes them
+        incrementally (training/sample_text.py)."""
+        return self.encoding.decode_single_token_bytes(token)
+
+    @property
+    def end_of_text(self) -> str | None:
+        """The special token that ends a document, as text ("<|endoftext|>"), if the encoding has one."""
+        return "<|endoftext|>" if "<|endoftext|>" in self.encoding.special_tokens_set else None
 
     def metadata(self) -> dict[str, Any]:
         return {"kind": "bpe", "encoding": self.encoding.name}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -146,16 +147,24 @@ class GPT(nn.Module):
         top_p: float | None = None,
         min_p: float | None = None,
     ) -> torch.Tensor:
-        """Sample `max_new_tokens` tokens after `idx` (B, T), each step conditioned on all the model can see.
+        """`idx` (B, T) followed by `max_new_tokens` sampled tokens (generate_tokens). Decoding
+        (model/decoding.py): temperature=0 is greedy; top_k, top_p and min_p cut the draw."""
+        steps = self.generate_tokens(idx, max_new_tokens, Decoding(temperature, top_k, top_p, min_p), use_cache)
+        return torch.cat([idx, *steps], dim=1)
+
+    @torch.inference_mode()
+    def generate_tokens(
+        self, idx: torch.Tensor, max_new_tokens: int, decoding: Decoding, use_cache: bool = True
+    ) -> Iterator[torch.Tensor]:
+        """Each next token (B, 1) after `idx` (B, T) as soon as it is drawn, each step conditioned on all the
+        model can see: a caller can show text as it comes, or stop early by no longer asking.
 
         With the cache the prompt is run once, then each step runs only the newest token. Once the sequence
         outgrows block_size, every step recomputes the cropped window, exactly as use_cache=False does:
         positions can't slide past a full layer. A rolling model (config.rolls: every layer windowed, rope)
         has no such limit: its cache keeps rolling, and without a cache each step recomputes the last
-        receptive_field tokens (or block_size, if more), all that can reach the next token. Decoding
-        (model/decoding.py): temperature=0 is greedy; top_k, top_p and min_p cut the draw.
+        receptive_field tokens (or block_size, if more), all that can reach the next token.
         """
-        decoding = Decoding(temperature, top_k, top_p, min_p)
         config = self.config
         rolls = config.rolls  # derived from the layer windows: once, not every step
         context = max(config.block_size, config.receptive_field or 0) if rolls else config.block_size
@@ -168,4 +177,4 @@ class GPT(nn.Module):
                 hidden = self._hidden(idx[:, -context:])
             next_id = decoding.next_token(self.lm_head(hidden[:, -1, :]))
             idx = torch.cat((idx, next_id), dim=1)
-        return idx
+            yield next_id

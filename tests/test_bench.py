@@ -27,6 +27,9 @@ def test_bench_py_runs_every_section_on_tiny_sizes(tmp_path: Path, corpus_path: 
         "train",
         "attention",
         "sampling",
+        "sampling-batch",
+        "--num-samples",
+        "2",
         "--device",
         "cpu",
         "--repeats",
@@ -73,6 +76,13 @@ def test_bench_py_runs_every_section_on_tiny_sizes(tmp_path: Path, corpus_path: 
         (a, c) for a in ("flash", "math") for c in (False, True)
     }
     assert "speedup" in result.stdout and "math_over_flash_time" in result.stdout
+    batch = [r for r in rows if r["section"] == "sampling: batch and nanoGPT"]
+    assert [r["way"] for r in batch] == [
+        "nanoGPT's loop, one at a time",
+        "one at a time, KV cache",
+        "one batch, KV cache (sample.py)",
+    ]
+    assert batch[0]["vs_nanogpt"] == 1 and all(r["tokens_per_sec"] > 0 and r["samples"] == 2 for r in batch)
 
 
 def test_bench_py_rejects_an_unknown_section(tmp_path: Path) -> None:

@@ -76,7 +76,7 @@ def test_sample_py_passes_top_p_and_min_p_to_the_model(
     seen = []
     monkeypatch.setattr(Decoding, "cut", lambda self, logits: seen.append((self.top_p, self.min_p)) or logits)
     sampler = load_sampler(typed_config(SampleConfig(out_dir=str(trained_run), device="cpu"), SampleConfig))
-    list(sampler.generate(sampler.encode_prompt("The"), 1, 3, 1.0, None, True, 0.9, 0.05))
+    sampler.generate(sampler.encode_prompt("The"), 1, 3, Decoding(1.0, None, 0.9, 0.05))
     assert seen == [(0.9, 0.05)] * 3
 
 

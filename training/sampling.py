@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
@@ -14,8 +15,10 @@ from data.errors import DataError
 from data.source import read_utf8
 from data.tokenizers import Tokenizer
 from model import GPT
+from model.decoding import Decoding
 from training.load import load_model
 from training.runtime import Runtime, make_runtime
+from training.sample_text import InOrder, SampleText
 from training.schema import SampleConfig
 
 
@@ -29,6 +32,12 @@ def read_prompt(start: str) -> str:
     if not path.is_file():
         raise DataError(f"start=FILE:{path}: no such file")
     return read_utf8(path)
+
+
+@dataclass
+class Sample:
+    ids: list[int]  # the prompt's tokens and those generated, up to the one that completed a stop string
+    text: str  # the prompt and the generated text, which ends before the stop string
 
 
 @dataclass
@@ -51,19 +60,38 @@ class Sampler:
         prompt: list[int],
         num_samples: int,
         max_new_tokens: int,
-        temperature: float,
-        top_k: int | None,
-        use_cache: bool,
-        top_p: float | None = None,
-        min_p: float | None = None,
-    ) -> Iterator[list[int]]:
-        idx = torch.tensor([prompt], dtype=torch.long, device=self.runtime.device)
-        for _ in range(num_samples):
+        decoding: Decoding,
+        use_cache: bool = True,
+        stop: Sequence[str] = (),
+        stream: TextIO | None = None,
+    ) -> list[Sample]:
+        """num_samples continuations of the prompt, drawn side by side as one batch; each ends at its first stop
+        string, and generation ends once all have. With `stream`, they are written there as they grow, in order
+        (InOrder), each followed by SEPARATOR."""
+        prompt_text = self.tokenizer.decode(prompt)
+        texts = [SampleText(self.tokenizer, prompt_text, stop) for _ in range(num_samples)]
+        writer = InOrder(stream, texts) if stream is not None else None
+        idx = torch.tensor([prompt] * num_samples, dtype=torch.long, device=self.runtime.device)
+        generated: list[list[int]] = [[] for _ in texts]  # each sample's tokens, up to the one that ends it
+        steps = self.model.generate_tokens(idx, max_new_tokens, decoding, use_cache)
+        try:
             with self.runtime.autocast():
-                out = self.model.generate(
-                    idx, max_new_tokens, temperature, top_k, use_cache=use_cache, top_p=top_p, min_p=min_p
-                )
-            yield out[0].tolist()
+                for step in steps:
+                    for text, ids, token in zip(texts, generated, step[:, 0].tolist(), strict=True):
+                        if not text.finished:
+                            ids.append(token)
+                            text.add(token)
+                    if writer is not None:
+                        writer.write()
+                    if all(text.finished for text in texts):
+                        break
+        finally:
+            steps.close()
+        for text in texts:
+            text.finish()
+        if writer is not None:
+            writer.write()
+        return [Sample(prompt + ids, text.text) for ids, text in zip(generated, texts, strict=True)]
 
     def last_window(self, ids: list[int], purpose: str, span: int | None = None) -> list[int]:
         """The last `span` tokens; by default block_size, all the model can look at in one pass."""

@@ -141,11 +141,16 @@ class SampleConfig:
     dtype: str = option("auto", choices=DTYPES)
     attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
     use_cache: bool = True  # KV cache: run the prompt once, then one token per step
+    # a sample ends before the first of these strings (\n, \t: newline, tab); null: <|endoftext|> for a BPE model
+    stop: list[str] | None = None
+    stream: bool | None = None  # print each sample as it is generated; null: when stdout is a terminal
     attention_dir: str | None = option(None, directory=True)  # write attention.npz and one PNG per layer here
     check_causal: bool = False  # print the causality demonstration after the samples
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.stop is not None and "" in self.stop:
+            raise ConfigError(f"stop={self.stop} has an empty string, which would stop at once; remove it")
         if self.out_dir is None and self.init_from is None:
             raise ConfigError(
                 "out_dir is required: pass out_dir=RUN, a directory written by train.py (or init_from=gpt2)"

@@ -20,6 +20,7 @@ from data.batches import TRAIN_WINDOWS, batch_generator, every_window, get_batch
 from data.prepare import PreparedData
 from data.tokenizers import Tokenizer
 from model import GPT
+from model.decoding import Decoding
 from training.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, Progress, save_checkpoint
 from training.distributed import (
     World,
@@ -36,6 +37,7 @@ from training.metrics import LogWindow, MetricsLog, drop_records_after
 from training.optim import lr_at
 from training.preemption import StopRequests
 from training.runtime import Runtime
+from training.sample_text import stop_strings
 from training.sampling import Sampler
 from training.schema import SampleConfig, TrainRunConfig
 
@@ -322,8 +324,9 @@ class Trainer:
         first = int(next(every_window(self.data.val, 1, 1))[0][0, 0])
         sampler = Sampler(self.model, self.tokenizer, self.runtime)
         self.model.eval()
-        ids = sampler.generate([first], count, tokens, SampleConfig.temperature, SampleConfig.top_k, use_cache=True)
-        texts = [self.tokenizer.decode(sample) for sample in ids]
+        decoding = Decoding(SampleConfig.temperature, SampleConfig.top_k)
+        samples = sampler.generate([first], count, tokens, decoding, stop=stop_strings(None, self.tokenizer))
+        texts = [sample.text for sample in samples]
         self.model.train()
         prompt = self.tokenizer.decode([first])
         return [[prompt, text] for text in texts]

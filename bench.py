@@ -14,15 +14,17 @@ attention: the flash path against the math path, forward + backward, time and pe
   time_vs_shortest: the time over the same row's at the shortest length (linear cost: the ratio of lengths).
 sampling: tokens/s of model.generate with and without the KV cache, on both attention paths; with --attn-window,
   also a model windowed in every layer (rope), whose cache rolls on past --block-size.
-sampling-batch: sample.py's --num-samples samples as one batch with the KV cache, against the same one at a time
-  and against nanoGPT's sample.py loop (one at a time, recomputing the window every step); vs_nanogpt: its time
-  over the row's. nanoGPT's CPU model and sample.py: --block-size 64 --new-tokens 500 --num-samples 3.
+sampling-batch: sample.py's --num-samples samples as one batch with the KV cache (also streamed, as to a terminal),
+  against the same one at a time and against nanoGPT's sample.py loop (one at a time, recomputing the window
+  every step); vs_nanogpt: its time over the row's. nanoGPT's CPU model and sample.py: --block-size 64
+  --new-tokens 500 --num-samples 3.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import io
 import itertools
 import json
 import resource
@@ -264,6 +266,7 @@ def bench_batched_sampling(args: argparse.Namespace) -> list[dict]:
         "nanoGPT's loop, one at a time": lambda: [_nanogpt_sample(model, prompt, new, args.device) for _ in range(n)],
         "one at a time, KV cache": lambda: [sampler.generate(prompt, 1, new, decoding) for _ in range(n)],
         "one batch, KV cache (sample.py)": lambda: sampler.generate(prompt, n, new, decoding),
+        "the same, streamed": lambda: sampler.generate(prompt, n, new, decoding, stream=io.StringIO()),
     }
     sampler.generate(prompt, n, 4, decoding)  # warm-up
     seconds = {way: min(_timed(run, args.device) for _ in range(args.repeats)) for way, run in ways.items()}

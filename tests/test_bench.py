@@ -81,6 +81,7 @@ def test_bench_py_runs_every_section_on_tiny_sizes(tmp_path: Path, corpus_path: 
         "nanoGPT's loop, one at a time",
         "one at a time, KV cache",
         "one batch, KV cache (sample.py)",
+        "the same, streamed",
     ]
     assert batch[0]["vs_nanogpt"] == 1 and all(r["tokens_per_sec"] > 0 and r["samples"] == 2 for r in batch)
 

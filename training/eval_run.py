@@ -62,7 +62,8 @@ def windows_of(cfg: EvalConfig, block_size: int) -> tuple[int, int]:
         raise ConfigError(f"context={context} exceeds the model's block_size={block_size}; use at most that")
     stride = max(1, context // 2) if cfg.stride is None else cfg.stride
     if stride > context:
-        raise ConfigError(f"stride={stride} must be in [1, {context}] (the context: block_size, or context=)")
+        held = "context" if cfg.context is not None else "the model's block_size"
+        raise ConfigError(f"stride={stride} must be in [1, {context}]: at most the tokens a window holds ({held})")
     return context, stride
 
 

@@ -193,8 +193,6 @@ class EvalConfig:
             raise ConfigError(
                 f"init_from={self.init_from} has no val split to score: pass input=FILE (a text file) or hellaswag=true"
             )
-        if self.context is not None and self.stride is not None and self.stride > self.context:
-            raise ConfigError(f"stride={self.stride} must be <= context={self.context}: no token may go unscored")
 
 
 def register_schemas() -> None:

@@ -17,19 +17,20 @@ from omegaconf import OmegaConf
 
 from common.errors import ConfigError
 from data.prepare import PreparedData, ensure_prepared
-from data.tokenizers import tokenizer_from_metadata
+from data.tokenizers import Tokenizer, tokenizer_from_metadata
+from evals.hellaswag import hellaswag_path, load_examples
 from model import GPT, GPTConfig
 from model.hf_gpt2 import SETTINGS as PRETRAINED_SETTINGS
 from model.hf_gpt2 import load_pretrained
 from training.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
 from training.distributed import World, barrier, broadcast_from_main, wrap_model
 from training.errors import CheckpointError
-from training.evaluation import Evaluator
+from training.evaluation import Evaluator, HellaSwagEval
 from training.metrics import MetricsLog, forget_metrics
 from training.mfu import peak_flops
 from training.optim import make_optimizer
 from training.runtime import Runtime
-from training.schema import TrainRunConfig
+from training.schema import OptimConfig, TrainRunConfig
 from training.trainer import Trainer
 
 log = logging.getLogger("train")
@@ -76,6 +77,7 @@ def build_trainer(
         peak_flops=None if peak is None else peak.flops * world.size,
         started=started,
         before_step=before_step,
+        hellaswag=_hellaswag(opt, tokenizer, model.config.block_size, runtime, world),
     )
     if checkpoint is not None:
         trainer.restore(checkpoint)
@@ -99,6 +101,23 @@ def build_trainer(
     elif peak is not None:
         log.info(f"MFU against {peak.flops / 1e12:.3g} TFLOP/s per process ({peak.source})")
     return trainer
+
+
+def _hellaswag(
+    opt: OptimConfig, tokenizer: Tokenizer, block_size: int, runtime: Runtime, world: World
+) -> HellaSwagEval | None:
+    """train.hellaswag_every's examples, read at start so a missing file stops the run before it trains. Rank 0
+    downloads them (once, into the cache) while the others wait, then read its copy."""
+    if not opt.hellaswag_every:
+        return None
+    if world.is_main:
+        path = hellaswag_path(opt.hellaswag_file, "train.hellaswag_file")
+    barrier(world)
+    if not world.is_main:
+        path = hellaswag_path(opt.hellaswag_file, "train.hellaswag_file")
+    examples = load_examples(path, tokenizer)
+    log.info(f"HellaSwag: {len(examples):,} examples from {path}, every {opt.hellaswag_every} iterations")
+    return HellaSwagEval(examples, opt.hellaswag_every, block_size, runtime, world)
 
 
 def compile_by_default(runtime: Runtime) -> bool:

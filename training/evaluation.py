@@ -1,4 +1,5 @@
-"""The loss of each split, the same windows at every evaluation and whatever the number of processes."""
+"""The loss of each split, the same windows at every evaluation and whatever the number of processes; and
+HellaSwag's accuracy when train.hellaswag_every asks for it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from data.batches import EVAL_WINDOWS, TokenFiles, batch_generator, every_window, get_batch
 from data.prepare import PreparedData
+from evals.hellaswag import Example, hellaswag_sums
 from training.distributed import World, all_reduce_sum
 from training.runtime import Runtime
 from training.schema import OptimConfig
@@ -88,3 +90,28 @@ def share_of(
             yield (*round_[world.rank], True)
         else:
             yield (*round_[0], False)
+
+
+@dataclass
+class HellaSwagEval:
+    """HellaSwag accuracy at the evaluations whose iteration is a multiple of `every` (train.hellaswag_every).
+    Each rank scores every world.size-th example (share_of: the same number of forward passes on every rank,
+    as FSDP2 needs) and the counts are summed over the ranks: the whole set's accuracy, however many processes."""
+
+    examples: list[Example]
+    every: int
+    block_size: int
+    runtime: Runtime
+    world: World
+
+    def due(self, iteration: int) -> bool:
+        return iteration % self.every == 0
+
+    @torch.no_grad()
+    def __call__(self, model: torch.nn.Module) -> dict[str, float]:
+        model.eval()
+        shares = share_of(((example,) for example in self.examples), self.world)
+        sums = hellaswag_sums(model, shares, self.block_size, self.runtime.device, self.runtime.autocast)
+        model.train()
+        correct, correct_norm, count = all_reduce_sum(sums.to(self.runtime.device), self.world).tolist()
+        return {"hellaswag_acc": correct / count, "hellaswag_acc_norm": correct_norm / count}

@@ -139,7 +139,10 @@ class LogWindow:
 def _readable(r: dict[str, Any]) -> str:
     if "val_loss" in r:
         line = f"step {r['iter']}: train loss {r['train_loss']:.4f}, val loss {r['val_loss']:.4f}"
-        return line + f", val {r['val_bpb']:.4f} bits/byte" if "val_bpb" in r else line
+        line += f", val {r['val_bpb']:.4f} bits/byte" if "val_bpb" in r else ""
+        if "hellaswag_acc" in r:
+            line += f", hellaswag acc {r['hellaswag_acc']:.4f} (acc_norm {r['hellaswag_acc_norm']:.4f})"
+        return line
     line = f"iter {r['iter']}: loss {r['train_loss']:.4f}, lr {r['lr']:.2e}"
     if "tokens_per_sec" not in r:
         return line + " (warm-up, not timed)"

@@ -82,9 +82,17 @@ class OptimConfig:
     dtype: str = option("auto", choices=DTYPES)
     on_nonfinite: str = option("stop", choices=ON_NONFINITE)  # a NaN/Inf loss: stop (ckpt.pt stays) | skip the step
     parallel: str = option("ddp", choices=PARALLEL)  # under torchrun: ddp (replicas) | fsdp (FSDP2: sharded)
+    # HellaSwag at the evaluations whose iteration is a multiple of this (BPE data only); 0: never
+    hellaswag_every: int = option(0, at_least=0, hint="0 means never; use a multiple of train.eval_interval")
+    hellaswag_file: str | None = None  # a local hellaswag_val.jsonl; null: data/cache/hellaswag's, downloaded once
 
     def __post_init__(self) -> None:
         check_fields(self, "train.")
+        if self.hellaswag_every % self.eval_interval:
+            raise ConfigError(
+                f"train.hellaswag_every={self.hellaswag_every} is not a multiple of train.eval_interval="
+                f"{self.eval_interval}: HellaSwag runs at evaluations"
+            )
 
     @property
     def decay_iters(self) -> int:
@@ -122,6 +130,11 @@ class TrainRunConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)  # its own keys; the groups checked themselves as they were built
+        if self.train.hellaswag_every and self.data.tokenizer == "char":
+            raise ConfigError(
+                f"train.hellaswag_every={self.train.hellaswag_every} needs a BPE model (HellaSwag is scored in GPT-2's "
+                "tokens); this run's data.tokenizer is char (use e.g. data=shakespeare)"
+            )
 
 
 @dataclass
@@ -157,8 +170,39 @@ class SampleConfig:
             )
 
 
+@dataclass
+class EvalConfig:
+    out_dir: str | None = None  # a train.py run directory holding ckpt.pt (or init_from)
+    init_from: str | None = None  # instead of out_dir: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 dir
+    ckpt: str = option("latest", choices=("latest", "best"))  # the run's ckpt.pt, or its best.pt (train.keep_best)
+    input: str | None = None  # a UTF-8 text file to score; null: the run's own val split (init_from needs a file)
+    # tokens of context a window holds; null: the model's block_size
+    context: int | None = option(None, at_least=1, hint="null means the model's block_size")
+    # tokens each window advances (and scores, but the first); null: context // 2. stride=context: disjoint windows
+    stride: int | None = option(None, at_least=1, hint="null means half the context")
+    # windows per forward pass; null: 4096 tokens' worth (as train.full_val), at least 1
+    batch_size: int | None = option(None, at_least=1, hint="null means 4096 // context windows")
+    hellaswag: bool = False  # also score HellaSwag's validation set (BPE models)
+    hellaswag_file: str | None = None  # a local hellaswag_val.jsonl; null: data/cache/hellaswag's, downloaded once
+    device: str = option("auto", choices=DEVICES)
+    dtype: str = option("auto", choices=DTYPES)
+    attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.out_dir is None and self.init_from is None:
+            raise ConfigError(
+                "out_dir is required: pass out_dir=RUN, a directory written by train.py (or init_from=gpt2)"
+            )
+        if self.out_dir is None and self.input is None and not self.hellaswag:
+            raise ConfigError(
+                f"init_from={self.init_from} has no val split to score: pass input=FILE (a text file) or hellaswag=true"
+            )
+
+
 def register_schemas() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainRunConfig)
     cs.store(name="sample_schema", node=SampleConfig)
+    cs.store(name="eval_schema", node=EvalConfig)
     register_prepare_schema()

@@ -32,7 +32,7 @@ from training.distributed import (
     load_full_state,
 )
 from training.errors import TrainingDiverged
-from training.evaluation import Evaluator, Losses
+from training.evaluation import Evaluator, HellaSwagEval, Losses
 from training.metrics import LogWindow, MetricsLog, drop_records_after
 from training.optim import lr_at
 from training.preemption import StopRequests
@@ -85,6 +85,7 @@ class Trainer:
     progress: Progress = field(default_factory=Progress)
     elapsed_before: float = 0.0  # the run's wall time before this process (a resumed run's)
     before_step: Callable[[int], None] | None = None  # a test seam: called with the iteration before each step
+    hellaswag: HellaSwagEval | None = None  # train.hellaswag_every > 0
 
     def fit(self) -> TrainResult:
         """Evaluate (and checkpoint) when due, stop when done or the target is reached, step, log. A signal
@@ -186,8 +187,10 @@ class Trainer:
             "train_loss": losses.train,
             "val_loss": losses.val,
             "val_bpb": losses.val_bpb,
-            "elapsed_s": self.elapsed(),
         }
+        if self.hellaswag is not None and self.hellaswag.due(p.iter):
+            record |= self.hellaswag(self.wrapped)  # not compiled: each example has its own length
+        record["elapsed_s"] = self.elapsed()
         if reached:
             record["time_to_target_s"] = record["elapsed_s"]
         self.metrics.write(record)

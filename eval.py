@@ -1,0 +1,39 @@
+"""Score a model beyond the training loop's val loss: sliding-window loss, perplexity and bits per byte of a text
+(or of a run's own val split), and HellaSwag accuracy.
+
+Readable lines, then one JSON object as the last line, go to stdout; progress bars to stderr.
+
+    python eval.py out_dir=RUN                                  # the run's val split, windows advancing by half
+    python eval.py out_dir=RUN stride=64 input=text.txt         # any UTF-8 text
+    python eval.py init_from=gpt2 input=text.txt hellaswag=true # OpenAI's GPT-2 (pip install ".[hf]")
+
+Every token but a sequence's first is scored once, with the context its window gives (evals/perplexity.py);
+HellaSwag picks the likeliest ending by summed (acc) and mean (acc_norm) log-likelihood (evals/hellaswag.py).
+"""
+
+import json
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from common.cli import check_overrides, exit_on_user_error
+from common.config import typed_config
+from training.eval_run import readable, run_eval
+from training.schema import EvalConfig, register_schemas
+
+register_schemas()
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="eval")
+def main(dict_cfg: DictConfig) -> None:
+    with exit_on_user_error():
+        record = run_eval(typed_config(dict_cfg, EvalConfig))  # checked: one line for a bad value
+    for line in readable(record):
+        print(line)
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    check_overrides(sys.argv[1:], EvalConfig)
+    main()

@@ -1,0 +1,1 @@
+"""Evaluation beyond the training loop's val loss: sliding-window perplexity and HellaSwag."""

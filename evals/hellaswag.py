@@ -1,0 +1,139 @@
+"""HellaSwag (Zellers et al., 2019): pick the ending of a sentence that a model finds likeliest, as llm.c and
+build-nanogpt score it. Each ending is tokenized as " " + ending after the context's tokens; its score is the
+summed log-likelihood of its tokens (acc) or their mean (acc_norm, fair to long endings).
+
+The validation set is downloaded on first use into data/cache/hellaswag/, like tiny Shakespeare; offline, a
+local copy in the same format is named by the hellaswag_file key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import urllib.request
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common.files import replace_file, temporary_beside
+from data.errors import DataError
+from data.prepare import DEFAULT_CACHE
+from data.tokenizers import CharTokenizer, Tokenizer
+
+HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+CACHED_COPY = DEFAULT_CACHE / "hellaswag" / "hellaswag_val.jsonl"
+ENDINGS = 4
+
+
+@dataclass(frozen=True)
+class Example:
+    context: list[int]  # tokens of ctx
+    endings: list[list[int]]  # tokens of " " + each ending
+    label: int  # the index of the true ending
+
+
+def hellaswag_path(file: str | None, key: str, cached_copy: Path = CACHED_COPY, url: str = HELLASWAG_URL) -> Path:
+    """The validation set: the file named by `key` (its name in the command's config), else the cached copy, else
+    the download saved there (whole or not at all)."""
+    if file is not None:
+        path = Path(file).expanduser()
+        if not path.is_file():
+            raise DataError(f"{key}={file} does not exist; name a HellaSwag .jsonl file (hellaswag_val.jsonl)")
+        return path
+    if cached_copy.is_file():
+        return cached_copy
+    tmp = temporary_beside(cached_copy)
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            cached_copy.parent.mkdir(parents=True, exist_ok=True)
+            with tmp.open("wb") as out:
+                shutil.copyfileobj(response, out)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"could not download {url} ({err}); offline, point at a copy with {key}=PATH") from None
+    replace_file(tmp, cached_copy)
+    return cached_copy
+
+
+def load_examples(path: Path, tokenizer: Tokenizer) -> list[Example]:
+    """Every example of the .jsonl file, tokenized. A char tokenizer is refused: HellaSwag is English prose, whose
+    characters a small char vocabulary may lack, and its figures are quoted for GPT-2's BPE."""
+    if isinstance(tokenizer, CharTokenizer):
+        raise DataError("HellaSwag needs a BPE model (GPT-2's tokens); this model's tokenizer reads characters")
+    examples = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                ctx, endings, label = _fields(line, path, number)
+                examples.append(Example(tokenizer.encode(ctx), [tokenizer.encode(" " + end) for end in endings], label))
+    if not examples:
+        raise DataError(f"{path} holds no HellaSwag examples")
+    return examples
+
+
+def _fields(line: str, path: Path, number: int) -> tuple[str, list[str], int]:
+    try:
+        raw = json.loads(line)
+        ctx, endings, label = raw["ctx"], raw["endings"], raw["label"]
+        valid = (
+            isinstance(ctx, str)
+            and isinstance(endings, list)
+            and len(endings) == ENDINGS
+            and all(isinstance(end, str) for end in endings)
+            and isinstance(label, int)
+            and 0 <= label < ENDINGS
+        )
+    except (ValueError, TypeError, KeyError):
+        valid = False
+    if not valid:
+        raise DataError(f"{path}:{number} is not a HellaSwag example (ctx, {ENDINGS} endings, label 0-{ENDINGS - 1})")
+    return ctx, endings, label
+
+
+@torch.no_grad()
+def ending_scores(
+    model: torch.nn.Module,
+    example: Example,
+    block_size: int,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed and mean log-likelihood of each ending's tokens (float64, on the CPU), the four endings in one
+    forward pass. A row longer than block_size + 1 tokens loses its first ones (the context's)."""
+    rows = [(example.context + end)[-(block_size + 1) :] for end in example.endings]
+    scored = [min(len(end), len(row) - 1) for end, row in zip(example.endings, rows, strict=True)]
+    width = max(map(len, rows)) - 1
+    tokens = torch.zeros(len(rows), width + 1, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (row, count) in enumerate(zip(rows, scored, strict=True)):
+        tokens[i, : len(row)] = torch.tensor(row)  # padded on the right: causal attention never sees the padding
+        mask[i, len(row) - 1 - count : len(row) - 1] = True
+    tokens, mask = tokens.to(device), mask.to(device)
+    with autocast():
+        logits, _ = model(tokens[:, :-1])
+    log_likelihood = -F.cross_entropy(logits.float().transpose(1, 2), tokens[:, 1:], reduction="none").double()
+    sums = (log_likelihood * mask).sum(dim=1).cpu()
+    return sums, sums / torch.tensor(scored, dtype=torch.float64)
+
+
+def hellaswag_sums(
+    model: torch.nn.Module,
+    examples: Iterable[tuple[Example, bool]],
+    block_size: int,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> torch.Tensor:
+    """Correct by summed log-likelihood, correct by mean, and examples, over those counted (float64, on the
+    CPU): a sum, so shares scored by several processes add up. An uncounted example still runs its forward pass
+    (FSDP2's ranks must run as many)."""
+    sums = torch.zeros(3, dtype=torch.float64)
+    for example, counted in examples:
+        total, mean = ending_scores(model, example, block_size, device, autocast)
+        if counted:
+            label = example.label
+            sums += torch.tensor([int(total.argmax()) == label, int(mean.argmax()) == label, 1], dtype=torch.float64)
+    return sums

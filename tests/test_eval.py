@@ -1,0 +1,342 @@
+"""eval.py: sliding-window loss, perplexity and bits per byte against straightforward references (the training
+loop's full-split val loss, a per-token loop, Hugging Face's own loss), HellaSwag against a per-example loop, and
+HellaSwag during training. Offline: the HellaSwag examples are written here."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from common.cli import check_overrides
+from common.config import typed_config
+from common.errors import ConfigError, UserError
+from conftest import REPO, TINY_BPE, compose_config, run_script, tiny_encoding, tiny_run_overrides
+from data.config import DataConfig
+from data.errors import DataError
+from data.prepare import ensure_prepared
+from data.tokenizers import BpeTokenizer
+from evals.hellaswag import Example, ending_scores, hellaswag_path, hellaswag_sums, load_examples
+from evals.perplexity import count_windows, score_sequences, windows
+from model import GPT, GPTConfig
+from training.checkpoint import CKPT_NAME, load_checkpoint
+from training.distributed import World
+from training.eval_run import run_eval
+from training.evaluation import Evaluator, share_of
+from training.loop import train
+from training.runtime import make_runtime
+from training.schema import EvalConfig, OptimConfig, TrainRunConfig
+
+HELLASWAG = [
+    ("The chef cracks two eggs into a bowl and", ["whisks them.", "sings a song.", "paints the wall.", "the end."], 0),
+    ("A man is standing on a ladder. He", ["climbs up.", "eats the ladder and the house", "is a fish.", "runs."], 3),
+    (
+        "On a long and quiet afternoon, the old woman in the red house near the river sat down by the window, "
+        "took out her knitting and then, after a while, she",
+        ["fell asleep.", "and the cat.", "knitted a scarf for her grandson.", "th th th"],
+        2,
+    ),
+    ("Two dogs run in the park. They", ["chase a ball.", "fly.", "read a book about the sea.", "and"], 1),
+    ("She opens the door and", ["walks in.", "the the the", "closes it again behind her.", "ou"], 0),
+]
+
+
+def _write_hellaswag(path: Path) -> Path:
+    """The validation set's format: one JSON object a line, with more keys than the scorer reads."""
+    lines = [
+        json.dumps({"ind": i, "ctx": ctx, "ctx_a": ctx, "ctx_b": "", "endings": endings, "label": label})
+        for i, (ctx, endings, label) in enumerate(HELLASWAG)
+    ]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _random_gpt(vocab_size: int, block_size: int, seed: int = 0) -> GPT:
+    """Weights large enough that the logits differ clearly between tokens and positions."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=32))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(10.0)
+    return model.eval()
+
+
+def _nats(model: torch.nn.Module, context: list[int], target: int) -> float:
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([context]))
+    return F.cross_entropy(logits[0, -1].double(), torch.tensor(target)).item()
+
+
+@pytest.mark.parametrize("n_tokens", [1, 2, 5, 17, 18, 40, 101])
+@pytest.mark.parametrize(("context", "stride"), [(16, 16), (16, 5), (16, 1), (4, 3)])
+def test_windows_score_every_target_exactly_once(n_tokens: int, context: int, stride: int) -> None:
+    scored = []
+    found = list(windows(n_tokens, context, stride))
+    for w in found:
+        assert w.length == min(context, n_tokens - 1) and 1 <= w.scored <= w.length
+        assert w.start + w.length <= n_tokens - 1  # its targets exist
+        scored += range(w.start + w.length - w.scored + 1, w.start + w.length + 1)  # token indices of its targets
+    assert scored == list(range(1, n_tokens))  # every token but the first, once each, in order
+    assert len(found) == count_windows(n_tokens, context, stride)
+    assert all(w.scored == stride for w in found[1:-1])  # the first scores all its targets, the last the rest
+
+
+def test_stride_1_gives_every_token_the_whole_context() -> None:
+    """stride=1 is the per-token definition: token j predicted from the min(j, context) tokens before it."""
+    model = _random_gpt(vocab_size=23, block_size=16)
+    tokens = np.random.default_rng(0).integers(0, 23, size=40)
+    context = 6  # each length a forward pass hasn't seen costs a first-call set-up: few of them
+    expected = [_nats(model, tokens[max(0, j - context) : j].tolist(), int(tokens[j])) for j in range(1, 40)]
+    score = score_sequences(model, [tokens], torch.ones(23, dtype=torch.float64), context, 1, batch_size=7)
+    assert score.tokens == 39
+    assert score.loss == pytest.approx(sum(expected) / 39, rel=1e-6)
+    full = score_sequences(model, [tokens], torch.ones(23, dtype=torch.float64), context, context, batch_size=3)
+    assert full.tokens == 39 and full.loss != pytest.approx(score.loss, rel=1e-4)  # less context: another loss
+
+
+def test_bits_per_byte_leave_special_tokens_out() -> None:
+    """As the training loop's val_bpb: <|endoftext|> counts no bytes and its nats are left out of bpb (not out of
+    the loss)."""
+    tokenizer = BpeTokenizer(tiny_encoding())
+    eot = tokenizer.encoding.eot_token
+    tokens = np.array([*tokenizer.encode(" the cat"), eot, *tokenizer.encode(" and the dog")], dtype=np.int64)
+    model = _random_gpt(tokenizer.vocab_size, block_size=8)
+    byte_lengths = torch.from_numpy(tokenizer.token_byte_lengths()).double()
+    score = score_sequences(model, [tokens], byte_lengths, 8, 1, batch_size=4)
+    nats = [_nats(model, tokens[max(0, j - 8) : j].tolist(), int(tokens[j])) for j in range(1, len(tokens))]
+    text_nats = sum(n for n, t in zip(nats, tokens[1:], strict=True) if t != eot)
+    text_bytes = len(b" the cat and the dog") - len(tokenizer.decode([int(tokens[0])]).encode())
+    assert (score.tokens, score.bytes) == (len(tokens) - 1, text_bytes)
+    assert score.loss == pytest.approx(sum(nats) / (len(tokens) - 1), rel=1e-6)
+    assert score.bpb == pytest.approx(text_nats / (math.log(2) * text_bytes), rel=1e-6)
+
+
+def test_eval_py_with_disjoint_windows_is_the_training_loops_full_val_loss(trained_run: Path, tmp_path: Path) -> None:
+    """stride=block_size on the run's own val split: every_window's windows (train.full_val), plus the tail they
+    leave out, scored once with the last block_size tokens. The last stdout line is the JSON record."""
+    result = run_script("eval.py", [f"out_dir={trained_run}", "stride=32", "device=cpu"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    *lines, last = result.stdout.strip().splitlines()
+    record = json.loads(last)
+    assert lines and "perplexity" in lines[-1] and not list(tmp_path.iterdir())  # eval.py writes nothing
+    assert (record["context"], record["stride"]) == (32, 32) and "val split" in record["input"]
+
+    checkpoint = load_checkpoint(trained_run / CKPT_NAME)
+    model = checkpoint.build_model().eval()
+    data = ensure_prepared(DataConfig(**checkpoint.config["data"]), prepare=False)
+    opt = OptimConfig(full_val=True, eval_iters=1, batch_size=8)
+    ones = torch.ones(checkpoint.model_config.vocab_size, dtype=torch.float64)  # characters: a byte each (ASCII)
+    evaluator = Evaluator(data, opt, 0, 32, ones, make_runtime("cpu", "float32"), World())
+    full_val = evaluator(model).val
+    val = data.val.open(0)
+    targets = len(val) - 1
+    covered = targets // 32 * 32  # every_window's targets
+    tail = targets - covered
+    tail_nats = 0.0
+    if tail:
+        with torch.no_grad():
+            logits, _ = model(torch.from_numpy(val[-33:-1].astype(np.int64))[None])
+        y = torch.from_numpy(val[-tail:].astype(np.int64))
+        tail_nats = F.cross_entropy(logits[0, -tail:].double(), y, reduction="sum").item()
+    assert record["tokens"] == targets
+    assert record["loss"] == pytest.approx((full_val * covered + tail_nats) / targets, rel=1e-5)
+    assert record["perplexity"] == pytest.approx(math.exp(record["loss"]), rel=1e-9)
+
+
+def test_bits_per_byte_of_ascii_text_on_a_char_model(trained_run: Path, tmp_path: Path, corpus_path: Path) -> None:
+    text = "".join(c for c in corpus_path.read_text(encoding="utf-8")[:3000] if c.isascii())  # a byte each
+    (tmp_path / "text.txt").write_text(text, encoding="utf-8")
+    record = run_eval(EvalConfig(out_dir=str(trained_run), input=str(tmp_path / "text.txt"), device="cpu"), False)
+    assert record["tokens"] == record["bytes"] == len(text) - 1  # the first character has no context: not scored
+    assert (record["context"], record["stride"]) == (32, 16)  # the defaults: the model's block_size, half of it
+    assert record["bpb"] == pytest.approx(record["loss"] / math.log(2), rel=1e-9)
+
+
+def _hf_dir(tmp_path: Path, n_positions: int) -> Path:
+    config = GPT2Config(
+        vocab_size=tiny_encoding().n_vocab, n_positions=n_positions, n_layer=2, n_head=2, n_embd=32,
+        bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    hf_model = GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    hf_model.save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def test_init_from_an_hf_directory_gives_hfs_own_loss_and_hellaswag(
+    tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hugging Face's perplexity guide, verbatim: windows of max_length = context + 1 tokens advancing by stride,
+    each scoring (labels, shifted by HF) the tokens the previous one didn't. The text is cut so that its last
+    window ends where the text does, as eval.py's does."""
+    monkeypatch.setattr("training.load.GPT2_ENCODING", TINY_BPE)  # GPT-2's BPE stands in offline
+    hf_dir = _hf_dir(tmp_path, n_positions=64)
+    context, stride = 63, 16
+    encoding = tiny_encoding()
+    text = corpus_path.read_text(encoding="utf-8")[:1000]
+    while (len(encoding.encode_ordinary(text)) - (context + 1)) % stride:
+        text = text[:-1]
+    (tmp_path / "text.txt").write_text(text, encoding="utf-8")
+    cfg = EvalConfig(
+        init_from=str(hf_dir),
+        input=str(tmp_path / "text.txt"),
+        context=context,
+        stride=stride,
+        batch_size=3,
+        hellaswag=True,
+        hellaswag_file=str(_write_hellaswag(tmp_path / "hs.jsonl")),
+        device="cpu",
+    )
+    record = run_eval(cfg, progress=False)
+
+    hf_model = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    ids = torch.tensor([encoding.encode_ordinary(text)])
+    seq_len, nll_sum, n_tokens, prev_end = ids.size(1), 0.0, 0, 0
+    for begin in range(0, seq_len, stride):
+        end = min(begin + context + 1, seq_len)
+        trg_len = end - prev_end
+        input_ids = ids[:, begin:end]
+        labels = input_ids.clone()
+        labels[:, :-trg_len] = -100
+        with torch.no_grad():
+            loss = hf_model(input_ids, labels=labels).loss
+        scored = (labels[:, 1:] != -100).sum().item()
+        nll_sum, n_tokens, prev_end = nll_sum + loss.item() * scored, n_tokens + scored, end
+        if end == seq_len:
+            break
+    assert record["tokens"] == n_tokens == seq_len - 1
+    assert record["loss"] == pytest.approx(nll_sum / n_tokens, abs=1e-5)
+
+    examples = load_examples(Path(cfg.hellaswag_file), BpeTokenizer(encoding))
+    correct = _reference_hellaswag(hf_model, examples, block_size=64)[0]
+    assert record["hellaswag_examples"] == len(HELLASWAG)
+    assert record["hellaswag_acc"] == correct[0] / len(HELLASWAG)
+    assert record["hellaswag_acc_norm"] == correct[1] / len(HELLASWAG)
+
+
+def _reference_hellaswag(model: torch.nn.Module, examples: list[Example], block_size: int) -> tuple[list, list]:
+    """One ending at a time: context + ending cut to its last block_size + 1 tokens, log_softmax, the ending's
+    tokens picked out. (correct by sum, correct by mean) and each example's (sums, means)."""
+    correct, scores = [0, 0], []
+    for example in examples:
+        sums, means = [], []
+        for ending in example.endings:
+            row = (example.context + ending)[-(block_size + 1) :]
+            with torch.no_grad():
+                out = model(torch.tensor([row[:-1]]))
+            logits = out.logits if hasattr(out, "logits") else out[0]
+            log_probs = torch.log_softmax(logits[0].double(), dim=-1)
+            n = min(len(ending), len(row) - 1)
+            picked = [log_probs[i, row[i + 1]].item() for i in range(len(row) - 1 - n, len(row) - 1)]
+            sums.append(sum(picked))
+            means.append(sum(picked) / n)
+        correct[0] += int(np.argmax(sums)) == example.label
+        correct[1] += int(np.argmax(means)) == example.label
+        scores.append((sums, means))
+    return correct, scores
+
+
+def test_hellaswag_scores_equal_a_per_ending_loop(tmp_path: Path) -> None:
+    """Block size 24: the long example's context loses its first tokens, in both."""
+    tokenizer = BpeTokenizer(tiny_encoding())
+    examples = load_examples(_write_hellaswag(tmp_path / "hs.jsonl"), tokenizer)
+    assert len(examples[2].context) + max(map(len, examples[2].endings)) > 25  # it is cropped
+    model = _random_gpt(tokenizer.vocab_size, block_size=24, seed=1)
+    correct, scores = _reference_hellaswag(model, examples, block_size=24)
+    for example, (sums, means) in zip(examples, scores, strict=True):
+        got_sums, got_means = ending_scores(model, example, 24, torch.device("cpu"))
+        torch.testing.assert_close(got_sums, torch.tensor(sums, dtype=torch.float64), atol=1e-5, rtol=0)
+        torch.testing.assert_close(got_means, torch.tensor(means, dtype=torch.float64), atol=1e-5, rtol=0)
+    one = hellaswag_sums(model, ((e, True) for e in examples), 24, torch.device("cpu"))
+    assert one.tolist() == [*correct, len(examples)]
+    # Two ranks, each its share (share_of, as training does): the same sums, the same number of passes each.
+    shares = [list(share_of(((e,) for e in examples), World(rank=r, size=2))) for r in range(2)]
+    assert len(shares[0]) == len(shares[1]) == 3
+    assert sum(hellaswag_sums(model, share, 24, torch.device("cpu")) for share in shares).tolist() == one.tolist()
+
+
+def test_hellaswag_file_errors_are_one_line(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"could not download http://127\.0\.0\.1:9/hs\.jsonl .*hellaswag_file=PATH"):
+        hellaswag_path(None, "hellaswag_file", tmp_path / "cache" / "hs.jsonl", url="http://127.0.0.1:9/hs.jsonl")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # nothing half written
+    cached = _write_hellaswag(tmp_path / "cached.jsonl")
+    assert hellaswag_path(None, "hellaswag_file", cached, url="http://127.0.0.1:9/x") == cached  # no download
+    (tmp_path / "bad.jsonl").write_text('{"ctx": "a", "endings": ["b", "c"], "label": 0}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:1 is not a HellaSwag example"):
+        load_examples(tmp_path / "bad.jsonl", BpeTokenizer(tiny_encoding()))
+
+
+def test_eval_mistakes_are_one_line(trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        check_overrides(["stride=0"], EvalConfig)  # eval.py's first step
+    assert (
+        exit_info.value.code == 2
+        and capsys.readouterr().err == "error: stride=0 must be >= 1; null means half the context\n"
+    )
+    with pytest.raises(ConfigError, match="init_from=gpt2 has no val split to score: pass input=FILE"):
+        typed_config(compose_config(["init_from=gpt2"], config_name="eval"), EvalConfig)
+    hellaswag = str(_write_hellaswag(tmp_path / "hs.jsonl"))
+    mistakes = [
+        ({"stride": 33}, r"stride=33 must be in \[1, 32\]"),
+        ({"context": 64}, "context=64 exceeds the model's block_size=32"),
+        ({"hellaswag": True, "hellaswag_file": hellaswag}, "HellaSwag needs a BPE model"),
+        ({"hellaswag": True, "hellaswag_file": str(tmp_path / "none.jsonl")}, "hellaswag_file=.* does not exist"),
+        ({"input": str(tmp_path)}, "is not a file"),
+    ]
+    for keys, message in mistakes:
+        with pytest.raises(UserError, match=message) as info:
+            run_eval(EvalConfig(out_dir=str(trained_run), device="cpu", **keys), progress=False)
+        assert "\n" not in str(info.value)
+    result = run_script(
+        "eval.py", [f"out_dir={trained_run}", "hellaswag=true", f"hellaswag_file={hellaswag}"], tmp_path
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    assert (
+        result.stderr
+        == "error: HellaSwag needs a BPE model (GPT-2's tokens); this model's tokenizer reads characters\n"
+    )
+
+
+def test_train_hellaswag_every_writes_accuracy_at_its_evaluations(tmp_path: Path, corpus_path: Path) -> None:
+    hellaswag = _write_hellaswag(tmp_path / "hs.jsonl")
+    text = tmp_path / "text.txt"  # a short text: BPE-encoding the whole corpus would take most of the test's time
+    text.write_text(corpus_path.read_text(encoding="utf-8")[:50_000], encoding="utf-8")
+    extra = {
+        "data.tokenizer": TINY_BPE,
+        "train.hellaswag_every": 20,
+        "train.hellaswag_file": hellaswag,
+        "train.max_iters": 20,
+        "train.eval_interval": 10,
+    }
+    train(compose_config(tiny_run_overrides(tmp_path, text, **extra)))
+    evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in evals if "val_loss" in r]
+    assert [(r["iter"], "hellaswag_acc" in r) for r in evals] == [(0, True), (10, False), (20, True)]
+    model = load_checkpoint(tmp_path / "run" / CKPT_NAME).build_model().eval()  # iter 20's weights
+    examples = load_examples(hellaswag, BpeTokenizer(tiny_encoding()))
+    correct, correct_norm, count = hellaswag_sums(model, ((e, True) for e in examples), 32, torch.device("cpu"))
+    assert (evals[-1]["hellaswag_acc"], evals[-1]["hellaswag_acc_norm"]) == (correct / count, correct_norm / count)
+
+
+def test_train_hellaswag_every_is_refused_for_char_data_and_off_the_evaluations() -> None:
+    with pytest.raises(ConfigError, match="train.hellaswag_every=10 needs a BPE model"):
+        typed_config(compose_config(["train.hellaswag_every=10", "train.eval_interval=10"]), TrainRunConfig)
+    with pytest.raises(ConfigError, match="train.hellaswag_every=15 is not a multiple of train.eval_interval=10"):
+        typed_config(
+            compose_config(["data=shakespeare", "train.hellaswag_every=15", "train.eval_interval=10"]), TrainRunConfig
+        )
+
+
+def test_eval_py_is_documented() -> None:
+    readme = (REPO / "README.md").read_text()
+    for key in ("input", "context", "stride", "batch_size", "hellaswag", "hellaswag_file", "train.hellaswag_every"):
+        assert f"`{key}" in readme, key

@@ -12,6 +12,7 @@ HellaSwag picks the likeliest ending by summed (acc) and mean (acc_norm) log-lik
 """
 
 import json
+import math
 import sys
 
 import hydra
@@ -31,7 +32,8 @@ def main(dict_cfg: DictConfig) -> None:
         record = run_eval(typed_config(dict_cfg, EvalConfig))  # checked: one line for a bad value
     for line in readable(record):
         print(line)
-    print(json.dumps(record))
+    # NaN (bits per byte of a text that is all special tokens) isn't JSON: null
+    print(json.dumps({k: None if isinstance(v, float) and math.isnan(v) else v for k, v in record.items()}))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Only the samples, and the causality report when asked for, go to stdout: as they
 terminal (stream=true), one after another; the num_samples samples are drawn side by side as one batch.
 
     python sample.py out_dir=RUN start="ROMEO:" num_samples=3 max_new_tokens=500
-    python sample.py out_dir=RUN start="ROMEO:" stop=['\n\n']   # each sample ends before its first blank line
+    python sample.py out_dir=RUN start="ROMEO:" "stop=['\n\n']"   # each sample ends before its first blank line
     python sample.py out_dir=RUN start=FILE:prompt.txt
     python sample.py out_dir=RUN start="'To be, or not'"   # quote prompts with commas, spaces or symbols
     python sample.py out_dir=RUN start="ROMEO:" max_new_tokens=60 attention_dir=DIR   # attention maps
@@ -49,7 +49,13 @@ def main(dict_cfg: DictConfig) -> None:
         stop = stop_strings(cfg.stop, sampler.tokenizer)
         stream = sys.stdout.isatty() if cfg.stream is None else cfg.stream
         samples = sampler.generate(
-            prompt, cfg.num_samples, cfg.max_new_tokens, decoding, cfg.use_cache, stop, sys.stdout if stream else None
+            prompt,
+            cfg.num_samples,
+            cfg.max_new_tokens,
+            decoding,
+            use_cache=cfg.use_cache,
+            stop=stop,
+            stream=sys.stdout if stream else None,
         )
         if not stream:
             sys.stdout.write("".join(sample.text + SEPARATOR for sample in samples))

@@ -9,6 +9,7 @@ local copy in the same format is named by the hellaswag_file key.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import shutil
 import urllib.request
@@ -36,6 +37,20 @@ class Example:
     label: int  # the index of the true ending
 
 
+def hellaswag_examples(tokenizer: Tokenizer, file: str | None, key: str) -> list[Example]:
+    """The validation set, tokenized: the tokenizer is checked first, so a char model is refused before any
+    download."""
+    require_bpe(tokenizer)
+    return load_examples(hellaswag_path(file, key), tokenizer)
+
+
+def require_bpe(tokenizer: Tokenizer) -> None:
+    """A char tokenizer is refused: HellaSwag is English prose, whose characters a small char vocabulary may
+    lack, and its figures are quoted for GPT-2's BPE."""
+    if isinstance(tokenizer, CharTokenizer):
+        raise DataError("HellaSwag needs a BPE model (GPT-2's tokens); this model's tokenizer reads characters")
+
+
 def hellaswag_path(file: str | None, key: str, cached_copy: Path = CACHED_COPY, url: str = HELLASWAG_URL) -> Path:
     """The validation set: the file named by `key` (its name in the command's config), else the cached copy, else
     the download saved there (whole or not at all)."""
@@ -52,7 +67,10 @@ def hellaswag_path(file: str | None, key: str, cached_copy: Path = CACHED_COPY, 
             cached_copy.parent.mkdir(parents=True, exist_ok=True)
             with tmp.open("wb") as out:
                 shutil.copyfileobj(response, out)
-    except OSError as err:
+            expected = response.headers.get("Content-Length")
+        if expected is not None and tmp.stat().st_size != int(expected):  # a connection closed early reads short
+            raise OSError(f"got {tmp.stat().st_size:,} of {int(expected):,} bytes")
+    except (OSError, http.client.HTTPException) as err:
         tmp.unlink(missing_ok=True)
         raise DataError(f"could not download {url} ({err}); offline, point at a copy with {key}=PATH") from None
     replace_file(tmp, cached_copy)
@@ -60,10 +78,8 @@ def hellaswag_path(file: str | None, key: str, cached_copy: Path = CACHED_COPY, 
 
 
 def load_examples(path: Path, tokenizer: Tokenizer) -> list[Example]:
-    """Every example of the .jsonl file, tokenized. A char tokenizer is refused: HellaSwag is English prose, whose
-    characters a small char vocabulary may lack, and its figures are quoted for GPT-2's BPE."""
-    if isinstance(tokenizer, CharTokenizer):
-        raise DataError("HellaSwag needs a BPE model (GPT-2's tokens); this model's tokenizer reads characters")
+    """Every example of the .jsonl file, tokenized."""
+    require_bpe(tokenizer)
     examples = []
     with path.open(encoding="utf-8") as f:
         for number, line in enumerate(f, 1):

@@ -321,6 +321,7 @@ def test_a_checkpoint_in_the_layout_before_the_trainer_resumes_exactly_and_sampl
 ) -> None:
     """The dict the training loop wrote by hand before training.checkpoint owned the format, key by key."""
     from common.config import typed_config
+    from model.decoding import Decoding
     from training.sampling import load_sampler
     from training.schema import SampleConfig
 
@@ -345,5 +346,5 @@ def test_a_checkpoint_in_the_layout_before_the_trainer_resumes_exactly_and_sampl
 
     _resume_copy(half_run, tmp_path, corpus_path, before_the_trainer)
     sampler = load_sampler(typed_config(SampleConfig(out_dir=str(tmp_path / "b" / "run")), SampleConfig))
-    (ids,) = sampler.generate(sampler.encode_prompt("The"), 1, 8, 0.8, 200, use_cache=True)
-    assert len(sampler.tokenizer.decode(ids)) == len("The") + 8
+    (sample,) = sampler.generate(sampler.encode_prompt("The"), 1, 8, Decoding(0.8, 200))
+    assert len(sampler.tokenizer.decode(sample.ids)) == len("The") + 8

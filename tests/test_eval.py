@@ -268,11 +268,52 @@ def test_hellaswag_file_errors_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"could not download http://127\.0\.0\.1:9/hs\.jsonl .*hellaswag_file=PATH"):
         hellaswag_path(None, "hellaswag_file", tmp_path / "cache" / "hs.jsonl", url="http://127.0.0.1:9/hs.jsonl")
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # nothing half written
+    with pytest.raises(DataError, match=r"hellaswag_file=.*none\.jsonl does not exist; name a HellaSwag \.jsonl"):
+        hellaswag_path(str(tmp_path / "none.jsonl"), "hellaswag_file")
     cached = _write_hellaswag(tmp_path / "cached.jsonl")
     assert hellaswag_path(None, "hellaswag_file", cached, url="http://127.0.0.1:9/x") == cached  # no download
     (tmp_path / "bad.jsonl").write_text('{"ctx": "a", "endings": ["b", "c"], "label": 0}\n')
     with pytest.raises(DataError, match=r"bad\.jsonl:1 is not a HellaSwag example"):
         load_examples(tmp_path / "bad.jsonl", BpeTokenizer(tiny_encoding()))
+
+
+def test_a_download_cut_short_is_not_kept(tmp_path: Path) -> None:
+    """The server promises more bytes than it sends: an error, and no cached copy to trust next time."""
+    import http.server
+    import threading
+
+    class Short(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the handler's name)
+            self.send_response(200)
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            self.wfile.write(b'{"ctx": "a"')
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Short)
+    threading.Thread(target=server.handle_request, daemon=True).start()
+    cached = tmp_path / "cache" / "hs.jsonl"
+    url = f"http://127.0.0.1:{server.server_port}/hs.jsonl"
+    try:
+        with pytest.raises(DataError, match="could not download .*hellaswag_file=PATH"):
+            hellaswag_path(None, "hellaswag_file", cached, url=url)
+    finally:
+        server.server_close()
+    assert not cached.exists() and not any(cached.parent.iterdir())
+
+
+def test_a_char_model_is_refused_before_any_download(monkeypatch: pytest.MonkeyPatch, trained_run: Path) -> None:
+    import urllib.request
+
+    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: pytest.fail("downloaded for a char model"))
+    with pytest.raises(UserError, match="HellaSwag needs a BPE model"):
+        run_eval(EvalConfig(out_dir=str(trained_run), device="cpu", hellaswag=True), progress=False)
+    with pytest.raises(ConfigError, match="hellaswag_file=hs.jsonl is read only with hellaswag=true"):
+        EvalConfig(out_dir="run", hellaswag_file="hs.jsonl")
+    with pytest.raises(ConfigError, match="train.hellaswag_file=hs.jsonl is read only with train.hellaswag_every"):
+        OptimConfig(hellaswag_file="hs.jsonl")
 
 
 def test_eval_mistakes_are_one_line(trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -289,7 +330,6 @@ def test_eval_mistakes_are_one_line(trained_run: Path, tmp_path: Path, capsys: p
         ({"stride": 33}, r"stride=33 must be in \[1, 32\]"),
         ({"context": 64}, "context=64 exceeds the model's block_size=32"),
         ({"hellaswag": True, "hellaswag_file": hellaswag}, "HellaSwag needs a BPE model"),
-        ({"hellaswag": True, "hellaswag_file": str(tmp_path / "none.jsonl")}, "hellaswag_file=.* does not exist"),
         ({"input": str(tmp_path)}, "is not a file"),
     ]
     for keys, message in mistakes:

@@ -80,6 +80,14 @@ def test_the_earliest_stop_string_wins_and_one_in_the_prompt_does_not_count() ->
     assert sample.text == "END:a "
 
 
+def test_the_stop_string_completed_first_wins_however_the_tokens_cut_the_text() -> None:
+    whole_word = BYTES.encode(" and")
+    assert len(whole_word) == 1  # one token brings " and": both stop strings appear at once
+    sample = SampleText(BYTES, "", ["and", "n"])
+    fed(sample, [ord("x"), *whole_word])
+    assert sample.text == "x a"  # "n" is complete before "and" is, as it would be a character at a time
+
+
 def test_a_multibyte_stop_string_stops_on_its_last_byte_and_cuts_no_character() -> None:
     sample = SampleText(BYTES, "", ["é."])
     assert fed(sample, [ord("a"), 0xC3, 0xA9]) == ["a", "", ""]
@@ -90,8 +98,9 @@ def test_a_multibyte_stop_string_stops_on_its_last_byte_and_cuts_no_character() 
 def test_stop_strings_read_escapes_and_bpe_models_stop_at_end_of_text_by_default() -> None:
     assert stop_strings(["\\n\\n", "a\\tb", "\\\\n"], CHARS) == ["\n\n", "a\tb", "\\n"]
     assert stop_strings(None, BYTES) == ["<|endoftext|>"]
+    assert stop_strings(["x"], BYTES) == ["x", "<|endoftext|>"]  # a document's end stops whatever else does
     assert stop_strings(None, CHARS) == []
-    assert stop_strings([], BYTES) == []  # stop=[]: none, not even the default
+    assert stop_strings([], BYTES) == []  # stop=[]: none at all
     with pytest.raises(ConfigError, match="stop=\\['a', ''\\] has an empty string"):
         SampleConfig(out_dir="run", stop=["a", ""])
 
@@ -154,8 +163,7 @@ def test_streamed_samples_arrive_as_drawn_in_order_and_read_as_the_printed_ones(
     samples = sampler_for(CHARS).generate(chars("A:"), 3, 11, Decoding(), stop=[".", "\n"], stream=out)
     assert out.getvalue() == "".join(s.text + SEPARATOR for s in samples)
     assert [s.text for s in samples] == ["A:Hi there", "A:No", "A:Sir ahead"]
-    first = [step for step, text in out.writes if text != SEPARATOR][:4]
-    assert first == [1, 2, 3, 4]  # the prompt with the first token, then a token at a time
+    assert out.writes[:4] == [(0, "A:"), (1, "H"), (2, "i"), (3, " ")]  # the prompt at once, then token by token
     separators = [step for step, text in out.writes if text == SEPARATOR]
     assert separators == [9, 9, 10]  # the second had stopped at step 3: it is written whole after the first
 

@@ -146,6 +146,7 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path: Path, corpus_pat
 
 def test_bpe_run_trains_and_samples(tmp_path: Path, corpus_path: Path) -> None:
     from common.config import typed_config
+    from model.decoding import Decoding
     from training.sampling import load_sampler
     from training.schema import SampleConfig
 
@@ -155,9 +156,7 @@ def test_bpe_run_trains_and_samples(tmp_path: Path, corpus_path: Path) -> None:
     overrides = [f"out_dir={tmp_path / 'run'}", "start=The", "num_samples=2", "max_new_tokens=12", "device=cpu"]
     cfg = compose_config(overrides, config_name="sample")
     sampler = load_sampler(typed_config(cfg, SampleConfig))
-    samples = [
-        sampler.tokenizer.decode(ids) for ids in sampler.generate(sampler.encode_prompt("The"), 2, 12, 1.0, None, True)
-    ]
+    samples = [s.text for s in sampler.generate(sampler.encode_prompt("The"), 2, 12, Decoding(1.0, None))]
     assert len(samples) == 2 and all(s.startswith("The") and len(s) > len("The") for s in samples)
 
 

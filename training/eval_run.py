@@ -17,7 +17,7 @@ from data.errors import DataError
 from data.prepare import dataset_dir, ensure_prepared
 from data.source import read_utf8
 from data.tokenizers import Tokenizer
-from evals.hellaswag import hellaswag_path, hellaswag_sums, load_examples
+from evals.hellaswag import hellaswag_examples, hellaswag_sums
 from evals.perplexity import score_sequences
 from training.checkpoint import Checkpoint
 from training.load import LoadedModel, load_model
@@ -35,7 +35,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
     context, stride = windows_of(cfg, block_size)
     examples = None
     if cfg.hellaswag:  # before scoring the text: a missing file fails at once, not after it
-        examples = load_examples(hellaswag_path(cfg.hellaswag_file, "hellaswag_file"), loaded.tokenizer)
+        examples = hellaswag_examples(loaded.tokenizer, cfg.hellaswag_file, "hellaswag_file")
     record: dict[str, Any] = {}
     text = _text_to_score(cfg, loaded)
     if text is not None:

@@ -21,10 +21,13 @@ SEPARATOR = "\n---------------\n"  # after each sample, as nanoGPT's sample.py p
 
 def stop_strings(stop: Sequence[str] | None, tokenizer: Tokenizer) -> list[str]:
     r"""The config's stop strings with \n, \t and \\ read as a newline, a tab and a backslash (Hydra's command
-    line passes them as typed); None: the tokenizer's end of text (<|endoftext|> for GPT-2's BPE), if it has one."""
-    if stop is None:
-        return [tokenizer.end_of_text] if tokenizer.end_of_text else []
-    return [re.sub(r"\\([nt\\])", lambda m: ESCAPES[m.group(1)], s) for s in stop]
+    line passes them as typed), and the tokenizer's end of text (<|endoftext|> for GPT-2's BPE) if it has one:
+    a document ends there whatever else stops it. stop=[]: none at all."""
+    if stop is not None and not stop:
+        return []
+    unescaped = [re.sub(r"\\([nt\\])", lambda m: ESCAPES[m.group(1)], s) for s in stop or ()]
+    end = tokenizer.end_of_text
+    return unescaped + ([end] if end and end not in unescaped else [])
 
 
 class SampleText:
@@ -47,9 +50,9 @@ class SampleText:
             return
         searched = max(self._start, len(self.text) - self._longest + 1)  # a stop string may end in the new text
         self.text += self._decoder.decode(self._token_bytes(token))
-        found = [i for i in (self.text.find(s, searched) for s in self._stop) if i >= 0]
-        if found:
-            self.text = self.text[: min(found)]
+        found = [(i + len(s), i) for s, i in ((s, self.text.find(s, searched)) for s in self._stop) if i >= 0]
+        if found:  # the stop string completed first, as if the text had come a character at a time
+            self.text = self.text[: min(found)[1]]
             self.stopped = self.finished = True
 
     def finish(self) -> None:

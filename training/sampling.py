@@ -61,6 +61,7 @@ class Sampler:
         num_samples: int,
         max_new_tokens: int,
         decoding: Decoding,
+        *,
         use_cache: bool = True,
         stop: Sequence[str] = (),
         stream: TextIO | None = None,
@@ -71,6 +72,8 @@ class Sampler:
         prompt_text = self.tokenizer.decode(prompt)
         texts = [SampleText(self.tokenizer, prompt_text, stop) for _ in range(num_samples)]
         writer = InOrder(stream, texts) if stream is not None else None
+        if writer is not None:
+            writer.write()  # the prompt, before the first step
         idx = torch.tensor([prompt] * num_samples, dtype=torch.long, device=self.runtime.device)
         generated: list[list[int]] = [[] for _ in texts]  # each sample's tokens, up to the one that ends it
         steps = self.model.generate_tokens(idx, max_new_tokens, decoding, use_cache)

@@ -93,6 +93,10 @@ class OptimConfig:
                 f"train.hellaswag_every={self.hellaswag_every} is not a multiple of train.eval_interval="
                 f"{self.eval_interval}: HellaSwag runs at evaluations"
             )
+        if self.hellaswag_file is not None and not self.hellaswag_every:
+            raise ConfigError(
+                f"train.hellaswag_file={self.hellaswag_file} is read only with train.hellaswag_every > 0; set it"
+            )
 
     @property
     def decay_iters(self) -> int:
@@ -198,6 +202,8 @@ class EvalConfig:
             raise ConfigError(
                 f"init_from={self.init_from} has no val split to score: pass input=FILE (a text file) or hellaswag=true"
             )
+        if self.hellaswag_file is not None and not self.hellaswag:
+            raise ConfigError(f"hellaswag_file={self.hellaswag_file} is read only with hellaswag=true; add it")
 
 
 def register_schemas() -> None:

@@ -187,10 +187,10 @@ class Trainer:
             "train_loss": losses.train,
             "val_loss": losses.val,
             "val_bpb": losses.val_bpb,
+            "elapsed_s": self.elapsed(),  # before HellaSwag: time_to_target_s is the training's (the next has it)
         }
         if self.hellaswag is not None and self.hellaswag.due(p.iter):
             record |= self.hellaswag(self.wrapped)  # not compiled: each example has its own length
-        record["elapsed_s"] = self.elapsed()
         if reached:
             record["time_to_target_s"] = record["elapsed_s"]
         self.metrics.write(record)

@@ -12,10 +12,11 @@ terminal (stream=true), one after another; the num_samples samples are drawn sid
     python sample.py init_from=gpt2 start="The meaning of life is"   # OpenAI's GPT-2 (pip install ".[hf]")
 
 attention_dir=DIR runs the prompt and the first sample's continuation through the math path of the same
-weights and writes DIR/attention.npz (weights: (n_layer, n_head, T, T), mask: (n_layer, T, T), tokens) and
-one PNG per layer. In each heat map row i is a query position and column j a key position; each row is a
-softmax over the keys the mask allows, so it sums to 1; masked cells (above the diagonal, and outside a
-sliding window's band) are grey.
+weights and writes DIR/attention.npz (weights: (n_layer, n_head, T, T), mask: (n_layer, T, T), tokens, head
+diagnostics), one PNG per layer and DIR/index.html, an offline page to explore them, with the KV-cache decode
+steps' own weights (and the causality chart with check_causal=true; docs/attention_explorer.md). In each heat
+map row i is a query position and column j a key position; each row is a softmax over the keys the mask allows,
+so it sums to 1; masked cells (above the diagonal, and outside a sliding window's band) are grey.
 
 check_causal=true changes one token of that sequence (the middle one; with a sliding window in every layer, the
 one that centres its receptive field) and prints, position by position, the largest change of the logits on

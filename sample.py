@@ -12,10 +12,11 @@ terminal (stream=true), one after another; the num_samples samples are drawn sid
     python sample.py init_from=gpt2 start="The meaning of life is"   # OpenAI's GPT-2 (pip install ".[hf]")
 
 attention_dir=DIR runs the prompt and the first sample's continuation through the math path of the same
-weights and writes DIR/attention.npz (weights: (n_layer, n_head, T, T), mask: (n_layer, T, T), tokens) and
-one PNG per layer. In each heat map row i is a query position and column j a key position; each row is a
-softmax over the keys the mask allows, so it sums to 1; masked cells (above the diagonal, and outside a
-sliding window's band) are grey.
+weights and writes DIR/attention.npz (weights: (n_layer, n_head, T, T), mask: (n_layer, T, T), tokens, head
+diagnostics), one PNG per layer and DIR/index.html, an offline page to explore them, with the KV-cache decode
+steps' own weights (and the causality chart with check_causal=true; docs/attention_explorer.md). In each heat
+map row i is a query position and column j a key position; each row is a softmax over the keys the mask allows,
+so it sums to 1; masked cells (above the diagonal, and outside a sliding window's band) are grey.
 
 check_causal=true changes one token of that sequence (the middle one; with a sliding window in every layer, the
 one that centres its receptive field) and prints, position by position, the largest change of the logits on
@@ -63,12 +64,7 @@ def main(dict_cfg: DictConfig) -> None:
             return
         first = samples[0].ids
         decode_each = [sampler.tokenizer.decode([i]) for i in first]
-        if cfg.attention_dir:
-            from analysis.attention_maps import save_attention_maps
-
-            window = sampler.last_window(first, "attention maps")
-            paths = save_attention_maps(sampler.model, window, decode_each[-len(window) :], Path(cfg.attention_dir))
-            print(f"wrote {Path(cfg.attention_dir) / 'attention.npz'} and {len(paths)} PNGs", file=sys.stderr)
+        causality = None
         if cfg.check_causal:
             from analysis.causality import check_causality, format_report
 
@@ -78,10 +74,29 @@ def main(dict_cfg: DictConfig) -> None:
             window = sampler.last_window(first, "causality check", span)
             if len(window) < 2:
                 warn("causality check: needs at least 2 tokens; raise max_new_tokens")
-                return
-            report = check_causality(sampler.model, window)
-            changed_to = sampler.tokenizer.decode([(window[report.position] + 1) % sampler.model.config.vocab_size])
-            print(format_report(report, decode_each[-len(window) :], changed_to))
+            else:
+                report = check_causality(sampler.model, window)
+                changed_to = sampler.tokenizer.decode([(window[report.position] + 1) % config.vocab_size])
+                print(format_report(report, decode_each[-len(window) :], changed_to))
+                causality = (report, decode_each[-len(window) :])
+        if cfg.attention_dir:
+            from analysis.attention_maps import save_attention_maps
+            from analysis.explorer import causality_data, save_explorer
+
+            out_dir = Path(cfg.attention_dir)
+            window = sampler.last_window(first, "attention maps")
+            paths = save_attention_maps(sampler.model, window, decode_each[-len(window) :], out_dir)
+            # The decode steps: the prompt's tokens in the window as one pass, then one per generated token.
+            n_generated = min(len(window), len(first) - len(prompt))
+            page = save_explorer(
+                sampler.model,
+                window,
+                max(1, len(window) - n_generated),
+                out_dir,
+                f"{cfg.init_from if cfg.out_dir is None else cfg.out_dir}: {cfg.start!r}",
+                None if causality is None else causality_data(*causality),
+            )
+            print(f"wrote {out_dir / 'attention.npz'}, {len(paths)} PNGs and {page}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from analysis.diagnostics import DIAGNOSTIC_NAMES, head_diagnostics
 from model import GPT, causal_mask
 
 LABELS_UP_TO = 48  # token labels on the axes only while they stay readable
@@ -22,13 +23,21 @@ MASKED_COLOUR = "#9a9a9a"  # neutral grey: no weight's colour in the map's scale
 
 def save_attention_maps(model: GPT, ids: list[int], tokens: list[str], out_dir: Path) -> list[Path]:
     """Write out_dir/attention.npz (weights: float32 (n_layer, n_head, T, T); mask: bool (n_layer, T, T), True
-    where a query may attend; tokens) and the PNGs."""
+    where a query may attend; tokens; diagnostics: float32 (n_layer, n_head, 5), named by diagnostic_names) and
+    the PNGs."""
     out_dir.mkdir(parents=True, exist_ok=True)
     idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
     weights = model.attention_weights(idx)[:, 0].float().cpu().numpy()
     T = len(ids)
     mask = np.stack([causal_mask(T, T, window=w).numpy() for w in model.config.layer_windows()])
-    np.savez(out_dir / "attention.npz", weights=weights, mask=mask, tokens=np.array(tokens))
+    np.savez(
+        out_dir / "attention.npz",
+        weights=weights,
+        mask=mask,
+        tokens=np.array(tokens),
+        diagnostics=head_diagnostics(model, weights),
+        diagnostic_names=np.array(DIAGNOSTIC_NAMES),
+    )
     return [_plot_layer(weights[layer], mask[layer], tokens, layer, out_dir) for layer in range(len(weights))]
 
 

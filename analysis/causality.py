@@ -80,11 +80,13 @@ def format_report(report: CausalityReport, tokens: list[str], changed_to: str) -
         marker = "  <- changed" if i == t else ""
         cells = "".join(f"{report.changes[impl][i].item():>12.3g}" for impl in impls)
         lines.append(f"{i:>5}  {token!r:<8}{cells}{marker}")
-    lines.append(_verdict(report, " and ".join(impls)))
+    lines.append(verdict(report))
     return "\n".join(lines)
 
 
-def _verdict(report: CausalityReport, paths: str) -> str:
+def verdict(report: CausalityReport) -> str:
+    """One line: whether the mask held, with the range of positions expected to change and the one found."""
+    paths = " and ".join(report.changes)
     t, last, end = report.position, report.last_reachable, report.length - 1
     if report.receptive_field is None:
         expected = f"positions {t}-{end}"
@@ -95,8 +97,8 @@ def _verdict(report: CausalityReport, paths: str) -> str:
         return f"MASK LEAKED: positions outside the expected {expected} changed ({leaks})"
     unchanged = " and ".join(f"{a}-{b}" for a, b in ((0, t - 1), (last + 1, end)) if a <= b) or "none"
     found = " / ".join(sorted({_changed_span(c) for c in report.changes.values()}))
-    verdict = f"mask held: positions {unchanged} are unchanged on {paths}, expected {expected} to change, found {found}"
-    return verdict + " changed" + ("" if report.information_flows else f" ({_unchanged_inside(report)})")
+    held = f"mask held: positions {unchanged} are unchanged on {paths}, expected {expected} to change, found {found}"
+    return held + " changed" + ("" if report.information_flows else f" ({_unchanged_inside(report)})")
 
 
 def _changed_span(change: torch.Tensor) -> str:

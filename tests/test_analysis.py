@@ -84,3 +84,5 @@ def test_sample_py_draws_attention_maps_and_proves_causality(trained_run: Path, 
     weights = np.load(tmp_path / "maps" / "attention.npz")["weights"]
     assert weights.shape[-2:] == (23, 23)
     assert len(list((tmp_path / "maps").glob("attention_layer*.png"))) == weights.shape[0]
+    page = (tmp_path / "maps" / "index.html").read_text(encoding="utf-8")
+    assert '"steps":{"first":3,' in page and '"verdict":"mask held' in page  # "The": 3 tokens run as the prompt

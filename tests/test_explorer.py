@@ -1,0 +1,237 @@
+"""The attention explorer (analysis/explorer.py): its data format without a browser, then the page itself in
+headless Chromium, checked through the page (window.attentionExplorer, its canvases, its console).
+
+The browser tests need Debian's chromium and chromium-driver and the selenium client (.ci/run installs them). On a
+machine without them they skip with the reason; under CI (the CI variable set) they fail instead."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+import pytest
+import torch
+
+from analysis.attention_maps import save_attention_maps
+from analysis.causality import check_causality
+from analysis.decode_steps import decode_step_weights
+from analysis.diagnostics import DIAGNOSTIC_NAMES, induction_scores, pattern_scores
+from analysis.explorer import DATA_SLOT, causality_data, pack, quantise, save_explorer, unpack
+from model import GPT, causal_mask
+from training.load import load_model
+
+T, PREFILL = 30, 6  # the page's sequence: 6 prompt tokens, 24 decode steps
+HALF_STEP = 0.5 / 255  # the most 8-bit rounding moves a weight, but for a tiny one forced up to 1/255
+
+
+def _within_rounding(shown: np.ndarray, exact: np.ndarray) -> bool:
+    return bool(np.all(np.abs(shown - exact) <= np.where(exact < HALF_STEP, 1 / 255, HALF_STEP) + 1e-6))
+
+
+@pytest.fixture(scope="module")
+def windowed_model(trained_run: Path) -> tuple[GPT, object]:
+    """The trained tiny run's weights with a 4-token window in layer 0: the page shows a band and a triangle."""
+    loaded = load_model(str(trained_run), None, "ckpt.pt", None)
+    config = replace(loaded.model.config, attn_window=4, window_pattern="SL")
+    model = GPT(config).eval()
+    model.load_state_dict(loaded.model.state_dict())
+    return model, loaded.tokenizer
+
+
+@pytest.fixture(scope="module")
+def page_dir(windowed_model: tuple[GPT, object], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model, tokenizer = windowed_model
+    ids = tokenizer.encode("ROMEO:\nWhat, shall this speech be")[:T]
+    tokens = [tokenizer.decode([i]) for i in ids]
+    out = tmp_path_factory.mktemp("explorer")
+    save_attention_maps(model, ids, tokens, out)
+    report = check_causality(model, ids)
+    save_explorer(model, ids, PREFILL, out, "test </script> & <b>", causality_data(report, tokens))
+    return out
+
+
+# --- the data, without a browser ---
+
+
+def test_quantise_keeps_exact_zeros_and_only_them() -> None:
+    q = quantise(np.array([0.0, 1e-9, 0.5 / 255, 0.31, 1.0]))
+    assert q.tolist() == [0, 1, 1, 79, 255]
+
+
+def test_pack_holds_only_the_allowed_cells_and_unpacks_to_them() -> None:
+    mask = np.stack([causal_mask(7, 7, window=3).numpy(), causal_mask(7, 7).numpy()])
+    weights = torch.softmax(torch.randn(2, 3, 7, 7).masked_fill(~torch.from_numpy(mask)[:, None], -torch.inf), -1)
+    data = pack(quantise(weights.numpy()), mask)
+    assert len(data) == 3 * (mask[0].sum() + mask[1].sum())
+    back = unpack(data, mask, 3)
+    assert np.all(back[:, :, ~mask[0]][0] == 0) and np.all(back[1][:, ~mask[1]] == 0)
+    assert _within_rounding(back, weights.numpy())
+
+
+def test_pattern_scores_follow_their_formulas() -> None:
+    p = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
+    entropy, distance, first, previous = pattern_scores(p)
+    assert entropy == pytest.approx((0 + np.log(2) - (0.2 * np.log(0.2) + 0.3 * np.log(0.3) + 0.5 * np.log(0.5))) / 3)
+    assert distance == pytest.approx((0 + 0.5 * 1 + (0.2 * 2 + 0.3 * 1)) / 3)
+    assert first == pytest.approx((1 + 0.5 + 0.2) / 3)
+    assert previous == pytest.approx((0.5 + 0.3) / 2)
+
+
+def test_induction_score_reads_the_stripe_after_the_previous_occurrence(windowed_model: tuple[GPT, object]) -> None:
+    model = windowed_model[0]
+    scores = induction_scores(model)
+    assert scores.shape == (model.config.n_layer, model.config.n_head)
+    assert np.all((scores >= 0) & (scores <= 1))
+    assert np.all(scores[0] == 0)  # layer 0's 4-token window can't reach 16 tokens back (block_size 32: R = 16)
+
+
+def test_decode_steps_are_the_math_paths_rows(windowed_model: tuple[GPT, object]) -> None:
+    model = windowed_model[0]
+    ids = list(range(3, 3 + T))
+    steps = decode_step_weights(model, ids, PREFILL)
+    full = model.attention_weights(torch.tensor([ids]))[:, 0].numpy()  # (n_layer, n_head, T, T)
+    assert steps.shape == (T - PREFILL, model.config.n_layer, model.config.n_head, T)
+    np.testing.assert_allclose(steps, full[:, :, PREFILL:].transpose(2, 0, 1, 3), rtol=0, atol=1e-6)
+    band = causal_mask(T, T, window=4).numpy()[PREFILL:]  # layer 0's cache holds only its window's keys
+    assert np.all(steps[:, 0].transpose(1, 0, 2)[:, ~band] == 0) and np.all(steps[:, 0].transpose(1, 0, 2)[:, band] > 0)
+
+
+def test_the_page_is_one_self_contained_file(page_dir: Path) -> None:
+    page = (page_dir / "index.html").read_text(encoding="utf-8")
+    assert DATA_SLOT not in page
+    assert not re.search(r"<(script|link|img)[^>]+(src|href)=", page)  # nothing loaded from anywhere
+    assert "http" not in page.lower().replace("http-equiv", "")
+    data = json.loads(re.search(r'<script id="explorer-data"[^>]*>(.*?)</script>', page, re.S).group(1))
+    assert data["title"] == "test </script> & <b>" and data["steps"]["first"] == PREFILL
+    assert data["windows"] == [4, None] and data["causality"]["verdict"].startswith("mask held")
+
+
+# --- the page in headless Chromium ---
+
+
+def _missing_browser() -> str | None:
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return 'the selenium client is not installed (pip install ".[dev]")'
+    for program, package in (("chromium", "chromium"), ("chromedriver", "chromium-driver")):
+        if shutil.which(program) is None:
+            return f"{program} is not on PATH (apt-get install {package}, as .ci/run does)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """One headless Chromium for the session, through Debian's chromedriver (never Selenium Manager: offline)."""
+    why = _missing_browser()
+    if why is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs the browser tests with none skipped, but {why}")
+        pytest.skip(why)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def page(browser, page_dir: Path):
+    browser.get((page_dir / "index.html").as_uri())
+    return browser
+
+
+def _matrix_pixels(driver) -> str:
+    return driver.execute_script("return document.getElementById('matrix').toDataURL()")
+
+
+def test_the_page_loads_without_console_errors(page) -> None:
+    errors = [entry for entry in page.get_log("browser") if entry["level"] == "SEVERE"]
+    assert errors == []
+    api = page.execute_script("const e = window.attentionExplorer; return [e.T, e.nLayer, e.nHead, e.tokens]")
+    assert api[:3] == [T, 2, 2] and len(api[3]) == T
+    assert page.title == "Attention explorer: test </script> & <b>"
+
+
+def test_the_pages_weights_are_the_saved_ones_rows_sum_to_1_and_masked_cells_are_0(page, page_dir: Path) -> None:
+    shown = np.array(
+        page.execute_script(
+            """const e = window.attentionExplorer, out = [];
+            for (let l = 0; l < e.nLayer; l++) { const heads = []; out.push(heads);
+              for (let h = 0; h < e.nHead; h++) { const rows = []; heads.push(rows);
+                for (let i = 0; i < e.T; i++) { const row = []; rows.push(row);
+                  for (let j = 0; j < e.T; j++) row.push(e.weight(l, h, i, j)); } } }
+            return out;"""
+        )
+    )
+    saved = np.load(page_dir / "attention.npz")
+    weights, mask = saved["weights"], saved["mask"][:, None]
+    assert mask[0, 0, 10, 7] and not mask[0, 0, 10, 6]  # the band of layer 0's window
+    mask = np.broadcast_to(mask, weights.shape)
+    assert np.all(shown[~mask] == 0)
+    assert np.all(shown[mask & (weights > 0)] > 0)
+    np.testing.assert_array_equal(shown, quantise(weights) / 255)
+    assert _within_rounding(shown, weights)
+    np.testing.assert_allclose(shown.sum(-1), 1.0, rtol=0, atol=T * HALF_STEP)
+    values = page.execute_script("return window.attentionExplorer.diagnostics")
+    assert values["names"] == list(DIAGNOSTIC_NAMES)
+    np.testing.assert_allclose(np.array(values["values"], dtype=float), saved["diagnostics"], rtol=1e-6)
+
+
+def test_the_step_view_holds_the_decode_steps_own_weights(page, windowed_model: tuple[GPT, object]) -> None:
+    shown = np.array(
+        page.execute_script(
+            """const e = window.attentionExplorer, out = [];
+            for (let s = 0; s < e.steps.count; s++) { const layers = []; out.push(layers);
+              for (let l = 0; l < e.nLayer; l++) { const heads = []; layers.push(heads);
+                for (let h = 0; h < e.nHead; h++) { const row = []; heads.push(row);
+                  for (let j = 0; j < e.T; j++) row.push(e.stepWeight(s, l, h, j)); } } }
+            return out;"""
+        )
+    )
+    model, tokenizer = windowed_model
+    ids = tokenizer.encode("ROMEO:\nWhat, shall this speech be")[:T]
+    math_rows = model.attention_weights(torch.tensor([ids]))[:, 0, :, PREFILL:].numpy().transpose(2, 0, 1, 3)
+    assert shown.shape == math_rows.shape
+    assert _within_rounding(shown, math_rows)
+    assert np.all(shown[math_rows == 0] == 0)
+    np.testing.assert_array_equal(shown, quantise(decode_step_weights(model, ids, PREFILL)) / 255)
+
+
+def test_clicking_a_thumbnail_and_hovering_a_token_redraw_the_head(page) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    before = _matrix_pixels(page)
+    page.find_element(By.ID, "thumb-1-1").click()
+    assert page.execute_script("return window.attentionExplorer.selected()") == [1, 1]
+    opened = _matrix_pixels(page)
+    assert opened != before
+    token = page.find_elements(By.CSS_SELECTOR, "#text span")[12]
+    ActionChains(page).move_to_element(token).perform()
+    assert _matrix_pixels(page) != opened  # the row is outlined
+    assert token.value_of_css_property("background-color") != "rgba(0, 0, 0, 0)"
+    later = page.find_elements(By.CSS_SELECTOR, "#text span")[20]
+    assert "masked" in later.get_attribute("class")  # key 20 after query 12: grey, not coloured as a weight
+    assert "154, 154, 154" in later.value_of_css_property("background-color")
+
+
+def test_a_screenshot_of_the_page_is_not_blank(page) -> None:
+    page.execute_script("window.attentionExplorer.open(0, 1); window.attentionExplorer.setStep(5)")
+    pixels = matplotlib.image.imread(io.BytesIO(page.get_screenshot_as_png()), format="png")
+    colours = np.unique((pixels[..., :3] * 255).astype(np.uint8).reshape(-1, 3), axis=0)
+    assert len(colours) > 100
+    assert page.find_element("id", "verdict").text.startswith("mask held")

@@ -86,15 +86,14 @@ def main(dict_cfg: DictConfig) -> None:
             out_dir = Path(cfg.attention_dir)
             window = sampler.last_window(first, "attention maps")
             paths = save_attention_maps(sampler.model, window, decode_each[-len(window) :], out_dir)
-            # The decode steps: the prompt's tokens in the window as one pass, then one per generated token.
-            n_generated = min(len(window), len(first) - len(prompt))
             page = save_explorer(
                 sampler.model,
-                window,
-                max(1, len(window) - n_generated),
+                first,
+                len(prompt),
                 out_dir,
                 f"{cfg.init_from if cfg.out_dir is None else cfg.out_dir}: {cfg.start!r}",
                 None if causality is None else causality_data(*causality),
+                use_cache=cfg.use_cache,
             )
             print(f"wrote {out_dir / 'attention.npz'}, {len(paths)} PNGs and {page}", file=sys.stderr)
 

@@ -41,6 +41,12 @@ def save_attention_maps(model: GPT, ids: list[int], tokens: list[str], out_dir: 
     return [_plot_layer(weights[layer], mask[layer], tokens, layer, out_dir) for layer in range(len(weights))]
 
 
+def load_attention_maps(out_dir: Path) -> dict[str, np.ndarray]:
+    """attention.npz's arrays, as save_attention_maps wrote them."""
+    with np.load(out_dir / "attention.npz") as saved:
+        return {name: saved[name] for name in saved.files}
+
+
 def _plot_layer(weights: np.ndarray, mask: np.ndarray, tokens: list[str], layer: int, out_dir: Path) -> Path:
     import matplotlib
 

@@ -21,24 +21,31 @@ def head_diagnostics(model: GPT, weights: np.ndarray) -> np.ndarray:
 
 def pattern_scores(weights: np.ndarray) -> np.ndarray:
     """(..., 4): row entropy (nats), mean attention distance, weight on the first token, previous-token score,
-    each a mean over query rows; the previous-token score over rows 1.. (row 0 has no previous token)."""
+    each a mean over query rows; the last two over rows 1.. (row 0 has no previous token, and all its weight is
+    on the first one whatever the head does)."""
     p = weights.astype(np.float64)
     T = p.shape[-1]
     plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
     entropy = -plogp.sum(-1).mean(-1)
     distance = np.arange(T)[:, None] - np.arange(T)[None, :]  # i - j
     mean_distance = (p * distance).sum(-1).mean(-1)
-    first = p[..., :, 0].mean(-1)
-    previous = np.diagonal(p, offset=-1, axis1=-2, axis2=-1).mean(-1) if T > 1 else np.full(first.shape, np.nan)
+    if T > 1:
+        first = p[..., 1:, 0].mean(-1)
+        previous = np.diagonal(p, offset=-1, axis1=-2, axis2=-1).mean(-1)
+    else:
+        first = previous = np.full(entropy.shape, np.nan)
     return np.stack([entropy, mean_distance, first, previous], axis=-1)
 
 
 @torch.no_grad()
 def induction_scores(model: GPT) -> np.ndarray:
     """(n_layer, n_head): R random tokens repeated twice; the mean, over the second repeat's queries i, of the
-    weight on key i - R + 1, the token that followed the current token's previous occurrence."""
+    weight on key i - R + 1, the token that followed the current token's previous occurrence (the stripe of
+    TransformerLens's main demo, without its BOS token). NaN when block_size can't hold two repeats of 2."""
     config = model.config
-    repeat = max(1, min(config.block_size // 2, INDUCTION_REPEAT))
+    repeat = min(config.block_size // 2, INDUCTION_REPEAT)
+    if repeat < 2:
+        return np.full((config.n_layer, config.n_head), np.nan)
     generator = torch.Generator().manual_seed(INDUCTION_SEED)
     half = torch.randint(config.vocab_size, (repeat,), generator=generator)
     idx = torch.cat([half, half])[None].to(next(model.parameters()).device)

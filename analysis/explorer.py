@@ -13,10 +13,15 @@ object in <script id="explorer-data" type="application/json">, read by the page'
                  query i may attend to keys lo(i) .. i, lo(i) = max(0, i - window + 1) (0 without a window)
     weights      base64 of uint8 cells: for each layer, each head, each query row i, the keys lo(i) .. i in
                  order (only the cells the mask allows; every other cell is exactly 0). A weight w is stored as
-                 q = round(255 w), but a non-zero w as at least 1: q = 0 only for an exact 0; the page shows q / 255
-    steps        null, or {first, weights}: the KV-cache decode steps of tokens first .. T - 1, the weights each
-                 step used over its cached keys, packed like `weights` but with rows first .. T - 1 only
+                 q ≈ 255 w (quantise: each row's q add up to exactly 255); the page shows q / 255
+    steps        null, or {first, differ, weights}: the KV-cache decode steps of tokens first .. T - 1, the weights
+                 each step used over its cached keys. They equal the matrix's rows first .. T - 1 within 1e-6, so
+                 after quantising most rows are the very same bytes, stored once: `differ` lists the rows that
+                 aren't, as (layer * nHead + head) * (T - first) + (t - first), ascending, and `weights` holds
+                 those rows' allowed cells, packed like `weights`, in that order; every other step row is the
+                 matrix's row t
     diagnostics  {names: [str], values: (n_layer, n_head, len(names)) nested lists, null for an undefined value}
+    stepsNote    null, or str: why there are no steps (the sample outgrew block_size, or use_cache=false)
     causality    null, or {tokens: [str], position: int, changes: {attn_impl: [float] per position}, verdict: str}
 """
 
@@ -26,14 +31,16 @@ import base64
 import html
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 
+from analysis.attention_maps import load_attention_maps
 from analysis.causality import CausalityReport, verdict
 from analysis.decode_steps import decode_step_weights
 from analysis.diagnostics import DIAGNOSTIC_NAMES
-from model import GPT
+from model import GPT, causal_mask
 
 PAGE = Path(__file__).with_name("explorer_page.html")
 DATA_SLOT = "__EXPLORER_DATA__"
@@ -41,10 +48,15 @@ TITLE_SLOT = "__EXPLORER_TITLE__"
 
 
 def quantise(weights: np.ndarray) -> np.ndarray:
-    """uint8 round(255 w), with any non-zero weight at least 1 so that 0 means exactly 0 (masked)."""
-    q = np.rint(np.asarray(weights, dtype=np.float64) * 255).clip(0, 255).astype(np.uint8)
-    q[(q == 0) & (np.asarray(weights) > 0)] = 1
-    return q
+    """uint8 255 w, each row (the last axis) rounded by largest remainder, so that a softmax row's cells add up
+    to exactly 255: floor(255 w), then one more to the cells that lost most, as many as the row's rounded sum
+    needs. An exact 0 stays 0 (it loses nothing); a tiny weight may read 0, but the page tells masked cells from
+    the mask, not from 0."""
+    scaled = np.asarray(weights, dtype=np.float64).clip(0, 1) * 255
+    q = np.floor(scaled)
+    short = np.rint(scaled.sum(-1, keepdims=True)) - q.sum(-1, keepdims=True)  # units the floors lost, per row
+    rank = np.argsort(np.argsort(q - scaled, axis=-1, kind="stable"), axis=-1)  # 0: the largest remainder
+    return (q + (rank < short)).astype(np.uint8)
 
 
 def pack(cells: np.ndarray, mask: np.ndarray) -> bytes:
@@ -68,6 +80,25 @@ def unpack(data: bytes, mask: np.ndarray, n_head: int) -> np.ndarray:
     return out
 
 
+def unpack_steps(data: dict) -> np.ndarray | None:
+    """The page's decode-step rows as its script reads them, dequantised: (n_steps, n_layer, n_head, T)."""
+    steps = data["steps"]
+    if steps is None:
+        return None
+    n_head, T, first = data["nHead"], data["T"], steps["first"]
+    n_steps = T - first
+    mask = np.stack([causal_mask(T, T, window=w).numpy() for w in data["windows"]])
+    rows = unpack(base64.b64decode(data["weights"]), mask, n_head)[:, :, first:]  # the matrix's rows first ..
+    stored, at = np.frombuffer(base64.b64decode(steps["weights"]), dtype=np.uint8), 0
+    for index in steps["differ"]:
+        layer, head, step = index // n_steps // n_head, index // n_steps % n_head, index % n_steps
+        allowed = mask[layer, first + step]
+        rows[layer, head, step] = 0
+        rows[layer, head, step][allowed] = stored[at : at + allowed.sum()] / 255
+        at += allowed.sum()
+    return rows.transpose(2, 0, 1, 3)
+
+
 def causality_data(report: CausalityReport, tokens: list[str]) -> dict:
     """The chart's data: per-position largest |change| of the logits on each path, and the verdict line."""
     changes = {impl: [float(x) for x in change] for impl, change in report.changes.items()}
@@ -83,6 +114,7 @@ def page_data(
     diagnostics: np.ndarray,
     steps: np.ndarray | None = None,
     causality: dict | None = None,
+    steps_note: str | None = None,
 ) -> dict:
     """The page's JSON (the module docstring): weights (n_layer, n_head, T, T) and mask (n_layer, T, T) as in
     attention.npz; steps (n_steps, n_layer, n_head, T) from decode_step_weights, for the last n_steps tokens."""
@@ -104,11 +136,16 @@ def page_data(
             "values": values,
         },
         "causality": causality,
+        "stepsNote": steps_note,
     }
     if steps is not None and len(steps):
         first = T - len(steps)
         cells = quantise(steps).transpose(1, 2, 0, 3)  # (n_layer, n_head, n_steps, T): rows first .. T - 1
-        data["steps"] = {"first": first, "weights": base64.b64encode(pack(cells, mask[:, first:])).decode("ascii")}
+        differ = np.flatnonzero((cells != quantise(weights)[:, :, first:]).any(axis=-1))
+        n_steps = T - first
+        rows = [cells.reshape(-1, T)[i][mask[i // n_steps // n_head, first + i % n_steps]] for i in differ]
+        packed = base64.b64encode(b"".join(row.tobytes() for row in rows)).decode("ascii")
+        data["steps"] = {"first": first, "differ": differ.tolist(), "weights": packed}
     return data
 
 
@@ -116,32 +153,46 @@ def write_page(data: dict, path: Path) -> Path:
     """Fill the page with `data`. The JSON is ASCII with <, > and & escaped, so no token can end the script."""
     text = json.dumps(data, separators=(",", ":"), allow_nan=False)
     text = text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-    page = PAGE.read_text(encoding="utf-8")
-    page = page.replace(TITLE_SLOT, html.escape(data["title"])).replace(DATA_SLOT, text)
+    slots = {TITLE_SLOT: html.escape(data["title"]), DATA_SLOT: text}
+    page = re.sub("|".join(slots), lambda m: slots[m.group(0)], PAGE.read_text(encoding="utf-8"))  # one pass
     path.write_text(page, encoding="utf-8")
     return path
 
 
 def save_explorer(
     model: GPT,
-    ids: list[int],
-    n_prefill: int,
+    sample: list[int],
+    n_prompt: int,
     out_dir: Path,
     title: str,
     causality: dict | None = None,
+    use_cache: bool = True,
 ) -> Path:
-    """Write out_dir/index.html for the sequence whose attention.npz save_attention_maps wrote there (so the page
-    holds those very numbers), with the decode steps of tokens n_prefill .. len(ids) - 1."""
-    saved = np.load(out_dir / "attention.npz")
-    steps = decode_step_weights(model, ids, n_prefill) if n_prefill < len(ids) else None
+    """Write out_dir/index.html for the window of `sample` (the prompt's n_prompt tokens, then the generated ones)
+    whose attention.npz save_attention_maps wrote there, so the page holds those very numbers, with the decode
+    steps generation took for the window's generated tokens, where it took any (stepsNote says why not)."""
+    saved = load_attention_maps(out_dir)
+    T, config = len(saved["tokens"]), model.config
+    generated = min(T, len(sample) - n_prompt)
+    steps, note = None, None
+    if not use_cache:
+        note = "Sampled with use_cache=false: every step recomputed its window, so there are no decode steps to show."
+    elif generated > 0 and (config.rolls or len(sample) <= config.block_size):
+        steps = decode_step_weights(model, sample, n_prompt, last=T)
+    elif generated > 0:
+        note = (
+            f"The sample outgrew block_size={config.block_size}: past it, generation recomputed each cropped window "
+            "without the KV cache, so there are no decode steps to show for this window."
+        )
     data = page_data(
         title,
         [str(t) for t in saved["tokens"]],
         saved["weights"],
         saved["mask"],
-        model.config.layer_windows(),
+        config.layer_windows(),
         saved["diagnostics"],
         steps,
         causality,
+        note,
     )
     return write_page(data, out_dir / "index.html")

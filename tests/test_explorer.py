@@ -6,6 +6,7 @@ machine without them they skip with the reason; under CI (the CI variable set) t
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
@@ -23,16 +24,26 @@ from analysis.attention_maps import save_attention_maps
 from analysis.causality import check_causality
 from analysis.decode_steps import decode_step_weights
 from analysis.diagnostics import DIAGNOSTIC_NAMES, induction_scores, pattern_scores
-from analysis.explorer import DATA_SLOT, causality_data, pack, quantise, save_explorer, unpack
-from model import GPT, causal_mask
+from analysis.explorer import (
+    DATA_SLOT,
+    causality_data,
+    pack,
+    page_data,
+    quantise,
+    save_explorer,
+    unpack,
+    unpack_steps,
+    write_page,
+)
+from model import GPT, GPTConfig, causal_mask
 from training.load import load_model
 
 T, PREFILL = 30, 6  # the page's sequence: 6 prompt tokens, 24 decode steps
-HALF_STEP = 0.5 / 255  # the most 8-bit rounding moves a weight, but for a tiny one forced up to 1/255
+STEP = 1 / 255  # rounding each row to add up to 255 moves a weight by less than one step
 
 
 def _within_rounding(shown: np.ndarray, exact: np.ndarray) -> bool:
-    return bool(np.all(np.abs(shown - exact) <= np.where(exact < HALF_STEP, 1 / 255, HALF_STEP) + 1e-6))
+    return bool(np.all(np.abs(shown - exact) < STEP + 1e-6))
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +71,16 @@ def page_dir(windowed_model: tuple[GPT, object], tmp_path_factory: pytest.TempPa
 # --- the data, without a browser ---
 
 
-def test_quantise_keeps_exact_zeros_and_only_them() -> None:
-    q = quantise(np.array([0.0, 1e-9, 0.5 / 255, 0.31, 1.0]))
-    assert q.tolist() == [0, 1, 1, 79, 255]
+def test_quantise_rounds_each_row_to_sum_255_and_keeps_exact_zeros() -> None:
+    row = np.array([0.0, 1e-9, 0.4 / 255, 0.3 / 255, 0.5, 0.5 - 0.7 / 255])
+    assert quantise(row).tolist() == [0, 0, 0, 0, 128, 127]  # the largest remainders get the units the floors lost
+    rows = np.random.default_rng(0).dirichlet(np.full(46, 0.05), size=200)  # peaked, with many tiny weights
+    rows[:, :3] = 0
+    rows /= rows.sum(-1, keepdims=True)
+    q = quantise(rows)
+    assert np.all(q.sum(-1) == 255) and np.all(q[:, :3] == 0)
+    assert np.abs(q / 255 - rows).max() < 1 / 255
+    assert quantise(np.zeros((2, 3))).tolist() == [[0, 0, 0], [0, 0, 0]]  # a row of nothing stays nothing
 
 
 def test_pack_holds_only_the_allowed_cells_and_unpacks_to_them() -> None:
@@ -80,7 +98,7 @@ def test_pattern_scores_follow_their_formulas() -> None:
     entropy, distance, first, previous = pattern_scores(p)
     assert entropy == pytest.approx((0 + np.log(2) - (0.2 * np.log(0.2) + 0.3 * np.log(0.3) + 0.5 * np.log(0.5))) / 3)
     assert distance == pytest.approx((0 + 0.5 * 1 + (0.2 * 2 + 0.3 * 1)) / 3)
-    assert first == pytest.approx((1 + 0.5 + 0.2) / 3)
+    assert first == pytest.approx((0.5 + 0.2) / 2)  # row 0's weight is all on the first token, whatever the head
     assert previous == pytest.approx((0.5 + 0.3) / 2)
 
 
@@ -101,6 +119,43 @@ def test_decode_steps_are_the_math_paths_rows(windowed_model: tuple[GPT, object]
     np.testing.assert_allclose(steps, full[:, :, PREFILL:].transpose(2, 0, 1, 3), rtol=0, atol=1e-6)
     band = causal_mask(T, T, window=4).numpy()[PREFILL:]  # layer 0's cache holds only its window's keys
     assert np.all(steps[:, 0].transpose(1, 0, 2)[:, ~band] == 0) and np.all(steps[:, 0].transpose(1, 0, 2)[:, band] > 0)
+
+
+def _page_data(out: Path) -> dict:
+    page = (out / "index.html").read_text(encoding="utf-8")
+    return json.loads(re.search(r'<script id="explorer-data"[^>]*>(.*?)</script>', page, re.S).group(1))
+
+
+def _page_for(config: GPTConfig, sample: list[int], n_prompt: int, out: Path, use_cache: bool = True) -> dict:
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    window = sample[-config.block_size :]
+    save_attention_maps(model, window, [str(i) for i in window], out)
+    save_explorer(model, sample, n_prompt, out, "t", use_cache=use_cache)
+    return _page_data(out) | {"model": model}
+
+
+def test_a_rolling_models_steps_are_those_of_one_cache_from_the_prompt_on(tmp_path: Path) -> None:
+    """The maps show the last block_size tokens; their steps are generation's, whose rolling cache held the
+    context before the window too (a fresh cache over the window would give other weights)."""
+    config = GPTConfig(vocab_size=20, block_size=12, n_layer=2, n_head=2, n_embd=16, pos_emb="rope", attn_window=4)
+    sample = torch.randint(20, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    data = _page_for(replace(config, window_pattern="SS"), sample, 5, tmp_path)
+    whole = decode_step_weights(data["model"], sample, 5)[-12:, :, :, -12:]  # one cache, all 35 steps
+    np.testing.assert_array_equal(np.rint(unpack_steps(data) * 255), quantise(whole))
+    fresh = decode_step_weights(data["model"], sample[-12:], 1)
+    assert not np.allclose(whole[1:], fresh, atol=1e-3)  # the window's first keys had context before it
+
+
+def test_no_steps_are_shown_where_generation_took_none(tmp_path: Path) -> None:
+    config = GPTConfig(vocab_size=20, block_size=12, n_layer=1, n_head=2, n_embd=16)
+    sample = list(range(20)) * 2
+    outgrown = _page_for(config, sample, 5, tmp_path / "a")
+    assert outgrown["steps"] is None and "outgrew block_size=12" in outgrown["stepsNote"]
+    no_cache = _page_for(config, sample[:10], 5, tmp_path / "b", use_cache=False)
+    assert no_cache["steps"] is None and "use_cache=false" in no_cache["stepsNote"]
+    cached = _page_for(config, sample[:10], 5, tmp_path / "c")
+    assert cached["stepsNote"] is None and cached["steps"]["first"] == 5
 
 
 def test_the_page_is_one_self_contained_file(page_dir: Path) -> None:
@@ -132,7 +187,7 @@ def browser():
     """One headless Chromium for the session, through Debian's chromedriver (never Selenium Manager: offline)."""
     why = _missing_browser()
     if why is not None:
-        if os.environ.get("CI"):
+        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
             pytest.fail(f"CI runs the browser tests with none skipped, but {why}")
         pytest.skip(why)
     from selenium import webdriver
@@ -182,10 +237,10 @@ def test_the_pages_weights_are_the_saved_ones_rows_sum_to_1_and_masked_cells_are
     assert mask[0, 0, 10, 7] and not mask[0, 0, 10, 6]  # the band of layer 0's window
     mask = np.broadcast_to(mask, weights.shape)
     assert np.all(shown[~mask] == 0)
-    assert np.all(shown[mask & (weights > 0)] > 0)
+    assert np.all(shown[mask & (weights >= STEP)] > 0)
     np.testing.assert_array_equal(shown, quantise(weights) / 255)
     assert _within_rounding(shown, weights)
-    np.testing.assert_allclose(shown.sum(-1), 1.0, rtol=0, atol=T * HALF_STEP)
+    np.testing.assert_allclose(shown.sum(-1), 1.0, rtol=0, atol=1e-9)  # 255 steps in every row
     values = page.execute_script("return window.attentionExplorer.diagnostics")
     assert values["names"] == list(DIAGNOSTIC_NAMES)
     np.testing.assert_allclose(np.array(values["values"], dtype=float), saved["diagnostics"], rtol=1e-6)
@@ -235,3 +290,28 @@ def test_a_screenshot_of_the_page_is_not_blank(page) -> None:
     colours = np.unique((pixels[..., :3] * 255).astype(np.uint8).reshape(-1, 3), axis=0)
     assert len(colours) > 100
     assert page.find_element("id", "verdict").text.startswith("mask held")
+
+
+def test_a_step_row_unlike_the_matrix_row_is_stored_and_shown(browser, page_dir: Path, tmp_path: Path) -> None:
+    """Quantised, a decode step's row is nearly always the matrix's own bytes (stored once); one that isn't is
+    stored apart, and the page shows each step's own weights either way."""
+    n, windows = 5, [2, None]
+    mask = np.stack([causal_mask(n, n, window=w).numpy() for w in windows])
+    scores = torch.randn(2, 2, n, n, generator=torch.Generator().manual_seed(0))
+    weights = scores.masked_fill(~torch.from_numpy(mask)[:, None], float("-inf")).softmax(-1).numpy()
+    steps = weights[:, :, 2:].transpose(2, 0, 1, 3).copy()  # the decode steps of tokens 2, 3, 4
+    steps[1, 1, 0, :4] = [0.1, 0.2, 0.3, 0.4]  # token 3's step in layer 1, head 0: unlike its matrix row
+    data = page_data("steps", list("abcde"), weights, mask, windows, np.zeros((2, 2, 5)), steps)
+    assert data["steps"]["differ"] == [(1 * 2 + 0) * 3 + 1] and len(base64.b64decode(data["steps"]["weights"])) == 4
+    write_page(data, tmp_path / "index.html")
+    try:
+        browser.get((tmp_path / "index.html").as_uri())
+        shown = browser.execute_script(
+            """const e = window.attentionExplorer, out = [];
+            for (let s = 0; s < 3; s++) for (let l = 0; l < 2; l++) for (let h = 0; h < 2; h++)
+              for (let j = 0; j < 5; j++) out.push(e.stepWeight(s, l, h, j));
+            return out;"""
+        )
+        np.testing.assert_array_equal(np.array(shown).reshape(steps.shape), quantise(steps) / 255)
+    finally:
+        browser.get((page_dir / "index.html").as_uri())  # the module's page, for any test after this one

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import http.client
 import io
 import shutil
 import urllib.request
@@ -39,18 +40,26 @@ def text_file(input_path: str | None, cached_copy: Path, url: str | None) -> Pat
         return cached_copy
     if not url:
         raise DataError("no text to train on: pass data.input=/path/to/text.txt")
+    return download(url, cached_copy, "point at a local copy with data.input=/path/to/text.txt")
+
+
+def download(url: str, cached_copy: Path, offline: str) -> Path:
+    """The file at `url`, saved whole as cached_copy or not at all: a download cut short is never kept, even one
+    that reads short without an error (a connection closed before its Content-Length). `offline`: how to do
+    without it, for the one-line error."""
     tmp = temporary_beside(cached_copy)
     try:
         with urllib.request.urlopen(url, timeout=30) as response:
             cached_copy.parent.mkdir(parents=True, exist_ok=True)
             with tmp.open("wb") as out:
                 shutil.copyfileobj(response, out)
-    except OSError as err:
+            expected = response.headers.get("Content-Length")
+        if expected is not None and tmp.stat().st_size != int(expected):
+            raise OSError(f"got {tmp.stat().st_size:,} of {int(expected):,} bytes")
+    except (OSError, http.client.HTTPException) as err:
         tmp.unlink(missing_ok=True)
-        raise DataError(
-            f"could not download {url} ({err}); point at a local copy with data.input=/path/to/text.txt"
-        ) from None
-    replace_file(tmp, cached_copy)  # whole or not at all: a cut download is never taken for the text
+        raise DataError(f"could not download {url} ({err}); {offline}") from None
+    replace_file(tmp, cached_copy)
     return cached_copy
 
 

@@ -9,10 +9,7 @@ local copy in the same format is named by the hellaswag_file key.
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
-import shutil
-import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +17,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common.files import replace_file, temporary_beside
 from data.errors import DataError
 from data.prepare import DEFAULT_CACHE
+from data.source import download
 from data.tokenizers import CharTokenizer, Tokenizer
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -61,20 +58,7 @@ def hellaswag_path(file: str | None, key: str, cached_copy: Path = CACHED_COPY, 
         return path
     if cached_copy.is_file():
         return cached_copy
-    tmp = temporary_beside(cached_copy)
-    try:
-        with urllib.request.urlopen(url, timeout=30) as response:
-            cached_copy.parent.mkdir(parents=True, exist_ok=True)
-            with tmp.open("wb") as out:
-                shutil.copyfileobj(response, out)
-            expected = response.headers.get("Content-Length")
-        if expected is not None and tmp.stat().st_size != int(expected):  # a connection closed early reads short
-            raise OSError(f"got {tmp.stat().st_size:,} of {int(expected):,} bytes")
-    except (OSError, http.client.HTTPException) as err:
-        tmp.unlink(missing_ok=True)
-        raise DataError(f"could not download {url} ({err}); offline, point at a copy with {key}=PATH") from None
-    replace_file(tmp, cached_copy)
-    return cached_copy
+    return download(url, cached_copy, f"offline, point at a copy with {key}=PATH")
 
 
 def load_examples(path: Path, tokenizer: Tokenizer) -> list[Example]:

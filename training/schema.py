@@ -142,10 +142,23 @@ class TrainRunConfig:
 
 
 @dataclass
-class SampleConfig:
+class ModelChoice:
+    """The keys that pick the model sample.py and eval.py run."""
+
     out_dir: str | None = None  # a train.py run directory holding ckpt.pt (or init_from)
     init_from: str | None = None  # instead of out_dir: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 dir
     ckpt: str = option("latest", choices=("latest", "best"))  # the run's ckpt.pt, or its best.pt (train.keep_best)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.out_dir is None and self.init_from is None:
+            raise ConfigError(
+                "out_dir is required: pass out_dir=RUN, a directory written by train.py (or init_from=gpt2)"
+            )
+
+
+@dataclass
+class SampleConfig(ModelChoice):
     start: str = "\n"  # the prompt, or FILE:path to read it from a file
     num_samples: int = option(3, at_least=1)
     max_new_tokens: int = option(500, at_least=1)
@@ -158,27 +171,21 @@ class SampleConfig:
     dtype: str = option("auto", choices=DTYPES)
     attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
     use_cache: bool = True  # KV cache: run the prompt once, then one token per step
-    # a sample ends before the first of these strings (\n, \t: newline, tab); null: <|endoftext|> for a BPE model
+    # a sample ends before the first of these strings (\n, \t: newline, tab); a BPE model's <|endoftext|> too, but
+    # with stop=[]
     stop: list[str] | None = None
     stream: bool | None = None  # print each sample as it is generated; null: when stdout is a terminal
     attention_dir: str | None = option(None, directory=True)  # write attention.npz and one PNG per layer here
     check_causal: bool = False  # print the causality demonstration after the samples
 
     def __post_init__(self) -> None:
-        check_fields(self)
+        super().__post_init__()
         if self.stop is not None and "" in self.stop:
             raise ConfigError(f"stop={self.stop} has an empty string, which would stop at once; remove it")
-        if self.out_dir is None and self.init_from is None:
-            raise ConfigError(
-                "out_dir is required: pass out_dir=RUN, a directory written by train.py (or init_from=gpt2)"
-            )
 
 
 @dataclass
-class EvalConfig:
-    out_dir: str | None = None  # a train.py run directory holding ckpt.pt (or init_from)
-    init_from: str | None = None  # instead of out_dir: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 dir
-    ckpt: str = option("latest", choices=("latest", "best"))  # the run's ckpt.pt, or its best.pt (train.keep_best)
+class EvalConfig(ModelChoice):
     input: str | None = None  # a UTF-8 text file to score; null: the run's own val split (init_from needs a file)
     # tokens of context a window holds; null: the model's block_size
     context: int | None = option(None, at_least=1, hint="null means the model's block_size")
@@ -193,11 +200,7 @@ class EvalConfig:
     attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
 
     def __post_init__(self) -> None:
-        check_fields(self)
-        if self.out_dir is None and self.init_from is None:
-            raise ConfigError(
-                "out_dir is required: pass out_dir=RUN, a directory written by train.py (or init_from=gpt2)"
-            )
+        super().__post_init__()
         if self.out_dir is None and self.input is None and not self.hellaswag:
             raise ConfigError(
                 f"init_from={self.init_from} has no val split to score: pass input=FILE (a text file) or hellaswag=true"

@@ -284,6 +284,36 @@ def test_clicking_a_thumbnail_and_hovering_a_token_redraw_the_head(page) -> None
     assert "154, 154, 154" in later.value_of_css_property("background-color")
 
 
+def test_keys_the_step_slider_and_the_table_respond(page) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    page.execute_script("window.attentionExplorer.open(1, 0)")
+    page.find_element(By.CSS_SELECTOR, "input[name=hover-as][value=key]").click()
+    spans = page.find_elements(By.CSS_SELECTOR, "#text span")
+    ActionChains(page).move_to_element(spans[3]).perform()
+    as_row = _matrix_pixels(page)
+    ActionChains(page).move_to_element(spans[10]).perform()  # key 10: its column, the queries that see it
+    assert _matrix_pixels(page) != as_row
+    assert "masked" in spans[5].get_attribute("class")  # query 5 comes before key 10
+    assert "masked" not in spans[15].get_attribute("class")
+    assert spans[15].value_of_css_property("background-color") != "rgba(0, 0, 0, 0)"  # coloured by its weight
+    label = page.find_element(By.ID, "step-label")
+    slider = page.find_element(By.ID, "step")
+    page.execute_script("window.attentionExplorer.setStep(0)")
+    first = label.text
+    slider.send_keys(Keys.END)  # the last step, as a user would drag there
+    assert label.text != first and label.text.startswith(f"step {T - PREFILL} of {T - PREFILL}: token {T - 1}")
+    header = page.find_elements(By.CSS_SELECTOR, "#diagnostics th")[2]  # entropy
+    header.click()
+    values = [float(td.text) for td in page.find_elements(By.CSS_SELECTOR, "#diagnostics tbody td:nth-child(3)")]
+    assert values == sorted(values, reverse=True)  # a number column sorts high first
+    header.click()
+    values = [float(td.text) for td in page.find_elements(By.CSS_SELECTOR, "#diagnostics tbody td:nth-child(3)")]
+    assert values == sorted(values)
+
+
 def test_a_screenshot_of_the_page_is_not_blank(page) -> None:
     page.execute_script("window.attentionExplorer.open(0, 1); window.attentionExplorer.setStep(5)")
     pixels = matplotlib.image.imread(io.BytesIO(page.get_screenshot_as_png()), format="png")

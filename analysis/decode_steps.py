@@ -29,11 +29,15 @@ def decode_step_weights(model: GPT, ids: list[int], n_prefill: int, last: int | 
     captured: list[torch.Tensor] = []
     steps = np.zeros((T - first_step, len(attentions), model.config.n_head, last), dtype=np.float32)
     cache = KVCache(model.config)
-    for attn in attentions:
-        attn.captured = captured
+
+    def capture(on: bool) -> None:
+        for attn in attentions:
+            attn.captured = captured if on else None
+
     try:
-        model._hidden(idx[:, :n_prefill], cache)
+        model._hidden(idx[:, :n_prefill], cache)  # the prompt on the model's own path: no T x T weights kept
         for t in range(n_prefill, T):
+            capture(t >= first_step)
             captured.clear()
             model._hidden(idx[:, t : t + 1], cache)
             if t < first_step:
@@ -43,6 +47,5 @@ def decode_step_weights(model: GPT, ids: list[int], n_prefill: int, last: int | 
                 lo = t - row.shape[-1] + 1  # the first key's position
                 steps[t - first_step, layer, :, max(lo, start) - start : t + 1 - start] = row[:, max(0, start - lo) :]
     finally:
-        for attn in attentions:
-            attn.captured = None
+        capture(False)
     return steps

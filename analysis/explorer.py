@@ -15,11 +15,12 @@ object in <script id="explorer-data" type="application/json">, read by the page'
                  order (only the cells the mask allows; every other cell is exactly 0). A weight w is stored as
                  q ≈ 255 w (quantise: each row's q add up to exactly 255); the page shows q / 255
     steps        null, or {first, differ, weights}: the KV-cache decode steps of tokens first .. T - 1, the weights
-                 each step used over its cached keys. They equal the matrix's rows first .. T - 1 within 1e-6, so
-                 after quantising most rows are the very same bytes, stored once: `differ` lists the rows that
-                 aren't, as (layer * nHead + head) * (T - first) + (t - first), ascending, and `weights` holds
-                 those rows' allowed cells, packed like `weights`, in that order; every other step row is the
-                 matrix's row t
+                 each step used over its cached keys. They equal the matrix's rows first .. T - 1 within 1e-6
+                 (but for a rolling model's steps near the window's left edge, whose keys reach before it and are
+                 cut there), so after quantising most rows are the very same bytes, stored once: `differ` lists
+                 the rows that aren't, as (layer * nHead + head) * (T - first) + (t - first), ascending, and
+                 `weights` holds those rows' allowed cells, packed like `weights`, in that order; every other step
+                 row is the matrix's row t
     diagnostics  {names: [str], values: (n_layer, n_head, len(names)) nested lists, null for an undefined value}
     stepsNote    null, or str: why there are no steps (the sample outgrew block_size, or use_cache=false)
     causality    null, or {tokens: [str], position: int, changes: {attn_impl: [float] per position}, verdict: str}
@@ -119,6 +120,7 @@ def page_data(
     """The page's JSON (the module docstring): weights (n_layer, n_head, T, T) and mask (n_layer, T, T) as in
     attention.npz; steps (n_steps, n_layer, n_head, T) from decode_step_weights, for the last n_steps tokens."""
     n_layer, n_head, T, _ = weights.shape
+    matrix = quantise(weights)
     values = [[[None if math.isnan(v) else float(v) for v in head] for head in layer] for layer in diagnostics]
     data: dict = {
         "version": 1,
@@ -129,7 +131,7 @@ def page_data(
         "nHead": n_head,
         "T": T,
         "windows": list(windows),
-        "weights": base64.b64encode(pack(quantise(weights), mask)).decode("ascii"),
+        "weights": base64.b64encode(pack(matrix, mask)).decode("ascii"),
         "steps": None,
         "diagnostics": {
             "names": list(DIAGNOSTIC_NAMES),
@@ -140,10 +142,11 @@ def page_data(
     }
     if steps is not None and len(steps):
         first = T - len(steps)
-        cells = quantise(steps).transpose(1, 2, 0, 3)  # (n_layer, n_head, n_steps, T): rows first .. T - 1
-        differ = np.flatnonzero((cells != quantise(weights)[:, :, first:]).any(axis=-1))
+        cells = np.ascontiguousarray(quantise(steps).transpose(1, 2, 0, 3))  # (n_layer, n_head, n_steps, T)
+        differ = np.flatnonzero((cells != matrix[:, :, first:]).any(axis=-1))
         n_steps = T - first
-        rows = [cells.reshape(-1, T)[i][mask[i // n_steps // n_head, first + i % n_steps]] for i in differ]
+        flat = cells.reshape(-1, T)
+        rows = [flat[i][mask[i // n_steps // n_head, first + i % n_steps]] for i in differ]
         packed = base64.b64encode(b"".join(row.tobytes() for row in rows)).decode("ascii")
         data["steps"] = {"first": first, "differ": differ.tolist(), "weights": packed}
     return data
@@ -180,9 +183,10 @@ def save_explorer(
     elif generated > 0 and (config.rolls or len(sample) <= config.block_size):
         steps = decode_step_weights(model, sample, n_prompt, last=T)
     elif generated > 0:
+        grew = "prompt is" if n_prompt > config.block_size else "sample grew"
         note = (
-            f"The sample outgrew block_size={config.block_size}: past it, generation recomputed each cropped window "
-            "without the KV cache, so there are no decode steps to show for this window."
+            f"The {grew} longer than block_size={config.block_size}: past it, generation recomputed each cropped "
+            "window without the KV cache, so there are no decode steps to show for this window."
         )
     data = page_data(
         title,

@@ -56,7 +56,7 @@ def download(url: str, cached_copy: Path, offline: str) -> Path:
             expected = response.headers.get("Content-Length")
         if expected is not None and tmp.stat().st_size != int(expected):
             raise OSError(f"got {tmp.stat().st_size:,} of {int(expected):,} bytes")
-    except (OSError, http.client.HTTPException) as err:
+    except (OSError, ValueError, http.client.HTTPException) as err:  # ValueError: a Content-Length not a number
         tmp.unlink(missing_ok=True)
         raise DataError(f"could not download {url} ({err}); {offline}") from None
     replace_file(tmp, cached_copy)

@@ -151,7 +151,7 @@ def test_no_steps_are_shown_where_generation_took_none(tmp_path: Path) -> None:
     config = GPTConfig(vocab_size=20, block_size=12, n_layer=1, n_head=2, n_embd=16)
     sample = list(range(20)) * 2
     outgrown = _page_for(config, sample, 5, tmp_path / "a")
-    assert outgrown["steps"] is None and "outgrew block_size=12" in outgrown["stepsNote"]
+    assert outgrown["steps"] is None and "sample grew longer than block_size=12" in outgrown["stepsNote"]
     no_cache = _page_for(config, sample[:10], 5, tmp_path / "b", use_cache=False)
     assert no_cache["steps"] is None and "use_cache=false" in no_cache["stepsNote"]
     cached = _page_for(config, sample[:10], 5, tmp_path / "c")

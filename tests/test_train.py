@@ -1,5 +1,6 @@
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,32 @@ def test_learning_rate_schedule_warms_up_then_decays_to_min_lr() -> None:
     assert all(a >= b for a, b in zip(schedule[10:], schedule[11:], strict=False))
     assert schedule[55] == pytest.approx(1e-4 + 0.5 * 9e-4)
     assert schedule[100:] == [1e-4] * 20
+
+
+def test_wsd_schedule_warms_up_holds_then_cools_down_in_a_straight_line() -> None:
+    schedule = [lr_at(s, 1e-3, 1e-4, 10, 100, "wsd", 0.25) for s in range(120)]
+    assert schedule[:10] == [lr_at(s, 1e-3, 1e-4, 10, 100) for s in range(10)]  # the same warmup as cosine
+    assert schedule[10:76] == [1e-3] * 66  # the plateau, up to the cooldown's start at 100 - 25
+    assert schedule[85] == pytest.approx(1e-3 - 10 / 25 * 9e-4) and schedule[99] == pytest.approx(1e-4 + 9e-4 / 25)
+    assert schedule[100:] == [1e-4] * 20
+    # a cooldown longer than what follows warmup starts at its end
+    assert lr_at(10, 1e-3, 0.0, 10, 20, "wsd", 1.0) == 1e-3 and lr_at(15, 1e-3, 0.0, 10, 20, "wsd", 1.0) == 5e-4
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.lr_schedule=linear", "train.lr_schedule=linear"),
+        ("train.cooldown_frac=0", "train.cooldown_frac=0.0 must be > 0.0"),
+        ("train.cooldown_frac=1.5", "train.cooldown_frac=1.5 must be <= 1.0"),
+    ],
+)
+def test_schedule_keys_are_checked_at_start(override: str, message: str) -> None:
+    from common.config import typed_config
+    from training.schema import TrainRunConfig
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        typed_config(compose_config([override]), TrainRunConfig)
 
 
 def test_short_real_run_learns_and_writes_its_run_directory(tmp_path: Path, corpus_path: Path) -> None:

@@ -41,6 +41,8 @@ def test_five_steps_are_the_weights_of_a_five_iteration_run(tmp_path: Path, corp
         assert outcome.lr == lr_at(it, 1e-3, 1e-4, 2, 5)  # the config's schedule
         losses.append(outcome.loss.item())
     assert all(math.isfinite(loss) for loss in losses)
+    wsd = _trainer(tmp_path / "wsd", corpus_path, **keys, **{"train.lr_schedule": "wsd", "train.cooldown_frac": 0.4})
+    assert [wsd.step().lr for _ in range(5)] == [lr_at(it, 1e-3, 1e-4, 2, 5, "wsd", 0.4) for it in range(5)]
 
     train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, **keys)))
     run = load_checkpoint(tmp_path / "b" / "run" / CKPT_NAME)

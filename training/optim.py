@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay on 2-D weights only, and the warmup + cosine learning-rate schedule."""
+"""AdamW with decoupled weight decay on 2-D weights only, and the learning-rate schedules: linear warmup, then a
+cosine decay (nanoGPT's) or warmup-stable-decay (a plateau, then a linear cooldown: modded-nanogpt's)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,28 @@ def make_optimizer(
     return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device.type in ("cuda", "cpu"))
 
 
-def lr_at(step: int, learning_rate: float, min_lr: float, warmup_iters: int, decay_iters: int) -> float:
-    """Linear warmup to learning_rate, cosine decay to min_lr at decay_iters, then min_lr."""
+LR_SCHEDULES = ("cosine", "wsd")
+
+
+def lr_at(
+    step: int,
+    learning_rate: float,
+    min_lr: float,
+    warmup_iters: int,
+    decay_iters: int,
+    schedule: str = "cosine",
+    cooldown_frac: float = 0.2,
+) -> float:
+    """Linear warmup to learning_rate, then down to min_lr at decay_iters, then min_lr. cosine: a half cosine
+    from the end of warmup. wsd: learning_rate held until the last cooldown_frac of decay_iters, then a straight
+    line (the cooldown, which a run can start at any point: the plateau needs no end fixed in advance)."""
     if step < warmup_iters:
         return learning_rate * (step + 1) / (warmup_iters + 1)
     if step >= decay_iters:
         return min_lr
+    if schedule == "wsd":
+        cooldown_start = max(warmup_iters, decay_iters - round(cooldown_frac * decay_iters))
+        progress = max(0, step - cooldown_start) / max(1, decay_iters - cooldown_start)
+        return learning_rate - progress * (learning_rate - min_lr)
     progress = (step - warmup_iters) / max(1, decay_iters - warmup_iters)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)

@@ -18,6 +18,7 @@ from common.config import check_fields, option
 from common.errors import ConfigError
 from data.config import DataConfig, register_prepare_schema
 from model.config import ATTN_IMPLS, GPTConfig
+from training.optim import LR_SCHEDULES
 from training.runtime import DEVICES, DTYPES
 
 ON_NONFINITE = ("stop", "skip")
@@ -67,6 +68,8 @@ class OptimConfig:
     min_lr: float = option(1e-4, at_least=0.0)  # the cosine decays to this
     max_iters: int = option(2000, at_least=0)
     lr_decay_iters: int | None = option(None, at_least=0)  # default: max_iters
+    lr_schedule: str = option("cosine", choices=LR_SCHEDULES)  # after warmup: cosine | wsd (plateau, then cooldown)
+    cooldown_frac: float = option(0.2, above=0.0, at_most=1.0)  # wsd: the share of lr_decay_iters spent cooling down
     warmup_iters: int = option(100, at_least=0)
     weight_decay: float = option(0.1, at_least=0.0)
     beta1: float = option(0.9, at_least=0.0, below=1.0)

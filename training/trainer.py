@@ -121,7 +121,9 @@ class Trainer:
         once the gradients are in (a signal usually arrives during forward and backward): then this step is the
         run's last, on every rank."""
         it, opt = self.progress.iter, self.config.train
-        lr = lr_at(it, opt.learning_rate, opt.min_lr, opt.warmup_iters, opt.decay_iters)
+        lr = lr_at(
+            it, opt.learning_rate, opt.min_lr, opt.warmup_iters, opt.decay_iters, opt.lr_schedule, opt.cooldown_frac
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         local_loss = self._accumulate_gradients(it)

@@ -9,6 +9,7 @@ sequence ends, so it is full too. stride = context scores disjoint windows: trai
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,12 @@ class TextScore:
     text_nats: float  # over the tokens that are text (special tokens such as <|endoftext|> left out)
     bytes: int  # UTF-8 bytes of those tokens
 
+    @classmethod
+    def of(cls, sums: Sequence[float]) -> TextScore:
+        """From token_sums' four sums (added up over batches and processes)."""
+        nats, count, text_nats, n_bytes = sums
+        return cls(nats, round(count), text_nats, round(n_bytes))
+
     @property
     def loss(self) -> float:
         """Mean nats per token."""
@@ -95,19 +102,26 @@ def score_sequences(
             for batch in _batches(windows(len(tokens), context, stride), batch_size):
                 sums += _batch_sums(model, tokens, batch, byte_lengths, autocast)
                 bar.update(len(batch))
-    nats, count, text_nats, n_bytes = sums.tolist()
-    return TextScore(nats, round(count), text_nats, round(n_bytes))
+    return TextScore.of(sums.tolist())
+
+
+def token_sums(
+    logits: torch.Tensor, targets: torch.Tensor, byte_lengths: torch.Tensor, scored: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(4,) float64: the nats and the count of the targets (where `scored`, if given), and the nats and UTF-8 bytes
+    of those that are text: special tokens such as <|endoftext|> count 0 bytes and are left out of both, as in
+    nanochat's bits per byte. Sums, so batches and processes add up."""
+    nats = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none").double()
+    targets = targets.flatten()
+    if scored is not None:
+        nats, targets = nats[scored.flatten()], targets[scored.flatten()]
+    n_bytes = byte_lengths[targets]
+    return torch.stack((nats.sum(), nats.new_tensor(targets.numel()), nats[n_bytes > 0].sum(), n_bytes.sum()))
 
 
 def _batches(items: Iterable[Window], size: int) -> Iterator[list[Window]]:
-    batch: list[Window] = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+    items = iter(items)
+    return iter(lambda: list(itertools.islice(items, size)), [])
 
 
 def _batch_sums(
@@ -128,7 +142,4 @@ def _batch_sums(
     mask = torch.arange(length, device=device) >= (length - scored)[:, None]  # each window's last `scored`
     with autocast():
         logits, _ = model(x)
-    nats = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none").double()
-    nats, y = nats[mask.flatten()], y[mask]
-    n_bytes = byte_lengths[y]
-    return torch.stack((nats.sum(), nats.new_tensor(y.numel()), nats[n_bytes > 0].sum(), n_bytes.sum()))
+    return token_sums(logits, y, byte_lengths, mask)

@@ -4,16 +4,15 @@ HellaSwag's accuracy when train.hellaswag_every asks for it."""
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from data.batches import EVAL_WINDOWS, TokenFiles, batch_generator, every_window, get_batch
 from data.prepare import PreparedData
 from evals.hellaswag import Example, hellaswag_sums
+from evals.perplexity import TextScore, token_sums
 from training.distributed import World, all_reduce_sum
 from training.runtime import Runtime
 from training.schema import OptimConfig
@@ -49,11 +48,10 @@ class Evaluator:
     @torch.no_grad()
     def __call__(self, model: torch.nn.Module) -> Losses:
         model.eval()
-        train_nats, train_tokens, _, _ = self._sums(model, self._batches("train", self.data.train))
-        val_nats, val_tokens, text_nats, text_bytes = self._sums(model, self._batches("val", self.data.val))
+        train = TextScore.of(self._sums(model, self._batches("train", self.data.train)))
+        val = TextScore.of(self._sums(model, self._batches("val", self.data.val)))
         model.train()
-        bpb = text_nats / (math.log(2) * text_bytes) if text_bytes else math.nan
-        return Losses(train_nats / train_tokens, val_nats / val_tokens, bpb)
+        return Losses(train.loss, val.loss, val.bpb)
 
     def _batches(self, split: str, files: TokenFiles) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if split == "val" and self.opt.full_val:
@@ -67,13 +65,10 @@ class Evaluator:
         """Nats and count of all target tokens; nats and UTF-8 bytes of the text ones; over all ranks."""
         sums = torch.zeros(4, dtype=torch.float64, device=self.runtime.device)
         for x, y, counted in share_of(batches, self.world):
-            y = y.to(self.runtime.device).flatten()
             with self.runtime.autocast():
                 logits, _ = model(x.to(self.runtime.device))
-            nats = F.cross_entropy(logits.flatten(0, 1).float(), y, reduction="none").double()
-            n_bytes = self.byte_lengths[y]
             if counted:
-                sums += torch.stack((nats.sum(), nats.new_tensor(y.numel()), nats[n_bytes > 0].sum(), n_bytes.sum()))
+                sums += token_sums(logits, y.to(self.runtime.device), self.byte_lengths)
         return all_reduce_sum(sums, self.world).tolist()
 
 

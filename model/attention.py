@@ -15,6 +15,7 @@ from torch import nn
 from model.config import GPTConfig
 from model.kv_cache import KVCache
 from model.rotary import Rotary
+from model.shortcuts import Shortcuts
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -132,14 +133,26 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         head_size = config.n_embd // config.n_head
         self.rotary = Rotary(head_size, config.block_size) if config.pos_emb == "rope" else None
+        self.qk_norm = config.qk_norm
+        self.value_embed = nn.Embedding(config.vocab_size, config.n_embd) if config.value_embeds else None
+        self.first_values_kept = config.value_residual and layer_index == 0  # for the layers after it
+        # value_residual: v = a*v + b*v_first, learned, from an even mix
+        self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if config.value_residual and layer_index else None
         self.captured: list[torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """x: (B, T, C) for T new tokens, after the cache's tokens if a cache is given."""
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, shortcuts: Shortcuts | None = None
+    ) -> torch.Tensor:
+        """x: (B, T, C) for T new tokens, after the cache's tokens if a cache is given. shortcuts: needed by
+        value_embeds and value_residual."""
         B, T, C = x.shape
         # (3, B, n_head, T, head_dim): one reshape for queries, keys and values
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
+        if shortcuts is not None:
+            v = self._with_shortcuts(v, shortcuts)
+        if self.qk_norm:  # scores then measure direction only: they can't grow large, which steadies training
+            q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))
         n_past = 0 if cache is None else cache.length
         if self.rotary is not None:
             q, k = self.rotary(q, n_past), self.rotary(k, n_past)
@@ -164,3 +177,15 @@ class CausalSelfAttention(nn.Module):
             raise ValueError("the flash path extends a non-empty KV cache one token at a time")
         y = y.transpose(1, 2).reshape(B, T, C)
         return F.dropout(self.c_proj(y), dropout_p)
+
+    def _with_shortcuts(self, v: torch.Tensor, shortcuts: Shortcuts) -> torch.Tensor:
+        """The values with this layer's token embedding added (value_embeds), then mixed with the first layer's
+        (value_residual); the cache stores them so."""
+        if self.value_embed is not None:
+            B, n_head, T, head_dim = v.shape
+            v = v + self.value_embed(shortcuts.idx).view(B, T, n_head, head_dim).transpose(1, 2)
+        if self.value_mix is not None:
+            v = self.value_mix[0] * v + self.value_mix[1] * shortcuts.first_values
+        elif self.first_values_kept:
+            shortcuts.first_values = v
+        return v

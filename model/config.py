@@ -16,7 +16,9 @@ ATTN_IMPLS = ("flash", "math")
 # relu2: ReLU(x)², as in modded-nanogpt, cheaper than GELU's erf on CPU.
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu2")
 POS_EMBS = ("learned", "rope")  # rope: rotary embeddings on queries and keys instead of a learned table
+NORMS = ("layernorm", "rmsnorm")  # rmsnorm: scale only, no mean subtracted (cheaper; modded-nanogpt's)
 WINDOWED, FULL = "S", "L"  # window_pattern's letters: a sliding-window layer, a full causal one
+BIGRAM_ROWS = 65521  # the largest prime below 2**16: vocabularies up to 255 tokens get exact bigrams
 _SIZES = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
 
 
@@ -39,6 +41,16 @@ class GPTConfig:
     # layer windowed, so with rope generation can roll past block_size). Null means "S": all but the last layer.
     # While attn_window is null no layer is windowed, whatever the pattern: attn_window=null switches windows off.
     window_pattern: str | None = None
+    # Modern options (modded-nanogpt's), all off by default: off, the model is GPT-2's. docs/speedrun.md measures them.
+    norm: str = option("layernorm", choices=NORMS)  # the blocks' and the final norm
+    qk_norm: bool = False  # RMS-normalise each head's queries and keys before their scores
+    untied_head: bool = False  # an output head of its own, initialised to zero, instead of wte's transpose
+    zero_init_proj: bool = False  # the blocks' output projections start at zero: every block starts as identity
+    logit_softcap: float | None = option(None, above=0.0)  # logits = cap * tanh(logits / cap); null: none
+    x0_mix: bool = False  # each block's input mixes in the embeddings: a*x + b*x0, learned a, b from 1, 0
+    value_residual: bool = False  # layers after the first mix in its values: v = a*v + b*v_first, a, b from 0.5
+    value_embeds: bool = False  # each layer adds a token embedding of its own to its values
+    bigram_embed: bool = False  # add an embedding of (previous token, token); exact for small vocabularies, else hashed
 
     def __post_init__(self) -> None:
         """Raises ConfigError (a ValueError) naming the field."""
@@ -87,4 +99,12 @@ class GPTConfig:
     def receptive_field(self) -> int | None:
         """How many tokens, itself included, can change one position's logits; None: all earlier ones."""
         windows = self.layer_windows()
-        return None if None in windows else 1 + sum(w - 1 for w in windows)
+        if None in windows:
+            return None
+        return 1 + sum(w - 1 for w in windows) + int(self.bigram_embed)  # a bigram: the token before too
+
+    @property
+    def bigram_rows(self) -> int:
+        """bigram_embed's table: a row per (previous token or none, token) while that fits BIGRAM_ROWS, else
+        BIGRAM_ROWS rows that the pairs share by hashing (a prime modulus spreads them)."""
+        return min(self.vocab_size * (self.vocab_size + 1), BIGRAM_ROWS)

@@ -1,4 +1,5 @@
-"""A decoder-only transformer (GPT-2 style): pre-LayerNorm blocks, learned positions, tied head."""
+"""A decoder-only transformer (GPT-2 style): pre-LayerNorm blocks, learned positions, tied head; GPTConfig's
+options swap in modded-nanogpt's parts (RMSNorm, rope, QK-norm, an untied head, shortcuts, a bigram table)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from model.attention import CausalSelfAttention
 from model.config import GPTConfig
 from model.decoding import Decoding
 from model.kv_cache import KVCache
+from model.shortcuts import BigramEmbedding, Shortcuts
 
 
 class MLP(nn.Module):
@@ -35,16 +37,28 @@ class MLP(nn.Module):
         return F.dropout(self.c_proj(h), self.dropout, self.training)
 
 
+def make_norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd)
+    return nn.LayerNorm(config.n_embd, bias=config.bias)
+
+
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer_index: int) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config, layer_index)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
+        # x0_mix: the block's input is a*x + b*x0, learned; from 1, 0 (the plain residual stream)
+        self.x0_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if config.x0_mix else None
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache)
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, shortcuts: Shortcuts | None = None
+    ) -> torch.Tensor:
+        if self.x0_mix is not None and shortcuts is not None:
+            x = self.x0_mix[0] * x + self.x0_mix[1] * shortcuts.x0
+        x = x + self.attn(self.ln_1(x), cache, shortcuts)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -57,16 +71,25 @@ class GPT(nn.Module):
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
                 wpe=nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None,
                 h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
-                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+                ln_f=make_norm(config),
+                bigram=BigramEmbedding(config.vocab_size, config.bigram_rows, config.n_embd)
+                if config.bigram_embed
+                else None,
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        if not config.untied_head:
+            self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
         # GPT-2: scale the residual projections so the residual stream's variance doesn't grow with depth.
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                if config.zero_init_proj:
+                    nn.init.zeros_(p)
+                else:
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        if config.untied_head:  # the first predictions are uniform, the loss exactly ln(vocab_size)
+            nn.init.zeros_(self.lm_head.weight)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -78,10 +101,16 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; position embeddings excluded by default (token ones are tied to the head)."""
+        """Parameter count; by default less the tables that are only looked up, which cost no FLOPs: positions,
+        bigrams, value embeddings, and the token table unless it is the (tied) head."""
         n = sum(p.numel() for p in self.parameters())
-        wpe = self.transformer.wpe
-        return n - wpe.weight.numel() if non_embedding and wpe is not None else n
+        if not non_embedding:
+            return n
+        t = self.transformer
+        tables = [t.wpe, None if t.bigram is None else t.bigram.table, *(block.attn.value_embed for block in t.h)]
+        if self.config.untied_head:
+            tables.append(t.wte)
+        return n - sum(table.weight.numel() for table in tables if table is not None)
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token (forward + backward), as in the PaLM paper's appendix B; a windowed layer's
@@ -100,20 +129,30 @@ class GPT(nn.Module):
                 "crop the input to the last block_size tokens"
             )
         x = self.transformer.wte(idx)
+        if self.transformer.bigram is not None:
+            x = x + self.transformer.bigram(idx, None if cache is None else cache.last_token)
         if self.transformer.wpe is not None:  # with rope, positions enter through the attention instead
             x = x + self.transformer.wpe(torch.arange(n_past, n_past + T, device=idx.device))
         x = F.dropout(x, self.config.dropout, self.training)
+        shortcuts = Shortcuts(x0=x, idx=idx)
         for block in self.transformer.h:
-            x = block(x, cache)
+            x = block(x, cache, shortcuts)
         if cache is not None:
-            cache.advance(T)
+            cache.advance(idx)
         return self.transformer.ln_f(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head on final hidden states, soft-capped if logit_softcap: cap * tanh(logits / cap) keeps
+        every logit within (-cap, cap), so none can run away early in training."""
+        logits = self.lm_head(hidden)
+        cap = self.config.logit_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T, vocab_size) for every position of idx, and the mean cross-entropy if targets."""
-        logits = self.lm_head(self._hidden(idx, cache))
+        logits = self.logits(self._hidden(idx, cache))
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
@@ -175,6 +214,6 @@ class GPT(nn.Module):
                 hidden = self._hidden(new_tokens, cache)
             else:
                 hidden = self._hidden(idx[:, -context:])
-            next_id = decoding.next_token(self.lm_head(hidden[:, -1, :]))
+            next_id = decoding.next_token(self.logits(hidden[:, -1, :]))
             idx = torch.cat((idx, next_id), dim=1)
             yield next_id

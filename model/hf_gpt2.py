@@ -30,6 +30,18 @@ _GPT2_EOT = 50256  # <|endoftext|> in GPT-2's BPE: the start and end token of HF
 _HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older transformers versions kept in state_dict
 # GPTConfig fields the weights don't fix: loading takes them as given (GPTConfig's defaults otherwise).
 SETTINGS = ("dropout", "attn_impl", "attn_window", "window_pattern")
+# GPTConfig's modern options as GPT-2 has them; any other value has no GPT-2 equivalent (zero_init_proj only
+# initialises, so a model trained with it exports).
+_GPT2_OPTIONS = {
+    "norm": "layernorm",
+    "qk_norm": False,
+    "untied_head": False,
+    "logit_softcap": None,
+    "x0_mix": False,
+    "value_residual": False,
+    "value_embeds": False,
+    "bigram_embed": False,
+}
 
 
 class PretrainedError(UserError):
@@ -131,6 +143,11 @@ def hf_from_gpt(model: GPT) -> GPT2LMHeadModel:
         raise PretrainedError(
             f"pos_emb={config.pos_emb!r} can't be exported: GPT-2 has a learned position table only (pos_emb=learned)"
         )
+    for name, gpt2s in _GPT2_OPTIONS.items():
+        if getattr(config, name) != gpt2s:
+            raise PretrainedError(
+                f"{name}={getattr(config, name)!r} can't be exported: GPT-2 has no such option ({name}={gpt2s!r})"
+            )
     if config.activation not in _ACTIVATION_TO_HF:
         raise PretrainedError(
             f"activation={config.activation!r} can't be exported: GPT-2 supports {', '.join(_ACTIVATION_TO_HF)}"

@@ -63,10 +63,12 @@ class KVCache:
     def __init__(self, config: GPTConfig) -> None:
         self.layers = [LayerCache(config.block_size, window) for window in config.layer_windows()]
         self.length = 0  # tokens already run; new queries sit at positions length, length + 1, ...
+        self.last_token: torch.Tensor | None = None  # (B, 1): the newest token run, the bigram of the next
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.layers[layer].extend(k, v)
 
-    def advance(self, n_tokens: int) -> None:
-        """Called once all layers have stored the new tokens."""
-        self.length += n_tokens
+    def advance(self, new_tokens: torch.Tensor) -> None:
+        """Called with the new tokens (B, T) once all layers have stored them."""
+        self.length += new_tokens.size(1)
+        self.last_token = new_tokens[:, -1:]

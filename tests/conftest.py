@@ -23,6 +23,20 @@ from training.schema import register_schemas
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
 TINY_BPE = "tiny_test_bpe"
+# Every modern model option on at once (model/config.py), as the speedrun may combine them.
+MODERN = dict(
+    norm="rmsnorm",
+    qk_norm=True,
+    untied_head=True,
+    zero_init_proj=True,
+    logit_softcap=15.0,
+    x0_mix=True,
+    value_residual=True,
+    value_embeds=True,
+    bigram_embed=True,
+    pos_emb="rope",
+    activation="relu2",
+)
 # Merges in rank order; each is the concatenation of two earlier tokens, as BPE learns them.
 _TINY_MERGES = [
     b"th",

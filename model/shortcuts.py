@@ -1,0 +1,34 @@
+"""What a block reads besides the residual stream, for the options that reach past the layer before: the input
+embeddings (x0_mix), the token ids (value_embeds) and the first layer's values (value_residual). And the bigram
+embedding, which makes the input embeddings of (previous token, token) pairs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Shortcuts:
+    x0: torch.Tensor  # the input embeddings (B, T, C), after dropout
+    idx: torch.Tensor  # the token ids (B, T)
+    first_values: torch.Tensor | None = None  # the first layer's values (B, n_head, T, head_dim), once it ran
+
+
+class BigramEmbedding(nn.Module):
+    """A row per (previous token, token) pair, so the model starts from the pair's statistics instead of
+    learning them through attention. Row vocab_size * vocab_size + token is "no previous token" (a sequence's
+    first). With more pairs than `rows` (GPTConfig.bigram_rows), pairs share rows by their id modulo `rows`."""
+
+    def __init__(self, vocab_size: int, rows: int, n_embd: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.table = nn.Embedding(rows, n_embd)
+
+    def forward(self, idx: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+        """Embeddings (B, T, n_embd) of idx (B, T); previous (B, 1): the token before idx[:, 0], if any."""
+        before = torch.full_like(idx[:, :1], self.vocab_size) if previous is None else previous
+        pairs = torch.cat((before, idx[:, :-1]), dim=1) * self.vocab_size + idx
+        return self.table(pairs % self.table.num_embeddings)

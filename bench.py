@@ -5,6 +5,7 @@
     python bench.py attention --lengths 256 1024 2048
     python bench.py sampling
     python bench.py sampling-batch --num-samples 8
+    python bench.py muon --muon-shapes 384x128 768x2304
 
 train: tokens/s, ms/iter and MFU of train.py's loop for an experiment, against a plain eager nanoGPT-style
   loop on the same model, data and machine, measured in the same run (warm-up excluded). MFU's peak comes
@@ -18,6 +19,11 @@ sampling-batch: sample.py's --num-samples samples as one batch with the KV cache
   against the same one at a time and against nanoGPT's sample.py loop (one at a time, recomputing the window
   every step); vs_nanogpt: its time over the row's. nanoGPT's CPU model and sample.py: --block-size 64
   --new-tokens 500 --num-samples 3.
+muon: Muon's Newton-Schulz orthogonalisation (training/muon.py's newton_schulz, float32, and the same given a
+  bfloat16 matrix) against torch.optim.Muon's (which computes in bfloat16), on the hidden matrices' shapes (the
+  baby model's, then GPT-2 124M's), of a Gaussian matrix: ms per call, the singular values it leaves (the
+  quintic aims at about 0.7..1.2, not 1), err_vs_uvt, its relative distance from the exact U V^T (by SVD), and
+  diff_vs_ours_fp32, bfloat16's rounding. train.optimizer=muon runs ours in the run's precision (make_optimizer).
 """
 
 from __future__ import annotations
@@ -301,6 +307,56 @@ def _nanogpt_sample(model: GPT, prompt: list[int], max_new_tokens: int, device: 
     return idx
 
 
+def bench_muon(args: argparse.Namespace) -> list[dict]:
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _zeropower_via_newtonschulz
+
+    from training.muon import NS_COEFFICIENTS, newton_schulz
+
+    assert NS_COEFFICIENTS == (DEFAULT_A, DEFAULT_B, DEFAULT_C)  # the same iteration: only the arithmetic differs
+    ways: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "ours, float32": newton_schulz,
+        "ours, bfloat16": lambda g: newton_schulz(g.bfloat16()),
+        "torch.optim.Muon's (bfloat16)": lambda g: _zeropower_via_newtonschulz(
+            g, (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS
+        ),
+    }
+    rows = []
+    for shape in args.muon_shapes:
+        n_rows, n_cols = (int(n) for n in shape.split("x"))
+        torch.manual_seed(0)
+        grad = torch.randn(n_rows, n_cols, device=args.device)
+        u, _, vh = torch.linalg.svd(grad.double(), full_matrices=False)
+        exact = u @ vh
+        small, large = sorted((n_rows, n_cols))
+        calls = min(100, max(1, round(2e8 / (10 * small * small * large))))  # about 0.2 GFLOP a timing
+        seconds, outputs = {}, {}
+        for way, fn in ways.items():
+            outputs[way] = out = fn(grad).double()  # and the warm-up
+            run = functools.partial(_call_repeatedly, fn, grad, calls)
+            seconds[way] = min(_timed(run, args.device) for _ in range(args.repeats))
+            singular = torch.linalg.svdvals(out)
+            reference = outputs["ours, float32"]
+            rows.append(
+                {
+                    "section": "muon: Newton-Schulz",
+                    "shape": shape,
+                    "way": way,
+                    "ms": 1000 * seconds[way] / calls,
+                    "sv_min": singular.min().item(),
+                    "sv_max": singular.max().item(),
+                    "err_vs_uvt": ((out - exact).norm() / exact.norm()).item(),
+                    "diff_vs_ours_fp32": ((out - reference).norm() / reference.norm()).item(),
+                    "speedup": seconds["ours, float32"] / seconds[way],
+                }
+            )
+    return rows
+
+
+def _call_repeatedly(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, times: int) -> None:
+    for _ in range(times):
+        fn(x)
+
+
 def _timed(fn: Callable[[], object], device: str) -> float:
     from training.runtime import synchronize
 
@@ -316,6 +372,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {
     "attention": bench_attention,
     "sampling": bench_sampling,
     "sampling-batch": bench_batched_sampling,
+    "muon": bench_muon,
 }
 
 
@@ -361,6 +418,10 @@ def main() -> None:
     sampling_args.add_argument("--new-tokens", type=int, default=240)
     sampling_args.add_argument("--attn-window", type=int, help="also a model with this window in every layer")
     sampling_args.add_argument("--num-samples", type=int, default=8, help="sampling-batch: samples in the batch")
+    muon_args = parser.add_argument_group("muon")
+    # the baby model's c_attn, attention c_proj, c_fc, MLP c_proj (out x in); then GPT-2 124M's
+    muon_shapes = ["384x128", "128x128", "512x128", "128x512", "2304x768", "768x768", "3072x768", "768x3072"]
+    muon_args.add_argument("--muon-shapes", nargs="+", default=muon_shapes, metavar="ROWSxCOLS")
     args = parser.parse_args()
     unknown = set(args.sections) - set(SECTIONS)
     if unknown:

@@ -28,6 +28,10 @@ def test_bench_py_runs_every_section_on_tiny_sizes(tmp_path: Path, corpus_path: 
         "attention",
         "sampling",
         "sampling-batch",
+        "muon",
+        "--muon-shapes",
+        "24x8",
+        "8x16",
         "--num-samples",
         "2",
         "--device",
@@ -84,6 +88,11 @@ def test_bench_py_runs_every_section_on_tiny_sizes(tmp_path: Path, corpus_path: 
         "the same, streamed",
     ]
     assert batch[0]["vs_nanogpt"] == 1 and all(r["tokens_per_sec"] > 0 and r["samples"] == 2 for r in batch)
+    muon = [r for r in rows if r["section"] == "muon: Newton-Schulz"]
+    ways = ["ours, float32", "ours, bfloat16", "torch.optim.Muon's (bfloat16)"]
+    assert [(r["shape"], r["way"]) for r in muon] == [(shape, way) for shape in ("24x8", "8x16") for way in ways]
+    assert all(r["ms"] > 0 and 0.6 < r["sv_min"] <= r["sv_max"] < 1.2 and r["err_vs_uvt"] < 0.3 for r in muon)
+    assert all((r["speedup"] == 1 and r["diff_vs_ours_fp32"] == 0) == (r["way"] == ways[0]) for r in muon)
 
 
 def test_bench_py_rejects_an_unknown_section(tmp_path: Path) -> None:

@@ -55,16 +55,21 @@ def _tiny_checkpoint(w: torch.Tensor, it: int) -> Checkpoint:
     return Checkpoint(GPTConfig(), {"w": w}, tokenizer={}, progress=Progress(iter=it))
 
 
-@pytest.mark.parametrize("stop_at", [7, 19, 30])
+@pytest.mark.parametrize(("stop_at", "optimizer"), [(7, "adamw"), (19, "adamw"), (30, "adamw"), (19, "muon")])
 def test_interrupted_and_resumed_equals_uninterrupted(
-    half_run: tuple[Path, Path], tmp_path: Path, corpus_path: Path, stop_at: int
+    half_run: tuple[Path, Path], tmp_path: Path, corpus_path: Path, stop_at: int, optimizer: str
 ) -> None:
+    """Muon too: its momentum buffers, and its momentum (still warming up at 40 iterations) from the iteration."""
     reference, _ = half_run  # the uninterrupted run: EXACT's lr_decay_iters is its max_iters, 40
+    exact = {**EXACT, "train.optimizer": optimizer}
+    if optimizer != "adamw":
+        train(compose_config(tiny_run_overrides(tmp_path / "a", corpus_path, **exact)))
+        reference = tmp_path / "a" / "run"
     hook = _signal_at_step(stop_at, signal.SIGTERM)
-    stopped = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, **EXACT)), before_step=hook)
+    stopped = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, **exact)), before_step=hook)
     assert stopped.stopped_by == "SIGTERM" and stopped.iters == stop_at + 1
     assert load_checkpoint(tmp_path / "b" / "run" / CKPT_NAME).progress.iter == stop_at + 1
-    resumed = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, **EXACT)))
+    resumed = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, **exact)))
 
     assert resumed.iters == 40
     assert _val_losses(tmp_path / "b" / "run") == _val_losses(reference)  # bit-identical
@@ -303,10 +308,12 @@ def test_a_checkpoint_from_before_torchrun_support_resumes_exactly(
     """Earlier checkpoints keyed the optimizer state by position and held one random state, not one per rank."""
     from training.distributed import load_full_state
     from training.optim import make_optimizer
+    from training.runtime import Runtime
+    from training.schema import OptimConfig
 
     def old_layout(raw: dict, path: Path) -> dict:
         model = load_checkpoint(path).build_model()
-        optimizer = make_optimizer(model, 1e-3, 0.1, (0.9, 0.99), torch.device("cpu"))
+        optimizer = make_optimizer(model, OptimConfig(), Runtime(torch.device("cpu"), torch.float32))
         load_full_state(model, optimizer, raw["model"], raw["optimizer"])
         raw["optimizer"], raw["rng"] = optimizer.state_dict(), raw["rng"][0]
         del raw["elapsed_s"]  # not written before timed resumes either

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -70,28 +72,40 @@ def evals(run: Path) -> list[tuple[int, float, float, float]]:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
-    tmp = tmp_path_factory.mktemp("one")
-    train(compose_config(tiny_run_overrides(tmp, corpus_path, **RUN)))
-    return tmp / "run"
+def one_process(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Callable[[Path], Path]:
+    """The one-process run with a 2-process run's optimizer (each trained once)."""
+    runs: dict[str, Path] = {}
+
+    def like(run: Path) -> Path:
+        optimizer = OmegaConf.load(run / "config.yaml").train.optimizer
+        if optimizer not in runs:
+            tmp = tmp_path_factory.mktemp(f"one-{optimizer}")
+            train(compose_config(tiny_run_overrides(tmp, corpus_path, **RUN, **{"train.optimizer": optimizer})))
+            runs[optimizer] = tmp / "run"
+        return runs[optimizer]
+
+    return like
 
 
-@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+@pytest.fixture(
+    scope="module", params=[("ddp", "adamw"), ("fsdp", "adamw"), ("ddp", "muon")], ids=["ddp", "fsdp", "ddp-muon"]
+)
 def two_processes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
     """A 2-process run whose out_dir each rank resolves differently (its ${now:}, here even its rank): all must
-    use rank 0's."""
-    tmp = tmp_path_factory.mktemp(request.param)
+    use rank 0's. Muon under DDP: every rank orthogonalises the same averaged gradients."""
+    parallel, optimizer = request.param
+    tmp = tmp_path_factory.mktemp(f"{parallel}-{optimizer}")
     overrides = [o for o in tiny_run_overrides(tmp, corpus_path, **RUN) if not o.startswith("out_dir=")]
     out_dir = "out_dir=outputs/${now:%Y-%m-%d_%H-%M-%S}/rank${oc.env:RANK}"
-    result = torchrun(2, [*overrides, out_dir, f"train.parallel={request.param}"], cwd=tmp)
+    result = torchrun(2, [*overrides, out_dir, f"train.parallel={parallel}", f"train.optimizer={optimizer}"], cwd=tmp)
     assert result.returncode == 0, failure(result)
     assert [p.name for p in tmp.glob("outputs/*/*")] == ["rank0"], "the ranks wrote to different directories"
     return next(tmp.glob("outputs/*/rank0"))
 
 
-def test_two_processes_match_one_process(one_process: Path, two_processes: Path) -> None:
+def test_two_processes_match_one_process(one_process: Callable[[Path], Path], two_processes: Path) -> None:
     """The standard for DDP and FSDP2 alike: the same losses at every evaluation, within 1e-4."""
-    expected, got = evals(one_process), evals(two_processes)
+    expected, got = evals(one_process(two_processes)), evals(two_processes)
     assert [e[0] for e in got] == [e[0] for e in expected] == [0, 10, 12]
     for (_, *want), (_, *have) in zip(expected, got, strict=True):
         assert have == pytest.approx(want, abs=1e-4)
@@ -110,10 +124,11 @@ def test_only_rank_0_writes_the_run(two_processes: Path) -> None:
 
 
 def test_fsdp_checkpoint_loads_in_one_process_resumes_and_samples(
-    one_process: Path, two_processes: Path, tmp_path: Path
+    one_process: Callable[[Path], Path], two_processes: Path, tmp_path: Path
 ) -> None:
     """Gathered full state: the names and shapes of a one-process checkpoint, for FSDP2 (and DDP)."""
-    sharded, single = load_checkpoint(two_processes / CKPT_NAME), load_checkpoint(one_process / CKPT_NAME)
+    sharded = load_checkpoint(two_processes / CKPT_NAME)
+    single = load_checkpoint(one_process(two_processes) / CKPT_NAME)
     assert sharded.model.keys() == single.model.keys()
     for name, tensor in single.model.items():
         torch.testing.assert_close(sharded.model[name], tensor, atol=1e-3, rtol=0)
@@ -134,6 +149,21 @@ def test_grad_accum_is_global_and_must_divide_among_the_processes() -> None:
         check_for_world(opt, World(rank=1, size=2))
     with pytest.raises(ConfigError, match="train.parallel=zero is unknown; use one of ddp, fsdp"):
         typed_config(compose_config(["train.parallel=zero"]), TrainRunConfig)
+
+
+def test_muon_refuses_fsdp_which_would_shard_its_matrices() -> None:
+    opt = typed_config(
+        compose_config(["train.optimizer=muon", "train.parallel=fsdp", "train.grad_accum=2"]), TrainRunConfig
+    ).train
+    check_for_world(opt, World(size=1))  # one process: nothing is sharded
+    line = (
+        "train.optimizer=muon needs each hidden matrix whole, and train.parallel=fsdp shards them; "
+        "use train.parallel=ddp (or train.optimizer=adamw)"
+    )
+    with pytest.raises(ConfigError, match=f"^{re.escape(line)}$"):
+        check_for_world(opt, World(rank=1, size=2))
+    opt.parallel = "ddp"
+    check_for_world(opt, World(rank=1, size=2))
 
 
 @pytest.mark.parametrize("batches", [0, 1, 4, 5, 7])

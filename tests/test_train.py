@@ -86,12 +86,14 @@ def test_schedule_keys_are_checked_at_start(override: str, message: str) -> None
         typed_config(compose_config([override]), TrainRunConfig)
 
 
-def test_short_real_run_learns_and_writes_its_run_directory(tmp_path: Path, corpus_path: Path) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_short_real_run_learns_and_writes_its_run_directory(tmp_path: Path, corpus_path: Path, optimizer: str) -> None:
     cfg = compose_config(
         tiny_run_overrides(
             tmp_path,
             corpus_path,
             **{
+                "train.optimizer": optimizer,
                 "model.n_embd": 64,
                 "model.block_size": 64,
                 "train.max_iters": 150,
@@ -159,6 +161,10 @@ def test_resume_with_a_different_model_shape_names_the_keys(tmp_path: Path, corp
         ({"wandb.mode": "on"}, "wandb.mode=on is unknown; use one of online, offline, disabled"),
         ({"train.learning_rate": 0}, "train.learning_rate=0.0 must be > 0.0"),
         ({"train.beta2": 1.0}, "train.beta2=1.0 must be < 1.0"),
+        ({"train.optimizer": "sgd"}, "train.optimizer=sgd is unknown; use one of adamw, muon"),
+        ({"train.muon_lr": 0}, "train.muon_lr=0.0 must be > 0.0"),
+        ({"train.muon_momentum": 1.0}, "train.muon_momentum=1.0 must be < 1.0"),
+        ({"train.muon_momentum_warmup": -1}, "train.muon_momentum_warmup=-1 must be >= 0"),
     ],
 )
 def test_bad_config_values_are_config_errors(tmp_path: Path, corpus_path: Path, extra: dict, message: str) -> None:
@@ -254,13 +260,22 @@ def test_full_val_uses_every_block_of_the_split(tmp_path: Path, corpus_path: Pat
     assert result.val_loss == pytest.approx((sum(losses) / count).item(), rel=1e-5)
 
 
-def test_resume_applies_the_new_optimizer_settings(tmp_path: Path, corpus_path: Path) -> None:
-    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 10})))
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_applies_the_new_optimizer_settings(tmp_path: Path, corpus_path: Path, optimizer: str) -> None:
+    keys = {"train.optimizer": optimizer}
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **keys, **{"train.max_iters": 10})))
     changed = {"train.max_iters": 20, "train.weight_decay": 0.5, "train.beta2": 0.9}
-    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, **changed)))
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, **keys, **changed)))
     groups = load_checkpoint(tmp_path / "run" / CKPT_NAME).optimizer["param_groups"]
     assert groups[0]["weight_decay"] == 0.5 and groups[1]["weight_decay"] == 0.0
-    assert all(tuple(g["betas"]) == (0.9, 0.9) for g in groups)
+    adamw, muon = groups[:2], groups[2:]  # Muon's matrices: their own group, after AdamW's two
+    assert all(tuple(g["betas"]) == (0.9, 0.9) and "momentum" not in g for g in adamw)
+    assert all(g["weight_decay"] == 0.5 and "betas" not in g for g in muon) and len(muon) == (optimizer == "muon")
+
+    other = {"adamw": "muon", "muon": "adamw"}[optimizer]
+    switched = tiny_run_overrides(tmp_path, corpus_path, resume=True, **{"train.optimizer": other})
+    with pytest.raises(CheckpointError, match=f"^resume=true with train.optimizer={other}, but the checkpoint's"):
+        train(compose_config(switched))
 
 
 def test_resume_refuses_data_tokenized_differently(tmp_path: Path, corpus_path: Path) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from common.config import typed_config
 from conftest import compose_config, tiny_run_overrides
+from data.batches import TRAIN_WINDOWS, get_batch
 from training.build import build_trainer
 from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
@@ -82,7 +83,36 @@ def test_save_then_restore_gives_back_the_named_state(tmp_path: Path, corpus_pat
     torch.set_rng_state(restored)
     loss = first.step().loss
     torch.set_rng_state(restored)
-    assert torch.equal(second.step().loss, loss)  # the same optimizer state, the same dropout masks
+    assert torch.equal(second.step().loss, loss)  # the same weights, the same dropout masks
+    # and the same optimizer state: the same step (Muon's: test_crash_safety's exact resume)
+    assert all(torch.equal(first.model.state_dict()[k], v) for k, v in second.model.state_dict().items())
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_two_accumulated_micro_batches_step_as_one_batch_twice_the_size(
+    tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch, optimizer: str
+) -> None:
+    import training.trainer
+
+    big = _trainer(tmp_path / "big", corpus_path, **{"train.batch_size": 8, "train.optimizer": optimizer})
+    windows = {}
+    for it in range(3):  # each step's 8 windows; the accumulating run takes micro-batch i's half of them
+        generator = training.trainer.batch_generator(big.config.seed, TRAIN_WINDOWS, it, 0)
+        windows[it] = get_batch(big.data.train, 8, big.model.config.block_size, generator)
+    monkeypatch.setattr(training.trainer, "batch_generator", lambda seed, purpose, it, micro: (it, micro))
+    monkeypatch.setattr(
+        training.trainer,
+        "get_batch",
+        lambda files, size, block, key: tuple(t[key[1] * size : (key[1] + 1) * size] for t in windows[key[0]]),
+    )
+    accumulating = _trainer(
+        tmp_path / "acc", corpus_path, **{"train.batch_size": 4, "train.grad_accum": 2, "train.optimizer": optimizer}
+    )
+    for _ in range(3):
+        losses = big.step().loss, accumulating.step().loss
+        torch.testing.assert_close(*losses, atol=1e-6, rtol=0)
+    for name, tensor in big.model.state_dict().items():
+        torch.testing.assert_close(accumulating.model.state_dict()[name], tensor, atol=1e-5, rtol=0)
 
 
 def test_a_signal_during_a_step_stops_the_run_after_that_step(tmp_path: Path, corpus_path: Path) -> None:

@@ -51,6 +51,8 @@ def build_trainer(
     config = dataclasses.replace(config, out_dir=broadcast_from_main(config.out_dir, world))
     out_dir = Path(config.out_dir)
     checkpoint = _open_run_dir(out_dir, config.resume, world)
+    if checkpoint is not None:
+        _check_same_optimizer(checkpoint.config, config.train.optimizer)
     data, model = _data_and_model(config, checkpoint, world)
     opt = config.train
     num_params, flops_per_token = model.num_params(), model.flops_per_token()  # before sharding
@@ -69,7 +71,7 @@ def build_trainer(
         model=model,
         wrapped=wrapped,
         step_model=torch.compile(wrapped) if use_compile else wrapped,
-        optimizer=make_optimizer(model, opt.learning_rate, opt.weight_decay, (opt.beta1, opt.beta2), runtime.device),
+        optimizer=make_optimizer(model, opt, runtime),
         scaler=torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16),
         evaluator=Evaluator(data, opt, config.seed, model.config.block_size, byte_lengths, runtime, world),
         metrics=MetricsLog(out_dir, active=world.is_main),
@@ -244,6 +246,16 @@ def _check_same_shape(saved: GPTConfig, current: GPTConfig) -> None:
         diffs = ", ".join(f"{k}: {old[k]} -> {new[k]}" for k in changed)
         raise CheckpointError(
             f"resume=true with a model that differs from the checkpoint's ({diffs}); drop those overrides"
+        )
+
+
+def _check_same_optimizer(saved: dict[str, Any], optimizer: str) -> None:
+    """One optimizer's state is no start for another's (checkpoints from before train.optimizer: AdamW's)."""
+    before = saved.get("train", {}).get("optimizer", "adamw")
+    if before != optimizer:
+        raise CheckpointError(
+            f"resume=true with train.optimizer={optimizer}, but the checkpoint's run was trained with {before}; "
+            f"resume with train.optimizer={before}, or start a new run"
         )
 
 

@@ -78,9 +78,14 @@ def _lock_run(out_dir: Path, world: World, held: contextlib.ExitStack) -> None:
 
 
 def check_for_world(opt: OptimConfig, world: World) -> None:
-    """The one check that needs the number of processes."""
+    """The checks that need the number of processes."""
     if opt.grad_accum % world.size:
         raise ConfigError(
             f"train.grad_accum={opt.grad_accum} (micro-batches per step, all processes together) is not divisible "
             f"by the {world.size} processes; use a multiple of {world.size}"
+        )
+    if world.distributed and opt.parallel == "fsdp" and opt.optimizer == "muon":
+        raise ConfigError(
+            "train.optimizer=muon needs each hidden matrix whole, and train.parallel=fsdp shards them; "
+            "use train.parallel=ddp (or train.optimizer=adamw)"
         )

@@ -1,24 +1,91 @@
-"""AdamW with decoupled weight decay on 2-D weights only, and the learning-rate schedules: linear warmup, then a
-cosine decay (nanoGPT's) or warmup-stable-decay (a plateau, then a linear cooldown: modded-nanogpt's)."""
+"""The optimizer and its per-step hyperparameters: AdamW with decoupled weight decay on 2-D weights only (nanoGPT's),
+or Muon for the hidden matrices and AdamW for the rest (train.optimizer=muon, training/muon.py); the learning-rate
+schedules: linear warmup, then a cosine decay (nanoGPT's) or warmup-stable-decay (a plateau, then a linear
+cooldown: modded-nanogpt's)."""
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from training.muon import MuonAdamW
+from training.runtime import Runtime
 
-def make_optimizer(
-    model: nn.Module, learning_rate: float, weight_decay: float, betas: tuple[float, float], device: torch.device
-) -> torch.optim.AdamW:
-    params = [p for p in model.parameters() if p.requires_grad]
+if TYPE_CHECKING:  # training.schema imports this module's choices
+    from training.schema import OptimConfig
+
+OPTIMIZERS = ("adamw", "muon")
+FROM_CONFIG = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov")  # a param group's keys from the config
+MUON_MOMENTUM_START = 0.85  # where Muon's momentum starts its warmup (train.muon_momentum_warmup)
+
+
+def make_optimizer(model: nn.Module, opt: OptimConfig, runtime: Runtime) -> torch.optim.Optimizer:
+    """train.optimizer's, its param groups' hyperparameters from the config (restore() keeps them on resume).
+    Muon's Newton-Schulz runs in bfloat16 when the run autocasts to it, else in float32: bfloat16 leaves the same
+    singular values and is faster where the hardware has it (python bench.py muon), but it rounds: the weights of
+    a batch of 8 and of 2 accumulated batches of 4 part by 5e-3 in 12 steps, 6e-7 in float32."""
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    hidden = hidden_matrices(model) if opt.optimizer == "muon" else {}
+    rest = [p for name, p in params.items() if name not in hidden]
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},  # matmuls, embeddings
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # biases, norms
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": opt.weight_decay},  # matmuls, embeddings
+        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},  # biases, norms
     ]
-    # The fused kernel: one pass over all parameters (CUDA; on CPU about 4% faster per step here).
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device.type in ("cuda", "cpu"))
+    betas = (opt.beta1, opt.beta2)
+    if opt.optimizer == "adamw":
+        # The fused kernel: one pass over all parameters (CUDA; on CPU about 4% faster per step here).
+        return torch.optim.AdamW(
+            groups, lr=opt.learning_rate, betas=betas, fused=runtime.device.type in ("cuda", "cpu")
+        )
+    adamw = {"muon": False, "lr": opt.learning_rate, "betas": betas, "eps": 1e-8}
+    muon = {"muon": True, "lr": opt.muon_lr, "momentum": opt.muon_momentum, "nesterov": True}
+    muon |= {"params": list(hidden.values()), "weight_decay": opt.weight_decay}  # decoupled, as AdamW's
+    return MuonAdamW(
+        [*({**adamw, **g} for g in groups), muon],
+        ns_dtype=torch.bfloat16 if runtime.dtype == torch.bfloat16 else torch.float32,
+    )
+
+
+def hidden_matrices(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Muon's: the weights of the nn.Linear layers inside the blocks (attention's c_attn and c_proj, the MLP's
+    c_fc and c_proj), by name. Embeddings, the head, norms, biases, and any other kind of parameter a block may
+    gain, stay with AdamW."""
+    return {
+        f"transformer.h.{name}.weight": module.weight
+        for name, module in model.transformer.h.named_modules()
+        if isinstance(module, nn.Linear) and module.weight.requires_grad
+    }
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, opt: OptimConfig, step: int) -> float:
+    """The step's learning rate on every group (Muon's scaled to train.muon_lr) and Muon's momentum, functions
+    of the iteration alone, so a resumed run steps exactly as the uninterrupted one. Returns AdamW's lr."""
+    lr = lr_at(
+        step, opt.learning_rate, opt.min_lr, opt.warmup_iters, opt.decay_iters, opt.lr_schedule, opt.cooldown_frac
+    )
+    for group in optimizer.param_groups:
+        if group.get("muon"):
+            group["lr"] = opt.muon_lr * lr / opt.learning_rate
+            group["momentum"] = muon_momentum_at(step, opt.muon_momentum, opt.muon_momentum_warmup)
+        else:
+            group["lr"] = lr
+    return lr
+
+
+def muon_momentum_at(step: int, momentum: float, warmup_iters: int) -> float:
+    """From MUON_MOMENTUM_START up to `momentum` in a straight line over warmup_iters, then `momentum`."""
+    frac = min(step / warmup_iters, 1.0) if warmup_iters else 1.0
+    return (1 - frac) * MUON_MOMENTUM_START + frac * momentum
+
+
+def group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The hyperparameters make_optimizer gave each param group from the config. Loading a state dict replaces
+    them with the saved run's, so restore() puts these back (they may change on resume); the implementation's own
+    flags (AdamW's fused, foreach, ...) stay as saved."""
+    return [{k: group[k] for k in FROM_CONFIG if k in group} for group in optimizer.param_groups]
 
 
 LR_SCHEDULES = ("cosine", "wsd")

@@ -18,7 +18,7 @@ from common.config import check_fields, option
 from common.errors import ConfigError
 from data.config import DataConfig, register_prepare_schema
 from model.config import ATTN_IMPLS, GPTConfig
-from training.optim import LR_SCHEDULES
+from training.optim import LR_SCHEDULES, OPTIMIZERS
 from training.runtime import DEVICES, DTYPES
 
 ON_NONFINITE = ("stop", "skip")
@@ -71,10 +71,15 @@ class OptimConfig:
     lr_schedule: str = option("cosine", choices=LR_SCHEDULES)  # after warmup: cosine | wsd (plateau, then cooldown)
     cooldown_frac: float = option(0.2, above=0.0, at_most=1.0)  # wsd: the share of lr_decay_iters spent cooling down
     warmup_iters: int = option(100, at_least=0)
-    weight_decay: float = option(0.1, at_least=0.0)
+    weight_decay: float = option(0.1, at_least=0.0)  # decoupled, on 2-D weights (and Muon's matrices)
     beta1: float = option(0.9, at_least=0.0, below=1.0)
     beta2: float = option(0.99, at_least=0.0, below=1.0)
     grad_clip: float = option(1.0, at_least=0.0)  # 0 disables clipping
+    # adamw: AdamW for every parameter (nanoGPT's) | muon: Muon for the blocks' nn.Linear weights, AdamW for the rest
+    optimizer: str = option("adamw", choices=OPTIMIZERS)
+    muon_lr: float = option(0.02, above=0.0)  # Muon's peak lr; follows learning_rate's schedule (scaled by the ratio)
+    muon_momentum: float = option(0.95, at_least=0.0, below=1.0)  # Muon's Nesterov momentum, after its warmup
+    muon_momentum_warmup: int = option(300, at_least=0)  # iterations for momentum to rise from 0.85; 0: none
     eval_interval: int = option(250, at_least=1)
     eval_iters: int = option(100, at_least=1)  # batches per split in each evaluation
     full_val: bool = False  # evaluate val on every block of the split, in order, instead of eval_iters batches

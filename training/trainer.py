@@ -34,7 +34,7 @@ from training.distributed import (
 from training.errors import TrainingDiverged
 from training.evaluation import Evaluator, HellaSwagEval, Losses
 from training.metrics import LogWindow, MetricsLog, drop_records_after
-from training.optim import lr_at
+from training.optim import group_hyperparameters, set_hyperparameters
 from training.preemption import StopRequests
 from training.runtime import Runtime
 from training.sample_text import stop_strings
@@ -120,12 +120,8 @@ class Trainer:
         only on the seed and the iteration. A non-finite loss never reaches the weights. stop_requested is asked
         once the gradients are in (a signal usually arrives during forward and backward): then this step is the
         run's last, on every rank."""
-        it, opt = self.progress.iter, self.config.train
-        lr = lr_at(
-            it, opt.learning_rate, opt.min_lr, opt.warmup_iters, opt.decay_iters, opt.lr_schedule, opt.cooldown_frac
-        )
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        it = self.progress.iter
+        lr = set_hyperparameters(self.optimizer, self.config.train, it)
         local_loss = self._accumulate_gradients(it)
         asked = stop_requested is not None and stop_requested()
         loss, stop = agree_on_step(local_loss, asked, self.world)
@@ -268,12 +264,11 @@ class Trainer:
     def restore(self, checkpoint: Checkpoint) -> None:
         """Continue a saved run exactly: weights, optimizer and GradScaler, progress, random state, metrics. The
         optimizer's hyperparameters stay the config's (they may change on resume), not the saved ones."""
-        opt = self.config.train
+        configured = group_hyperparameters(self.optimizer)  # make_optimizer's, from this run's config
         optimizer_state = checkpoint.optimizer_state_for(self.model, self.optimizer)
         load_full_state(self.model, self.optimizer, checkpoint.model, optimizer_state)
-        for group in self.optimizer.param_groups:
-            group["betas"] = (opt.beta1, opt.beta2)
-        self.optimizer.param_groups[0]["weight_decay"] = opt.weight_decay
+        for group, hyperparameters in zip(self.optimizer.param_groups, configured, strict=True):
+            group.update(hyperparameters)
         if checkpoint.scaler:  # empty when the checkpoint's run didn't use fp16
             self.scaler.load_state_dict(checkpoint.scaler)
         self.progress = dataclasses.replace(checkpoint.progress)

@@ -1,0 +1,92 @@
+"""Muon for the hidden weight matrices, AdamW for the rest, as one optimizer (MuonAdamW).
+
+Muon (Keller Jordan's, as in modded-nanogpt): Nesterov momentum on the gradient, then the update's matrix
+orthogonalised by a few Newton-Schulz steps, so every direction of the matrix moves by about as much. It is
+meant for 2-D hidden matrices; embeddings, the output head, norm gains and biases stay with AdamW.
+
+One Optimizer object holds both kinds of group (group["muon"] says which), so everything that works on the
+optimizer works unchanged: GradScaler, gradient clipping, zero_grad, state_dict and the named (distributed)
+state dicts of torch.distributed.checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's: the steepest slope at zero that still stays near 1
+
+
+def newton_schulz(grad: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """A matrix near U V^T (G = U S V^T), in grad's dtype: singular values pushed into roughly 0.7..1.2, not all
+    the way to 1 (faster, and no worse for training). Normalised by the Frobenius norm first, so the spectral
+    norm starts at most 1; computed on the small side's Gram matrix (a tall matrix is transposed)."""
+    a, b, c = NS_COEFFICIENTS
+    x = grad / (grad.norm() + 1e-7)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.mT
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a X + (b A + c A^2) X
+    return x.mT if tall else x
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Param groups with group["muon"] True: Muon (keys lr, momentum, nesterov, weight_decay), for 2-D matrices,
+    orthogonalised in ns_dtype. The others: AdamW (keys lr, betas, eps, weight_decay), bias-corrected, with
+    decoupled weight decay, as torch.optim.AdamW. Each group carries all its keys: there are no defaults."""
+
+    def __init__(self, param_groups: list[dict[str, Any]], ns_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(param_groups, defaults={})
+        self.ns_dtype = ns_dtype
+        for group in self.param_groups:
+            if group["muon"] and any(p.dim() != 2 for p in group["params"]):
+                raise ValueError("Muon's groups take 2-D matrices only")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if group["muon"]:
+                self._muon(group, params)
+            else:
+                self._adamw(group, params)
+        return loss
+
+    def _muon(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - momentum)
+            update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+            update = newton_schulz(update.to(self.ns_dtype))
+            rows, cols = p.shape
+            p.mul_(1 - lr * decay)
+            p.add_(update, alpha=-lr * max(1, rows / cols) ** 0.5)  # Keller Jordan's scale (torch.optim.Muon's too)
+
+    def _adamw(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        for p in params:
+            state = self.state[p]
+            if not state:  # the layout of torch.optim.AdamW's state
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] += 1
+            step = state["step"].item()
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            p.mul_(1 - lr * decay)
+            exp_avg.lerp_(p.grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+            p.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 from pathlib import Path
@@ -130,3 +131,10 @@ def test_a_signal_during_a_step_stops_the_run_after_that_step(tmp_path: Path, co
     result = trainer.fit()
     assert result.stopped_by == "SIGTERM" and result.iters == 8
     assert load_checkpoint(tmp_path / "run" / CKPT_NAME).progress.iter == 8
+
+
+def test_eval_from_skips_the_early_evaluations_but_never_the_last(tmp_path: Path, corpus_path: Path) -> None:
+    keys = {"train.max_iters": 13, "train.eval_interval": 3, "train.eval_from": 7}
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **keys)))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iter"] for r in records if "val_loss" in r] == [9, 12, 13]

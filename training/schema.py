@@ -81,6 +81,9 @@ class OptimConfig:
     muon_momentum: float = option(0.95, at_least=0.0, below=1.0)  # Muon's Nesterov momentum, after its warmup
     muon_momentum_warmup: int = option(300, at_least=0)  # iterations for momentum to rise from 0.85; 0: none
     eval_interval: int = option(250, at_least=1)
+    # evaluate only from this iteration on (and always after the last step): a run timed to a target skips the
+    # evaluations it knows come too early (each costs a pass over the val split with full_val)
+    eval_from: int = option(0, at_least=0)
     eval_iters: int = option(100, at_least=1)  # batches per split in each evaluation
     full_val: bool = False  # evaluate val on every block of the split, in order, instead of eval_iters batches
     target_val_loss: float | None = None  # stop once an evaluation reaches it; metrics get time_to_target_s

@@ -206,7 +206,8 @@ class Trainer:
 
     def _eval_due(self) -> bool:
         p, opt = self.progress, self.config.train
-        return (p.iter % opt.eval_interval == 0 or p.iter == opt.max_iters) and p.last_eval_iter != p.iter
+        scheduled = p.iter % opt.eval_interval == 0 and p.iter >= opt.eval_from
+        return (scheduled or p.iter == opt.max_iters) and p.last_eval_iter != p.iter
 
     def _target_reached(self) -> bool:
         """A resumed run that stopped at its target, evaluated at its last iteration."""

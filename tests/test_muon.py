@@ -15,7 +15,7 @@ from training.runtime import Runtime
 from training.schema import OptimConfig
 
 CPU = Runtime(torch.device("cpu"), torch.float32)
-MUON = {"muon": True, "lr": 0.02, "momentum": 0.9, "nesterov": True, "weight_decay": 0.1}
+MUON = {"muon": True, "lr": 0.02, "momentum": 0.9, "nesterov": True, "ns_steps": 5, "weight_decay": 0.1}
 ADAMW = {"muon": False, "lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
 
 
@@ -46,13 +46,23 @@ def test_newton_schulz_brings_the_singular_values_near_one(shape: tuple[int, int
     torch.testing.assert_close(newton_schulz(grad.T), out.T, atol=1e-5, rtol=0)
 
 
+def test_newton_schulz_of_a_stack_is_each_matrix_on_its_own() -> None:
+    """MuonAdamW stacks same-shape updates into one call: each must come out as if alone (its own norm)."""
+    torch.manual_seed(0)
+    stack = torch.randn(3, 48, 16) * torch.tensor([1e-3, 1.0, 50.0]).view(3, 1, 1)
+    out = newton_schulz(stack)
+    assert out.shape == stack.shape
+    for matrix, alone in zip(stack, out, strict=True):
+        torch.testing.assert_close(alone, newton_schulz(matrix), atol=1e-6, rtol=0)
+
+
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon came with torch 2.9")
 def test_muon_groups_step_as_torch_optim_muon_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.optim.Muon's update (its Newton-Schulz in bfloat16 swapped for ours in float32): momentum, Nesterov,
-    the tall matrix's sqrt(rows/cols), decoupled weight decay."""
+    the tall matrix's sqrt(rows/cols), decoupled weight decay; two of the matrices share a shape (one batch)."""
     monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", lambda grad, *args: newton_schulz(grad))
     torch.manual_seed(0)
-    ours = [nn.Parameter(torch.randn(24, 8)), nn.Parameter(torch.randn(8, 16))]
+    ours = [nn.Parameter(torch.randn(24, 8)), nn.Parameter(torch.randn(8, 16)), nn.Parameter(torch.randn(24, 8))]
     theirs = [nn.Parameter(p.detach().clone()) for p in ours]
     muon = MuonAdamW([{**MUON, "params": ours}])
     reference = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True)
@@ -98,6 +108,24 @@ def test_muon_takes_the_blocks_linear_weights_and_adamw_the_rest() -> None:
     assert optimizer.ns_dtype == torch.float32 and bfloat16_run.ns_dtype == torch.bfloat16  # Newton-Schulz's
     plain = make_optimizer(_tiny_gpt(), OptimConfig(), CPU)  # train.optimizer=adamw: nanoGPT's, as before
     assert type(plain) is torch.optim.AdamW and plain.defaults["fused"] and len(plain.param_groups) == 2
+
+
+def test_muon_ns_steps_sets_the_newton_schulz_iterations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """train.muon_ns_steps reaches every Newton-Schulz call; each shape of matrix is one call per step."""
+    import training.muon
+
+    calls = []
+    original = training.muon.newton_schulz
+    monkeypatch.setattr(
+        training.muon, "newton_schulz", lambda g, steps: calls.append((tuple(g.shape), steps)) or original(g, steps)
+    )
+    model = _tiny_gpt()
+    optimizer = make_optimizer(model, OptimConfig(optimizer="muon", muon_ns_steps=3), CPU)
+    _, loss = model(torch.randint(65, (2, 16)), torch.randint(65, (2, 16)))
+    loss.backward()
+    optimizer.step()
+    # two layers: c_attn (96x32), attn c_proj (32x32), c_fc (128x32), mlp c_proj (32x128), each a stack of 2
+    assert sorted(calls) == sorted([((2, 96, 32), 3), ((2, 32, 32), 3), ((2, 128, 32), 3), ((2, 32, 128), 3)])
 
 
 def test_every_group_gets_its_step_hyperparameters_from_the_iteration() -> None:

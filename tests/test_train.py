@@ -311,5 +311,7 @@ def test_speedrun_preset_uses_the_options_and_stops_at_the_target() -> None:
         128,
         64,
     )
+    assert cfg.model.bigram_embed and cfg.model.qk_norm and cfg.train.optimizer == "muon"
     assert cfg.train.full_val and cfg.train.target_val_loss == 1.89
+    assert cfg.train.eval_from == cfg.train.max_iters  # one evaluation, at the end
     assert compose_config([]).model.pos_emb == "learned" and compose_config([]).model.activation == "gelu"

@@ -22,21 +22,25 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's: the steepest slope
 def newton_schulz(grad: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """A matrix near U V^T (G = U S V^T), in grad's dtype: singular values pushed into roughly 0.7..1.2, not all
     the way to 1 (faster, and no worse for training). Normalised by the Frobenius norm first, so the spectral
-    norm starts at most 1; computed on the small side's Gram matrix (a tall matrix is transposed)."""
+    norm starts at most 1; computed on the small side's Gram matrix (a tall matrix is transposed).
+
+    grad may be a stack of same-shape matrices (..., rows, cols), each orthogonalised on its own: on a CPU one
+    batched matmul of four small matrices costs about half of four separate ones, with the same values."""
     a, b, c = NS_COEFFICIENTS
-    x = grad / (grad.norm() + 1e-7)
-    tall = x.size(0) > x.size(1)
+    x = grad.reshape(-1, *grad.shape[-2:])
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
     for _ in range(steps):
         gram = x @ x.mT
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a X + (b A + c A^2) X
-    return x.mT if tall else x
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a X + (b A + c A^2) X
+    return (x.mT if tall else x).reshape(grad.shape)
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Param groups with group["muon"] True: Muon (keys lr, momentum, nesterov, weight_decay), for 2-D matrices,
-    orthogonalised in ns_dtype. The others: AdamW (keys lr, betas, eps, weight_decay), bias-corrected, with
+    """Param groups with group["muon"] True: Muon (keys lr, momentum, nesterov, ns_steps, weight_decay), for 2-D
+    matrices, orthogonalised in ns_dtype. The others: AdamW (keys lr, betas, eps, weight_decay), bias-corrected, with
     decoupled weight decay, as torch.optim.AdamW. Each group carries all its keys: there are no defaults."""
 
     def __init__(self, param_groups: list[dict[str, Any]], ns_dtype: torch.dtype = torch.float32) -> None:
@@ -62,17 +66,23 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
+        updates = []
         for p in params:
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p)
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - momentum)
-            update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-            update = newton_schulz(update.to(self.ns_dtype))
-            rows, cols = p.shape
-            p.mul_(1 - lr * decay)
-            p.add_(update, alpha=-lr * max(1, rows / cols) ** 0.5)  # Keller Jordan's scale (torch.optim.Muon's too)
+            updates.append(p.grad.lerp(buf, momentum) if group["nesterov"] else buf)
+        same_shape: dict[torch.Size, list[int]] = {}
+        for i, p in enumerate(params):
+            same_shape.setdefault(p.shape, []).append(i)
+        for (rows, cols), indices in same_shape.items():  # one Newton-Schulz per shape: the blocks' matrices batch
+            stacked = torch.stack([updates[i] for i in indices]).to(self.ns_dtype)
+            orthogonal = newton_schulz(stacked, steps=group["ns_steps"])
+            for i, update in zip(indices, orthogonal, strict=True):
+                params[i].mul_(1 - lr * decay)
+                params[i].add_(update, alpha=-lr * max(1, rows / cols) ** 0.5)  # Keller Jordan's scale (and torch's)
 
     def _adamw(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]

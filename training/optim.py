@@ -18,7 +18,8 @@ if TYPE_CHECKING:  # training.schema imports this module's choices
     from training.schema import OptimConfig
 
 OPTIMIZERS = ("adamw", "muon")
-FROM_CONFIG = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov")  # a param group's keys from the config
+# a param group's keys from the config
+FROM_CONFIG = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov", "ns_steps")
 MUON_MOMENTUM_START = 0.85  # where Muon's momentum starts its warmup (train.muon_momentum_warmup)
 
 
@@ -42,7 +43,8 @@ def make_optimizer(model: nn.Module, opt: OptimConfig, runtime: Runtime) -> torc
         )
     adamw = {"muon": False, "lr": opt.learning_rate, "betas": betas, "eps": 1e-8}
     muon = {"muon": True, "lr": opt.muon_lr, "momentum": opt.muon_momentum, "nesterov": True}
-    muon |= {"params": list(hidden.values()), "weight_decay": opt.weight_decay}  # decoupled, as AdamW's
+    muon |= {"ns_steps": opt.muon_ns_steps, "params": list(hidden.values())}
+    muon["weight_decay"] = opt.weight_decay  # decoupled, as AdamW's
     return MuonAdamW(
         [*({**adamw, **g} for g in groups), muon],
         ns_dtype=torch.bfloat16 if runtime.dtype == torch.bfloat16 else torch.float32,

@@ -80,6 +80,7 @@ class OptimConfig:
     muon_lr: float = option(0.02, above=0.0)  # Muon's peak lr; follows learning_rate's schedule (scaled by the ratio)
     muon_momentum: float = option(0.95, at_least=0.0, below=1.0)  # Muon's Nesterov momentum, after its warmup
     muon_momentum_warmup: int = option(300, at_least=0)  # iterations for momentum to rise from 0.85; 0: none
+    muon_ns_steps: int = option(5, at_least=1)  # Newton-Schulz iterations per update: fewer are cheaper, rougher
     eval_interval: int = option(250, at_least=1)
     # evaluate only from this iteration on (and always after the last step): a run timed to a target skips the
     # evaluations it knows come too early (each costs a pass over the val split with full_val)

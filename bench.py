@@ -20,7 +20,7 @@ sampling-batch: sample.py's --num-samples samples as one batch with the KV cache
   every step); vs_nanogpt: its time over the row's. nanoGPT's CPU model and sample.py: --block-size 64
   --new-tokens 500 --num-samples 3.
 muon: Muon's Newton-Schulz orthogonalisation (training/muon.py's newton_schulz, float32, and the same given a
-  bfloat16 matrix) against torch.optim.Muon's (which computes in bfloat16), on the hidden matrices' shapes (the
+  bfloat16 matrix) against torch.optim.Muon's (bfloat16; torch 2.9 on), on the hidden matrices' shapes (the
   baby model's, then GPT-2 124M's), of a Gaussian matrix: ms per call, the singular values it leaves (the
   quintic aims at about 0.7..1.2, not 1), err_vs_uvt, its relative distance from the exact U V^T (by SVD), and
   diff_vs_ours_fp32, bfloat16's rounding. train.optimizer=muon runs ours in the run's precision (make_optimizer).
@@ -308,18 +308,20 @@ def _nanogpt_sample(model: GPT, prompt: list[int], max_new_tokens: int, device: 
 
 
 def bench_muon(args: argparse.Namespace) -> list[dict]:
-    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _zeropower_via_newtonschulz
-
     from training.muon import NS_COEFFICIENTS, newton_schulz
 
-    assert NS_COEFFICIENTS == (DEFAULT_A, DEFAULT_B, DEFAULT_C)  # the same iteration: only the arithmetic differs
     ways: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "ours, float32": newton_schulz,
         "ours, bfloat16": lambda g: newton_schulz(g.bfloat16()),
-        "torch.optim.Muon's (bfloat16)": lambda g: _zeropower_via_newtonschulz(
-            g, (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS
-        ),
     }
+    if hasattr(torch.optim, "Muon"):  # since torch 2.9
+        from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
+        from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
+
+        assert NS_COEFFICIENTS == (DEFAULT_A, DEFAULT_B, DEFAULT_C)  # the same iteration: only the arithmetic differs
+        ways["torch.optim.Muon's (bfloat16)"] = lambda g: torch_newton_schulz(
+            g, (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS
+        )
     rows = []
     for shape in args.muon_shapes:
         n_rows, n_cols = (int(n) for n in shape.split("x"))

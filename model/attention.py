@@ -140,17 +140,14 @@ class CausalSelfAttention(nn.Module):
         self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if config.value_residual and layer_index else None
         self.captured: list[torch.Tensor] | None = None
 
-    def forward(
-        self, x: torch.Tensor, cache: KVCache | None = None, shortcuts: Shortcuts | None = None
-    ) -> torch.Tensor:
-        """x: (B, T, C) for T new tokens, after the cache's tokens if a cache is given. shortcuts: needed by
-        value_embeds and value_residual."""
+    def forward(self, x: torch.Tensor, shortcuts: Shortcuts, cache: KVCache | None = None) -> torch.Tensor:
+        """x: (B, T, C) for T new tokens, after the cache's tokens if a cache is given. shortcuts: what
+        value_embeds and value_residual read (the first layer fills in first_values)."""
         B, T, C = x.shape
         # (3, B, n_head, T, head_dim): one reshape for queries, keys and values
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
-        if shortcuts is not None:
-            v = self._with_shortcuts(v, shortcuts)
+        v = self._with_shortcuts(v, shortcuts)
         if self.qk_norm:  # scores then measure direction only: they can't grow large, which steadies training
             q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))
         n_past = 0 if cache is None else cache.length

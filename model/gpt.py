@@ -53,12 +53,10 @@ class Block(nn.Module):
         # x0_mix: the block's input is a*x + b*x0, learned; from 1, 0 (the plain residual stream)
         self.x0_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if config.x0_mix else None
 
-    def forward(
-        self, x: torch.Tensor, cache: KVCache | None = None, shortcuts: Shortcuts | None = None
-    ) -> torch.Tensor:
-        if self.x0_mix is not None and shortcuts is not None:
+    def forward(self, x: torch.Tensor, shortcuts: Shortcuts, cache: KVCache | None = None) -> torch.Tensor:
+        if self.x0_mix is not None:
             x = self.x0_mix[0] * x + self.x0_mix[1] * shortcuts.x0
-        x = x + self.attn(self.ln_1(x), cache, shortcuts)
+        x = x + self.attn(self.ln_1(x), shortcuts, cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -136,7 +134,7 @@ class GPT(nn.Module):
         x = F.dropout(x, self.config.dropout, self.training)
         shortcuts = Shortcuts(x0=x, idx=idx)
         for block in self.transformer.h:
-            x = block(x, cache, shortcuts)
+            x = block(x, shortcuts, cache)
         if cache is not None:
             cache.advance(idx)
         return self.transformer.ln_f(x)

@@ -14,7 +14,9 @@ from torch import nn
 class Shortcuts:
     x0: torch.Tensor  # the input embeddings (B, T, C), after dropout
     idx: torch.Tensor  # the token ids (B, T)
-    first_values: torch.Tensor | None = None  # the first layer's values (B, n_head, T, head_dim), once it ran
+    # the first layer's values (B, n_head, T, head_dim): that layer sets them, the later ones read them (so a
+    # wrapper that copied the blocks' arguments, such as FSDP2 with a param_dtype, would need them passed instead)
+    first_values: torch.Tensor | None = None
 
 
 class BigramEmbedding(nn.Module):

@@ -78,6 +78,27 @@ def test_interrupted_and_resumed_equals_uninterrupted(
     assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
 
 
+def test_a_muon_checkpoint_from_before_muon_ns_steps_resumes_exactly(tmp_path: Path, corpus_path: Path) -> None:
+    """Its Muon group has no ns_steps: restore() puts the config's back, and the run goes on as if never stopped."""
+    exact = {**EXACT, "train.optimizer": "muon"}
+    train(compose_config(tiny_run_overrides(tmp_path / "a", corpus_path, **exact)))
+    stopped = train(
+        compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, **exact)),
+        before_step=_signal_at_step(19, signal.SIGTERM),
+    )
+    assert stopped.stopped_by == "SIGTERM"
+    path = tmp_path / "b" / "run" / CKPT_NAME
+    raw = _raw(path)
+    assert [group.pop("ns_steps") for group in raw["optimizer"]["param_groups"] if group["muon"]] == [5]
+    torch.save(raw, path)
+    resumed = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, **exact)))
+    assert resumed.iters == 40
+    assert _val_losses(tmp_path / "b" / "run") == _val_losses(tmp_path / "a" / "run")
+    final_a = load_checkpoint(tmp_path / "a" / "run" / CKPT_NAME).model
+    final_b = load_checkpoint(tmp_path / "b" / "run" / CKPT_NAME).model
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+
+
 def test_sigterm_stops_the_script_promptly_and_the_run_resumes(tmp_path: Path, corpus_path: Path) -> None:
     args = tiny_run_overrides(tmp_path, corpus_path, **{**EXACT, "train.max_iters": 100_000})
     process = subprocess.Popen(

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
+from model.shortcuts import Shortcuts
 
 SMALL = dict(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)
 
@@ -169,4 +170,6 @@ def test_attention_weights_come_out_beside_the_main_path_and_leave_it_as_it_was(
     assert torch.equal(weights, math_.attention_weights(idx))
     assert all(block.attn.captured is None for block in flash.transformer.h)
     assert torch.equal(flash(idx)[0], before)
-    assert isinstance(flash.transformer.h[0](torch.zeros(1, 3, SMALL["n_embd"])), torch.Tensor)  # a tensor, not a pair
+    x = torch.zeros(1, 3, SMALL["n_embd"])
+    shortcuts = Shortcuts(x0=x, idx=torch.zeros(1, 3, dtype=torch.long))
+    assert isinstance(flash.transformer.h[0](x, shortcuts), torch.Tensor)  # a tensor, not a pair

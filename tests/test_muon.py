@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from model import GPT, GPTConfig
 from training.muon import MuonAdamW, newton_schulz
-from training.optim import lr_at, make_optimizer, set_hyperparameters
+from training.optim import FROM_CONFIG, lr_at, make_optimizer, set_hyperparameters
 from training.runtime import Runtime
 from training.schema import OptimConfig
 
@@ -103,6 +103,8 @@ def test_muon_takes_the_blocks_linear_weights_and_adamw_the_rest() -> None:
     assert not_decayed_group["weight_decay"] == 0.0
     assert not any(g["muon"] or "momentum" in g for _, g in adamw)
     assert muon | decayed | not_decayed == set(names.values())  # the head is tied to wte
+    for group in optimizer.param_groups:  # restore() re-applies FROM_CONFIG: a key missing there would not be
+        assert set(group) - {"params", "muon"} <= set(FROM_CONFIG)
 
     bfloat16_run = make_optimizer(model, OptimConfig(optimizer="muon"), Runtime(CPU.device, torch.bfloat16))
     assert optimizer.ns_dtype == torch.float32 and bfloat16_run.ns_dtype == torch.bfloat16  # Newton-Schulz's

@@ -165,6 +165,8 @@ def test_resume_with_a_different_model_shape_names_the_keys(tmp_path: Path, corp
         ({"train.muon_lr": 0}, "train.muon_lr=0.0 must be > 0.0"),
         ({"train.muon_momentum": 1.0}, "train.muon_momentum=1.0 must be < 1.0"),
         ({"train.muon_momentum_warmup": -1}, "train.muon_momentum_warmup=-1 must be >= 0"),
+        ({"train.muon_ns_steps": 0}, "train.muon_ns_steps=0 must be >= 1"),
+        ({"train.eval_from": -1}, "train.eval_from=-1 must be >= 0"),
     ],
 )
 def test_bad_config_values_are_config_errors(tmp_path: Path, corpus_path: Path, extra: dict, message: str) -> None:

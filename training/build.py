@@ -34,7 +34,7 @@ from training.schema import OptimConfig, TrainRunConfig
 from training.trainer import Trainer
 
 log = logging.getLogger("train")
-FREE_MODEL_KEYS = ("attn_impl", "dropout")  # may change on resume: the weights don't depend on them
+FREE_MODEL_KEYS = ("attn_impl", "dropout", "zero_init_proj")  # may change on resume: only training or init read them
 
 
 def build_trainer(

@@ -65,11 +65,11 @@ class OptimConfig:
     batch_size: int = option(12, at_least=1)  # sequences per micro-batch, in each process
     grad_accum: int = option(1, at_least=1)  # micro-batches per optimizer step, all processes together
     learning_rate: float = option(1e-3, above=0.0)
-    min_lr: float = option(1e-4, at_least=0.0)  # the cosine decays to this
+    min_lr: float = option(1e-4, at_least=0.0)  # the schedule (cosine or wsd) ends at this
     max_iters: int = option(2000, at_least=0)
     lr_decay_iters: int | None = option(None, at_least=0)  # default: max_iters
     lr_schedule: str = option("cosine", choices=LR_SCHEDULES)  # after warmup: cosine | wsd (plateau, then cooldown)
-    cooldown_frac: float = option(0.2, above=0.0, at_most=1.0)  # wsd: the share of lr_decay_iters spent cooling down
+    cooldown_frac: float = option(0.2, above=0.0, at_most=1.0)  # wsd's: the share of lr_decay_iters cooling down
     warmup_iters: int = option(100, at_least=0)
     weight_decay: float = option(0.1, at_least=0.0)  # decoupled, on 2-D weights (and Muon's matrices)
     beta1: float = option(0.9, at_least=0.0, below=1.0)
@@ -77,13 +77,15 @@ class OptimConfig:
     grad_clip: float = option(1.0, at_least=0.0)  # 0 disables clipping
     # adamw: AdamW for every parameter (nanoGPT's) | muon: Muon for the blocks' nn.Linear weights, AdamW for the rest
     optimizer: str = option("adamw", choices=OPTIMIZERS)
+    # Muon's keys, read with optimizer=muon only (a preset may set them and still sweep the optimizer)
     muon_lr: float = option(0.02, above=0.0)  # Muon's peak lr; follows learning_rate's schedule (scaled by the ratio)
     muon_momentum: float = option(0.95, at_least=0.0, below=1.0)  # Muon's Nesterov momentum, after its warmup
-    muon_momentum_warmup: int = option(300, at_least=0)  # iterations for momentum to rise from 0.85; 0: none
+    muon_momentum_warmup: int = option(300, at_least=0)  # iterations to go from 0.85 to muon_momentum; 0: none
     muon_ns_steps: int = option(5, at_least=1)  # Newton-Schulz iterations per update: fewer are cheaper, rougher
     eval_interval: int = option(250, at_least=1)
     # evaluate only from this iteration on (and always after the last step): a run timed to a target skips the
-    # evaluations it knows come too early (each costs a pass over the val split with full_val)
+    # evaluations it knows come too early (each costs a pass over the val split with full_val). ckpt.pt is written
+    # at evaluations, so there is none before it either
     eval_from: int = option(0, at_least=0)
     eval_iters: int = option(100, at_least=1)  # batches per split in each evaluation
     full_val: bool = False  # evaluate val on every block of the split, in order, instead of eval_iters batches
@@ -112,7 +114,7 @@ class OptimConfig:
 
     @property
     def decay_iters(self) -> int:
-        """Where the cosine reaches min_lr: lr_decay_iters, or max_iters when that is null."""
+        """Where the schedule reaches min_lr: lr_decay_iters, or max_iters when that is null."""
         return self.max_iters if self.lr_decay_iters is None else self.lr_decay_iters
 
 

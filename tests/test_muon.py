@@ -46,14 +46,28 @@ def test_newton_schulz_brings_the_singular_values_near_one(shape: tuple[int, int
     torch.testing.assert_close(newton_schulz(grad.T), out.T, atol=1e-5, rtol=0)
 
 
+def _one_matrix_newton_schulz(grad: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """The quintic iteration written out for one 2-D matrix, as a reference for the batched one."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = grad / (grad.norm() + 1e-7)
+    tall = x.size(0) > x.size(1)
+    x = x.T if tall else x
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
 def test_newton_schulz_of_a_stack_is_each_matrix_on_its_own() -> None:
     """MuonAdamW stacks same-shape updates into one call: each must come out as if alone (its own norm)."""
     torch.manual_seed(0)
-    stack = torch.randn(3, 48, 16) * torch.tensor([1e-3, 1.0, 50.0]).view(3, 1, 1)
-    out = newton_schulz(stack)
-    assert out.shape == stack.shape
-    for matrix, alone in zip(stack, out, strict=True):
-        torch.testing.assert_close(alone, newton_schulz(matrix), atol=1e-6, rtol=0)
+    for shape in ((3, 48, 16), (3, 16, 48)):
+        stack = torch.randn(shape) * torch.tensor([1e-3, 1.0, 50.0]).view(3, 1, 1)
+        out = newton_schulz(stack)
+        assert out.shape == stack.shape
+        for matrix, alone in zip(stack, out, strict=True):
+            torch.testing.assert_close(alone, _one_matrix_newton_schulz(matrix), atol=1e-5, rtol=0)
+            assert torch.equal(newton_schulz(matrix), alone)  # one matrix or a stack: the same numbers
 
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon came with torch 2.9")
@@ -70,6 +84,12 @@ def test_muon_groups_step_as_torch_optim_muon_in_float32(monkeypatch: pytest.Mon
         _step_with_random_grads([muon, reference], [ours, theirs])
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_a_group_without_its_keys_is_refused_at_construction() -> None:
+    muon = {k: v for k, v in MUON.items() if k != "ns_steps"}
+    with pytest.raises(ValueError, match=r"a Muon group lacks \['ns_steps'\]"):
+        MuonAdamW([{**muon, "params": [nn.Parameter(torch.zeros(4, 4))]}])
 
 
 def test_adamw_groups_step_as_torch_optim_adamw() -> None:

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's: the steepest slope at zero that still stays near 1
+MUON_KEYS = ("lr", "momentum", "nesterov", "ns_steps", "weight_decay")  # what each kind of group must carry
+ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 def newton_schulz(grad: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -49,6 +51,9 @@ class MuonAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["muon"] and any(p.dim() != 2 for p in group["params"]):
                 raise ValueError("Muon's groups take 2-D matrices only")
+            missing = set(MUON_KEYS if group["muon"] else ADAMW_KEYS) - set(group)
+            if missing:
+                raise ValueError(f"a {'Muon' if group['muon'] else 'AdamW'} group lacks {sorted(missing)}")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import tiktoken
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 from tiktoken_ext.openai_public import r50k_pat_str
@@ -99,6 +100,21 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> 
     result = run_script("train.py", tiny_run_overrides(tmp, corpus_path, **{"train.max_iters": 60}), cwd=tmp)
     assert result.returncode == 0, result.stderr
     return tmp / "run"
+
+
+def assert_same_logits_and_gradients(models: tuple[torch.nn.Module, torch.nn.Module], idx, targets) -> None:
+    """Two models with the same weights (the flash and the math path): the same logits and, after backward, the
+    same gradient for every parameter, to 1e-5."""
+    results = []
+    for model in models:
+        logits, loss = model(idx, targets)
+        loss.backward()
+        results.append((logits, {n: p.grad for n, p in model.named_parameters()}))
+    (logits_a, grads_a), (logits_b, grads_b) = results
+    torch.testing.assert_close(logits_a, logits_b, atol=1e-5, rtol=0)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], atol=1e-5, rtol=0, msg=name)
 
 
 def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:

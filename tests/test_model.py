@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from conftest import assert_same_logits_and_gradients
 from model import GPT, GPTConfig
 from model.shortcuts import Shortcuts
 
@@ -23,16 +24,7 @@ def test_flash_and_math_paths_agree_on_logits_and_gradients(options: dict) -> No
     flash, math_ = _pair(**options)
     idx = torch.randint(SMALL["vocab_size"], (3, SMALL["block_size"]))
     targets = torch.randint(SMALL["vocab_size"], (3, SMALL["block_size"]))
-    results = []
-    for model in (flash, math_):
-        logits, loss = model(idx, targets)
-        loss.backward()
-        results.append((logits, {n: p.grad for n, p in model.named_parameters()}))
-    (logits_f, grads_f), (logits_m, grads_m) = results
-    torch.testing.assert_close(logits_f, logits_m, atol=1e-5, rtol=0)
-    assert grads_f.keys() == grads_m.keys()
-    for name in grads_f:
-        torch.testing.assert_close(grads_f[name], grads_m[name], atol=1e-5, rtol=0, msg=name)
+    assert_same_logits_and_gradients((flash, math_), idx, targets)
 
 
 @pytest.mark.parametrize("options", [{}, {"activation": "gelu_tanh"}, {"activation": "relu2"}, {"pos_emb": "rope"}])

@@ -14,7 +14,7 @@ import torch
 
 from analysis.causality import check_causality
 from common.errors import ConfigError
-from conftest import MODERN, compose_config, tiny_run_overrides
+from conftest import MODERN, assert_same_logits_and_gradients, compose_config, tiny_run_overrides
 from model import GPT, GPTConfig
 from model.config import BIGRAM_ROWS
 from model.hf_gpt2 import PretrainedError, hf_from_gpt
@@ -58,14 +58,7 @@ def test_flash_and_math_agree_on_logits_and_gradients(options: dict) -> None:
     flash = _model(**options, attn_impl="flash").train()
     math_ = _twin(flash, attn_impl="math").train()
     idx = torch.randint(SMALL["vocab_size"], (2, SMALL["block_size"]))
-    grads = []
-    for model in (flash, math_):
-        logits, loss = model(idx, idx)
-        loss.backward()
-        grads.append((logits, {n: p.grad for n, p in model.named_parameters()}))
-    torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-5, rtol=0)
-    for name, grad in grads[0][1].items():
-        torch.testing.assert_close(grad, grads[1][1][name], atol=1e-5, rtol=0, msg=name)
+    assert_same_logits_and_gradients((flash, math_), idx, idx)
 
 
 @pytest.mark.parametrize("attn_impl", ["flash", "math"])

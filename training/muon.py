@@ -41,9 +41,9 @@ def newton_schulz(grad: torch.Tensor, steps: int = 5) -> torch.Tensor:
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Param groups with group["muon"] True: Muon (keys lr, momentum, nesterov, ns_steps, weight_decay), for 2-D
-    matrices, orthogonalised in ns_dtype. The others: AdamW (keys lr, betas, eps, weight_decay), bias-corrected, with
-    decoupled weight decay, as torch.optim.AdamW. Each group carries all its keys: there are no defaults."""
+    """Param groups with group["muon"] True: Muon (MUON_KEYS), for 2-D matrices, orthogonalised in ns_dtype. The
+    others: AdamW (ADAMW_KEYS), bias-corrected, with decoupled weight decay, as torch.optim.AdamW. Each group
+    carries all its keys: there are no defaults."""
 
     def __init__(self, param_groups: list[dict[str, Any]], ns_dtype: torch.dtype = torch.float32) -> None:
         super().__init__(param_groups, defaults={})
@@ -71,23 +71,21 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
-        updates = []
+        same_shape: dict[torch.Size, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # (param, its momentum update)
         for p in params:
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p)
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - momentum)
-            updates.append(p.grad.lerp(buf, momentum) if group["nesterov"] else buf)
-        same_shape: dict[torch.Size, list[int]] = {}
-        for i, p in enumerate(params):
-            same_shape.setdefault(p.shape, []).append(i)
-        for (rows, cols), indices in same_shape.items():  # one Newton-Schulz per shape: the blocks' matrices batch
-            stacked = torch.stack([updates[i] for i in indices]).to(self.ns_dtype)
+            update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+            same_shape.setdefault(p.shape, []).append((p, update))
+        for (rows, cols), pairs in same_shape.items():  # one Newton-Schulz per shape: the blocks' matrices batch
+            stacked = torch.stack([update for _, update in pairs]).to(self.ns_dtype)
             orthogonal = newton_schulz(stacked, steps=group["ns_steps"])
-            for i, update in zip(indices, orthogonal, strict=True):
-                params[i].mul_(1 - lr * decay)
-                params[i].add_(update, alpha=-lr * max(1, rows / cols) ** 0.5)  # Keller Jordan's scale (and torch's)
+            for (p, _), update in zip(pairs, orthogonal, strict=True):
+                p.mul_(1 - lr * decay)
+                p.add_(update, alpha=-lr * max(1, rows / cols) ** 0.5)  # Keller Jordan's scale (and torch's)
 
     def _adamw(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]

@@ -11,15 +11,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from training.muon import MuonAdamW
+from training.muon import ADAMW_KEYS, MUON_KEYS, MuonAdamW
 from training.runtime import Runtime
 
 if TYPE_CHECKING:  # training.schema imports this module's choices
     from training.schema import OptimConfig
 
 OPTIMIZERS = ("adamw", "muon")
-# a param group's keys from the config
-FROM_CONFIG = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov", "ns_steps")
+FROM_CONFIG = tuple(dict.fromkeys(ADAMW_KEYS + MUON_KEYS))  # a param group's keys: make_optimizer sets them
 MUON_MOMENTUM_START = 0.85  # where Muon's momentum starts its warmup (train.muon_momentum_warmup)
 
 
@@ -42,9 +41,15 @@ def make_optimizer(model: nn.Module, opt: OptimConfig, runtime: Runtime) -> torc
             groups, lr=opt.learning_rate, betas=betas, fused=runtime.device.type in ("cuda", "cpu")
         )
     adamw = {"muon": False, "lr": opt.learning_rate, "betas": betas, "eps": 1e-8}
-    muon = {"muon": True, "lr": opt.muon_lr, "momentum": opt.muon_momentum, "nesterov": True}
-    muon |= {"ns_steps": opt.muon_ns_steps, "params": list(hidden.values())}
-    muon["weight_decay"] = opt.weight_decay  # decoupled, as AdamW's
+    muon = {
+        "muon": True,
+        "params": list(hidden.values()),
+        "lr": opt.muon_lr,
+        "momentum": opt.muon_momentum,
+        "nesterov": True,
+        "ns_steps": opt.muon_ns_steps,
+        "weight_decay": opt.weight_decay,  # decoupled, as AdamW's
+    }
     return MuonAdamW(
         [*({**adamw, **g} for g in groups), muon],
         ns_dtype=torch.bfloat16 if runtime.dtype == torch.bfloat16 else torch.float32,

@@ -60,7 +60,12 @@ def test_a_step_with_a_nonfinite_loss_never_touches_the_weights(tmp_path: Path, 
         trainer.step()
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
 
+    with torch.no_grad():
+        trainer.model.lm_head.weight[0, 0] = before["lm_head.weight"][0, 1]  # finite weights again
     trainer.config.train.on_nonfinite = "skip"
+    accumulate = trainer._accumulate_gradients
+    trainer._accumulate_gradients = lambda it: accumulate(it) * math.nan  # finite weights, a NaN loss
+    before = _weights(trainer)
     outcome = trainer.step()
     assert outcome.loss is None and trainer.progress.iter == 1  # counted as an iteration, not applied
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from torch import nn
 from common.errors import ConfigError
 from common.files import fsync_directory, replace_file, temporary_beside
 from model import GPT, GPTConfig
-from training.errors import CheckpointError
+from training.errors import CheckpointError, NonFiniteState
 
 CKPT_NAME = "ckpt.pt"  # the latest state, to resume from
 BEST_NAME = "best.pt"  # with train.keep_best: the state of the lowest val loss so far
@@ -81,6 +82,10 @@ class Checkpoint:
             "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]],
         }
 
+    def nonfinite(self) -> list[str]:
+        """The weights and optimizer state holding NaN or inf, by name: such a state is never written or read."""
+        return nonfinite_tensors({"model": self.model, "optimizer": self.optimizer})
+
     def to_dict(self) -> dict[str, Any]:
         """The layout on disk, key for key and in the order train.py has always written it (keys added since at
         their place)."""
@@ -126,9 +131,37 @@ class Checkpoint:
         )
 
 
+def nonfinite_tensors(state: Any, prefix: str = "") -> list[str]:
+    """The names of the floating-point tensors holding NaN or inf in a state dict, nested ones (an optimizer's)
+    included, as dotted paths."""
+    tensors = _tensors(state, prefix)
+    return [name for name, tensor in tensors if tensor.is_floating_point() and not tensor.isfinite().all()]
+
+
+def _tensors(state: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(state, torch.Tensor):
+        yield prefix, state
+    elif isinstance(state, dict):
+        for key, value in state.items():
+            yield from _tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(state, list | tuple):
+        for i, value in enumerate(state):
+            yield from _tensors(value, f"{prefix}.{i}" if prefix else str(i))
+
+
+def _names(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
     """Write beside the target, fsync, then rename over it: a crash leaves the old or the new file. The
-    temporary name is this process's own, so no other writer can rename a half-written file of ours."""
+    temporary name is this process's own, so no other writer can rename a half-written file of ours. A state
+    with NaN or inf in its weights or optimizer state is never written (NonFiniteState): the file on disk stays
+    the last good one."""
+    bad = checkpoint.nonfinite()
+    if bad:
+        raise NonFiniteState(f"{path.name} not written: NaN or inf in {_names(bad)}")
     tmp = temporary_beside(path)
     try:
         with open(tmp, "wb") as f:
@@ -143,7 +176,9 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
-    """weights_only: a checkpoint holding anything but tensors and plain values is refused, never unpickled."""
+    """weights_only: a checkpoint holding anything but tensors and plain values is refused, never unpickled. One
+    holding NaN or inf (written by a diverged run before save_checkpoint refused such states) is refused too:
+    nothing it would sample, evaluate, export or resume is any good."""
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}; pass out_dir=RUN, a directory written by train.py")
     try:
@@ -162,7 +197,14 @@ def load_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointError(
             f"{path} is not a readable checkpoint ({type(err).__name__}: {_first_line(err)})"
         ) from None
-    return Checkpoint.from_dict(raw, path)
+    checkpoint = Checkpoint.from_dict(raw, path)
+    bad = checkpoint.nonfinite()
+    if bad:
+        raise CheckpointError(
+            f"{path} holds NaN or inf ({_names(bad)}): a run that diverged wrote it; use an earlier checkpoint, or "
+            "train again with a lower train.learning_rate"
+        )
+    return checkpoint
 
 
 def _first_line(err: object) -> str:

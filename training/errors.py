@@ -13,3 +13,7 @@ class TrainingDiverged(UserError):
 
 class RunLocked(UserError):
     """Another process is training in the same run directory."""
+
+
+class NonFiniteState(CheckpointError):
+    """A state to checkpoint holds NaN or inf: it is not written, so the file on disk stays the last good one."""

@@ -95,6 +95,8 @@ class OptimConfig:
     compile: bool | None = None  # default: on for CUDA, off elsewhere
     dtype: str = option("auto", choices=DTYPES)
     on_nonfinite: str = option("stop", choices=ON_NONFINITE)  # a NaN/Inf loss: stop (ckpt.pt stays) | skip the step
+    # with on_nonfinite=skip: stop after this many skipped steps in a row (and at once if the weights are non-finite)
+    max_consecutive_skips: int = option(10, at_least=1)
     parallel: str = option("ddp", choices=PARALLEL)  # under torchrun: ddp (replicas) | fsdp (FSDP2: sharded)
     # HellaSwag at the evaluations whose iteration is a multiple of this (BPE data only); 0: never
     hellaswag_every: int = option(0, at_least=0, hint="0 means never; use a multiple of train.eval_interval")

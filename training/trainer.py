@@ -26,12 +26,13 @@ from training.distributed import (
     World,
     agree_on_step,
     all_gather_objects,
+    all_reduce_sum,
     barrier,
     full_state,
     gradient_sync,
     load_full_state,
 )
-from training.errors import TrainingDiverged
+from training.errors import NonFiniteState, TrainingDiverged
 from training.evaluation import Evaluator, HellaSwagEval, Losses
 from training.metrics import LogWindow, MetricsLog, drop_records_after
 from training.optim import group_hyperparameters, set_hyperparameters
@@ -86,6 +87,10 @@ class Trainer:
     elapsed_before: float = 0.0  # the run's wall time before this process (a resumed run's)
     before_step: Callable[[int], None] | None = None  # a test seam: called with the iteration before each step
     hellaswag: HellaSwagEval | None = None  # train.hellaswag_every > 0
+    # For messages only, not the run's state: the iteration ckpt.pt holds (None: none written yet), and the
+    # steps skipped in a row by train.on_nonfinite=skip in this process
+    checkpointed_iter: int | None = None
+    skipped_in_a_row: int = 0
 
     def fit(self) -> TrainResult:
         """Evaluate (and checkpoint) when due, stop when done or the target is reached, step, log. A signal
@@ -147,14 +152,31 @@ class Trainer:
         return step_loss
 
     def _apply_gradients(self, loss: torch.Tensor, it: int) -> bool:
-        """Checked before the step, so the weights stay finite; False when the step was skipped."""
+        """Checked before the step, so a non-finite loss never reaches the weights; False when the step was
+        skipped. A finite loss can still step the weights to NaN or inf: then every later loss is non-finite, and
+        skipping can't help, so the run stops, as it does after train.max_consecutive_skips skips in a row."""
         opt = self.config.train
-        if not torch.isfinite(loss):
+        if torch.isfinite(loss):
+            self.skipped_in_a_row = 0
+        else:
             self.optimizer.zero_grad(set_to_none=True)
+            diverged = not self._weights_finite()
+            weights = " and the weights hold NaN or inf (the step before made them so)" if diverged else ""
+            fix = "Lower train.learning_rate (or keep train.grad_clip on)"
             if opt.on_nonfinite == "stop":
                 raise TrainingDiverged(
-                    f"the loss is {loss.item()} at iter {it}; {CKPT_NAME} keeps the last good state. "
-                    "Lower train.learning_rate, or set train.on_nonfinite=skip to drop such steps"
+                    f"the loss is {loss.item()} at iter {it}{weights}; {self._kept()}. {fix}, or set "
+                    "train.on_nonfinite=skip to drop such steps"
+                )
+            self.skipped_in_a_row += 1
+            if diverged:
+                raise TrainingDiverged(f"the loss is {loss.item()} at iter {it}{weights}: skipping steps can't undo "
+                                       f"that; {self._kept()}. {fix}")
+            if self.skipped_in_a_row >= opt.max_consecutive_skips:
+                first = it - self.skipped_in_a_row + 1
+                raise TrainingDiverged(
+                    f"the loss is {loss.item()} at iter {it}, {self.skipped_in_a_row} steps skipped in a row since "
+                    f"iter {first} (train.max_consecutive_skips={opt.max_consecutive_skips}); {self._kept()}. {fix}"
                 )
             log.warning(f"skipped iter {it}: the loss is {loss.item()}")
             return False
@@ -165,6 +187,18 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return True
+
+    def _weights_finite(self) -> bool:
+        """On every rank alike (one reduction; each FSDP2 rank checks its shards)."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        bad = sum(int(not t.isfinite().all()) for t in local)
+        return all_reduce_sum(torch.tensor(float(bad), device=self.runtime.device), self.world).item() == 0
+
+    def _kept(self) -> str:
+        """What the run directory holds now: the words of every message about the last good state."""
+        if self.checkpointed_iter is None:
+            return f"no {CKPT_NAME} was written before"
+        return f"{self.out_dir / CKPT_NAME} keeps iter {self.checkpointed_iter}, the last good state"
 
     def evaluate(self) -> Losses:
         return self.evaluator(self.step_model)
@@ -237,14 +271,15 @@ class Trainer:
         opt = self.config.train
         return opt.batch_size * opt.grad_accum * self.model.config.block_size  # all processes together
 
-    def save(self, latest: bool = True, best: bool = False) -> None:
+    def save(self, latest: bool = True, best: bool = False) -> bool:
         """ckpt.pt (latest) and/or best.pt (best) from the run's named state; best.pt first, so a run killed in
-        between resumes from the previous ckpt.pt and writes best.pt again. Collective under FSDP2 (every rank
-        gathers); rank 0 writes."""
+        between resumes from the previous ckpt.pt and writes best.pt again. A state holding NaN or inf is not
+        written (False, with a warning): the files keep the last good one. Collective under FSDP2 (every rank
+        gathers); rank 0 writes, and only its answer means anything."""
         model_state, optimizer_state = full_state(self.model, self.optimizer, self.world)
         rng = all_gather_objects(self._rng_state(), self.world)  # each rank's dropout stream
         if not self.world.is_main:
-            return
+            return True
         self.progress.elapsed_s = self.elapsed()
         checkpoint = Checkpoint(
             model_config=self.model.config,
@@ -256,11 +291,17 @@ class Trainer:
             scaler=self.scaler.state_dict(),
             rng=rng,
         )
-        if best:
-            save_checkpoint(self.out_dir / BEST_NAME, checkpoint)
-            log.info(f"{BEST_NAME}: iter {self.progress.iter}, val loss {self.progress.val_loss:.4f}")
-        if latest:
-            save_checkpoint(self.out_dir / CKPT_NAME, checkpoint)
+        try:
+            if best:
+                save_checkpoint(self.out_dir / BEST_NAME, checkpoint)
+                log.info(f"{BEST_NAME}: iter {self.progress.iter}, val loss {self.progress.val_loss:.4f}")
+            if latest:
+                save_checkpoint(self.out_dir / CKPT_NAME, checkpoint)
+                self.checkpointed_iter = self.progress.iter
+        except NonFiniteState as err:
+            log.warning(f"{err}; {self._kept()}")
+            return False
+        return True
 
     def restore(self, checkpoint: Checkpoint) -> None:
         """Continue a saved run exactly: weights, optimizer and GradScaler, progress, random state, metrics. The
@@ -273,6 +314,7 @@ class Trainer:
         if checkpoint.scaler:  # empty when the checkpoint's run didn't use fp16
             self.scaler.load_state_dict(checkpoint.scaler)
         self.progress = dataclasses.replace(checkpoint.progress)
+        self.checkpointed_iter = checkpoint.progress.iter
         self.elapsed_before = checkpoint.progress.elapsed_s
         self._restore_rng(checkpoint.rng)
         if self.world.is_main:
@@ -295,12 +337,14 @@ class Trainer:
             torch.cuda.set_rng_state(state["cuda"][0], self.runtime.device)
 
     def _stop(self, received: signal.Signals | None) -> str:
-        self.save()
+        saved = self.save()
         barrier(self.world)  # none exits before rank 0 has written: torchrun stops the others when one exits
         name = (received or signal.SIGTERM).name  # another rank's signal, forwarded by agree_on_step
+        where = f"checkpoint {self.out_dir / CKPT_NAME}" if saved else self._kept()
+        resume = f"python train.py out_dir={self.out_dir} resume=true (and the same overrides)"
         log.warning(
-            f"stopped by {name} at iter {self.progress.iter}; checkpoint {self.out_dir / CKPT_NAME}. "
-            f"Resume with: python train.py out_dir={self.out_dir} resume=true (and the same overrides)"
+            f"stopped by {name} at iter {self.progress.iter}; {where}. "
+            + (f"Resume with: {resume}" if self.checkpointed_iter is not None else "Nothing to resume")
         )
         return name
 
@@ -312,10 +356,15 @@ class Trainer:
             self.metrics.log_samples(p.iter, self._samples())
         self.metrics.close()
         if stopped_by is None:
-            ckpt = self.out_dir / CKPT_NAME
+            if self.checkpointed_iter is None:
+                where = "no checkpoint written"
+            elif self.checkpointed_iter == p.iter:
+                where = f"checkpoint {self.out_dir / CKPT_NAME}"
+            else:
+                where = self._kept()
             log.info(
                 f"done: {p.iter} iters, val loss {p.val_loss:.4f} (best {p.best_val_loss:.4f}), "
-                f"{self.elapsed():.1f} s; " + (f"checkpoint {ckpt}" if ckpt.is_file() else "no checkpoint written")
+                f"{self.elapsed():.1f} s; {where}"
             )
         return TrainResult(self.out_dir, p.iter, p.val_loss, p.best_val_loss, self.elapsed(), stopped_by)
 

@@ -256,9 +256,9 @@ def bench_batched_sampling(args: argparse.Namespace) -> list[dict]:
     """sample.py's way (--num-samples drawn side by side as one batch, KV cache) against the same samples one at a
     time, and against nanoGPT's sample.py loop: one sample at a time, the cropped window recomputed every step."""
     from data.tokenizers import CharTokenizer
+    from inference.sampling import Sampler
     from model.decoding import Decoding
     from training.runtime import make_runtime
-    from training.sampling import Sampler
 
     torch.manual_seed(0)
     shape = dict(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
@@ -299,7 +299,7 @@ def _nanogpt_sample(model: GPT, prompt: list[int], max_new_tokens: int, device: 
     idx = torch.tensor([prompt], device=device)
     for _ in range(max_new_tokens):
         idx_cond = idx[:, -model.config.block_size :]
-        logits = model.lm_head(model._hidden(idx_cond)[:, [-1], :])[:, -1, :] / NANOGPT_SAMPLING["temperature"]
+        logits = model.lm_head(model.hidden(idx_cond)[:, [-1], :])[:, -1, :] / NANOGPT_SAMPLING["temperature"]
         v, _ = torch.topk(logits, min(NANOGPT_SAMPLING["top_k"], logits.size(-1)))
         logits[logits < v[:, [-1]]] = -float("Inf")
         idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from common.cli import check_overrides, exit_on_user_error
 from common.config import typed_config
-from training.eval_run import readable, run_eval
+from inference.eval_run import readable, run_eval
 from training.schema import EvalConfig, register_schemas
 
 register_schemas()

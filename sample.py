@@ -32,9 +32,9 @@ from omegaconf import DictConfig
 
 from common.cli import check_overrides, exit_on_user_error
 from common.config import typed_config
+from inference.sample_text import SEPARATOR, stop_strings
+from inference.sampling import load_sampler, warn
 from model.decoding import Decoding
-from training.sample_text import SEPARATOR, stop_strings
-from training.sampling import load_sampler, warn
 from training.schema import SampleConfig, register_schemas
 
 register_schemas()
@@ -57,6 +57,7 @@ def main(dict_cfg: DictConfig) -> None:
             use_cache=cfg.use_cache,
             stop=stop,
             stream=sys.stdout if stream else None,
+            seed=cfg.seed,
         )
         if not stream:
             sys.stdout.write("".join(sample.text + SEPARATOR for sample in samples))

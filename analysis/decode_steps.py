@@ -35,11 +35,11 @@ def decode_step_weights(model: GPT, ids: list[int], n_prefill: int, last: int | 
             attn.captured = captured if on else None
 
     try:
-        model._hidden(idx[:, :n_prefill], cache)  # the prompt on the model's own path: no T x T weights kept
+        model.hidden(idx[:, :n_prefill], cache)  # the prompt on the model's own path: no T x T weights kept
         for t in range(n_prefill, T):
             capture(t >= first_step)
             captured.clear()
-            model._hidden(idx[:, t : t + 1], cache)
+            model.hidden(idx[:, t : t + 1], cache)
             if t < first_step:
                 continue
             for layer, weights in enumerate(captured):  # (1, n_head, 1, keys the cache returned, ending at t)

@@ -93,7 +93,7 @@ class BpeTokenizer:
 
     def token_bytes(self, token: int) -> bytes:
         """A token's own bytes, which may be part of a character: text shown token by token decodes them
-        incrementally (training/sample_text.py)."""
+        incrementally (inference/sample_text.py)."""
         return self.encoding.decode_single_token_bytes(token)
 
     @property

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.batch_cache import BatchKVCache
 from model.config import GPTConfig
 from model.kv_cache import KVCache
 from model.rotary import Rotary
@@ -140,9 +141,12 @@ class CausalSelfAttention(nn.Module):
         self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if config.value_residual and layer_index else None
         self.captured: list[torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, shortcuts: Shortcuts, cache: KVCache | None = None) -> torch.Tensor:
-        """x: (B, T, C) for T new tokens, after the cache's tokens if a cache is given. shortcuts: what
-        value_embeds and value_residual read (the first layer fills in first_values)."""
+    def forward(
+        self, x: torch.Tensor, shortcuts: Shortcuts, cache: KVCache | BatchKVCache | None = None
+    ) -> torch.Tensor:
+        """x: (B, T, C) for T new tokens, after the cache's tokens if a cache is given (a BatchKVCache: each row
+        after its own, with a key mask of its own). shortcuts: what value_embeds and value_residual read (the
+        first layer fills in first_values)."""
         B, T, C = x.shape
         # (3, B, n_head, T, head_dim): one reshape for queries, keys and values
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
@@ -150,18 +154,23 @@ class CausalSelfAttention(nn.Module):
         v = self._with_shortcuts(v, shortcuts)
         if self.qk_norm:  # scores then measure direction only: they can't grow large, which steadies training
             q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))
-        n_past = 0 if cache is None else cache.length
+        start = 0 if cache is None else cache.position  # an int, or each row's (B, 1) for a BatchKVCache
         if self.rotary is not None:
-            q, k = self.rotary(q, n_past), self.rotary(k, n_past)
+            q, k = self.rotary(q, start), self.rotary(k, start)
+        key_mask = None
         if cache is not None:
             k, v = cache.extend(self.layer_index, k, v)
+            key_mask = cache.key_mask(self.layer_index)
+        n_past = 0 if cache is None else cache.length
         dropout_p = self.dropout if self.training else 0.0
         if self.attn_impl == "math" or self.captured is not None:
             # A windowed layer's cache returns only the keys its window may reach, ending at the newest token.
-            mask = causal_mask(T, k.size(-2), x.device, self.window)
+            mask = causal_mask(T, k.size(-2), x.device, self.window) if key_mask is None else key_mask
             y, weights = masked_attention(q, k, v, mask, dropout_p)
             if self.captured is not None:
                 self.captured.append(weights)
+        elif key_mask is not None:  # rows of their own lengths (BatchKVCache)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=dropout_p)
         elif n_past == 0 and self.window is not None:
             y = windowed_attention(q, k, v, self.window, dropout_p)
         elif n_past == 0:

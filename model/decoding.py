@@ -6,10 +6,20 @@ temperature=0 is greedy decoding: the argmax, no draw, the cut-offs moot.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+def row_generators(seed: int | None, count: int, device: torch.device | str = "cpu") -> list[torch.Generator] | None:
+    """Random streams for `count` rows drawn from seed: row i's is seeded with seed + i. sample.py's sample i and
+    a served request's choice i, both with seed S, so draw the same tokens. None without a seed: torch's global
+    generator."""
+    if seed is None:
+        return None
+    return [torch.Generator(device=device).manual_seed(seed + i) for i in range(count)]
 
 
 @dataclass(frozen=True)
@@ -30,13 +40,20 @@ class Decoding:
             if value is not None and not 0 < value <= 1:
                 raise ValueError(f"{name}={value} must be in (0, 1]")
 
-    def next_token(self, logits: torch.Tensor) -> torch.Tensor:
+    def next_token(
+        self, logits: torch.Tensor, generators: Sequence[torch.Generator | None] | None = None
+    ) -> torch.Tensor:
         """(B, V) logits of the last position -> (B, 1) token ids. In float32: under autocast they may be half
-        precision, too coarse for the probability sums of top_p and min_p."""
+        precision, too coarse for the probability sums of top_p and min_p. generators: one per row, so a row's
+        draws don't depend on the rows beside it (a server's batch); None, or a None in it: torch's global one."""
         logits = logits.float()
         if self.temperature == 0:
             return logits.argmax(dim=-1, keepdim=True)
-        return torch.multinomial(F.softmax(self.cut(logits / self.temperature), dim=-1), num_samples=1)
+        probs = F.softmax(self.cut(logits / self.temperature), dim=-1)
+        if generators is None:
+            return torch.multinomial(probs, num_samples=1)
+        rows = [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)]
+        return torch.stack(rows)
 
     def cut(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits with every token outside the cut-offs at -inf (after temperature, as it is applied)."""

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.attention import CausalSelfAttention
+from model.batch_cache import BatchKVCache
 from model.config import GPTConfig
 from model.decoding import Decoding
 from model.kv_cache import KVCache
@@ -53,7 +54,9 @@ class Block(nn.Module):
         # x0_mix: the block's input is a*x + b*x0, learned; from 1, 0 (the plain residual stream)
         self.x0_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if config.x0_mix else None
 
-    def forward(self, x: torch.Tensor, shortcuts: Shortcuts, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, shortcuts: Shortcuts, cache: KVCache | BatchKVCache | None = None
+    ) -> torch.Tensor:
         if self.x0_mix is not None:
             x = self.x0_mix[0] * x + self.x0_mix[1] * shortcuts.x0
         x = x + self.attn(self.ln_1(x), shortcuts, cache)
@@ -117,9 +120,10 @@ class GPT(nn.Module):
         spans = (c.block_size if w is None else min(w, c.block_size) for w in c.layer_windows())
         return 6 * self.num_params() + 12 * c.n_embd * sum(spans)
 
-    def _hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Final hidden states (B, T, C) of the new tokens `idx`, after those already in `cache`."""
-        n_past = 0 if cache is None else cache.length
+    def hidden(self, idx: torch.Tensor, cache: KVCache | BatchKVCache | None = None) -> torch.Tensor:
+        """Final hidden states (B, T, C) of the new tokens `idx`, after those already in `cache` (a BatchKVCache:
+        each row after its own)."""
+        n_past = 0 if cache is None else cache.length  # a BatchKVCache's longest row
         T = idx.size(1)
         if n_past + T > self.config.block_size and not self.config.rolls:
             raise ValueError(
@@ -130,7 +134,8 @@ class GPT(nn.Module):
         if self.transformer.bigram is not None:
             x = x + self.transformer.bigram(idx, None if cache is None else cache.last_token)
         if self.transformer.wpe is not None:  # with rope, positions enter through the attention instead
-            x = x + self.transformer.wpe(torch.arange(n_past, n_past + T, device=idx.device))
+            start = 0 if cache is None else cache.position  # an int, or each row's (B, 1)
+            x = x + self.transformer.wpe(torch.arange(T, device=idx.device) + start)
         x = F.dropout(x, self.config.dropout, self.training)
         shortcuts = Shortcuts(x0=x, idx=idx)
         for block in self.transformer.h:
@@ -150,7 +155,7 @@ class GPT(nn.Module):
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T, vocab_size) for every position of idx, and the mean cross-entropy if targets."""
-        logits = self.logits(self._hidden(idx, cache))
+        logits = self.logits(self.hidden(idx, cache))
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
@@ -166,7 +171,7 @@ class GPT(nn.Module):
         for attn in attentions:
             attn.captured = weights  # each layer appends its own, in order
         try:
-            self._hidden(idx)
+            self.hidden(idx)
         finally:
             for attn in attentions:
                 attn.captured = None
@@ -191,7 +196,12 @@ class GPT(nn.Module):
 
     @torch.inference_mode()
     def generate_tokens(
-        self, idx: torch.Tensor, max_new_tokens: int, decoding: Decoding, use_cache: bool = True
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        decoding: Decoding,
+        use_cache: bool = True,
+        generators: list[torch.Generator | None] | None = None,
     ) -> Iterator[torch.Tensor]:
         """Each next token (B, 1) after `idx` (B, T) as soon as it is drawn, each step conditioned on all the
         model can see: a caller can show text as it comes, or stop early by no longer asking.
@@ -200,7 +210,8 @@ class GPT(nn.Module):
         outgrows block_size, every step recomputes the cropped window, exactly as use_cache=False does:
         positions can't slide past a full layer. A rolling model (config.rolls: every layer windowed, rope)
         has no such limit: its cache keeps rolling, and without a cache each step recomputes the last
-        receptive_field tokens (or block_size, if more), all that can reach the next token.
+        receptive_field tokens (or block_size, if more), all that can reach the next token. generators: one per
+        row, for draws that depend on the row alone (Decoding.next_token).
         """
         config = self.config
         rolls = config.rolls  # derived from the layer windows: once, not every step
@@ -209,9 +220,9 @@ class GPT(nn.Module):
         for _ in range(max_new_tokens):
             if cache is not None and (rolls or idx.size(1) <= context):
                 new_tokens = idx[:, cache.length :]
-                hidden = self._hidden(new_tokens, cache)
+                hidden = self.hidden(new_tokens, cache)
             else:
-                hidden = self._hidden(idx[:, -context:])
-            next_id = decoding.next_token(self.logits(hidden[:, -1, :]))
+                hidden = self.hidden(idx[:, -context:])
+            next_id = decoding.next_token(self.logits(hidden[:, -1, :]), generators)
             idx = torch.cat((idx, next_id), dim=1)
             yield next_id

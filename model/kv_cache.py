@@ -65,8 +65,17 @@ class KVCache:
         self.length = 0  # tokens already run; new queries sit at positions length, length + 1, ...
         self.last_token: torch.Tensor | None = None  # (B, 1): the newest token run, the bigram of the next
 
+    @property
+    def position(self) -> int:
+        """The new tokens' first position (BatchKVCache: each row's)."""
+        return self.length
+
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.layers[layer].extend(k, v)
+
+    def key_mask(self, layer: int) -> None:
+        """None: the returned keys end at the newest token, so the causal mask (or the window's band) applies."""
+        return None
 
     def advance(self, new_tokens: torch.Tensor) -> None:
         """Called with the new tokens (B, T) once all layers have stored them."""

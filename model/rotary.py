@@ -22,18 +22,29 @@ class Rotary(nn.Module):
 
     def _cos_sin(self, start: int, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos and sin of positions start .. end - 1, computed in float64 on `device` (CPU for MPS)."""
+        return self._cos_sin_of(torch.arange(start, end, dtype=torch.float64), device)
+
+    def _cos_sin_of(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin of any positions (..., n) -> (..., n, head_dim/2), in float64 on `device`."""
         if device.type == "mps":
             device = torch.device("cpu")
         if device not in self._inv_freq_on:
             self._inv_freq_on[device] = self.inv_freq.to(device)
-        positions = torch.arange(start, end, dtype=torch.float64, device=device)
-        angles = torch.outer(positions, self._inv_freq_on[device])
+        angles = positions.to(device, torch.float64).unsqueeze(-1) * self._inv_freq_on[device]
         return angles.cos().float(), angles.sin().float()
 
-    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Rotate x (B, n_head, T, head_dim) as positions start .. start + T - 1."""
+    def forward(self, x: torch.Tensor, start: int | torch.Tensor) -> torch.Tensor:
+        """Rotate x (B, n_head, T, head_dim) as positions start .. start + T - 1; `start` (B, 1) gives each row
+        its own (a BatchKVCache's rows)."""
         T, half = x.size(-2), x.size(-1) // 2
-        if start + T <= self.cos.size(0):
+        if isinstance(start, torch.Tensor):
+            positions = start + torch.arange(T, device=start.device)  # (B, T)
+            if int(positions.max()) < self.cos.size(0):
+                cos, sin = self.cos[positions], self.sin[positions]
+            else:  # past the table (a rolling model's rows)
+                cos, sin = (t.to(x.device, self.cos.dtype) for t in self._cos_sin_of(positions, x.device))
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, head_dim/2): every head alike
+        elif start + T <= self.cos.size(0):
             cos, sin = self.cos[start : start + T], self.sin[start : start + T]
         else:  # past the table (a rolling model's generation): the same angles, computed for these positions
             cos, sin = (t.to(x.device, self.cos.dtype) for t in self._cos_sin(start, start + T, x.device))

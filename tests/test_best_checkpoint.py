@@ -10,11 +10,11 @@ import torch
 
 from common.config import typed_config
 from conftest import compose_config, tiny_run_overrides
+from inference.sampling import load_sampler
 from training.checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint
 from training.errors import CheckpointError
 from training.evaluation import Losses
 from training.loop import train
-from training.sampling import load_sampler
 from training.schema import SampleConfig
 from training.trainer import Trainer
 

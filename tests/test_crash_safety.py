@@ -254,7 +254,7 @@ def test_truncated_or_foreign_checkpoints_are_one_line_errors(tmp_path: Path, co
 
 def test_sampling_refuses_a_checkpoint_without_a_tokenizer(tmp_path: Path) -> None:
     from common.config import typed_config
-    from training.sampling import load_sampler
+    from inference.sampling import load_sampler
     from training.schema import SampleConfig
 
     save_checkpoint(tmp_path / CKPT_NAME, Checkpoint(GPTConfig(n_layer=1, n_embd=12, n_head=2), {}, tokenizer={}))
@@ -352,8 +352,8 @@ def test_a_checkpoint_in_the_layout_before_the_trainer_resumes_exactly_and_sampl
 ) -> None:
     """The dict the training loop wrote by hand before training.checkpoint owned the format, key by key."""
     from common.config import typed_config
+    from inference.sampling import load_sampler
     from model.decoding import Decoding
-    from training.sampling import load_sampler
     from training.schema import SampleConfig
 
     def before_the_trainer(raw: dict, path: Path) -> dict:

@@ -71,7 +71,7 @@ def test_sample_py_passes_top_p_and_min_p_to_the_model(
     trained_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from common.config import typed_config
-    from training.sampling import load_sampler
+    from inference.sampling import load_sampler
 
     seen = []
     monkeypatch.setattr(Decoding, "cut", lambda self, logits: seen.append((self.top_p, self.min_p)) or logits)

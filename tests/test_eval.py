@@ -24,10 +24,10 @@ from data.prepare import ensure_prepared
 from data.tokenizers import BpeTokenizer
 from evals.hellaswag import Example, ending_scores, hellaswag_path, hellaswag_sums, load_examples
 from evals.perplexity import count_windows, score_sequences, windows
+from inference.eval_run import run_eval
 from model import GPT, GPTConfig
 from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
-from training.eval_run import run_eval
 from training.evaluation import Evaluator, share_of
 from training.loop import train
 from training.runtime import make_runtime
@@ -178,7 +178,7 @@ def test_init_from_an_hf_directory_gives_hfs_own_loss_and_hellaswag(
     """Hugging Face's perplexity guide, verbatim: windows of max_length = context + 1 tokens advancing by stride,
     each scoring (labels, shifted by HF) the tokens the previous one didn't. The text is cut so that its last
     window ends where the text does, as eval.py's does."""
-    monkeypatch.setattr("training.load.GPT2_ENCODING", TINY_BPE)  # GPT-2's BPE stands in offline
+    monkeypatch.setattr("inference.load.GPT2_ENCODING", TINY_BPE)  # GPT-2's BPE stands in offline
     hf_dir = _hf_dir(tmp_path, n_positions=64)
     context, stride = 63, 16
     encoding = tiny_encoding()

@@ -35,8 +35,8 @@ from analysis.explorer import (
     unpack_steps,
     write_page,
 )
+from inference.load import load_model
 from model import GPT, GPTConfig, causal_mask
-from training.load import load_model
 
 T, PREFILL = 30, 6  # the page's sequence: 6 prompt tokens, 24 decode steps
 STEP = 1 / 255  # rounding each row to add up to 255 moves a weight by less than one step

@@ -20,11 +20,11 @@ from conftest import compose_config, run_script, tiny_run_overrides
 from data.config import DataConfig
 from data.errors import DataError
 from data.prepare import ensure_prepared
+from inference.sampling import read_prompt
 from training.checkpoint import CKPT_NAME, CheckpointError, load_checkpoint
 from training.loop import train
 from training.metrics import METRICS_NAME, LogWindow, MetricsLog, drop_records_after, read_records
 from training.runtime import Runtime
-from training.sampling import read_prompt
 from training.schema import SampleConfig, TrainRunConfig, WandbConfig
 
 FAST = {"train.max_iters": 4, "train.eval_interval": 2, "train.log_interval": 1}

@@ -16,7 +16,7 @@ ALLOWED = {
     "data": {"common", "data"},
     "evals": {"common", "data", "evals", "model"},
 }
-OURS = {"analysis", "common", "data", "evals", "model", "training"}
+OURS = {"analysis", "common", "data", "evals", "inference", "model", "training"}
 
 
 def _imported_packages(path: Path) -> set[str]:

@@ -177,7 +177,7 @@ def test_untied_zero_head_and_zero_projections_start_from_the_unigram_free_unifo
     # every block starts as the identity: the final norm sees the embeddings themselves
     t = model.transformer
     embeddings = t.wte(idx) + t.wpe(torch.arange(SMALL["block_size"]))
-    torch.testing.assert_close(model._hidden(idx), t.ln_f(embeddings))
+    torch.testing.assert_close(model.hidden(idx), t.ln_f(embeddings))
 
 
 def test_the_soft_cap_bounds_every_logit_and_leaves_small_ones_nearly_as_they_were() -> None:

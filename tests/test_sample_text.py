@@ -15,11 +15,11 @@ import torch
 from common.errors import ConfigError
 from conftest import REPO, run_script, tiny_encoding
 from data.tokenizers import BpeTokenizer, CharTokenizer
+from inference.sample_text import SEPARATOR, SampleText, stop_strings
+from inference.sampling import Sampler
 from model import GPT, GPTConfig
 from model.decoding import Decoding
 from training.runtime import make_runtime
-from training.sample_text import SEPARATOR, SampleText, stop_strings
-from training.sampling import Sampler
 from training.schema import SampleConfig
 
 CHARS = CharTokenizer(sorted(set("\n !.:ABDEHNORST") | set("abcdefghijklmnopqrstuvwxyz")))
@@ -110,7 +110,7 @@ def scripted(monkeypatch: pytest.MonkeyPatch, rows: list[list[int]]) -> list[int
     steps = iter(zip(*rows, strict=True))
     calls: list[int] = []
 
-    def next_token(self: Decoding, logits: torch.Tensor) -> torch.Tensor:
+    def next_token(self: Decoding, logits: torch.Tensor, generators: object = None) -> torch.Tensor:
         calls.append(logits.size(0))
         return torch.tensor(next(steps)).view(-1, 1)
 

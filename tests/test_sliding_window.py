@@ -221,13 +221,13 @@ def test_a_rolling_model_generates_past_block_size_one_token_a_step(
     new = 3 * SMALL["block_size"]
     recomputed = rolling.generate(prompt, new, top_k=1, use_cache=False)
     lengths: list[int] = []
-    hidden = rolling._hidden
+    hidden = rolling.hidden
 
     def counting(idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         lengths.append(idx.size(1))
         return hidden(idx, cache)
 
-    monkeypatch.setattr(rolling, "_hidden", counting)
+    monkeypatch.setattr(rolling, "hidden", counting)
     cached = rolling.generate(prompt, new, top_k=1, use_cache=True)
     assert torch.equal(cached, recomputed) and cached.size(1) == 5 + new > SMALL["block_size"]
     assert lengths == [5] + [1] * (new - 1)  # the prompt once, then never a recompute

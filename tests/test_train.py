@@ -187,8 +187,8 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path: Path, corpus_pat
 
 def test_bpe_run_trains_and_samples(tmp_path: Path, corpus_path: Path) -> None:
     from common.config import typed_config
+    from inference.sampling import load_sampler
     from model.decoding import Decoding
-    from training.sampling import load_sampler
     from training.schema import SampleConfig
 
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"data.tokenizer": TINY_BPE})))

@@ -1,1 +1,1 @@
-"""Training and sampling plumbing: config schema, runtime, optimizer, checkpoints, metrics, the loop."""
+"""One training run: config schema, runtime, optimizer, checkpoints, metrics, the loop."""

@@ -225,9 +225,30 @@ class EvalConfig(ModelChoice):
             raise ConfigError(f"hellaswag_file={self.hellaswag_file} is read only with hellaswag=true; add it")
 
 
+@dataclass
+class ServeConfig(ModelChoice):
+    """serve.py's keys (configs/serve.yaml): where it listens, the model's device, and the limits of its work."""
+
+    host: str = "127.0.0.1"  # loopback: only this machine; 0.0.0.0 listens on every interface
+    port: int = option(8000, at_least=0, at_most=65535)  # 0: any free port (printed when ready)
+    device: str = option("auto", choices=DEVICES)
+    dtype: str = option("auto", choices=DTYPES)
+    attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
+    api_key: str | None = None  # every request then needs Authorization: Bearer KEY; null: $GPT_LAB_API_KEY, if set
+    model_id: str | None = None  # the id /v1/models lists and requests name; null: the run directory's name
+    max_batch: int = option(64, at_least=1)  # sequences decoded together, one forward pass a step
+    max_queue: int = option(256, at_least=0)  # choices waiting for a place in the batch; past it: 503, Retry-After
+    max_tokens: int = option(1024, at_least=1)  # the largest max_tokens a request may ask for
+    max_choices: int = option(16, at_least=1)  # prompts x n in one request
+    max_prompt_tokens: int = option(8192, at_least=1)  # a rolling model's prompt; others: block_size with max_tokens
+    timeout_s: float = option(300.0, above=0.0)  # a request running longer is cancelled: 504
+    max_body_bytes: int = option(1_000_000, at_least=1)  # a larger request body: 413
+
+
 def register_schemas() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainRunConfig)
     cs.store(name="sample_schema", node=SampleConfig)
     cs.store(name="eval_schema", node=EvalConfig)
+    cs.store(name="serve_schema", node=ServeConfig)
     register_prepare_schema()

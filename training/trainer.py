@@ -19,6 +19,8 @@ from torch import nn
 from data.batches import TRAIN_WINDOWS, batch_generator, every_window, get_batch
 from data.prepare import PreparedData
 from data.tokenizers import Tokenizer
+from inference.sample_text import stop_strings
+from inference.sampling import Sampler
 from model import GPT
 from model.decoding import Decoding
 from training.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, Progress, save_checkpoint
@@ -38,8 +40,6 @@ from training.metrics import LogWindow, MetricsLog, drop_records_after
 from training.optim import group_hyperparameters, set_hyperparameters
 from training.preemption import StopRequests
 from training.runtime import Runtime
-from training.sample_text import stop_strings
-from training.sampling import Sampler
 from training.schema import SampleConfig, TrainRunConfig
 
 log = logging.getLogger("train")

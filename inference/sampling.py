@@ -14,11 +14,11 @@ from common.errors import ConfigError
 from data.errors import DataError
 from data.source import read_utf8
 from data.tokenizers import Tokenizer
+from inference.load import load_model
+from inference.sample_text import InOrder, SampleText
 from model import GPT
-from model.decoding import Decoding
-from training.load import load_model
+from model.decoding import Decoding, row_generators
 from training.runtime import Runtime, make_runtime
-from training.sample_text import InOrder, SampleText
 from training.schema import SampleConfig
 
 
@@ -65,10 +65,12 @@ class Sampler:
         use_cache: bool = True,
         stop: Sequence[str] = (),
         stream: TextIO | None = None,
+        seed: int | None = None,
     ) -> list[Sample]:
         """num_samples continuations of the prompt, drawn side by side as one batch; each ends at its first stop
         string, and generation ends once all have. With `stream`, they are written there as they grow, in order
-        (InOrder), each followed by SEPARATOR."""
+        (InOrder), each followed by SEPARATOR. With `seed`, sample i draws from its own generator seeded with
+        seed + i (row_generators), as a served request's choice i does; without, from torch's global one."""
         prompt_text = self.tokenizer.decode(prompt)
         texts = [SampleText(self.tokenizer, prompt_text, stop) for _ in range(num_samples)]
         writer = InOrder(stream, texts) if stream is not None else None
@@ -76,7 +78,8 @@ class Sampler:
             writer.write()  # the prompt, before the first step
         idx = torch.tensor([prompt] * num_samples, dtype=torch.long, device=self.runtime.device)
         generated: list[list[int]] = [[] for _ in texts]  # each sample's tokens, up to the one that ends it
-        steps = self.model.generate_tokens(idx, max_new_tokens, decoding, use_cache)
+        generators = row_generators(seed, num_samples, self.runtime.device)
+        steps = self.model.generate_tokens(idx, max_new_tokens, decoding, use_cache, generators)
         try:
             with self.runtime.autocast():
                 for step in steps:

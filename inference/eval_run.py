@@ -19,8 +19,8 @@ from data.source import read_utf8
 from data.tokenizers import Tokenizer
 from evals.hellaswag import hellaswag_examples, hellaswag_sums
 from evals.perplexity import score_sequences
+from inference.load import LoadedModel, load_model
 from training.checkpoint import Checkpoint
-from training.load import LoadedModel, load_model
 from training.runtime import make_runtime
 from training.schema import EvalConfig
 

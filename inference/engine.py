@@ -1,0 +1,196 @@
+"""Continuous batching: many completions decoded by one forward pass a step, each as if it ran alone.
+
+A completion's prompt runs alone through a KVCache (the same prefill as sample.py's), then the completion joins
+the running batch (BatchKVCache), where every step feeds each row its own newest token at its own position.
+Between steps finished or cancelled rows leave and waiting ones join. Tokens are picked by Decoding with a
+random generator per row, so a row's draws depend only on its own seed, not on who else is in the batch; text
+comes out through SampleText, so stop strings and split characters behave as in sample.py.
+
+The engine runs on its own thread (torch releases the GIL while it computes); callers submit Completions from
+any thread and hear back through each Completion's `on_update`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from data.tokenizers import Tokenizer
+from inference.sample_text import SampleText
+from model import GPT
+from model.batch_cache import BatchKVCache
+from model.decoding import Decoding
+from model.kv_cache import KVCache
+from training.runtime import Runtime
+
+log = logging.getLogger("serve")
+
+
+@dataclass(eq=False)
+class Completion:
+    """One sequence to generate: the prompt's tokens, how many more at most, how to pick them, and where its
+    text goes. on_update(piece, done) is called on the engine's thread with each piece of text no later token
+    can change, and once more with done=True when the completion ends (finish_reason set)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    decoding: Decoding
+    text: SampleText
+    on_update: Callable[[str, bool], None]
+    generator: torch.Generator | None = None
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    finish_reason: str | None = None  # "stop" (a stop string or the end of text), "length", or "cancelled"
+    cancelled: bool = False  # set from any thread (a client left, a timeout): the row leaves at the next step
+
+    def add(self, token: int) -> None:
+        self.tokens.append(token)
+        self.text.add(token)
+        if self.text.stopped:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.max_new_tokens:
+            self.finish_reason = "length"
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+def pick_tokens(logits: torch.Tensor, completions: list[Completion]) -> list[int]:
+    """Each row's next token by its own Decoding and generator; rows that decode alike are cut together."""
+    picked = torch.empty(len(completions), dtype=torch.long, device=logits.device)
+    groups: dict[Decoding, list[int]] = {}
+    for row, completion in enumerate(completions):
+        groups.setdefault(completion.decoding, []).append(row)
+    for decoding, rows in groups.items():
+        index = torch.tensor(rows, device=logits.device)
+        generators = [completions[row].generator for row in rows]
+        if all(g is None for g in generators):
+            generators = None
+        picked[index] = decoding.next_token(logits[index], generators)[:, 0]  # a None generator: the global one
+    return picked.tolist()
+
+
+class Engine:
+    """Owns the model while running: nothing else may call it then."""
+
+    def __init__(self, model: GPT, tokenizer: Tokenizer, runtime: Runtime, max_batch: int) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.runtime = runtime
+        self.max_batch = max_batch
+        self.waiting: deque[Completion] = deque()
+        self.active: list[Completion] = []  # row i of the batch cache is active[i]
+        self.cache = BatchKVCache(model.config)
+        self._wake = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0  # decode steps run
+        self.finished: Counter[str] = Counter()  # completions ended, by finish_reason (GET /health shows them)
+
+    # --- any thread ---
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, completion: Completion) -> None:
+        with self._wake:
+            if self._closing:
+                raise RuntimeError("the engine is closed")
+            self.waiting.append(completion)
+            self._wake.notify()
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) completions."""
+        return len(self.active), len(self.waiting)
+
+    def close(self) -> None:
+        """Finish what is running and waiting, then stop the thread."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    # --- the engine's thread ---
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self.waiting and not self.active and not self._closing:
+                        self._wake.wait()
+                    if self._closing and not self.waiting and not self.active:
+                        return
+                self.run_once()
+        except BaseException:
+            log.exception("the engine stopped")
+            for completion in [*self.active, *self.waiting]:
+                completion.finish_reason = completion.finish_reason or "error"
+                completion.on_update("", True)
+            raise
+
+    @torch.inference_mode()
+    def run_once(self) -> None:
+        """Admit what fits, then one decode step for every row (a test can drive the engine with this alone)."""
+        self._drop_cancelled()
+        while len(self.active) < self.max_batch:
+            with self._wake:
+                if not self.waiting:
+                    break
+                completion = self.waiting.popleft()
+            if not completion.cancelled:
+                self._prefill(completion)
+        if self.active:
+            self._step()
+
+    def _prefill(self, completion: Completion) -> None:
+        """The prompt alone, as sample.py runs it; its first token; then a row of its own unless already done."""
+        cache = KVCache(self.model.config)
+        idx = torch.tensor([completion.prompt], dtype=torch.long, device=self.runtime.device)
+        with self.runtime.autocast():
+            logits = self.model.logits(self.model.hidden(idx, cache)[:, -1, :])
+        self._deliver(completion, pick_tokens(logits, [completion])[0])
+        if not completion.done:
+            self.cache.add(cache)
+            self.active.append(completion)
+
+    def _step(self) -> None:
+        newest = [[completion.tokens[-1]] for completion in self.active]
+        idx = torch.tensor(newest, dtype=torch.long, device=self.runtime.device)
+        with self.runtime.autocast():
+            logits = self.model.logits(self.model.hidden(idx, self.cache)[:, -1, :])
+        for completion, token in zip(self.active, pick_tokens(logits, self.active), strict=True):
+            self._deliver(completion, token)
+        self.steps += 1
+        for row in reversed(range(len(self.active))):  # descending: a removed row's place takes the last row
+            if self.active[row].done:
+                self._remove(row)
+
+    def _deliver(self, completion: Completion, token: int) -> None:
+        completion.add(token)
+        if completion.done:
+            completion.text.finish()
+            self.finished[completion.finish_reason] += 1
+        piece = completion.text.unshown()
+        if piece or completion.done:
+            completion.on_update(piece, completion.done)
+
+    def _drop_cancelled(self) -> None:
+        for row in reversed(range(len(self.active))):
+            completion = self.active[row]
+            if completion.cancelled:
+                completion.finish_reason = "cancelled"
+                self.finished["cancelled"] += 1
+                self._remove(row)
+                completion.on_update("", True)
+
+    def _remove(self, row: int) -> None:
+        self.cache.remove(row)
+        last = self.active.pop()
+        if row < len(self.active):
+            self.active[row] = last

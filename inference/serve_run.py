@@ -1,0 +1,68 @@
+"""serve.py's work: load the model, start the engine, and serve the API on a socket bound before anything else,
+so a port in use is one line and the printed URL is the real one (port=0 picks a free port)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import uvicorn
+
+from common.errors import ConfigError
+from inference.engine import Engine
+from inference.load import load_model
+from inference.server import Limits, Service, create_app
+from training.runtime import make_runtime
+from training.schema import ServeConfig
+
+API_KEY_ENV = "GPT_LAB_API_KEY"  # the api_key when the config leaves it null, so it needn't be on a command line
+
+
+def build_service(cfg: ServeConfig) -> Service:
+    runtime = make_runtime(cfg.device, cfg.dtype)
+    loaded = load_model(cfg.out_dir, cfg.init_from, cfg.ckpt, cfg.attn_impl)
+    model = loaded.model.to(runtime.device).eval()
+    engine = Engine(model, loaded.tokenizer, runtime, cfg.max_batch)
+    model_id = cfg.model_id or (cfg.init_from if cfg.out_dir is None else Path(cfg.out_dir).resolve().name)
+    limits = Limits(cfg.max_tokens, cfg.max_choices, cfg.max_prompt_tokens, cfg.max_queue, cfg.timeout_s,
+                    cfg.max_body_bytes)
+    return Service(engine, loaded.tokenizer, model_id, limits)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise ConfigError(f"can't listen on host={host} port={port} ({err.strerror}); pick another port") from None
+    sock.listen(2048)
+    return sock
+
+
+def serve(cfg: ServeConfig) -> None:
+    """Until Ctrl-C or SIGTERM: then uvicorn stops taking requests, lets those in flight end (cancelling what
+    is still running after a few seconds), and the engine finishes before the process exits."""
+    api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None
+    service = build_service(cfg)
+    sock = bind(cfg.host, cfg.port)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}"
+    device = service.engine.runtime.device
+    auth = "an API key" if api_key else "no API key"
+
+    def ready() -> None:
+        print(f"serving {service.model_id} on {device} at {url} (OpenAI API at {url}/v1, page at {url}/; "
+              f"{auth}; Ctrl-C stops)", file=sys.stderr, flush=True)
+
+    torch.set_grad_enabled(False)
+    app = create_app(service, api_key, on_ready=ready)
+    config = uvicorn.Config(app, log_level=logging.WARNING, timeout_graceful_shutdown=5, lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])

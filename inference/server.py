@@ -1,0 +1,378 @@
+"""OpenAI's completions API over the engine: GET /v1/models, POST /v1/completions (streamed as server-sent
+events or whole), GET /health, and the live page at /.
+
+Every request is checked before it reaches the engine: a bad one gets a 4xx with OpenAI's error object naming
+the field ({"error": {"message", "type", "param", "code"}}), never a 500 or a traceback, and the server goes on
+serving. Work is bounded: a body size limit, max_tokens and choices per request, a queue (503 with Retry-After
+past it), a timeout, and a client that leaves frees its rows at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.sse import EventSourceResponse, format_sse_event
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from common.errors import UserError
+from data.tokenizers import Tokenizer
+from inference.engine import Completion, Engine
+from inference.sample_text import SampleText
+from model.decoding import Decoding, row_generators
+
+PAGE = Path(__file__).with_name("serve_page.html")
+SEED_LIMIT = 2**63 - 1  # a row's generator takes seed + choice index, below 2**64
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a JSON number, not "0.5"
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for, and how much the server holds at once (configs/serve.yaml)."""
+
+    max_tokens: int = 1024  # per choice
+    max_choices: int = 16  # prompts x n in one request
+    max_prompt_tokens: int = 8192  # a rolling model's prompt (others: block_size, with the completion)
+    max_queue: int = 256  # choices waiting for a row; past it 503
+    timeout_s: float = 300.0  # a request still running then is cancelled: 504
+    max_body_bytes: int = 1_000_000
+
+
+class ApiError(Exception):
+    """A request the server refuses: its status and OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI's /v1/completions fields this server honours (top_k and min_p are extras, as vLLM takes them).
+    Other OpenAI fields are accepted at their defaults and refused otherwise (RequestChecks.unsupported)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | list[str]
+    max_tokens: StrictInt = 16
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    stop: str | list[str] | None = None
+    n: StrictInt = 1
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, prompt: str | list[str]) -> str | list[str]:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt is an empty list; give a string or a list of strings")
+        return prompt
+
+
+# Fields OpenAI defines that this server doesn't implement: allowed only at their no-op values.
+UNSUPPORTED = {"echo": (None, False), "logprobs": (None, 0), "best_of": (None, 1), "suffix": (None, ""),
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {})}
+
+
+class BodyLimit:
+    """413 with OpenAI's error object for a body over max_bytes: by its Content-Length before reading, or as
+    its chunks add up past it (starlette's own limit answers in plain text)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = ApiError(413, f"the body is larger than {self.max_bytes} bytes (max_body_bytes)")
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await too_large.response()(scope, receive, send)
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise too_large  # the app answers 400 for a body it couldn't read: ours replaces that below
+            return message
+
+        async def answer(message: Message) -> None:
+            if seen <= self.max_bytes:
+                await send(message)
+            elif message["type"] == "http.response.start":
+                await too_large.response()(scope, receive, send)
+
+        await self.app(scope, counted, answer)
+
+
+@dataclass
+class Choice:
+    index: int
+    completion: Completion
+    prompt_tokens: int
+
+
+class Service:
+    """The model behind the API: turns checked requests into engine Completions, and their text into answers."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_id: str, limits: Limits) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.limits = limits
+        self.created = int(time.time())
+        config = engine.model.config
+        self.rolls = config.rolls
+        self.block_size = config.block_size
+
+    def check(self, request: CompletionRequest) -> list[list[int]]:
+        """The prompts' tokens, after every range and limit check (ApiError naming the field)."""
+        limits = self.limits
+        if request.model is not None and request.model != self.model_id:
+            raise ApiError(404, f"model {request.model!r} does not exist; this server serves {self.model_id!r}",
+                           "model", code="model_not_found")
+        for name, allowed in UNSUPPORTED.items():
+            value = (request.model_extra or {}).get(name)
+            if value not in allowed:
+                raise ApiError(400, f"{name}={value!r} is not supported by this server; leave it out", name)
+        if not 1 <= request.max_tokens <= limits.max_tokens:
+            raise ApiError(400, f"max_tokens={request.max_tokens} must be between 1 and {limits.max_tokens}",
+                           "max_tokens")
+        if not 0 <= request.temperature <= 2:
+            raise ApiError(400, f"temperature={request.temperature} must be between 0 and 2 (0: greedy)",
+                           "temperature")
+        if not 0 < request.top_p <= 1:
+            raise ApiError(400, f"top_p={request.top_p} must be in (0, 1]", "top_p")
+        if request.top_k is not None and request.top_k < 1:
+            raise ApiError(400, f"top_k={request.top_k} must be at least 1", "top_k")
+        if request.min_p is not None and not 0 < request.min_p <= 1:
+            raise ApiError(400, f"min_p={request.min_p} must be in (0, 1]", "min_p")
+        if request.seed is not None and not 0 <= request.seed <= SEED_LIMIT:
+            raise ApiError(400, f"seed={request.seed} must be between 0 and {SEED_LIMIT}", "seed")
+        prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+        if request.n < 1:
+            raise ApiError(400, f"n={request.n} must be at least 1", "n")
+        if len(prompts) * request.n > limits.max_choices:
+            raise ApiError(400, f"n={request.n} for {len(prompts)} prompt(s) asks for {len(prompts) * request.n} "
+                           f"choices; at most {limits.max_choices} per request", "n")
+        if any(s == "" for s in self._stops(request)):
+            raise ApiError(400, "stop has an empty string, which would stop at once; remove it", "stop")
+        return [self._encode(prompt, request.max_tokens) for prompt in prompts]
+
+    def _encode(self, prompt: str, max_tokens: int) -> list[int]:
+        if not prompt:
+            raise ApiError(400, "prompt is empty; give at least one character", "prompt")
+        try:
+            ids = self.tokenizer.encode(prompt)
+        except UserError as err:  # a character a char-level model has never seen
+            raise ApiError(400, f"prompt: {err}", "prompt") from None
+        if self.rolls:
+            if len(ids) > self.limits.max_prompt_tokens:
+                raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most "
+                               f"{self.limits.max_prompt_tokens} (max_prompt_tokens)", "prompt")
+        elif len(ids) + max_tokens > self.block_size:
+            param = "prompt" if len(ids) >= self.block_size else "max_tokens"
+            raise ApiError(400, f"this model's context is {self.block_size} tokens; the prompt has {len(ids)} and "
+                           f"max_tokens asks for {max_tokens} more: shorten the prompt or lower max_tokens", param)
+        return ids
+
+    def _stops(self, request: CompletionRequest) -> list[str]:
+        stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+        end = self.tokenizer.end_of_text
+        return stops + ([end] if end and end not in stops else [])
+
+    def submit(self, request: CompletionRequest, prompts: list[list[int]], on_update) -> list[Choice]:
+        """One Completion per prompt x n, queued on the engine (503 if the queue is full)."""
+        running, waiting = self.engine.load
+        free = max(0, self.engine.max_batch - running - waiting) + self.limits.max_queue
+        if len(prompts) * request.n > free:
+            raise ApiError(503, f"the server is busy ({running} running, {waiting} waiting); retry shortly",
+                           kind="server_busy", headers={"Retry-After": "1"})
+        decoding = Decoding(request.temperature, request.top_k, None if request.top_p == 1 else request.top_p,
+                            request.min_p)
+        stops = self._stops(request)
+        device = self.engine.runtime.device
+        generators = row_generators(request.seed, len(prompts) * request.n, device)  # choice i: seed + i
+        choices = []
+        for p, ids in enumerate(prompts):
+            for j in range(request.n):
+                index = p * request.n + j
+                text = SampleText(self.tokenizer, "", stops)
+                completion = Completion(ids, request.max_tokens, decoding, text,
+                                        lambda piece, done, i=index: on_update(i, piece, done),
+                                        generator=None if generators is None else generators[index])
+                choices.append(Choice(index, completion, len(ids)))
+        for choice in choices:
+            self.engine.submit(choice.completion)
+        return choices
+
+    def chunk(self, completion_id: str, choices: list[dict[str, Any]], usage: dict | None = None) -> dict:
+        body = {"id": completion_id, "object": "text_completion", "created": int(time.time()),
+                "model": self.model_id, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+
+def usage(choices: list[Choice], n: int) -> dict[str, int]:
+    prompt = sum(c.prompt_tokens for c in choices[::n])  # each prompt once, however many choices it has
+    completion = sum(len(c.completion.tokens) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def create_app(service: Service, api_key: str | None = None, on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """The ASGI app; the engine's thread is started and closed with it (lifespan)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service.engine.start()
+        if on_ready is not None:
+            on_ready()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(service.engine.close)
+
+    app = FastAPI(title="gpt-lab", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=service.limits.max_body_bytes)
+    async def authorised(credentials: Credentials) -> None:
+        if api_key is None:
+            return
+        if credentials is None or not secrets.compare_digest(credentials.credentials, api_key):
+            raise ApiError(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
+                           code="invalid_api_key")
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, err: ApiError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0]
+        where = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if first.get("type") == "json_invalid":
+            return ApiError(400, "the body is not valid JSON", None).response()
+        param = where[0] if where else None
+        value = "" if param is None or "input" not in first else f" (got {json.dumps(first['input'])[:80]})"
+        return ApiError(400, f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid')}{value}", param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no such endpoint: {request.url.path}"}.get(err.status_code, str(err.detail))
+        return ApiError(err.status_code, message, None).response()
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        running, waiting = service.engine.load
+        engine = service.engine
+        return {"status": "ok", "model": service.model_id, "running": running, "waiting": waiting,
+                "steps": engine.steps, "finished": dict(engine.finished)}
+
+    @app.get("/v1/models", dependencies=[Depends(authorised)])
+    async def models() -> dict[str, Any]:
+        model = {"id": service.model_id, "object": "model", "created": service.created, "owned_by": "gpt-lab"}
+        return {"object": "list", "data": [model]}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+
+    @app.post("/v1/completions", dependencies=[Depends(authorised)])
+    async def completions(request: CompletionRequest, http: Request):
+        prompts = service.check(request)
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[tuple[int, str, bool]] = asyncio.Queue()
+
+        def on_update(index: int, piece: str, done: bool) -> None:  # the engine's thread
+            loop.call_soon_threadsafe(updates.put_nowait, (index, piece, done))
+
+        choices = service.submit(request, prompts, on_update)
+        completion_id = f"cmpl-{secrets.token_hex(12)}"
+        deadline = loop.time() + service.limits.timeout_s
+        if request.stream:
+            include_usage = bool((request.stream_options or {}).get("include_usage"))
+            return EventSourceResponse(_stream(service, choices, updates, completion_id, deadline, request.n,
+                                               include_usage))
+        texts = ["" for _ in choices]
+        try:
+            async for index, piece, _ in _updates(choices, updates, deadline, http):
+                texts[index] += piece
+        finally:
+            for choice in choices:
+                choice.completion.cancelled = True  # no-op for finished ones
+        body = [{"text": text, "index": c.index, "logprobs": None, "finish_reason": c.completion.finish_reason}
+                for text, c in zip(texts, choices, strict=True)]
+        return service.chunk(completion_id, body, usage(choices, request.n))
+
+    return app
+
+
+async def _updates(choices: list[Choice], updates: asyncio.Queue, deadline: float,
+                   http: Request | None = None) -> AsyncIterator[tuple[int, str, bool]]:
+    """The choices' pieces of text as the engine makes them, until all are done; ApiError 504 past the deadline.
+    With `http` (a whole answer), a client that left cancels them (a stream notices by itself)."""
+    pending = len(choices)
+    loop = asyncio.get_running_loop()
+    while pending:
+        left = deadline - loop.time()
+        if left <= 0:
+            raise ApiError(504, "the request took longer than the server's timeout_s; ask for fewer tokens",
+                           kind="timeout")
+        try:
+            index, piece, done = await asyncio.wait_for(updates.get(), timeout=min(left, 0.5))
+        except TimeoutError:
+            if http is not None and await http.is_disconnected():
+                return
+            continue
+        pending -= done
+        if done and choices[index].completion.finish_reason in ("error",):
+            raise ApiError(500, "the engine failed; see the server's log", kind="server_error")
+        yield index, piece, done
+
+
+async def _stream(service: Service, choices: list[Choice], updates: asyncio.Queue, completion_id: str,
+                  deadline: float, n: int, include_usage: bool) -> AsyncIterator[bytes]:
+    """OpenAI's chunk objects as server-sent events, then `data: [DONE]`; the pieces add up to the whole text."""
+    try:
+        try:
+            async for index, piece, done in _updates(choices, updates, deadline):
+                reason = choices[index].completion.finish_reason if done else None
+                choice = {"text": piece, "index": index, "logprobs": None, "finish_reason": reason}
+                yield format_sse_event(data_str=json.dumps(service.chunk(completion_id, [choice])))
+        except ApiError as err:
+            error = {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}
+            yield format_sse_event(data_str=json.dumps({"error": error}))
+        if include_usage:
+            yield format_sse_event(data_str=json.dumps(service.chunk(completion_id, [], usage(choices, n))))
+        yield format_sse_event(data_str="[DONE]")
+    finally:  # a client that left: its rows leave at the next step
+        for choice in choices:
+            choice.completion.cancelled = True
+

@@ -1,0 +1,115 @@
+"""Keys and values for a batch whose rows are independent sequences (continuous batching): each row has its own
+length and positions, rows join after their prompt has run alone and leave when they finish, between steps.
+
+KVCache (model/kv_cache.py) serves one batch that grows in lockstep; this one serves a server's decode steps. A
+row joins with the KVCache its prompt filled (add), then every step runs one new token per row (extend with
+T = 1). Each layer's buffer is a ring of `slots` positions per row: position p lives at slot p % slots. A full
+layer has block_size slots, which a non-rolling model never wraps; a windowed layer has `window` slots (at most
+block_size), so a rolling model's rows roll forever in bounded memory. After a row writes its new key, the slots
+it has filled hold exactly the keys its query may see (the last `window` positions), so the mask of a row is
+just "slot < min(length + 1, slots)": attention is order-free, and the positions are already in the keys
+(rope) or the embeddings (learned).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model.config import GPTConfig
+from model.kv_cache import KVCache
+
+
+class BatchKVCache:
+    def __init__(self, config: GPTConfig) -> None:
+        self.slots = [
+            config.block_size if window is None else min(window, config.block_size)
+            for window in config.layer_windows()
+        ]
+        self.buffers: list[torch.Tensor | None] = [None] * len(self.slots)  # (2, rows, n_head, slots, head_dim)
+        self.lengths: list[int] = []  # tokens each row has run: its next token's position
+        self.last_token: torch.Tensor | None = None  # (rows, 1): each row's newest token, the bigram of its next
+        self._steps: dict[str, torch.Tensor] = {}  # per step, shared by the layers: positions, slot, mask
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def length(self) -> int:
+        """The longest row's: the model checks it against block_size."""
+        return max(self.lengths, default=0)
+
+    def add(self, prefilled: KVCache) -> int:
+        """A new row holding a one-sequence KVCache's keys and values (its prompt, run alone); its index."""
+        length = prefilled.length
+        for layer, (source, slots) in enumerate(zip(prefilled.layers, self.slots, strict=True)):
+            assert source.buffer is not None and source.buffer.size(1) == 1, "a row joins with one sequence"
+            assert source.stored == length, "a prompt run once, from an empty cache"
+            buffer = self.buffers[layer]
+            if buffer is None or buffer.size(1) == self.rows:  # full: room for as many rows again
+                two, _, n_head, _, head_dim = source.buffer.shape
+                grown = source.buffer.new_zeros(two, max(1, 2 * self.rows), n_head, slots, head_dim)
+                if buffer is not None:
+                    grown[:, : self.rows] = buffer[:, : self.rows]
+                self.buffers[layer] = buffer = grown
+            kept = torch.arange(max(0, length - slots), length, device=source.buffer.device)
+            buffer[:, self.rows, :, kept % slots] = source.buffer[:, 0, :, kept]
+        assert prefilled.last_token is not None
+        last = prefilled.last_token.reshape(1, 1)
+        self.last_token = last if self.last_token is None else torch.cat((self.last_token, last))
+        self.lengths.append(length)
+        self._steps = {}
+        return self.rows - 1
+
+    def remove(self, row: int) -> None:
+        """Drop a row: the last row moves into its place (callers renumber theirs the same way)."""
+        last = self.rows - 1
+        assert self.last_token is not None
+        if row != last:
+            for buffer in self.buffers:
+                assert buffer is not None
+                buffer[:, row] = buffer[:, last]
+            self.last_token[row] = self.last_token[last]
+            self.lengths[row] = self.lengths[last]
+        self.lengths.pop()
+        self.last_token = self.last_token[:last]
+        self._steps = {}
+
+    @property
+    def position(self) -> torch.Tensor:
+        """(rows, 1): each row's new token's position, made once a step (all layers read it)."""
+        if "position" not in self._steps:
+            device = self.last_token.device if self.last_token is not None else None
+            self._steps["position"] = torch.tensor(self.lengths, device=device).unsqueeze(1)
+        return self._steps["position"]
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store each row's new key and value (rows, n_head, 1, head_dim) in its slot; return every row's slots
+        up to the furthest any row has filled, with key_mask saying which of them each row may see."""
+        assert k.size(2) == 1, "rows decode one token a step; prompts run alone, in a KVCache"
+        buffer, slots = self.buffers[layer], self.slots[layer]
+        assert buffer is not None
+        positions = self.position[:, 0]
+        rows = torch.arange(self.rows, device=k.device)
+        buffer[0, rows, :, positions % slots] = k[:, :, 0]
+        buffer[1, rows, :, positions % slots] = v[:, :, 0]
+        used = min(slots, self.length + 1)
+        keys, values = buffer[:, : self.rows, :, :used].unbind(0)
+        return keys, values
+
+    def key_mask(self, layer: int) -> torch.Tensor:
+        """(rows, 1, 1, used): True where the row's query may attend."""
+        slots = self.slots[layer]
+        used = min(slots, self.length + 1)
+        key = f"mask{slots}"
+        if key not in self._steps:
+            filled = (self.position + 1).clamp(max=slots)  # (rows, 1)
+            index = torch.arange(used, device=filled.device)
+            self._steps[key] = (index < filled)[:, None, None, :]
+        return self._steps[key]
+
+    def advance(self, new_tokens: torch.Tensor) -> None:
+        """Called with the step's tokens (rows, 1) once all layers have stored them."""
+        self.lengths = [n + 1 for n in self.lengths]
+        self.last_token = new_tokens[:, -1:]
+        self._steps = {}

@@ -1,0 +1,138 @@
+"""Continuous batching (inference/engine.py, model/batch_cache.py): each row gets exactly the tokens it would get
+alone, whatever joins or leaves beside it, for every kind of model, rolling ones past block_size included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import MODERN
+from inference.engine import Completion, Engine
+from inference.sample_text import SampleText
+from model import GPT, GPTConfig
+from model.decoding import Decoding, row_generators
+from training.runtime import make_runtime
+
+SMALL = dict(vocab_size=50, n_layer=2, n_head=2, n_embd=32)
+CONFIGS = {
+    "gpt2": GPTConfig(**SMALL, block_size=128),
+    "modern": GPTConfig(**SMALL, block_size=128, **MODERN),
+    "windowed": GPTConfig(**{**SMALL, "n_layer": 3}, block_size=128, attn_window=8),
+    "rolling": GPTConfig(**SMALL, block_size=32, pos_emb="rope", attn_window=8, window_pattern="SS"),
+}
+# prompts of different lengths; the rolling model's rows go well past its block_size of 32
+PROMPTS = [[1, 2, 3], list(range(5, 25)), [7], list(range(30)), [4, 4, 4, 4, 9]]
+NEW = 40
+
+
+class Letters:
+    """A tokenizer stand-in: token t is one letter."""
+
+    end_of_text = None
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([65 + token % 26])
+
+
+def _model(name: str) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(CONFIGS[name]).eval()
+    with torch.no_grad():  # zero-initialised parts (untied head, projections) would make every logit equal
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+def _completion(prompt: list[int], decoding: Decoding, generator: torch.Generator | None = None) -> Completion:
+    return Completion(prompt, NEW, decoding, SampleText(Letters(), ""), lambda piece, done: None, generator)
+
+
+def _alone(model: GPT, prompt: list[int], decoding: Decoding, seed: int | None = None) -> list[int]:
+    generators = row_generators(seed, 1)
+    steps = model.generate_tokens(torch.tensor([prompt]), NEW, decoding, generators=generators)
+    return [int(token) for token in steps]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_rows_joining_at_different_steps_get_the_greedy_tokens_they_get_alone(name: str) -> None:
+    model = _model(name)
+    alone = [_alone(model, prompt, Decoding(0.0)) for prompt in PROMPTS]
+    engine = Engine(model, Letters(), make_runtime("cpu", "float32"), max_batch=8)
+    rows = [_completion(prompt, Decoding(0.0)) for prompt in PROMPTS]
+    engine.submit(rows[0])
+    engine.run_once()
+    engine.run_once()
+    engine.submit(rows[1])
+    engine.run_once()
+    for row in rows[2:]:
+        engine.submit(row)
+    batched = 0
+    while engine.active or engine.waiting:
+        batched = max(batched, len(engine.active))
+        engine.run_once()
+    assert batched == len(PROMPTS)
+    assert [row.tokens for row in rows] == alone
+    assert all(row.finish_reason == "length" for row in rows)
+
+
+def test_a_seeded_row_draws_the_same_tokens_whoever_is_beside_it() -> None:
+    model = _model("modern")
+    decoding = Decoding(1.0, top_k=10)
+    alone = _alone(model, PROMPTS[1], decoding, seed=99)
+    engine = Engine(model, Letters(), make_runtime("cpu", "float32"), max_batch=8)
+    ours = _completion(PROMPTS[1], decoding, row_generators(99, 1)[0])
+    others = [_completion(p, Decoding(0.7, top_p=0.9)) for p in PROMPTS]  # another decoding, torch's generator
+    engine.submit(others[0])
+    engine.run_once()
+    engine.submit(ours)
+    for other in others[1:]:
+        engine.submit(other)
+    while engine.active or engine.waiting:
+        engine.run_once()
+    assert ours.tokens == alone
+
+
+def test_a_cancelled_row_leaves_at_the_next_step_and_the_others_go_on() -> None:
+    model = _model("gpt2")
+    alone = [_alone(model, prompt, Decoding(0.0)) for prompt in PROMPTS[:3]]
+    engine = Engine(model, Letters(), make_runtime("cpu", "float32"), max_batch=8)
+    rows = [_completion(prompt, Decoding(0.0)) for prompt in PROMPTS[:3]]
+    for row in rows:
+        engine.submit(row)
+    for _ in range(5):
+        engine.run_once()
+    rows[0].cancelled = True
+    engine.run_once()
+    assert rows[0].finish_reason == "cancelled" and len(engine.active) == 2 and len(rows[0].tokens) == 6  # prefill + 5 steps
+    while engine.active:
+        engine.run_once()
+    assert [row.tokens for row in rows[1:]] == alone[1:]
+    assert engine.finished == {"cancelled": 1, "length": 2}
+
+
+def test_max_batch_makes_the_rest_wait_and_join_as_rows_free() -> None:
+    model = _model("rolling")
+    engine = Engine(model, Letters(), make_runtime("cpu", "float32"), max_batch=2)
+    rows = [_completion(prompt, Decoding(0.0)) for prompt in PROMPTS]
+    for row in rows:
+        engine.submit(row)
+    engine.run_once()
+    assert engine.load == (2, 3)
+    while engine.active or engine.waiting:
+        assert len(engine.active) <= 2
+        engine.run_once()
+    assert [row.tokens for row in rows] == [_alone(model, p, Decoding(0.0)) for p in PROMPTS]
+
+
+def test_the_engine_thread_serves_submissions_and_closes_after_them() -> None:
+    model = _model("gpt2")
+    engine = Engine(model, Letters(), make_runtime("cpu", "float32"), max_batch=4)
+    pieces: list[tuple[str, bool]] = []
+    row = Completion(PROMPTS[0], NEW, Decoding(0.0), SampleText(Letters(), ""), lambda p, d: pieces.append((p, d)))
+    engine.start()
+    engine.submit(row)
+    engine.close()
+    assert pieces[-1][1] and sum(done for _, done in pieces) == 1
+    assert "".join(p for p, _ in pieces) == "".join(chr(65 + t % 26) for t in _alone(model, PROMPTS[0], Decoding(0.0)))
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit(row)

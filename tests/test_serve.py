@@ -1,0 +1,283 @@
+"""serve.py on loopback, driven by the official openai client and by raw HTTP: the API's answers, its equality with
+sample.py, every bad request refused with OpenAI's error object (and the server still serving), auth, limits, a
+client that leaves, and a clean stop."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from conftest import REPO, compose_config, run_script, tiny_run_overrides
+from inference.sample_text import SEPARATOR
+from training.loop import train
+
+PROMPT = "ROMEO:"
+
+
+@pytest.fixture(scope="module")
+def served_run(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
+    """A tiny char-level run with room for a prompt and a few dozen tokens (block_size 96)."""
+    tmp = tmp_path_factory.mktemp("served")
+    extra = {"model.block_size": 96, "train.max_iters": 60, "train.eval_interval": 60, "train.learning_rate": 3e-3}
+    train(compose_config(tiny_run_overrides(tmp, corpus_path, **extra)))
+    return tmp / "run"
+
+
+class Server:
+    def __init__(self, run: Path, *overrides: str) -> None:
+        args = [sys.executable, str(REPO / "serve.py"), f"out_dir={run}", "port=0", "device=cpu", *overrides]
+        self.process = subprocess.Popen(args, cwd=run.parent, stderr=subprocess.PIPE, text=True)
+        line = self.process.stderr.readline()
+        match = re.search(r"at (http://127\.0\.0\.1:\d+) ", line)
+        assert match, line + self.process.stderr.read()
+        self.url = match.group(1)
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def post(self, body: object, **kwargs: object) -> httpx.Response:
+        return self.http.post("/v1/completions", json=body, **kwargs)
+
+    def stop(self, sig: int = signal.SIGTERM) -> tuple[int, str]:
+        self.http.close()
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout=30), self.process.stderr.read()
+
+
+@pytest.fixture(scope="module")
+def server(served_run: Path) -> Iterator[Server]:
+    server = Server(served_run, "max_tokens=80", "max_choices=8", "max_body_bytes=20000")
+    yield server
+    server.stop()
+
+
+def sample_py(run: Path, *overrides: str) -> list[str]:
+    """sample.py's samples, each without the prompt."""
+    args = [f"out_dir={run}", f"start={PROMPT}", "device=cpu", "stream=false", *overrides]
+    result = run_script("sample.py", args, run.parent)
+    assert result.returncode == 0, result.stderr
+    return [text.removeprefix(PROMPT) for text in result.stdout.split(SEPARATOR)[:-1]]
+
+
+def test_models_lists_the_run_by_a_name_requests_can_use(server: Server, served_run: Path) -> None:
+    models = server.client().models.list().data
+    assert [m.id for m in models] == [served_run.name]
+    answer = server.client().completions.create(model=models[0].id, prompt=PROMPT, max_tokens=3)
+    assert answer.model == served_run.name
+    assert server.http.get("/health").json()["status"] == "ok"
+
+
+def test_greedy_text_equals_sample_py_byte_for_byte(server: Server, served_run: Path) -> None:
+    answer = server.client().completions.create(model="run", prompt=PROMPT, max_tokens=60, temperature=0)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "length" and len(choice.text) == 60
+    assert sample_py(served_run, "temperature=0", "num_samples=1", "max_new_tokens=60") == [choice.text]
+    assert answer.usage.prompt_tokens == len(PROMPT) and answer.usage.completion_tokens == 60
+    assert answer.usage.total_tokens == len(PROMPT) + 60
+
+
+def test_a_seed_gives_sample_py_s_samples_and_repeats(server: Server, served_run: Path) -> None:
+    """Choice i of a request with seed S draws what sample.py's sample i draws with seed=S."""
+    kwargs = dict(model="run", prompt=PROMPT, max_tokens=40, temperature=0.9, n=3, seed=1234)
+    extra = {"top_k": 20}
+    first = server.client().completions.create(**kwargs, extra_body=extra)
+    again = server.client().completions.create(**kwargs, extra_body=extra)
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1  # sampled, not greedy
+    ours = sample_py(served_run, "seed=1234", "temperature=0.9", "top_k=20", "num_samples=3", "max_new_tokens=40")
+    assert ours == texts
+
+
+def test_streamed_chunks_add_up_to_the_whole_text(server: Server) -> None:
+    kwargs = dict(model="run", prompt=[PROMPT, "JULIET:"], max_tokens=50, temperature=0, n=2)
+    whole = server.client().completions.create(**kwargs)
+    pieces: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    for chunk in server.client().completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            pieces[choice.index] = pieces.get(choice.index, "") + choice.text
+            reasons[choice.index] = choice.finish_reason
+    assert sorted(pieces) == [0, 1, 2, 3]
+    assert [pieces[c.index] for c in whole.choices] == [c.text for c in whole.choices]
+    assert set(reasons.values()) == {"length"}
+    assert whole.usage.prompt_tokens == len(PROMPT) + len("JULIET:")  # each prompt once, not once per choice
+    raw = server.post({"prompt": PROMPT, "max_tokens": 5, "stream": True}).text
+    assert raw.rstrip().endswith("data: [DONE]") and raw.count("data: ") == 5 + 1
+
+
+def test_stop_strings_end_the_text_before_them_as_in_sample_py(server: Server, served_run: Path) -> None:
+    kwargs = dict(model="run", prompt=PROMPT, max_tokens=60, temperature=1.0, seed=7)
+    whole = server.client().completions.create(**kwargs).choices[0].text
+    stop = next(c for c in whole if c.isalpha())  # a letter the text holds
+    answer = server.client().completions.create(**kwargs, stop=[stop, "zzz"])
+    choice = answer.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.text == whole[: whole.index(stop)]
+    streamed = "".join(c.choices[0].text for c in server.client().completions.create(**kwargs, stop=stop, stream=True))
+    assert streamed == choice.text
+    ours = sample_py(served_run, "seed=7", "temperature=1.0", "num_samples=1", "max_new_tokens=60", f"stop=[{stop}]")
+    assert ours == [choice.text]
+
+
+BAD_REQUESTS = [
+    ({"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens", "max_tokens=0 must be between 1 and 80"),
+    ({"prompt": PROMPT, "max_tokens": 81}, 400, "max_tokens", "max_tokens=81 must be between 1 and 80"),
+    ({"prompt": PROMPT, "max_tokens": "ten"}, 400, "max_tokens", "max_tokens: Input should be a valid integer"),
+    ({"prompt": PROMPT, "temperature": "hot"}, 400, "temperature", "temperature: Input should be a valid number"),
+    ({"prompt": PROMPT, "temperature": "0.5"}, 400, "temperature", "temperature: Input should be a valid number"),
+    ({"prompt": PROMPT, "temperature": 3}, 400, "temperature", "temperature=3.0 must be between 0 and 2"),
+    ({"prompt": PROMPT, "top_p": 0}, 400, "top_p", "top_p=0.0 must be in (0, 1]"),
+    ({"prompt": PROMPT, "top_p": 1.5}, 400, "top_p", "top_p=1.5 must be in (0, 1]"),
+    ({"prompt": PROMPT, "top_k": 0}, 400, "top_k", "top_k=0 must be at least 1"),
+    ({"prompt": PROMPT, "min_p": 2}, 400, "min_p", "min_p=2.0 must be in (0, 1]"),
+    ({"prompt": PROMPT, "seed": -5}, 400, "seed", "seed=-5 must be between 0 and"),
+    ({"prompt": PROMPT, "n": 9}, 400, "n", "asks for 9 choices; at most 8 per request"),
+    ({"prompt": PROMPT, "n": 0}, 400, "n", "n=0 must be at least 1"),
+    ({"prompt": PROMPT, "stop": ["", "x"]}, 400, "stop", "stop has an empty string"),
+    ({"prompt": PROMPT, "echo": True}, 400, "echo", "echo=True is not supported"),
+    ({"prompt": PROMPT, "model": "gpt-4"}, 404, "model", "model 'gpt-4' does not exist; this server serves"),
+    ({"prompt": ""}, 400, "prompt", "prompt is empty"),
+    ({"prompt": []}, 400, "prompt", "prompt is an empty list"),
+    ({"prompt": "x" * 90, "max_tokens": 10}, 400, "max_tokens", "this model's context is 96 tokens; the prompt has 90"),
+    ({"prompt": "x" * 100}, 400, "prompt", "this model's context is 96 tokens; the prompt has 100"),
+    ({"prompt": "ROMEO: Ω"}, 400, "prompt", "character 'Ω' is not in the model's vocabulary"),
+    ({"max_tokens": 5}, 400, "prompt", "prompt: Field required"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param", "message"), BAD_REQUESTS, ids=[m for *_, m in BAD_REQUESTS])
+def test_a_bad_request_is_refused_naming_the_field_and_the_server_goes_on(
+    server: Server, body: dict, status: int, param: str, message: str
+) -> None:
+    response = server.post(body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+    assert "Traceback" not in response.text
+    assert server.post({"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_malformed_and_oversized_bodies_are_refused_too(server: Server) -> None:
+    headers = {"content-type": "application/json"}
+    cases = [
+        (server.http.post("/v1/completions", content=b'{"prompt": "ROMEO:", ', headers=headers), 400, "not valid JSON"),
+        (server.http.post("/v1/completions", content=b"\xff\xfe", headers=headers), 400, "not valid JSON"),
+        (server.post({"prompt": "x" * 30000}), 413, "larger than 20000 bytes"),
+        (
+            server.http.post("/v1/completions", content=iter([b'{"prompt": "', b"x" * 30000, b'"}']), headers=headers),
+            413,
+            "larger than 20000 bytes",
+        ),
+        (server.http.get("/v1/nothing"), 404, "no such endpoint"),
+    ]
+    for response, status, message in cases:
+        assert response.status_code == status, response.text
+        assert message in response.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="max_tokens=500 must be between 1 and 80"):
+        server.client().completions.create(model="run", prompt=PROMPT, max_tokens=500)
+    assert server.post({"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_concurrent_requests_each_get_the_text_they_get_alone(server: Server) -> None:
+    """Prompts of different lengths join the running batch at different steps; greedy text is identical."""
+    prompts = ["ROMEO:", "First Citizen:\nBefore we", "KING", "O", "To be, or not to be, that", "JULIET:\nAh me"]
+    alone = [
+        server.post({"prompt": p, "max_tokens": 50, "temperature": 0}).json()["choices"][0]["text"] for p in prompts
+    ]
+    steps_before = server.http.get("/health").json()["steps"]
+    together: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        time.sleep(0.01 * i)
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            answer = http.post("/v1/completions", json={"prompt": prompts[i], "max_tokens": 50, "temperature": 0})
+            together[i] = answer.json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [together[i] for i in range(len(prompts))] == alone
+    steps = server.http.get("/health").json()["steps"] - steps_before
+    assert steps < 6 * 49  # some steps decoded several requests at once
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_row(served_run: Path) -> None:
+    server = Server(served_run, "max_batch=1", "max_queue=0", "timeout_s=600")
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 90, "stream": True}
+        with server.http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            # the only row is taken and nothing may wait: the next request is turned away
+            busy = server.post({"prompt": PROMPT, "max_tokens": 2})
+            assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+            assert busy.json()["error"]["type"] == "server_busy"
+        deadline = time.monotonic() + 10
+        while (health := server.http.get("/health").json())["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert health["running"] == 0 and health["finished"].get("cancelled") == 1, health
+        assert server.post({"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_an_api_key_is_required_when_set(served_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = Server(served_run, "api_key=s3cret")
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            response = server.post({"prompt": PROMPT, "max_tokens": 2}, headers=headers)
+            assert response.status_code == 401, response.text
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        assert server.http.get("/v1/models").status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            server.client("wrong").completions.create(model="run", prompt=PROMPT, max_tokens=2)
+        answer = server.client("s3cret").completions.create(model="run", prompt=PROMPT, max_tokens=2)
+        assert len(answer.choices[0].text) == 2
+        assert server.http.get("/health").status_code == 200  # for a load balancer's checks
+    finally:
+        server.stop()
+
+
+def test_sigterm_lets_the_request_in_flight_finish_then_exits(served_run: Path) -> None:
+    server = Server(served_run)
+    received: list[str] = []
+
+    def stream() -> None:
+        body = {"prompt": PROMPT, "max_tokens": 80, "stream": True}
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                received.extend(r.iter_lines())
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    status, stderr = server.stop(signal.SIGTERM)
+    thread.join(timeout=30)
+    assert time.monotonic() - started < 15
+    assert "Traceback" not in stderr, stderr
+    assert status in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+    assert "data: [DONE]" in received and sum(line.startswith("data: {") for line in received) == 80
+
+
+def test_a_port_in_use_is_one_line(served_run: Path, server: Server) -> None:
+    port = server.url.rsplit(":", 1)[1]
+    result = run_script("serve.py", [f"out_dir={served_run}", f"port={port}", "device=cpu"], served_run.parent)
+    assert result.returncode == 2
+    expected = f"error: can't listen on host=127.0.0.1 port={port} (Address already in use); pick another port"
+    assert result.stderr.strip() == expected

@@ -29,10 +29,12 @@ muon: Muon's Newton-Schulz orthogonalisation (training/muon.py's newton_schulz, 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import io
 import itertools
 import json
+import math
 import resource
 import shutil
 import subprocess
@@ -51,6 +53,8 @@ from model import ATTN_IMPLS, GPT, GPTConfig, causal_mask, masked_attention
 from model.attention import windowed_attention
 
 if TYPE_CHECKING:  # imported where used: the attention and sampling sections need no training code
+    from inference.sampling import Sampler
+    from model.decoding import Decoding
     from training.runtime import Runtime
     from training.schema import TrainRunConfig
 
@@ -307,6 +311,142 @@ def _nanogpt_sample(model: GPT, prompt: list[int], max_new_tokens: int, device: 
     return idx
 
 
+SERVE_PROMPT = "ROMEO:\nWhat light through yonder"
+
+
+def bench_serve(args: argparse.Namespace) -> list[dict]:
+    """serve.py on loopback under --serve-clients concurrent streaming clients (each sends --serve-requests
+    requests one after another, sample.py's default decoding, --serve-tokens tokens each), against sample.py's
+    own generation of one sample of the same length, timed in this process. The model: --serve-run's checkpoint,
+    else the CPU preset's shape (4x4x128, block 64) with random weights, which time the same. The clients run
+    here, on the same CPU as the server: their share of it is in the figures."""
+    from data.tokenizers import CharTokenizer
+    from inference.load import load_model
+    from inference.sampling import Sampler
+    from model.decoding import Decoding
+    from training.runtime import make_runtime
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(args.serve_run) if args.serve_run else _random_run(Path(tmp) / "run", CharTokenizer)
+        loaded = load_model(str(run), None, "latest", None)
+        sampler = Sampler(loaded.model.to(args.device).eval(), loaded.tokenizer, make_runtime(args.device, "auto"))
+        prompt = loaded.tokenizer.encode(SERVE_PROMPT)
+        tokens = min(args.serve_tokens, loaded.model.config.block_size - len(prompt))
+        decoding = Decoding(**NANOGPT_SAMPLING)
+        sampler.generate(prompt, 1, 4, decoding)  # warm-up
+        alone = min(_timed(lambda: sampler.generate(prompt, 1, tokens, decoding), args.device) for _ in range(5))
+        rows = [{"section": "serve", "way": "sample.py, one sample", "clients": 1, "tokens_per_sec": tokens / alone,
+                 "aggregate_tokens_per_sec": tokens / alone, "p50_ms": 1000 * alone, "p99_ms": 1000 * alone}]
+        rows += _engine_alone(sampler, prompt, tokens, decoding, args.serve_clients)
+        server = subprocess.Popen(
+            [sys.executable, str(REPO / "serve.py"), f"out_dir={run}", "port=0", f"device={args.device}",
+             f"max_batch={max(args.serve_clients)}", f"max_tokens={tokens}", *args.serve_override],
+            cwd=tmp, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            line = server.stderr.readline()
+            url = line.split(" at ", 1)[1].split(" ", 1)[0] if " at http" in line else None
+            if url is None:
+                raise RuntimeError(f"serve.py didn't start: {line}{server.stderr.read()}")
+            usage = {"include_usage": True}  # the last chunk counts the tokens (a chunk may hold several)
+            body = {"prompt": SERVE_PROMPT, "max_tokens": tokens, "stream": True, "stream_options": usage,
+                    **NANOGPT_SAMPLING}
+            for clients in args.serve_clients:
+                result = asyncio.run(_load(url, body, clients, args.serve_requests))
+                latencies = np.array(result["latencies"])
+                rows.append({
+                    "section": "serve", "way": "serve.py, streaming clients", "clients": clients,
+                    "tokens_per_sec": tokens / float(np.median(latencies)),
+                    "aggregate_tokens_per_sec": result["tokens"] / result["seconds"],
+                    "p50_ms": 1000 * float(np.percentile(latencies, 50)),
+                    "p99_ms": 1000 * float(np.percentile(latencies, 99)),
+                })
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    for row in rows:
+        single = next(r for r in rows if r["way"] == row["way"] and r["clients"] == 1)
+        row["vs_one_client"] = row["aggregate_tokens_per_sec"] / single["aggregate_tokens_per_sec"]
+    return rows
+
+
+def _engine_alone(
+    sampler: Sampler, prompt: list[int], tokens: int, decoding: Decoding, counts: list[int]
+) -> list[dict]:
+    """The engine in this process, no HTTP: `count` completions submitted at once, run to the end, with the
+    server's default CPU threads (serve_run.cpu_threads). What batching gives before the HTTP side takes its
+    share of the CPU."""
+    from inference.engine import Completion, Engine
+    from inference.sample_text import SampleText
+    from inference.serve_run import cpu_threads
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cpu_threads())
+    engine = Engine(sampler.model, sampler.tokenizer, sampler.runtime, max(counts))
+    rows = []
+    try:
+        for count in counts:
+            best = math.inf
+            for _ in range(3):
+                for _ in range(count):
+                    text = SampleText(sampler.tokenizer, "")
+                    engine.submit(Completion(prompt, tokens, decoding, text, lambda piece, done: None))
+                began = time.perf_counter()
+                while engine.active or engine.waiting:
+                    engine.run_once()
+                best = min(best, time.perf_counter() - began)
+            rows.append({"section": "serve", "way": "the engine alone, in-process", "clients": count,
+                         "tokens_per_sec": tokens / best, "aggregate_tokens_per_sec": count * tokens / best,
+                         "p50_ms": 1000 * best, "p99_ms": 1000 * best})
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def _random_run(run: Path, char_tokenizer: type) -> Path:
+    """A run directory whose ckpt.pt holds the CPU preset's shape with random weights, for timing only."""
+    from training.checkpoint import CKPT_NAME, Checkpoint, save_checkpoint
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=65, n_layer=4, n_head=4, n_embd=128, block_size=64, bias=False)
+    chars = sorted(set(SERVE_PROMPT) | set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ .,;:!?'-\n"))
+    chars += [chr(0x100 + i) for i in range(65 - len(chars))]
+    run.mkdir(parents=True)
+    tokenizer = char_tokenizer(chars)
+    save_checkpoint(run / CKPT_NAME, Checkpoint(config, GPT(config).state_dict(), tokenizer.metadata()))
+    return run
+
+
+async def _load(url: str, body: dict, clients: int, requests: int) -> dict:
+    """`clients` concurrent streams, each `requests` requests in a row: every request's latency (send to its last
+    event), the completion tokens, and the wall time of all."""
+    import httpx
+
+    latencies: list[float] = []
+    tokens = 0
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal tokens
+        for _ in range(requests):
+            began = time.perf_counter()
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if line.startswith('data: {"id"') and '"usage"' in line:
+                        tokens += json.loads(line.removeprefix("data: "))["usage"]["completion_tokens"]
+            latencies.append(time.perf_counter() - began)
+
+    limits = httpx.Limits(max_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
+        await client(http)  # warm-up: the first request's connection and the server's first step
+        latencies.clear()
+        tokens = 0
+        began = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+        seconds = time.perf_counter() - began
+    return {"latencies": latencies, "tokens": tokens, "seconds": seconds}
+
+
 def bench_muon(args: argparse.Namespace) -> list[dict]:
     from training.muon import NS_COEFFICIENTS, newton_schulz
 
@@ -375,6 +515,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {
     "sampling": bench_sampling,
     "sampling-batch": bench_batched_sampling,
     "muon": bench_muon,
+    "serve": bench_serve,
 }
 
 
@@ -420,6 +561,12 @@ def main() -> None:
     sampling_args.add_argument("--new-tokens", type=int, default=240)
     sampling_args.add_argument("--attn-window", type=int, help="also a model with this window in every layer")
     sampling_args.add_argument("--num-samples", type=int, default=8, help="sampling-batch: samples in the batch")
+    serve_args = parser.add_argument_group("serve")
+    serve_args.add_argument("--serve-run", help="a run directory to serve; default: the CPU preset's shape, random")
+    serve_args.add_argument("--serve-clients", type=int, nargs="+", default=[1, 4, 16, 64])
+    serve_args.add_argument("--serve-requests", type=int, default=4, help="requests each client sends in a row")
+    serve_args.add_argument("--serve-tokens", type=int, default=56, help="max_tokens of each request")
+    serve_args.add_argument("--serve-override", action="append", default=[], help="a serve.py override, repeatable")
     muon_args = parser.add_argument_group("muon")
     # the baby model's c_attn, attention c_proj, c_fc, MLP c_proj (out x in); then GPT-2 124M's
     muon_shapes = ["384x128", "128x128", "512x128", "128x512", "2304x768", "768x768", "3072x768", "768x3072"]

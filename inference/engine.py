@@ -62,10 +62,14 @@ class Completion:
 
 def pick_tokens(logits: torch.Tensor, completions: list[Completion]) -> list[int]:
     """Each row's next token by its own Decoding and generator; rows that decode alike are cut together."""
-    picked = torch.empty(len(completions), dtype=torch.long, device=logits.device)
     groups: dict[Decoding, list[int]] = {}
     for row, completion in enumerate(completions):
         groups.setdefault(completion.decoding, []).append(row)
+    if len(groups) == 1:  # the common case: one decoding for all, no regrouping
+        generators = [c.generator for c in completions]
+        generators = None if all(g is None for g in generators) else generators
+        return completions[0].decoding.next_token(logits, generators)[:, 0].tolist()
+    picked = torch.empty(len(completions), dtype=torch.long, device=logits.device)
     for decoding, rows in groups.items():
         index = torch.tensor(rows, device=logits.device)
         generators = [completions[row].generator for row in rows]
@@ -91,10 +95,14 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.steps = 0  # decode steps run
         self.finished: Counter[str] = Counter()  # completions ended, by finish_reason (GET /health shows them)
+        # called on the engine's thread after every run_once with the completions left (0: idle), so that a
+        # caller can hand on the on_update calls of several steps together (the server's Mailbox)
+        self.after_step: Callable[[int], None] | None = None
 
     # --- any thread ---
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        threads = torch.get_num_threads()  # OpenMP's count is the calling thread's own: hand it on
+        self._thread = threading.Thread(target=self._run, args=(threads,), name="engine", daemon=True)
         self._thread.start()
 
     def submit(self, completion: Completion) -> None:
@@ -118,7 +126,8 @@ class Engine:
             self._thread.join()
 
     # --- the engine's thread ---
-    def _run(self) -> None:
+    def _run(self, threads: int) -> None:
+        torch.set_num_threads(threads)
         try:
             while True:
                 with self._wake:
@@ -147,6 +156,8 @@ class Engine:
                 self._prefill(completion)
         if self.active:
             self._step()
+        if self.after_step is not None:
+            self.after_step(len(self.active) + len(self.waiting))
 
     def _prefill(self, completion: Completion) -> None:
         """The prompt alone, as sample.py runs it; its first token; then a row of its own unless already done."""

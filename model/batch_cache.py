@@ -76,9 +76,12 @@ class BatchKVCache:
         self._steps = {}
 
     @property
-    def position(self) -> torch.Tensor:
-        """(rows, 1): each row's new token's position, made once a step (all layers read it)."""
+    def position(self) -> int | torch.Tensor:
+        """Each row's new token's position, (rows, 1), made once a step (all layers read it); an int when every
+        row is at the same one (one client, say), which takes the plain KVCache's cheaper paths."""
         if "position" not in self._steps:
+            if len(set(self.lengths)) == 1:
+                return self.lengths[0]
             device = self.last_token.device if self.last_token is not None else None
             self._steps["position"] = torch.tensor(self.lengths, device=device).unsqueeze(1)
         return self._steps["position"]
@@ -89,21 +92,36 @@ class BatchKVCache:
         assert k.size(2) == 1, "rows decode one token a step; prompts run alone, in a KVCache"
         buffer, slots = self.buffers[layer], self.slots[layer]
         assert buffer is not None
-        positions = self.position[:, 0]
-        rows = torch.arange(self.rows, device=k.device)
-        buffer[0, rows, :, positions % slots] = k[:, :, 0]
-        buffer[1, rows, :, positions % slots] = v[:, :, 0]
+        position = self.position
+        if isinstance(position, int):  # every row writes the same slot
+            buffer[0, : self.rows, :, position % slots] = k[:, :, 0]
+            buffer[1, : self.rows, :, position % slots] = v[:, :, 0]
+        else:
+            rows, slot = self._slots(slots)
+            buffer[:, rows, :, slot] = torch.stack((k[:, :, 0], v[:, :, 0]), dim=1)  # indexed dims come first
         used = min(slots, self.length + 1)
         keys, values = buffer[:, : self.rows, :, :used].unbind(0)
         return keys, values
 
-    def key_mask(self, layer: int) -> torch.Tensor:
-        """(rows, 1, 1, used): True where the row's query may attend."""
+    def _slots(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's index and the slot its new token goes to, in rings of `slots` (once a step per size)."""
+        key = f"slot{slots}"
+        if key not in self._steps:
+            position = self._steps["position"][:, 0]
+            self._steps[key] = torch.arange(self.rows, device=position.device)
+            self._steps[key + "at"] = position % slots
+        return self._steps[key], self._steps[key + "at"]
+
+    def key_mask(self, layer: int) -> torch.Tensor | None:
+        """(rows, 1, 1, used): True where the row's query may attend; None when every row may see every slot
+        returned (all have filled as many): no mask, as for a plain KVCache."""
         slots = self.slots[layer]
         used = min(slots, self.length + 1)
+        if min(self.lengths) + 1 >= used:
+            return None
         key = f"mask{slots}"
         if key not in self._steps:
-            filled = (self.position + 1).clamp(max=slots)  # (rows, 1)
+            filled = (self._steps["position"] + 1).clamp(max=slots)  # (rows, 1)
             index = torch.arange(used, device=filled.device)
             self._steps[key] = (index < filled)[:, None, None, :]
         return self._steps[key]

@@ -243,6 +243,8 @@ class ServeConfig(ModelChoice):
     max_prompt_tokens: int = option(8192, at_least=1)  # a rolling model's prompt; others: block_size with max_tokens
     timeout_s: float = option(300.0, above=0.0)  # a request running longer is cancelled: 504
     max_body_bytes: int = option(1_000_000, at_least=1)  # a larger request body: 413
+    # torch's CPU threads for the model; null: one less than the cores (at least 1), leaving one to the HTTP side
+    threads: int | None = option(None, at_least=1)
 
 
 def register_schemas() -> None:

@@ -26,10 +26,7 @@ def save_attention_maps(model: GPT, ids: list[int], tokens: list[str], out_dir: 
     where a query may attend; tokens; diagnostics: float32 (n_layer, n_head, 5), named by diagnostic_names) and
     the PNGs."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
-    weights = model.attention_weights(idx)[:, 0].float().cpu().numpy()
-    T = len(ids)
-    mask = np.stack([causal_mask(T, T, window=w).numpy() for w in model.config.layer_windows()])
+    weights, mask = attention_arrays(model, ids)
     np.savez(
         out_dir / "attention.npz",
         weights=weights,
@@ -39,6 +36,15 @@ def save_attention_maps(model: GPT, ids: list[int], tokens: list[str], out_dir: 
         diagnostic_names=np.array(DIAGNOSTIC_NAMES),
     )
     return [_plot_layer(weights[layer], mask[layer], tokens, layer, out_dir) for layer in range(len(weights))]
+
+
+def attention_arrays(model: GPT, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The math path's weights, float32 (n_layer, n_head, T, T), and the mask, bool (n_layer, T, T)."""
+    idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    weights = model.attention_weights(idx)[:, 0].float().cpu().numpy()
+    T = len(ids)
+    mask = np.stack([causal_mask(T, T, window=w).numpy() for w in model.config.layer_windows()])
+    return weights, mask
 
 
 def load_attention_maps(out_dir: Path) -> dict[str, np.ndarray]:

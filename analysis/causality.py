@@ -47,16 +47,19 @@ class CausalityReport:
         return all(bool((c[~self.unreachable] > 0).all()) for c in self.changes.values())
 
 
-def check_causality(model: GPT, ids: list[int], position: int | None = None) -> CausalityReport:
-    """Perturb token `position` and compare logits, for every attention path. The default position is the
-    middle token, or, when the receptive field ends inside the sequence, the one that centres the field's span,
-    so that unchanged positions show on both sides."""
+def check_causality(
+    model: GPT, ids: list[int], position: int | None = None, replacement: int | None = None
+) -> CausalityReport:
+    """Perturb token `position` (to `replacement`; by default the next token id) and compare logits, for every
+    attention path. The default position is the middle token, or, when the receptive field ends inside the
+    sequence, the one that centres the field's span, so that unchanged positions show on both sides."""
     if position is None:
         field = model.config.receptive_field
         position = len(ids) // 2 if field is None or len(ids) < field + 2 else (len(ids) - field) // 2
     idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
     perturbed = idx.clone()
-    perturbed[0, position] = (idx[0, position] + 1) % model.config.vocab_size
+    changed = (idx[0, position] + 1) % model.config.vocab_size if replacement is None else replacement
+    perturbed[0, position] = changed
     changes = {}
     for impl in ATTN_IMPLS:
         twin = GPT(replace(model.config, attn_impl=impl)).to(idx.device).eval()

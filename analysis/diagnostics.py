@@ -13,10 +13,12 @@ INDUCTION_REPEAT = 50  # random tokens per repeat (fewer when block_size can't h
 INDUCTION_SEED = 0
 
 
-def head_diagnostics(model: GPT, weights: np.ndarray) -> np.ndarray:
+def head_diagnostics(model: GPT, weights: np.ndarray, induction: np.ndarray | None = None) -> np.ndarray:
     """(n_layer, n_head, 5) in DIAGNOSTIC_NAMES order: the first four from `weights` (n_layer, n_head, T, T), the
-    sample's own; the induction score from a repeated random sequence, since a sample rarely repeats itself."""
-    return np.concatenate([pattern_scores(weights), induction_scores(model)[..., None]], axis=-1).astype(np.float32)
+    sample's own; the induction score from a repeated random sequence, since a sample rarely repeats itself
+    (`induction`: induction_scores(model), if already known: it doesn't depend on the sample)."""
+    induction = induction_scores(model) if induction is None else induction
+    return np.concatenate([pattern_scores(weights), induction[..., None]], axis=-1).astype(np.float32)
 
 
 def pattern_scores(weights: np.ndarray) -> np.ndarray:

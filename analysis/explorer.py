@@ -37,10 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.attention_maps import load_attention_maps
+from analysis.attention_maps import attention_arrays, load_attention_maps
 from analysis.causality import CausalityReport, verdict
 from analysis.decode_steps import decode_step_weights
-from analysis.diagnostics import DIAGNOSTIC_NAMES
+from analysis.diagnostics import DIAGNOSTIC_NAMES, head_diagnostics
 from model import GPT, causal_mask
 
 PAGE = Path(__file__).with_name("explorer_page.html")
@@ -153,13 +153,35 @@ def page_data(
 
 
 def write_page(data: dict, path: Path) -> Path:
-    """Fill the page with `data`. The JSON is ASCII with <, > and & escaped, so no token can end the script."""
+    path.write_text(render_page(data), encoding="utf-8")
+    return path
+
+
+def render_page(data: dict) -> str:
+    """The page filled with `data`. The JSON is ASCII with <, > and & escaped, so no token can end the script."""
     text = json.dumps(data, separators=(",", ":"), allow_nan=False)
     text = text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
     slots = {TITLE_SLOT: html.escape(data["title"]), DATA_SLOT: text}
-    page = re.sub("|".join(slots), lambda m: slots[m.group(0)], PAGE.read_text(encoding="utf-8"))  # one pass
-    path.write_text(page, encoding="utf-8")
-    return path
+    return re.sub("|".join(slots), lambda m: slots[m.group(0)], PAGE.read_text(encoding="utf-8"))  # one pass
+
+
+def live_page(
+    model: GPT, ids: list[int], tokens: list[str], n_prompt: int, title: str, induction: np.ndarray | None = None
+) -> str:
+    """The page for a sequence held in memory, as serve.py's live page shows the text streaming in: what
+    save_explorer writes for it (its last block_size tokens, and the KV-cache decode steps of the generated ones
+    among them), computed here. tokens: each id's text. induction: induction_scores(model), if known."""
+    config = model.config
+    T = min(len(ids), config.block_size)
+    window = ids[-T:]
+    weights, mask = attention_arrays(model, window)
+    generated = min(T, len(ids) - n_prompt)
+    steps = None
+    if generated > 0 and (config.rolls or len(ids) <= config.block_size):
+        steps = decode_step_weights(model, ids, n_prompt, last=T)
+    diagnostics = head_diagnostics(model, weights, induction)
+    data = page_data(title, tokens[-T:], weights, mask, config.layer_windows(), diagnostics, steps)
+    return render_page(data)
 
 
 def save_explorer(

@@ -16,7 +16,9 @@ import logging
 import threading
 from collections import Counter, deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -88,6 +90,7 @@ class Engine:
         self.runtime = runtime
         self.max_batch = max_batch
         self.waiting: deque[Completion] = deque()
+        self.tasks: deque[tuple[Callable[[], Any], Future]] = deque()  # call()'s, run between steps
         self.active: list[Completion] = []  # row i of the batch cache is active[i]
         self.cache = BatchKVCache(model.config)
         self._wake = threading.Condition()
@@ -112,6 +115,17 @@ class Engine:
             self.waiting.append(completion)
             self._wake.notify()
 
+    def call(self, task: Callable[[], Any]) -> Future:
+        """Run `task` on the engine's thread between two steps (anything else that uses the model, such as the
+        live page's attention maps, which switch its attention layers to capturing); its result or error."""
+        future: Future = Future()
+        with self._wake:
+            if self._closing:
+                raise RuntimeError("the engine is closed")
+            self.tasks.append((task, future))
+            self._wake.notify()
+        return future
+
     @property
     def load(self) -> tuple[int, int]:
         """(running, waiting) completions."""
@@ -131,9 +145,9 @@ class Engine:
         try:
             while True:
                 with self._wake:
-                    while not self.waiting and not self.active and not self._closing:
+                    while not (self.waiting or self.active or self.tasks or self._closing):
                         self._wake.wait()
-                    if self._closing and not self.waiting and not self.active:
+                    if self._closing and not (self.waiting or self.active or self.tasks):
                         return
                 self.run_once()
         except BaseException:
@@ -145,7 +159,16 @@ class Engine:
 
     @torch.inference_mode()
     def run_once(self) -> None:
-        """Admit what fits, then one decode step for every row (a test can drive the engine with this alone)."""
+        """Tasks, then admit what fits, then one decode step for every row (a test can drive the engine with this
+        alone)."""
+        while self.tasks:
+            with self._wake:
+                task, future = self.tasks.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(task())
+                except Exception as err:  # the caller's to handle: the engine goes on
+                    future.set_exception(err)
         self._drop_cancelled()
         while len(self.active) < self.max_batch:
             with self._wake:

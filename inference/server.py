@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import secrets
 import threading
@@ -30,6 +31,9 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from analysis.causality import check_causality, verdict
+from analysis.diagnostics import induction_scores
+from analysis.explorer import live_page
 from common.errors import UserError
 from data.tokenizers import Tokenizer
 from inference.engine import Completion, Engine
@@ -97,6 +101,22 @@ class CompletionRequest(BaseModel):
         return prompt
 
 
+class PageText(BaseModel):
+    """The live page's text: the prompt and what was generated after it (its first prompt_chars characters)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str
+    prompt_chars: StrictInt = 0
+
+
+class PageChange(PageText):
+    """Replace the text's token `position` (of its last block_size) with `replacement`, one token's text."""
+
+    position: StrictInt
+    replacement: str
+
+
 # Fields OpenAI defines that this server doesn't implement: allowed only at their no-op values.
 UNSUPPORTED = {"echo": (None, False), "logprobs": (None, 0), "best_of": (None, 1), "suffix": (None, ""),
                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {})}
@@ -155,6 +175,7 @@ class Service:
         self.rolls = config.rolls
         self.block_size = config.block_size
         self._mailbox: Mailbox | None = None
+        self.induction: Any = None  # the model's induction scores, for the live page (they don't depend on text)
 
     def mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
         """The one Mailbox of the server's event loop (made by the first request that runs on it)."""
@@ -244,6 +265,35 @@ class Service:
             self.engine.submit(choice.completion)
         return choices
 
+    def page_tokens(self, page: PageText) -> tuple[list[int], int]:
+        """The text's last block_size tokens (all the page shows), and how many of them are the prompt's."""
+        if not page.text:
+            raise ApiError(400, "text is empty; generate something first", "text")
+        prompt = page.text[: max(0, page.prompt_chars)]
+        try:
+            ids = self.tokenizer.encode(page.text)
+            n_prompt = len(self.tokenizer.encode(prompt)) if prompt else 0
+        except UserError as err:
+            raise ApiError(400, f"text: {err}", "text") from None
+        cut = max(0, len(ids) - self.block_size)
+        return ids[cut:], max(0, n_prompt - cut)
+
+    def page_changes(self, change: PageChange) -> dict[str, Any]:
+        """Every position's largest change of the logits, on both attention paths, when token `position` of the
+        page's tokens is replaced (analysis/causality.py); the engine's thread runs it, between steps."""
+        ids, _ = self.page_tokens(change)
+        if not 0 <= change.position < len(ids):
+            raise ApiError(400, f"position={change.position} is not a token of the text (0 to {len(ids) - 1})",
+                           "position")
+        try:
+            replacement = self.tokenizer.encode(change.replacement)
+        except UserError as err:
+            raise ApiError(400, f"replacement: {err}", "replacement") from None
+        if len(replacement) != 1:
+            raise ApiError(400, f"replacement {change.replacement!r} is {len(replacement)} tokens; give one token's "
+                           "text", "replacement")
+        return {"ids": ids, "replacement": replacement[0]}
+
     def chunk(self, completion_id: str, choices: list[dict[str, Any]], usage: dict | None = None) -> dict:
         body = {"id": completion_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_id, "choices": choices}
@@ -314,6 +364,41 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
     @app.get("/", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+
+    @app.post("/page/tokens", dependencies=[Depends(authorised)])
+    async def page_tokens(text: PageText) -> dict[str, Any]:
+        ids, n_prompt = service.page_tokens(text)
+        return {"tokens": [service.tokenizer.decode([i]) for i in ids], "prompt_tokens": n_prompt}
+
+    @app.post("/page/attention", dependencies=[Depends(authorised)], response_class=HTMLResponse)
+    async def page_attention(text: PageText) -> HTMLResponse:
+        """The attention explorer's page (analysis/explorer.py) for the text on screen."""
+        ids, n_prompt = service.page_tokens(text)
+        tokens = [service.tokenizer.decode([i]) for i in ids]
+        engine = service.engine
+        if service.induction is None:
+            service.induction = await asyncio.wrap_future(engine.call(lambda: induction_scores(engine.model)))
+        title = f"{service.model_id} (live)"
+        task = functools.partial(live_page, engine.model, ids, tokens, max(1, n_prompt), title, service.induction)
+        return HTMLResponse(await asyncio.wrap_future(engine.call(task)))
+
+    @app.post("/page/causality", dependencies=[Depends(authorised)])
+    async def page_causality(change: PageChange) -> dict[str, Any]:
+        """Replace one token: how much every position's prediction changes, on both attention paths."""
+        args = service.page_changes(change)
+        engine = service.engine
+        task = functools.partial(check_causality, engine.model, args["ids"], change.position, args["replacement"])
+        report = await asyncio.wrap_future(engine.call(task))
+        return {
+            "tokens": [service.tokenizer.decode([i]) for i in args["ids"]],
+            "position": change.position,
+            "replacement": service.tokenizer.decode([args["replacement"]]),
+            "changes": {impl: change.tolist() for impl, change in report.changes.items()},
+            "receptive_field": report.receptive_field,
+            "last_reachable": report.last_reachable,
+            "mask_held": report.mask_held,
+            "verdict": verdict(report),
+        }
 
     @app.post("/v1/completions", dependencies=[Depends(authorised)])
     async def completions(request: CompletionRequest, http: Request):

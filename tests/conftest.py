@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import pydoc_data.topics
+import re
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -152,3 +155,71 @@ def tiny_run_overrides(tmp_path: Path, corpus: Path, **extra: object) -> list[st
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+def _missing_browser() -> str | None:
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return 'the selenium client is not installed (pip install ".[dev]")'
+    for program, package in (("chromium", "chromium"), ("chromedriver", "chromium-driver")):
+        if shutil.which(program) is None:
+            return f"{program} is not on PATH (apt-get install {package}, as .ci/run does)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """One headless Chromium for the session, through Debian's chromedriver (never Selenium Manager: offline).
+    Without them the browser tests skip, saying why; under CI (the CI variable set) they fail instead."""
+    why = _missing_browser()
+    if why is not None:
+        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+            pytest.fail(f"CI runs the browser tests with none skipped, but {why}")
+        pytest.skip(why)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="session")
+def served_run(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
+    """A tiny char-level run with room for a prompt and a few dozen tokens (block_size 96), for serve.py."""
+    from training.loop import train
+
+    tmp = tmp_path_factory.mktemp("served")
+    extra = {"model.block_size": 96, "train.max_iters": 60, "train.eval_interval": 60, "train.learning_rate": 3e-3}
+    train(compose_config(tiny_run_overrides(tmp, corpus_path, **extra)))
+    return tmp / "run"
+
+
+class ServeProcess:
+    """serve.py on a free loopback port, for the API and page tests; stop() sends a signal and waits."""
+
+    def __init__(self, run: Path, *overrides: str) -> None:
+        import httpx
+
+        args = [sys.executable, str(REPO / "serve.py"), f"out_dir={run}", "port=0", "device=cpu", *overrides]
+        self.process = subprocess.Popen(args, cwd=run.parent, stderr=subprocess.PIPE, text=True)
+        line = self.process.stderr.readline()
+        match = re.search(r"at (http://127\.0\.0\.1:\d+) ", line)
+        assert match, line + self.process.stderr.read()
+        self.url = match.group(1)
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+
+    def post(self, body: object, path: str = "/v1/completions", **kwargs: object):
+        return self.http.post(path, json=body, **kwargs)
+
+    def stop(self, sig: int = signal.SIGTERM) -> tuple[int, str]:
+        self.http.close()
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout=30), self.process.stderr.read()

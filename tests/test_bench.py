@@ -29,6 +29,14 @@ def test_bench_py_runs_every_section_on_tiny_sizes(tmp_path: Path, corpus_path: 
         "sampling",
         "sampling-batch",
         "muon",
+        "serve",
+        "--serve-clients",
+        "1",
+        "3",
+        "--serve-requests",
+        "1",
+        "--serve-tokens",
+        "5",
         "--muon-shapes",
         "24x8",
         "8x16",
@@ -93,6 +101,16 @@ def test_bench_py_runs_every_section_on_tiny_sizes(tmp_path: Path, corpus_path: 
     assert [(r["shape"], r["way"]) for r in muon] == [(shape, way) for shape in ("24x8", "8x16") for way in ways]
     assert all(r["ms"] > 0 and 0.6 < r["sv_min"] <= r["sv_max"] < 1.2 and r["err_vs_uvt"] < 0.3 for r in muon)
     assert all((r["speedup"] == 1 and r["diff_vs_ours_fp32"] == 0) == (r["way"] == ways[0]) for r in muon)
+    serve = [r for r in rows if r["section"] == "serve"]
+    assert [(r["way"], r["clients"]) for r in serve] == [
+        ("sample.py, one sample", 1),
+        ("the engine alone, in-process", 1),
+        ("the engine alone, in-process", 3),
+        ("serve.py, streaming clients", 1),
+        ("serve.py, streaming clients", 3),
+    ]
+    assert all(r["aggregate_tokens_per_sec"] > 0 and r["p50_ms"] <= r["p99_ms"] for r in serve)
+    assert all((r["vs_one_client"] == 1) == (r["clients"] == 1) for r in serve)
 
 
 def test_bench_py_rejects_an_unknown_section(tmp_path: Path) -> None:

@@ -9,9 +9,7 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import re
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -169,38 +167,6 @@ def test_the_page_is_one_self_contained_file(page_dir: Path) -> None:
 
 
 # --- the page in headless Chromium ---
-
-
-def _missing_browser() -> str | None:
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        return 'the selenium client is not installed (pip install ".[dev]")'
-    for program, package in (("chromium", "chromium"), ("chromedriver", "chromium-driver")):
-        if shutil.which(program) is None:
-            return f"{program} is not on PATH (apt-get install {package}, as .ci/run does)"
-    return None
-
-
-@pytest.fixture(scope="session")
-def browser():
-    """One headless Chromium for the session, through Debian's chromedriver (never Selenium Manager: offline)."""
-    why = _missing_browser()
-    if why is not None:
-        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-            pytest.fail(f"CI runs the browser tests with none skipped, but {why}")
-        pytest.skip(why)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium")
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
-    yield driver
-    driver.quit()
 
 
 @pytest.fixture(scope="module")

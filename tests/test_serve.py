@@ -5,10 +5,7 @@ client that leaves, and a clean stop."""
 from __future__ import annotations
 
 import json
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,43 +15,15 @@ import httpx
 import openai
 import pytest
 
-from conftest import REPO, compose_config, run_script, tiny_run_overrides
+from conftest import ServeProcess, run_script
 from inference.sample_text import SEPARATOR
-from training.loop import train
 
 PROMPT = "ROMEO:"
 
 
-@pytest.fixture(scope="module")
-def served_run(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
-    """A tiny char-level run with room for a prompt and a few dozen tokens (block_size 96)."""
-    tmp = tmp_path_factory.mktemp("served")
-    extra = {"model.block_size": 96, "train.max_iters": 60, "train.eval_interval": 60, "train.learning_rate": 3e-3}
-    train(compose_config(tiny_run_overrides(tmp, corpus_path, **extra)))
-    return tmp / "run"
-
-
-class Server:
-    def __init__(self, run: Path, *overrides: str) -> None:
-        args = [sys.executable, str(REPO / "serve.py"), f"out_dir={run}", "port=0", "device=cpu", *overrides]
-        self.process = subprocess.Popen(args, cwd=run.parent, stderr=subprocess.PIPE, text=True)
-        line = self.process.stderr.readline()
-        match = re.search(r"at (http://127\.0\.0\.1:\d+) ", line)
-        assert match, line + self.process.stderr.read()
-        self.url = match.group(1)
-        self.http = httpx.Client(base_url=self.url, timeout=60)
-
+class Server(ServeProcess):
     def client(self, api_key: str = "unused") -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
-
-    def post(self, body: object, **kwargs: object) -> httpx.Response:
-        return self.http.post("/v1/completions", json=body, **kwargs)
-
-    def stop(self, sig: int = signal.SIGTERM) -> tuple[int, str]:
-        self.http.close()
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-        return self.process.wait(timeout=30), self.process.stderr.read()
 
 
 @pytest.fixture(scope="module")
@@ -289,3 +258,19 @@ def test_a_port_in_use_is_one_line(served_run: Path, server: Server) -> None:
     assert result.returncode == 2
     expected = f"error: can't listen on host=127.0.0.1 port={port} (Address already in use); pick another port"
     assert result.stderr.strip() == expected
+
+
+def test_a_request_past_timeout_s_is_cancelled_with_504(served_run: Path) -> None:
+    server = Server(served_run, "timeout_s=0.02")
+    try:
+        response = server.post({"prompt": PROMPT, "max_tokens": 90})
+        assert response.status_code == 504, response.text
+        assert response.json()["error"]["type"] == "timeout"
+        streamed = server.post({"prompt": PROMPT, "max_tokens": 90, "stream": True}).text
+        assert '"type": "timeout"' in streamed and streamed.rstrip().endswith("data: [DONE]")
+        deadline = time.monotonic() + 10
+        while server.http.get("/health").json()["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.http.get("/health").json()["running"] == 0  # the rows were freed
+    finally:
+        server.stop()

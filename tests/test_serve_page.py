@@ -1,0 +1,112 @@
+"""serve.py's live page (GET /) in headless Chromium: type a prompt, watch the text stream in and the attention
+explorer follow it, replace a token and read, through window.servePage, how much each position's prediction
+moved: exactly zero before it. Also the page's own endpoints' answers and refusals, without a browser."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import ServeProcess
+
+PROMPT = "ROMEO:\nWhat"
+
+
+@pytest.fixture(scope="module")
+def server(served_run: Path) -> Iterator[ServeProcess]:
+    server = ServeProcess(served_run)
+    yield server
+    server.stop()
+
+
+def _wait(driver, script: str, timeout: float = 60) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = driver.execute_script(script)
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {script}")
+
+
+def test_causality_endpoint_changes_nothing_before_the_replaced_token(server: ServeProcess) -> None:
+    text = PROMPT + " shall I say?"
+    answer = server.post({"text": text, "position": 4, "replacement": "e"}, "/page/causality").json()
+    assert answer["tokens"] == list(text) and answer["position"] == 4 and answer["replacement"] == "e"
+    for changes in answer["changes"].values():
+        assert changes[:4] == [0.0] * 4
+        assert all(change > 0 for change in changes[4:])
+    assert answer["mask_held"] and answer["verdict"].startswith("mask held")
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"text": "ROMEO", "position": 5, "replacement": "e"}, "position", "position=5 is not a token of the text"),
+        ({"text": "ROMEO", "position": 1, "replacement": "ee"}, "replacement", "'ee' is 2 tokens; give one"),
+        ({"text": "ROMEO", "position": 1, "replacement": "Ω"}, "replacement", "not in the model's vocabulary"),
+        ({"text": "", "position": 0, "replacement": "e"}, "text", "text is empty"),
+        ({"text": "ROMEO", "position": "one", "replacement": "e"}, "position", "valid integer"),
+    ],
+)
+def test_the_page_endpoints_refuse_bad_input_naming_the_field(
+    server: ServeProcess, body: dict, param: str, message: str
+) -> None:
+    response = server.post(body, "/page/causality")
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+
+
+def test_the_explorer_endpoint_serves_the_explorer_for_the_text(server: ServeProcess) -> None:
+    response = server.post({"text": PROMPT + " light", "prompt_chars": len(PROMPT)}, "/page/attention")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
+    assert "window.attentionExplorer" in response.text and '"T":' + str(len(PROMPT + " light")) in response.text
+
+
+def test_the_page_streams_text_follows_it_with_the_explorer_and_shows_the_mask_on_demand(
+    browser, server: ServeProcess
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    browser.get(server.url + "/")
+    prompt = browser.find_element(By.ID, "prompt")
+    prompt.clear()
+    prompt.send_keys(PROMPT)
+    for field, value in (("max-tokens", "40"), ("temperature", "0")):
+        element = browser.find_element(By.ID, field)
+        element.clear()
+        element.send_keys(value)
+    browser.find_element(By.ID, "generate").click()
+    _wait(browser, "return window.servePage.state.done")
+    state = browser.execute_script("return window.servePage.state")
+    assert state["error"] is None
+    greedy = server.post({"prompt": PROMPT, "max_tokens": 40, "temperature": 0}).json()["choices"][0]["text"]
+    assert state["text"] == PROMPT + greedy  # the page's stream is the API's text
+    assert browser.find_element(By.ID, "generated").text.strip() == greedy.strip()
+    # the explorer holds the text on screen, token for token, with the generated tokens' decode steps
+    explorer = browser.execute_script("const e = window.servePage.explorer(); return [e.T, e.tokens, e.steps]")
+    assert explorer[0] == len(state["text"]) == state["explorerT"] and "".join(explorer[1]) == state["text"]
+    assert explorer[2]["count"] == len(greedy) and state["explorerUpdates"] >= 1
+
+    # click a token of the prompt, replace it, and read the chart's numbers
+    position = 3
+    span = browser.find_element(By.CSS_SELECTOR, f"#tokens span[data-position='{position}']")
+    assert "prompt" in span.get_attribute("class")
+    blank = browser.execute_script("return document.getElementById('change-chart').toDataURL()")
+    span.click()
+    replacement = "a" if state["text"][position] != "a" else "e"
+    browser.find_element(By.ID, "replacement").send_keys(replacement)
+    browser.find_element(By.ID, "replace").click()
+    changes = _wait(browser, "return window.servePage.state.changes")
+    for impl in ("flash", "math"):
+        assert changes["changes"][impl][:position] == [0] * position, impl
+        assert all(change > 0 for change in changes["changes"][impl][position:]), impl
+    assert changes["position"] == position and changes["replacement"] == replacement
+    assert browser.find_element(By.ID, "change-verdict").text.startswith("mask held")
+    assert browser.execute_script("return document.getElementById('change-chart').toDataURL()") != blank
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert errors == []

@@ -47,8 +47,11 @@ class Decoding:
         precision, too coarse for the probability sums of top_p and min_p. generators: one per row, so a row's
         draws don't depend on the rows beside it (a server's batch); None, or a None in it: torch's global one."""
         logits = logits.float()
-        if self.temperature == 0:
+        if self.temperature < torch.finfo(logits.dtype).tiny:  # 0, or too small for float32 to divide by
             return logits.argmax(dim=-1, keepdim=True)
+        # the largest logit subtracted first: a tiny temperature (1e-40) then sends the others to -inf, not the
+        # largest to inf (inf - inf is NaN); softmax and the cut-offs don't change under a shift
+        logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = F.softmax(self.cut(logits / self.temperature), dim=-1)
         if generators is None:
             return torch.multinomial(probs, num_samples=1)

@@ -20,6 +20,7 @@ from model import GPTConfig
 from training.checkpoint import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
 from training.errors import CheckpointError, TrainingDiverged
 from training.loop import train
+from training.metrics import read_records
 
 # Dropout on, so the restored random state matters; 40 iterations, evaluated every 10.
 EXACT = {"model.dropout": 0.1, "train.max_iters": 40, "train.eval_interval": 10, "train.log_interval": 1}
@@ -215,6 +216,13 @@ def test_on_nonfinite_skip_cannot_skip_a_diverged_run_to_done(tmp_path: Path, co
     with pytest.raises(TrainingDiverged, match=expected):
         train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)))
     assert not (tmp_path / "run" / CKPT_NAME).exists()
+    # metrics.jsonl stays strict JSON: iter 10's NaN val loss is written null, and read back as NaN
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    strict = [json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl")) for line in lines]
+    vals = [(r["iter"], r["val_loss"]) for r in strict if "val_loss" in r]
+    assert vals[-1] == (10, None) and math.isfinite(vals[0][1])
+    records, damaged = read_records(tmp_path / "run")
+    assert damaged == 0 and math.isnan([r for r in records if "val_loss" in r][-1]["val_loss"])
 
 
 class _RunsCode:

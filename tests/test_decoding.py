@@ -12,7 +12,7 @@ import torch
 from common.errors import ConfigError
 from conftest import run_script
 from model import GPT, GPTConfig
-from model.decoding import Decoding
+from model.decoding import Decoding, row_generators
 from training.schema import SampleConfig
 
 PROBS = [0.05, 0.5, 0.15, 0.3]  # token 1 most likely, then 3, 2, 0
@@ -98,6 +98,16 @@ def test_temperature_0_is_the_argmax_and_ignores_the_seed() -> None:
     assert torch.equal(greedy, model.generate(prompt, 20, top_k=1))  # the old way to be greedy
 
 
+def test_a_tiny_temperature_is_the_argmax_not_a_crash() -> None:
+    """Accepted values never overflow: 1e-40 divides the logits' differences from the largest, so the others go
+    to -inf and the largest stays 0 (dividing the logits themselves made it inf, and softmax NaN)."""
+    rows = torch.tensor([[3.0, 9.5, -2.0, 9.4], [0.0, -1.0, 5.0, 4.0]])
+    generators = row_generators(7, 2)
+    for temperature in (1e-40, 1e-300, 5e-324):
+        picked = Decoding(temperature, top_p=0.9, min_p=0.5).next_token(rows, generators)
+        assert picked.tolist() == [[1], [2]]
+
+
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
@@ -105,6 +115,8 @@ def test_temperature_0_is_the_argmax_and_ignores_the_seed() -> None:
         ("top_p", 1.5, "top_p=1.5 must be <= 1.0; null means no cut-off"),
         ("top_p", 0.0, "top_p=0.0 must be > 0.0; null means no cut-off"),
         ("min_p", 2.0, "min_p=2.0 must be <= 1.0"),
+        ("seed", -5, "seed=-5 must be >= 0"),
+        ("seed", 99999999999999999999, "seed=99999999999999999999 must be <= 9223372036854775807"),
     ],
 )
 def test_sample_config_refuses_decoding_values_out_of_range(key: str, value: float, message: str) -> None:

@@ -50,7 +50,7 @@ class MetricsLog:
         if not self.active:
             return
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(_strict(record), allow_nan=False) + "\n")
         log.info(_readable(record))
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
@@ -87,14 +87,22 @@ def drop_records_after(out_dir: Path, last_iter: int) -> None:
         path.write_bytes(b"".join(kept))  # each line ended: the next record starts on a line of its own
 
 
+def _strict(record: dict[str, Any]) -> dict[str, Any]:
+    """NaN and inf as null, as strict JSON has them (a diverged run's losses); _record reads null back as NaN."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+
+
 def _record(line: bytes, last_iter: float = math.inf) -> dict[str, Any] | None:
-    """The line's record if it is whole and at or before last_iter."""
+    """The line's record if it is whole and at or before last_iter; a null number (NaN when written) as NaN, and
+    the bare NaN older runs wrote is read too."""
     try:
         record = json.loads(line)  # bytes: decoded as UTF-8 (a bad byte is a ValueError too)
     except ValueError:
         return None
     whole = isinstance(record, dict) and isinstance(record.get("iter"), int)
-    return record if whole and record["iter"] <= last_iter else None
+    if not whole or record["iter"] > last_iter:
+        return None
+    return {k: math.nan if v is None else v for k, v in record.items()}
 
 
 class LogWindow:

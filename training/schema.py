@@ -22,6 +22,7 @@ from training.optim import LR_SCHEDULES, OPTIMIZERS
 from training.runtime import DEVICES, DTYPES
 
 ON_NONFINITE = ("stop", "skip")
+SEED_MAX = 2**63 - 1  # torch's generators take 64 bits; sample i of sample.py draws from seed + i
 PARALLEL = ("ddp", "fsdp")
 # The schema's defaults for the model's shape: the baby model (configs/model/baby.yaml), not GPTConfig's GPT-2.
 # Their order is the keys' order in config.yaml; the other keys follow in GPTConfig's.
@@ -140,7 +141,7 @@ class WandbConfig:
 class TrainRunConfig:
     out_dir: str = option("outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}", directory=True)
     device: str = option("auto", choices=DEVICES)
-    seed: int = 1337
+    seed: int = option(1337, at_least=0, at_most=SEED_MAX)
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
     init_from: str | None = None  # gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 directory: start from it
     model: ModelConfig = field(default_factory=ModelConfig)  # type: ignore[valid-type]
@@ -182,7 +183,7 @@ class SampleConfig(ModelChoice):
     top_k: int | None = option(200, at_least=1, hint="null means no cut-off")  # the k most likely tokens
     top_p: float | None = option(None, above=0.0, at_most=1.0, hint="null means no cut-off")  # nucleus: mass p
     min_p: float | None = option(None, above=0.0, at_most=1.0, hint="null means no cut-off")  # p >= min_p * top
-    seed: int = 1337
+    seed: int = option(1337, at_least=0, at_most=SEED_MAX)
     device: str = option("auto", choices=DEVICES)
     dtype: str = option("auto", choices=DTYPES)
     attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's

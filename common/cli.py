@@ -1,9 +1,12 @@
 """What the command-line scripts share: user errors become one line on stderr and exit status 2;
-Ctrl-C (a second one, during training) exits with status 130 without a traceback."""
+Ctrl-C (a second one, during training) exits with status 130 without a traceback, and a closed stdout
+(`sample.py | head`) with 141, as SIGPIPE would, silently."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +30,10 @@ def exit_on_user_error(job: str | None = None) -> Iterator[None]:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # stdout's reader left (`| head`): nothing to say, and nobody to say it to
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush doesn't fail again
+        sys.exit(128 + signal.SIGPIPE)
 
 
 def check_overrides(args: list[str], schema: type) -> None:

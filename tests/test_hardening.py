@@ -291,3 +291,19 @@ def test_a_checkpoint_that_would_call_os_system_is_called_dangerous_not_damaged(
 class _CallsOsSystem:
     def __reduce__(self) -> tuple:
         return (os.system, ("true",))
+
+
+@pytest.mark.parametrize("args", [["stream=true", "num_samples=3"], ["num_samples=1", "check_causal=true"]])
+def test_a_reader_that_leaves_early_ends_sample_py_quietly(trained_run: Path, args: list[str]) -> None:
+    """`sample.py ... | head -c 20`: no traceback, and the status a SIGPIPE would give (or 0 if all was written)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    command = [sys.executable, str(REPO / "sample.py"), f"out_dir={trained_run}", "max_new_tokens=200", *args]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=trained_run.parent)
+    assert len(process.stdout.read(20)) == 20
+    process.stdout.close()  # the reader leaves
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode in (0, 141) and b"Traceback" not in stderr and b"Error" not in stderr, stderr.decode()

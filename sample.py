@@ -30,7 +30,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from common.cli import check_overrides, exit_on_user_error
+from common.cli import check_overrides, exit_on_user_error, literal_text
 from common.config import typed_config
 from inference.sample_text import SEPARATOR, stop_strings
 from inference.sampling import load_sampler, warn
@@ -38,6 +38,7 @@ from model.decoding import Decoding
 from training.schema import SampleConfig, register_schemas
 
 register_schemas()
+TEXT_KEYS = ("start", "stop")  # taken literally: a prompt's ${...} is text, not an interpolation
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="sample")
@@ -100,5 +101,6 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = literal_text(sys.argv[1:], TEXT_KEYS)
     check_overrides(sys.argv[1:], SampleConfig)
     main()

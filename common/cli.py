@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 from collections.abc import Iterator
@@ -59,6 +60,19 @@ def check_overrides(args: list[str], schema: type) -> None:
                     check_override(schema, key, value)
             else:
                 check_key(schema, key)
+
+
+def literal_text(args: list[str], keys: tuple[str, ...]) -> list[str]:
+    """The overrides with `${` escaped in the values of `keys`, which are text (a prompt, stop strings), not
+    config: Hydra would otherwise resolve `start='Cost: ${price}'` as an interpolation (a traceback for an
+    unknown key, and a silent substitution for a known one such as ${seed})."""
+    escaped = []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+~") in keys:
+            arg = key + sep + re.sub(r"(?<!\\)\$\{", r"\\${", value)
+        escaped.append(arg)
+    return escaped
 
 
 def _parse(args: list[str]) -> list[Override]:

@@ -307,3 +307,22 @@ def test_a_reader_that_leaves_early_ends_sample_py_quietly(trained_run: Path, ar
     process.stdout.close()  # the reader leaves
     _, stderr = process.communicate(timeout=120)
     assert process.returncode in (0, 141) and b"Traceback" not in stderr and b"Error" not in stderr, stderr.decode()
+
+
+@pytest.mark.parametrize(
+    ("override", "text"),
+    [
+        ("start='Cost: ${price}'", "Cost: ${price}"),  # an unknown key: was an interpolation traceback
+        ("start=${seed}", "${seed}"),  # a known key: was silently 1337
+        ("start='a \\${b}'", "a ${b}"),  # already escaped: left as it is
+        ("stop=['${end}',x]", ["${end}", "x"]),
+    ],
+)
+def test_a_prompt_is_taken_literally_interpolations_included(override: str, text: object) -> None:
+    from common.cli import literal_text
+    from common.config import typed_config
+
+    overrides = literal_text(["out_dir=run", override], ("start", "stop"))
+    config = typed_config(compose_config(overrides, config_name="sample"), SampleConfig)
+    key = override.partition("=")[0]
+    assert getattr(config, key) == text

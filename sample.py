@@ -76,6 +76,8 @@ def main(dict_cfg: DictConfig) -> None:
             window = sampler.last_window(first, "causality check", span)
             if len(window) < 2:
                 warn("causality check: needs at least 2 tokens; raise max_new_tokens")
+            elif config.vocab_size < 2:
+                warn("causality check: could not run: a one-token vocabulary has no other token to change to")
             else:
                 report = check_causality(sampler.model, window)
                 changed_to = sampler.tokenizer.decode([(window[report.position] + 1) % config.vocab_size])

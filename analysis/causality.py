@@ -8,7 +8,7 @@ further. Run on both attention paths with the same weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -58,16 +58,26 @@ def check_causality(
         position = len(ids) // 2 if field is None or len(ids) < field + 2 else (len(ids) - field) // 2
     idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
     perturbed = idx.clone()
-    changed = (idx[0, position] + 1) % model.config.vocab_size if replacement is None else replacement
+    changed = (int(idx[0, position]) + 1) % model.config.vocab_size if replacement is None else replacement
+    if changed == int(idx[0, position]):  # nothing would change, and "the mask held" would prove nothing
+        raise ValueError(f"token {position} would be replaced by itself; the check needs another token")
     perturbed[0, position] = changed
     changes = {}
-    for impl in ATTN_IMPLS:
-        twin = GPT(replace(model.config, attn_impl=impl)).to(idx.device).eval()
-        twin.load_state_dict(model.state_dict())
-        with torch.no_grad():
-            before, _ = twin(idx)
-            after, _ = twin(perturbed)
-        changes[impl] = (after - before)[0].abs().amax(dim=-1).float().cpu()
+    attentions = [block.attn for block in model.transformer.h]
+    training = model.training
+    model.eval()
+    try:
+        for impl in ATTN_IMPLS:  # the same weights on each path: the layers switched in place, then back
+            for attn in attentions:
+                attn.attn_impl = impl
+            with torch.no_grad():
+                before, _ = model(idx)
+                after, _ = model(perturbed)
+            changes[impl] = (after - before)[0].abs().amax(dim=-1).float().cpu()
+    finally:
+        for attn in attentions:
+            attn.attn_impl = model.config.attn_impl
+        model.train(training)
     return CausalityReport(position, changes, model.config.receptive_field)
 
 

@@ -46,7 +46,9 @@ class Completion:
     on_update: Callable[[str, bool], None]
     generator: torch.Generator | None = None
     tokens: list[int] = field(default_factory=list)  # generated so far
-    finish_reason: str | None = None  # "stop" (a stop string or the end of text), "length", or "cancelled"
+    # "stop" (a stop string or the end of text), "length", "cancelled" (its client left or timed out), or "error"
+    # (its prompt or a step failed: the server's log has the traceback)
+    finish_reason: str | None = None
     cancelled: bool = False  # set from any thread (a client left, a timeout): the row leaves at the next step
 
     def add(self, token: int) -> None:
@@ -68,17 +70,18 @@ def pick_tokens(logits: torch.Tensor, completions: list[Completion]) -> list[int
     for row, completion in enumerate(completions):
         groups.setdefault(completion.decoding, []).append(row)
     if len(groups) == 1:  # the common case: one decoding for all, no regrouping
-        generators = [c.generator for c in completions]
-        generators = None if all(g is None for g in generators) else generators
-        return completions[0].decoding.next_token(logits, generators)[:, 0].tolist()
+        return _pick(logits, completions)[:, 0].tolist()
     picked = torch.empty(len(completions), dtype=torch.long, device=logits.device)
-    for decoding, rows in groups.items():
+    for rows in groups.values():
         index = torch.tensor(rows, device=logits.device)
-        generators = [completions[row].generator for row in rows]
-        if all(g is None for g in generators):
-            generators = None
-        picked[index] = decoding.next_token(logits[index], generators)[:, 0]  # a None generator: the global one
+        picked[index] = _pick(logits[index], [completions[row] for row in rows])[:, 0]
     return picked.tolist()
+
+
+def _pick(logits: torch.Tensor, completions: list[Completion]) -> torch.Tensor:
+    """Rows that decode alike; each seeded one from its own generator (unseeded ones: torch's global one)."""
+    generators = [c.generator for c in completions]
+    return completions[0].decoding.next_token(logits, None if all(g is None for g in generators) else generators)
 
 
 class Engine:
@@ -95,6 +98,7 @@ class Engine:
         self.cache = BatchKVCache(model.config)
         self._wake = threading.Condition()
         self._closing = False
+        self._failed = False  # the thread died: nothing more is taken
         self._thread: threading.Thread | None = None
         self.steps = 0  # decode steps run
         self.finished: Counter[str] = Counter()  # completions ended, by finish_reason (GET /health shows them)
@@ -109,9 +113,9 @@ class Engine:
         self._thread.start()
 
     def submit(self, completion: Completion) -> None:
+        """RuntimeError once the engine is closing or has failed."""
         with self._wake:
-            if self._closing:
-                raise RuntimeError("the engine is closed")
+            self._check_open()
             self.waiting.append(completion)
             self._wake.notify()
 
@@ -120,11 +124,18 @@ class Engine:
         live page's attention maps, which switch its attention layers to capturing); its result or error."""
         future: Future = Future()
         with self._wake:
-            if self._closing:
-                raise RuntimeError("the engine is closed")
+            self._check_open()
             self.tasks.append((task, future))
             self._wake.notify()
         return future
+
+    def _check_open(self) -> None:
+        if self._closing or self._failed:
+            raise RuntimeError("the engine is " + ("closed" if self._closing else "stopped after an error"))
+
+    @property
+    def failed(self) -> bool:
+        return self._failed
 
     @property
     def load(self) -> tuple[int, int]:
@@ -150,11 +161,18 @@ class Engine:
                     if self._closing and not (self.waiting or self.active or self.tasks):
                         return
                 self.run_once()
-        except BaseException:
+        except BaseException as err:  # a bug outside a step, or the process going down: fail everything held
             log.exception("the engine stopped")
-            for completion in [*self.active, *self.waiting]:
-                completion.finish_reason = completion.finish_reason or "error"
-                completion.on_update("", True)
+            with self._wake:
+                self._failed = True
+                held, self.active, tasks = [*self.active, *self.waiting], [], list(self.tasks)
+                self.waiting.clear()
+                self.tasks.clear()
+            self._fail(held)
+            for _, future in tasks:
+                future.set_exception(RuntimeError(f"the engine stopped ({type(err).__name__})"))
+            if self.after_step is not None:
+                self.after_step(0)
             raise
 
     @torch.inference_mode()
@@ -175,10 +193,20 @@ class Engine:
                 if not self.waiting:
                     break
                 completion = self.waiting.popleft()
-            if not completion.cancelled:
+            if completion.cancelled:
+                continue
+            try:
                 self._prefill(completion)
+            except Exception:  # this prompt alone (too long for memory, say): the others go on
+                log.exception("a prompt failed")
+                self._fail([completion])
         if self.active:
-            self._step()
+            try:
+                self._step()
+            except Exception:  # every row of the step: they leave, and the engine serves what comes next
+                log.exception("a decode step failed")
+                failed, self.active, self.cache = self.active, [], BatchKVCache(self.model.config)
+                self._fail(failed)
         if self.after_step is not None:
             self.after_step(len(self.active) + len(self.waiting))
 
@@ -213,6 +241,13 @@ class Engine:
         piece = completion.text.unshown()
         if piece or completion.done:
             completion.on_update(piece, completion.done)
+
+    def _fail(self, completions: list[Completion]) -> None:
+        for completion in completions:
+            if not completion.done:
+                completion.finish_reason = "error"
+                self.finished["error"] += 1
+                completion.on_update("", True)
 
     def _drop_cancelled(self) -> None:
         for row in reversed(range(len(self.active))):

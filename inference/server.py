@@ -1,10 +1,11 @@
 """OpenAI's completions API over the engine: GET /v1/models, POST /v1/completions (streamed as server-sent
-events or whole), GET /health, and the live page at /.
+events or whole), GET /health, and the live page at / with its endpoints under /page/.
 
 Every request is checked before it reaches the engine: a bad one gets a 4xx with OpenAI's error object naming
 the field ({"error": {"message", "type", "param", "code"}}), never a 500 or a traceback, and the server goes on
-serving. Work is bounded: a body size limit, max_tokens and choices per request, a queue (503 with Retry-After
-past it), a timeout, and a client that leaves frees its rows at the next step.
+serving (a 500 means the model failed on the server's side, whose log has the traceback). Work is bounded: a
+body size limit, max_tokens, choices and stop strings per request, a queue (503 with Retry-After past it), a
+timeout, and a client that leaves frees its rows at the next step.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import secrets
 import threading
 import time
@@ -39,11 +41,13 @@ from data.tokenizers import Tokenizer
 from inference.engine import Completion, Engine
 from inference.sample_text import SampleText
 from model.decoding import Decoding, row_generators
+from training.schema import SEED_MAX
 
+log = logging.getLogger("serve")
 PAGE = Path(__file__).with_name("serve_page.html")
 FLUSH_INTERVAL_S = 0.01  # the engine hands text on to the HTTP side at most this often (Mailbox)...
 FLUSH_ROWS = 4  # ...per this many completions running
-SEED_LIMIT = 2**63 - 1  # a row's generator takes seed + choice index, below 2**64
+MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI takes up to 4; each is searched for after every token
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a JSON number, not "0.5"
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]
 
@@ -55,7 +59,7 @@ class Limits:
     max_tokens: int = 1024  # per choice
     max_choices: int = 16  # prompts x n in one request
     max_prompt_tokens: int = 8192  # a rolling model's prompt (others: block_size, with the completion)
-    max_queue: int = 256  # choices waiting for a row; past it 503
+    max_queue: int = 256  # choices waiting beyond the free rows of the batch; past it 503
     timeout_s: float = 300.0  # a request still running then is cancelled: 504
     max_body_bytes: int = 1_000_000
 
@@ -206,16 +210,20 @@ class Service:
             raise ApiError(400, f"top_k={request.top_k} must be at least 1", "top_k")
         if request.min_p is not None and not 0 < request.min_p <= 1:
             raise ApiError(400, f"min_p={request.min_p} must be in (0, 1]", "min_p")
-        if request.seed is not None and not 0 <= request.seed <= SEED_LIMIT:
-            raise ApiError(400, f"seed={request.seed} must be between 0 and {SEED_LIMIT}", "seed")
+        if request.seed is not None and not 0 <= request.seed <= SEED_MAX:
+            raise ApiError(400, f"seed={request.seed} must be between 0 and {SEED_MAX}", "seed")
         prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
         if request.n < 1:
             raise ApiError(400, f"n={request.n} must be at least 1", "n")
         if len(prompts) * request.n > limits.max_choices:
             raise ApiError(400, f"n={request.n} for {len(prompts)} prompt(s) asks for {len(prompts) * request.n} "
                            f"choices; at most {limits.max_choices} per request", "n")
-        if any(s == "" for s in self._stops(request)):
+        given = _requested_stops(request)
+        if any(s == "" for s in given):
             raise ApiError(400, "stop has an empty string, which would stop at once; remove it", "stop")
+        if len(given) > MAX_STOPS or max(map(len, given), default=0) > MAX_STOP_CHARS:
+            raise ApiError(400, f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters",
+                           "stop")
         return [self._encode(prompt, request.max_tokens) for prompt in prompts]
 
     def _encode(self, prompt: str, max_tokens: int) -> list[int]:
@@ -236,14 +244,15 @@ class Service:
         return ids
 
     def _stops(self, request: CompletionRequest) -> list[str]:
-        stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+        """The request's stop strings, and the end of text (a BPE model's <|endoftext|>), as sample.py has them."""
+        stops = _requested_stops(request)
         end = self.tokenizer.end_of_text
         return stops + ([end] if end and end not in stops else [])
 
     def submit(self, request: CompletionRequest, prompts: list[list[int]], on_update) -> list[Choice]:
         """One Completion per prompt x n, queued on the engine (503 if the queue is full)."""
         running, waiting = self.engine.load
-        free = max(0, self.engine.max_batch - running - waiting) + self.limits.max_queue
+        free = self.engine.max_batch + self.limits.max_queue - running - waiting
         if len(prompts) * request.n > free:
             raise ApiError(503, f"the server is busy ({running} running, {waiting} waiting); retry shortly",
                            kind="server_busy", headers={"Retry-After": "1"})
@@ -261,9 +270,22 @@ class Service:
                                         lambda piece, done, i=index: on_update(i, piece, done),
                                         generator=None if generators is None else generators[index])
                 choices.append(Choice(index, completion, len(ids)))
-        for choice in choices:
-            self.engine.submit(choice.completion)
+        try:
+            for choice in choices:
+                self.engine.submit(choice.completion)
+        except RuntimeError as err:  # shutting down, or the engine failed: none of these will run
+            for choice in choices:
+                choice.completion.cancelled = True
+            raise ApiError(503, f"the server can't take requests now ({err})", kind="server_unavailable") from None
         return choices
+
+    async def call(self, task: Callable[[], Any]) -> Any:
+        """`task` on the engine's thread, between steps (503 if the engine can't take it)."""
+        try:
+            future = self.engine.call(task)
+        except RuntimeError as err:
+            raise ApiError(503, f"the server can't take requests now ({err})", kind="server_unavailable") from None
+        return await asyncio.wrap_future(future)
 
     def page_tokens(self, page: PageText) -> tuple[list[int], int]:
         """The text's last block_size tokens (all the page shows), and how many of them are the prompt's."""
@@ -292,14 +314,24 @@ class Service:
         if len(replacement) != 1:
             raise ApiError(400, f"replacement {change.replacement!r} is {len(replacement)} tokens; give one token's "
                            "text", "replacement")
+        if replacement[0] == ids[change.position]:
+            raise ApiError(400, f"replacement {change.replacement!r} is the token already there; give another",
+                           "replacement")
         return {"ids": ids, "replacement": replacement[0]}
 
-    def chunk(self, completion_id: str, choices: list[dict[str, Any]], usage: dict | None = None) -> dict:
-        body = {"id": completion_id, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_id, "choices": choices}
-        if usage is not None:
+    def answer(self, answer_id: tuple[str, int], choices: list[dict[str, Any]], usage: Any = ...) -> dict:
+        """OpenAI's completion object (a stream's chunks too: one id and `created` for all of them); `usage`
+        left out unless given (None: a stream's chunk before the usage one)."""
+        completion_id, created = answer_id
+        body = {"id": completion_id, "object": "text_completion", "created": created, "model": self.model_id,
+                "choices": choices}
+        if usage is not ...:
             body["usage"] = usage
         return body
+
+
+def _requested_stops(request: CompletionRequest) -> list[str]:
+    return [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
 
 
 def usage(choices: list[Choice], n: int) -> dict[str, int]:
@@ -326,7 +358,8 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
     async def authorised(credentials: Credentials) -> None:
         if api_key is None:
             return
-        if credentials is None or not secrets.compare_digest(credentials.credentials, api_key):
+        given = b"" if credentials is None else credentials.credentials.encode("utf-8", "surrogateescape")
+        if credentials is None or not secrets.compare_digest(given, api_key.encode("utf-8")):  # bytes: any text
             raise ApiError(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
                            code="invalid_api_key")
 
@@ -344,17 +377,25 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
         value = "" if param is None or "input" not in first else f" (got {json.dumps(first['input'])[:80]})"
         return ApiError(400, f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid')}{value}", param).response()
 
+    @app.exception_handler(Exception)
+    async def bug(request: Request, err: Exception) -> JSONResponse:
+        """A bug: its traceback in the server's log, OpenAI's error object (without it) to the client."""
+        log.error(f"{request.method} {request.url.path} failed", exc_info=err)
+        message = "the server failed on this request; its log has the details"
+        return ApiError(500, message, kind="server_error").response()
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         message = {404: f"no such endpoint: {request.url.path}"}.get(err.status_code, str(err.detail))
         return ApiError(err.status_code, message, None).response()
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> JSONResponse:
         running, waiting = service.engine.load
         engine = service.engine
-        return {"status": "ok", "model": service.model_id, "running": running, "waiting": waiting,
-                "steps": engine.steps, "finished": dict(engine.finished)}
+        body = {"status": "failed" if engine.failed else "ok", "model": service.model_id, "running": running,
+                "waiting": waiting, "steps": engine.steps, "finished": dict(engine.finished)}
+        return JSONResponse(body, status_code=503 if engine.failed else 200)
 
     @app.get("/v1/models", dependencies=[Depends(authorised)])
     async def models() -> dict[str, Any]:
@@ -377,10 +418,10 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
         tokens = [service.tokenizer.decode([i]) for i in ids]
         engine = service.engine
         if service.induction is None:
-            service.induction = await asyncio.wrap_future(engine.call(lambda: induction_scores(engine.model)))
+            service.induction = await service.call(lambda: induction_scores(engine.model))
         title = f"{service.model_id} (live)"
         task = functools.partial(live_page, engine.model, ids, tokens, max(1, n_prompt), title, service.induction)
-        return HTMLResponse(await asyncio.wrap_future(engine.call(task)))
+        return HTMLResponse(await service.call(task))
 
     @app.post("/page/causality", dependencies=[Depends(authorised)])
     async def page_causality(change: PageChange) -> dict[str, Any]:
@@ -388,7 +429,7 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
         args = service.page_changes(change)
         engine = service.engine
         task = functools.partial(check_causality, engine.model, args["ids"], change.position, args["replacement"])
-        report = await asyncio.wrap_future(engine.call(task))
+        report = await service.call(task)
         return {
             "tokens": [service.tokenizer.decode([i]) for i in args["ids"]],
             "position": change.position,
@@ -407,11 +448,11 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
         updates: asyncio.Queue[Update] = asyncio.Queue()
         mailbox = service.mailbox(loop)
         choices = service.submit(request, prompts, lambda *update: mailbox.put(updates, update))
-        completion_id = f"cmpl-{secrets.token_hex(12)}"
+        answer_id = (f"cmpl-{secrets.token_hex(12)}", int(time.time()))
         deadline = loop.time() + service.limits.timeout_s
         if request.stream:
             include_usage = bool((request.stream_options or {}).get("include_usage"))
-            return EventSourceResponse(_stream(service, choices, updates, completion_id, deadline, request.n,
+            return EventSourceResponse(_stream(service, choices, updates, answer_id, deadline, request.n,
                                                include_usage))
         texts = ["" for _ in choices]
         try:
@@ -423,7 +464,7 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
                 choice.completion.cancelled = True  # no-op for finished ones
         body = [{"text": text, "index": c.index, "logprobs": None, "finish_reason": c.completion.finish_reason}
                 for text, c in zip(texts, choices, strict=True)]
-        return service.chunk(completion_id, body, usage(choices, request.n))
+        return service.answer(answer_id, body, usage(choices, request.n))
 
     return app
 
@@ -498,10 +539,12 @@ async def _updates(choices: list[Choice], updates: asyncio.Queue[Update], deadli
             yield batch
 
 
-async def _stream(service: Service, choices: list[Choice], updates: asyncio.Queue[Update], completion_id: str,
+async def _stream(service: Service, choices: list[Choice], updates: asyncio.Queue[Update], answer_id: tuple[str, int],
                   deadline: float, n: int, include_usage: bool) -> AsyncIterator[bytes]:
     """OpenAI's chunk objects as server-sent events, then `data: [DONE]`; the pieces add up to the whole text.
-    A choice's pieces that arrived together (a client reading slower than the engine writes) go as one chunk."""
+    A choice's pieces that arrived together (a client reading slower than the engine writes) go as one chunk.
+    With include_usage, each chunk has "usage": null and a last one, with no choices, the usage."""
+    no_usage = None if include_usage else ...
     try:
         try:
             async for batch in _updates(choices, updates, deadline):
@@ -513,12 +556,12 @@ async def _stream(service: Service, choices: list[Choice], updates: asyncio.Queu
                 for index, (text, done) in merged.items():
                     reason = choices[index].completion.finish_reason if done else None
                     choice = {"text": text, "index": index, "logprobs": None, "finish_reason": reason}
-                    yield format_sse_event(data_str=json.dumps(service.chunk(completion_id, [choice])))
+                    yield format_sse_event(data_str=json.dumps(service.answer(answer_id, [choice], no_usage)))
         except ApiError as err:
             error = {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}
             yield format_sse_event(data_str=json.dumps({"error": error}))
         if include_usage:
-            yield format_sse_event(data_str=json.dumps(service.chunk(completion_id, [], usage(choices, n))))
+            yield format_sse_event(data_str=json.dumps(service.answer(answer_id, [], usage(choices, n))))
         yield format_sse_event(data_str="[DONE]")
     finally:  # a client that left: its rows leave at the next step
         for choice in choices:

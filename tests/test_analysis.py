@@ -86,3 +86,14 @@ def test_sample_py_draws_attention_maps_and_proves_causality(trained_run: Path, 
     assert len(list((tmp_path / "maps").glob("attention_layer*.png"))) == weights.shape[0]
     page = (tmp_path / "maps" / "index.html").read_text(encoding="utf-8")
     assert '"steps":{"first":3,' in page and '"verdict":"mask held' in page  # "The": 3 tokens run as the prompt
+
+
+def test_the_causality_check_refuses_to_replace_a_token_by_itself() -> None:
+    """A one-token vocabulary (or the same token asked for) changes nothing: 'the mask held' would prove nothing."""
+    one = model.GPT(model.GPTConfig(vocab_size=1, block_size=8, n_layer=1, n_head=1, n_embd=8)).eval()
+    with pytest.raises(ValueError, match="token 2 would be replaced by itself"):
+        check_causality(one, [0] * 6, position=2)
+    two = model.GPT(model.GPTConfig(vocab_size=5, block_size=8, n_layer=1, n_head=1, n_embd=8)).eval()
+    with pytest.raises(ValueError, match="token 1 would be replaced by itself"):
+        check_causality(two, [1, 3, 2], position=1, replacement=3)
+    assert check_causality(two, [1, 3, 2], position=1, replacement=4).position == 1

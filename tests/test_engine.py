@@ -137,3 +137,53 @@ def test_the_engine_thread_serves_submissions_and_closes_after_them() -> None:
     assert "".join(p for p, _ in pieces) == "".join(chr(65 + t % 26) for t in _alone(model, PROMPTS[0], Decoding(0.0)))
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit(row)
+
+
+def test_a_failing_prompt_or_step_fails_its_rows_and_the_engine_serves_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model("gpt2")
+    engine = Engine(model, Letters(), make_runtime("cpu", "float32"), max_batch=4)
+    ended: list[str] = []
+
+    def completion(prompt: list[int]) -> Completion:
+        return Completion(prompt, NEW, Decoding(0.0), SampleText(Letters(), ""), lambda p, d: d and ended.append(p))
+
+    prefill, step = engine._prefill, engine._step
+
+    def bad_prefill(c: Completion) -> None:
+        if c.prompt == [13]:
+            raise MemoryError("too long")  # an Exception: this prompt alone fails
+        prefill(c)
+
+    monkeypatch.setattr(engine, "_prefill", bad_prefill)
+    rows = [completion(PROMPTS[0]), completion([13]), completion(PROMPTS[1])]
+    for row in rows:
+        engine.submit(row)
+    engine.run_once()
+    assert [row.finish_reason for row in rows] == [None, "error", None] and len(engine.active) == 2
+
+    monkeypatch.setattr(engine, "_step", lambda: (_ for _ in ()).throw(RuntimeError("a bug in a step")))
+    engine.run_once()
+    assert [row.finish_reason for row in rows] == ["error"] * 3 and engine.active == [] and engine.cache.rows == 0
+    monkeypatch.setattr(engine, "_step", step)
+    again = completion(PROMPTS[0])
+    engine.submit(again)
+    while engine.active or engine.waiting:
+        engine.run_once()
+    assert again.tokens == _alone(model, PROMPTS[0], Decoding(0.0)) and engine.finished["error"] == 3
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread re-raises it
+def test_an_engine_thread_that_dies_fails_what_it_held_and_takes_nothing_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = Engine(_model("gpt2"), Letters(), make_runtime("cpu", "float32"), max_batch=4)
+    monkeypatch.setattr(engine, "_drop_cancelled", lambda: (_ for _ in ()).throw(SystemExit("going down")))
+    flushed: list[int] = []
+    engine.after_step = flushed.append
+    row = _completion(PROMPTS[0], Decoding(0.0))
+    engine.start()
+    engine.submit(row)
+    engine._thread.join(timeout=30)
+    assert engine.failed and row.finish_reason == "error" and flushed == [0]
+    with pytest.raises(RuntimeError, match="stopped after an error"):
+        engine.submit(_completion(PROMPTS[0], Decoding(0.0)))
+    with pytest.raises(RuntimeError, match="stopped after an error"):
+        engine.call(lambda: None)

@@ -165,3 +165,26 @@ def test_skipping_stops_at_once_when_the_weights_are_nonfinite(tmp_path: Path, c
     with pytest.raises(TrainingDiverged, match=r"at iter 0 and the weights hold NaN or inf .*: skipping steps can't"):
         trainer.step()
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_a_finite_loss_over_nonfinite_optimizer_state_stops_the_run_at_its_next_save(
+    tmp_path: Path, corpus_path: Path
+) -> None:
+    """AdamW's second moment at inf makes every update 0: losses stay finite, but no save can take the state.
+    The run stops there (never 'done' with nothing written), best.pt's record unchanged."""
+    extra = {"train.max_iters": 9, "train.eval_interval": 3, "train.keep_best": True}
+    trainer = _trainer(tmp_path, corpus_path, **extra)
+
+    def poison(it: int) -> None:
+        if it == 4:
+            for state in trainer.optimizer.state.values():
+                state["exp_avg_sq"].fill_(math.inf)
+
+    trainer.before_step = poison
+    with pytest.raises(TrainingDiverged) as info:
+        trainer.fit()
+    run = tmp_path / "run"
+    assert str(info.value).startswith("the state at iter 6 holds NaN or inf, though its val loss is ")
+    assert f"{run / CKPT_NAME} keeps iter 3, the last good state" in str(info.value)
+    assert load_checkpoint(run / CKPT_NAME).progress.iter == 3
+    assert load_checkpoint(run / BEST_NAME).progress.iter <= 3

@@ -93,6 +93,12 @@ def test_streamed_chunks_add_up_to_the_whole_text(server: Server) -> None:
     raw = server.post({"prompt": PROMPT, "max_tokens": 5, "stream": True}).text
     assert raw.rstrip().endswith("data: [DONE]")
     assert len(_streamed_text(raw.splitlines())) == 5
+    body = {"prompt": PROMPT, "max_tokens": 30, "stream": True, "stream_options": {"include_usage": True}}
+    lines = server.post(body).text.splitlines()
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+    assert len({(c["id"], c["created"]) for c in chunks}) == 1  # one id and one time for the whole stream
+    assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 30, "total_tokens": 36}
 
 
 def test_stop_strings_end_the_text_before_them_as_in_sample_py(server: Server, served_run: Path) -> None:
@@ -124,6 +130,8 @@ BAD_REQUESTS = [
     ({"prompt": PROMPT, "n": 9}, 400, "n", "asks for 9 choices; at most 8 per request"),
     ({"prompt": PROMPT, "n": 0}, 400, "n", "n=0 must be at least 1"),
     ({"prompt": PROMPT, "stop": ["", "x"]}, 400, "stop", "stop has an empty string"),
+    ({"prompt": PROMPT, "stop": list("abcde")}, 400, "stop", "stop takes at most 4 strings of at most 256 characters"),
+    ({"prompt": PROMPT, "stop": "x" * 257}, 400, "stop", "stop takes at most 4 strings"),
     ({"prompt": PROMPT, "echo": True}, 400, "echo", "echo=True is not supported"),
     ({"prompt": PROMPT, "model": "gpt-4"}, 404, "model", "model 'gpt-4' does not exist; this server serves"),
     ({"prompt": ""}, 400, "prompt", "prompt is empty"),
@@ -213,10 +221,33 @@ def test_a_client_that_leaves_mid_stream_frees_its_row(served_run: Path) -> None
         server.stop()
 
 
+def test_the_queue_holds_max_queue_choices_beyond_the_free_rows(served_run: Path) -> None:
+    """In-process, the engine's thread not started: every choice submitted waits."""
+    from inference.engine import Engine
+    from inference.load import load_model
+    from inference.server import ApiError, CompletionRequest, Limits, Service
+    from training.runtime import make_runtime
+
+    loaded = load_model(str(served_run), None, "latest", None)
+    engine = Engine(loaded.model.eval(), loaded.tokenizer, make_runtime("cpu", "float32"), max_batch=2)
+    service = Service(engine, loaded.tokenizer, "run", Limits(max_queue=3))
+    request = CompletionRequest(prompt=PROMPT, n=2)
+    for _ in range(2):  # 2 rows free + 3 may wait: 4 choices fit, a fifth and sixth don't
+        service.submit(request, service.check(request), lambda *update: None)
+    with pytest.raises(ApiError, match=r"busy \(0 running, 4 waiting\)") as info:
+        service.submit(request, service.check(request), lambda *update: None)
+    assert info.value.status == 503 and engine.load == (0, 4)
+    one = CompletionRequest(prompt=PROMPT)
+    service.submit(one, service.check(one), lambda *update: None)
+    assert engine.load == (0, 5)
+
+
 def test_an_api_key_is_required_when_set(served_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     server = Server(served_run, "api_key=s3cret")
     try:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        latin = {"Authorization": b"Bearer s\xe9cret"}  # not ASCII: refused, not a 500
+        wrong = ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}, latin)
+        for headers in wrong:
             response = server.post({"prompt": PROMPT, "max_tokens": 2}, headers=headers)
             assert response.status_code == 401, response.text
             assert response.json()["error"]["code"] == "invalid_api_key"

@@ -48,6 +48,7 @@ def test_causality_endpoint_changes_nothing_before_the_replaced_token(server: Se
         ({"text": "ROMEO", "position": 5, "replacement": "e"}, "position", "position=5 is not a token of the text"),
         ({"text": "ROMEO", "position": 1, "replacement": "ee"}, "replacement", "'ee' is 2 tokens; give one"),
         ({"text": "ROMEO", "position": 1, "replacement": "Ω"}, "replacement", "not in the model's vocabulary"),
+        ({"text": "ROMEO", "position": 1, "replacement": "O"}, "replacement", "'O' is the token already there"),
         ({"text": "", "position": 0, "replacement": "e"}, "text", "text is empty"),
         ({"text": "ROMEO", "position": "one", "replacement": "e"}, "position", "valid integer"),
     ],

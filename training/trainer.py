@@ -30,6 +30,7 @@ from training.distributed import (
     all_gather_objects,
     all_reduce_sum,
     barrier,
+    broadcast_from_main,
     full_state,
     gradient_sync,
     load_full_state,
@@ -231,8 +232,11 @@ class Trainer:
         else:
             # at iter 0 only best.pt, if kept (the initial weights); ckpt.pt too if max_iters=0 ends the run there
             latest = p.iter > 0 or p.iter >= self.config.train.max_iters
-            if latest or best:
-                self.save(latest=latest, best=best)
+            if (latest or best) and not self.save(latest=latest, best=best):
+                raise TrainingDiverged(  # finite losses, but NaN or inf in the optimizer state: the next step's
+                    f"the state at iter {p.iter} holds NaN or inf, though its val loss is {losses.val:.4f}; "
+                    f"{self._kept()}. Lower train.learning_rate (or keep train.grad_clip on)"
+                )
         if reached:
             elapsed = record["elapsed_s"]
             log.info(f"reached val loss {losses.val:.4f} <= {target} at iter {p.iter}, {elapsed:.1f} s after the start")
@@ -274,12 +278,14 @@ class Trainer:
     def save(self, latest: bool = True, best: bool = False) -> bool:
         """ckpt.pt (latest) and/or best.pt (best) from the run's named state; best.pt first, so a run killed in
         between resumes from the previous ckpt.pt and writes best.pt again. A state holding NaN or inf is not
-        written (False, with a warning): the files keep the last good one. Collective under FSDP2 (every rank
-        gathers); rank 0 writes, and only its answer means anything."""
+        written (False on every rank, with a warning): the files keep the last good one. Collective (every rank
+        gathers under FSDP2, and hears rank 0's answer); rank 0 writes."""
         model_state, optimizer_state = full_state(self.model, self.optimizer, self.world)
         rng = all_gather_objects(self._rng_state(), self.world)  # each rank's dropout stream
-        if not self.world.is_main:
-            return True
+        saved = self._write(model_state, optimizer_state, rng, latest, best) if self.world.is_main else True
+        return broadcast_from_main(saved, self.world)
+
+    def _write(self, model_state: dict, optimizer_state: dict | None, rng: list, latest: bool, best: bool) -> bool:
         self.progress.elapsed_s = self.elapsed()
         checkpoint = Checkpoint(
             model_config=self.model.config,

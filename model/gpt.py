@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from model.attention import CausalSelfAttention
 from model.batch_cache import BatchKVCache
@@ -91,6 +92,9 @@ class GPT(nn.Module):
                     nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         if config.untied_head:  # the first predictions are uniform, the loss exactly ln(vocab_size)
             nn.init.zeros_(self.lm_head.weight)
+        # train.activation_checkpointing: in training, each block keeps only its input for backward and runs its
+        # forward again there (a run's setting, not the model's shape: checkpoints don't record it)
+        self.activation_checkpointing = False
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -138,8 +142,12 @@ class GPT(nn.Module):
             x = x + self.transformer.wpe(torch.arange(T, device=idx.device) + start)
         x = F.dropout(x, self.config.dropout, self.training)
         shortcuts = Shortcuts(x0=x, idx=idx)
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.transformer.h:
-            x = block(x, shortcuts, cache)
+            if recompute:  # non-reentrant: works under compile, DDP and FSDP2, and keeps dropout's random draws
+                x = checkpoint(block, x, shortcuts, cache, use_reentrant=False)
+            else:
+                x = block(x, shortcuts, cache)
         if cache is not None:
             cache.advance(idx)
         return self.transformer.ln_f(x)

@@ -56,13 +56,18 @@ def _tiny_checkpoint(w: torch.Tensor, it: int) -> Checkpoint:
     return Checkpoint(GPTConfig(), {"w": w}, tokenizer={}, progress=Progress(iter=it))
 
 
-@pytest.mark.parametrize(("stop_at", "optimizer"), [(7, "adamw"), (19, "adamw"), (30, "adamw"), (19, "muon")])
+@pytest.mark.parametrize(
+    ("stop_at", "optimizer", "recompute"),
+    [(7, "adamw", False), (19, "adamw", False), (30, "adamw", False), (19, "muon", False), (19, "adamw", True)],
+)
 def test_interrupted_and_resumed_equals_uninterrupted(
-    half_run: tuple[Path, Path], tmp_path: Path, corpus_path: Path, stop_at: int, optimizer: str
+    half_run: tuple[Path, Path], tmp_path: Path, corpus_path: Path, stop_at: int, optimizer: str, recompute: bool
 ) -> None:
-    """Muon too: its momentum buffers, and its momentum (still warming up at 40 iterations) from the iteration."""
+    """Muon too: its momentum buffers, and its momentum (still warming up at 40 iterations) from the iteration.
+    With train.activation_checkpointing (recompute), against the run without it: the same numbers, dropout's
+    draws included."""
     reference, _ = half_run  # the uninterrupted run: EXACT's lr_decay_iters is its max_iters, 40
-    exact = {**EXACT, "train.optimizer": optimizer}
+    exact = {**EXACT, "train.optimizer": optimizer, "train.activation_checkpointing": recompute}
     if optimizer != "adamw":
         train(compose_config(tiny_run_overrides(tmp_path / "a", corpus_path, **exact)))
         reference = tmp_path / "a" / "run"

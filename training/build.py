@@ -56,6 +56,7 @@ def build_trainer(
     data, model = _data_and_model(config, checkpoint, world)
     opt = config.train
     num_params, flops_per_token = model.num_params(), model.flops_per_token()  # before sharding
+    model.activation_checkpointing = opt.activation_checkpointing
     wrapped = _place(model, opt.parallel, world, runtime)
     use_compile = compile_by_default(runtime) if opt.compile is None else opt.compile
     tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])

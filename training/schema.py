@@ -94,6 +94,9 @@ class OptimConfig:
     keep_best: bool = False  # also keep best.pt, the checkpoint of the lowest val loss (ckpt.pt stays the latest)
     log_interval: int = option(10, at_least=1)
     compile: bool | None = None  # default: on for CUDA, off elsewhere
+    # recompute each block's activations in backward instead of keeping them: far less memory for long contexts
+    # and deep models, for about one more forward pass of compute (bench.py memory)
+    activation_checkpointing: bool = False
     dtype: str = option("auto", choices=DTYPES)
     on_nonfinite: str = option("stop", choices=ON_NONFINITE)  # a NaN/Inf loss: stop (ckpt.pt stays) | skip the step
     # with on_nonfinite=skip: stop after this many skipped steps in a row (and at once if the weights are non-finite)

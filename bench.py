@@ -35,6 +35,7 @@ import io
 import itertools
 import json
 import math
+import os
 import resource
 import shutil
 import subprocess
@@ -432,7 +433,7 @@ async def _load(url: str, body: dict, clients: int, requests: int) -> dict:
             async with http.stream("POST", "/v1/completions", json=body) as response:
                 response.raise_for_status()
                 async for line in response.aiter_lines():
-                    if line.startswith('data: {"id"') and '"usage"' in line:
+                    if line.startswith('data: {"id"') and '"usage": {' in line:  # the last chunk: usage not null
                         tokens += json.loads(line.removeprefix("data: "))["usage"]["completion_tokens"]
             latencies.append(time.perf_counter() - began)
 
@@ -445,6 +446,90 @@ async def _load(url: str, body: dict, clients: int, requests: int) -> dict:
         await asyncio.gather(*(client(http) for _ in range(clients)))
         seconds = time.perf_counter() - began
     return {"latencies": latencies, "tokens": tokens, "seconds": seconds}
+
+
+MEMORY_PRESETS = ["shakespeare_char_cpu", "speedrun_cpu", "window_cpu", "shakespeare", "speedrun_gpu",
+                  "finetune_shakespeare", "gpt2", "gpt2_speedrun"]
+GPT2_SHAPES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280),
+               "gpt2-xl": (48, 25, 1600)}
+GPU_GIB = (24, 40, 80, 141)  # a 4090 or 3090, an A100 40GB, an A100/H100 80GB, an H200
+GPU_USABLE = 0.9  # of a GPU's memory for tensors: the CUDA context and the allocator's fragmentation take the rest
+STEP_TOKENS = 491_520  # nanoGPT's GPT-2 step (12 x 1024 x 40): grad_accum reaches it from the largest batch
+# (n_layer, n_embd, block_size, batch_size, activation_checkpointing): shapes this CPU can measure in seconds
+MEMORY_PROBES = [(6, 384, 256, 16, 0), (6, 384, 256, 16, 1), (8, 128, 512, 16, 0), (8, 128, 512, 16, 1),
+                 (12, 256, 512, 8, 1), (4, 256, 256, 32, 0)]
+
+
+def bench_memory(args: argparse.Namespace) -> list[dict]:
+    """training/memory.py's prediction of a training step's peak memory: each preset at its batch size, what fits
+    on common GPUs for GPT-2's shapes at block 1024, and the prediction against a CPU measurement (the peak RSS
+    of two AdamW steps in a process of its own, float32, above the process's RSS before the model)."""
+    from hydra import compose, initialize_config_dir
+
+    from common.config import typed_config
+    from training.memory import GIB, largest_batch, training_memory
+    from training.schema import TrainRunConfig, register_schemas
+
+    register_schemas()
+    rows = []
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        for preset in MEMORY_PRESETS:
+            config = typed_config(compose(config_name="config", overrides=[f"experiment={preset}"]), TrainRunConfig)
+            vocab = 65 if config.data.tokenizer == "char" else 50257
+            model = config.model.gpt_config(vocab)
+            opt = config.train
+            estimates = {
+                name: training_memory(model, opt.batch_size, bf16, opt.optimizer, ck).total / GIB
+                for name, bf16, ck in (("fp32_gib", False, False), ("bf16_gib", True, False),
+                                       ("bf16_checkpointed_gib", True, True))
+            }
+            rows.append({"section": "memory: presets", "preset": preset,
+                         "params_m": training_memory(model, 0, False).params / 4e6, "batch_size": opt.batch_size,
+                         "block_size": model.block_size, **estimates})
+    for name, (n_layer, n_head, n_embd) in GPT2_SHAPES.items():
+        model = GPTConfig(vocab_size=50257, block_size=1024, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+        for gib in GPU_GIB:
+            row = {"section": "memory: what fits (bf16, block 1024)", "model": name, "gpu_gib": gib}
+            for label, ck in (("plain", False), ("checkpointed", True)):
+                batch = largest_batch(model, GPU_USABLE * gib * GIB, True, ck)
+                accum = -(-STEP_TOKENS // (batch * 1024)) if batch else "-"
+                row[label] = f"batch_size={batch} grad_accum={accum}" if batch else "does not fit"
+            rows.append(row)
+    for probe in MEMORY_PROBES[: args.memory_probes] if sys.platform == "linux" else []:  # reads /proc
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}  # freed memory leaves RSS
+        command = [sys.executable, str(REPO / "bench.py"), "--memory-probe", *map(str, probe)]
+        measured = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout)
+        n_layer, n_embd, block_size, batch_size, ck = probe
+        model = GPTConfig(vocab_size=65, block_size=block_size, n_layer=n_layer, n_head=4, n_embd=n_embd, bias=False)
+        predicted = training_memory(model, batch_size, False, checkpointing=bool(ck)).total
+        rows.append({"section": "memory: predicted against measured (CPU, fp32)",
+                     "shape": f"{n_layer}x{n_embd}, block {block_size}, batch {batch_size}",
+                     "checkpointing": bool(ck), "measured_mib": measured / 2**20, "predicted_mib": predicted / 2**20,
+                     "predicted_over_measured": predicted / measured})
+    return rows
+
+
+def memory_probe(n_layer: int, n_embd: int, block_size: int, batch_size: int, checkpointing: int) -> int:
+    """Bytes of RSS two AdamW steps of this shape add, in this process (bench.py --memory-probe runs it alone)."""
+    import resource
+
+    def rss() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS"))
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=65, block_size=block_size, n_layer=n_layer, n_head=4, n_embd=n_embd, bias=False)
+    before = rss()
+    model = GPT(config).train()
+    model.activation_checkpointing = bool(checkpointing)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for _ in range(2):
+        idx = torch.randint(65, (batch_size, block_size))
+        _, loss = model(idx, idx)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
 
 
 def bench_muon(args: argparse.Namespace) -> list[dict]:
@@ -516,6 +601,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {
     "sampling-batch": bench_batched_sampling,
     "muon": bench_muon,
     "serve": bench_serve,
+    "memory": bench_memory,
 }
 
 
@@ -561,6 +647,9 @@ def main() -> None:
     sampling_args.add_argument("--new-tokens", type=int, default=240)
     sampling_args.add_argument("--attn-window", type=int, help="also a model with this window in every layer")
     sampling_args.add_argument("--num-samples", type=int, default=8, help="sampling-batch: samples in the batch")
+    memory_args = parser.add_argument_group("memory")
+    memory_args.add_argument("--memory-probes", type=int, default=len(MEMORY_PROBES), help="shapes to measure")
+    memory_args.add_argument("--memory-probe", type=int, nargs=5, help=argparse.SUPPRESS)
     serve_args = parser.add_argument_group("serve")
     serve_args.add_argument("--serve-run", help="a run directory to serve; default: the CPU preset's shape, random")
     serve_args.add_argument("--serve-clients", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -575,6 +664,9 @@ def main() -> None:
     unknown = set(args.sections) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown section {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+    if args.memory_probe:
+        print(json.dumps(memory_probe(*args.memory_probe)))
+        return
     if args.attention_probe:
         impl, length, window = args.attention_probe
         probe = attention_probe(impl, int(length), int(window) or None, args.device, args.repeats, args.attn_shape)

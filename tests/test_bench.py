@@ -30,6 +30,9 @@ def test_bench_py_runs_every_section_on_tiny_sizes(tmp_path: Path, corpus_path: 
         "sampling-batch",
         "muon",
         "serve",
+        "memory",
+        "--memory-probes",
+        "0",
         "--serve-clients",
         "1",
         "3",
@@ -101,6 +104,11 @@ def test_bench_py_runs_every_section_on_tiny_sizes(tmp_path: Path, corpus_path: 
     assert [(r["shape"], r["way"]) for r in muon] == [(shape, way) for shape in ("24x8", "8x16") for way in ways]
     assert all(r["ms"] > 0 and 0.6 < r["sv_min"] <= r["sv_max"] < 1.2 and r["err_vs_uvt"] < 0.3 for r in muon)
     assert all((r["speedup"] == 1 and r["diff_vs_ours_fp32"] == 0) == (r["way"] == ways[0]) for r in muon)
+    presets = [r for r in rows if r["section"] == "memory: presets"]
+    assert {r["preset"] for r in presets} >= {"shakespeare_char_cpu", "gpt2"}
+    assert all(r["fp32_gib"] > r["bf16_gib"] > r["bf16_checkpointed_gib"] > 0 for r in presets)
+    fits = [r for r in rows if r["section"] == "memory: what fits (bf16, block 1024)"]
+    assert len(fits) == 16 and fits[0]["plain"].startswith("batch_size=")
     serve = [r for r in rows if r["section"] == "serve"]
     assert [(r["way"], r["clients"]) for r in serve] == [
         ("sample.py, one sample", 1),

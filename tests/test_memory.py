@@ -1,0 +1,62 @@
+"""training/memory.py's prediction of training memory, against the model it describes and a measurement."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from conftest import MODERN, REPO
+from model import GPT, GPTConfig
+from training.memory import activation_bytes, largest_batch, parameter_count, training_memory
+
+
+@pytest.mark.parametrize("options", [{}, {"bias": False}, MODERN, {**MODERN, "bias": False}, {"norm": "rmsnorm"}])
+def test_the_parameter_count_is_the_models(options: dict) -> None:
+    config = GPTConfig(vocab_size=65, block_size=64, n_layer=3, n_head=4, n_embd=32, **options)
+    assert parameter_count(config) == GPT(config).num_params(non_embedding=False)
+
+
+def test_the_predicted_activations_are_what_forward_keeps() -> None:
+    config = GPTConfig(vocab_size=65, block_size=128, n_layer=3, n_head=4, n_embd=64, bias=False)
+    model = GPT(config).train()
+    idx = torch.randint(65, (4, 128))
+    kept: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()  # q, k, v share one
+        return tensor
+
+    with saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(idx, idx)
+    predicted, _ = activation_bytes(config, 4, bf16=False, checkpointing=False)
+    assert sum(kept.values()) == pytest.approx(predicted, rel=0.02)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the measurement reads /proc/self/status")
+@pytest.mark.parametrize("probe", [(4, 256, 256, 32, 0), (8, 128, 512, 16, 1)])
+def test_the_predicted_peak_is_within_15_percent_of_a_measured_one(probe: tuple[int, ...]) -> None:
+    """bench.py's probe: two AdamW steps in a process of its own, peak RSS above the RSS before the model."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(REPO / "bench.py"), "--memory-probe", *map(str, probe)]
+    measured = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout)
+    n_layer, n_embd, block_size, batch_size, checkpointing = probe
+    config = GPTConfig(vocab_size=65, block_size=block_size, n_layer=n_layer, n_head=4, n_embd=n_embd, bias=False)
+    predicted = training_memory(config, batch_size, bf16=False, checkpointing=bool(checkpointing)).total
+    assert predicted == pytest.approx(measured, rel=0.15)
+
+
+def test_checkpointing_fits_larger_batches_and_the_largest_batch_fits() -> None:
+    gpt2 = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    budget = 20 * 2**30
+    plain, checkpointed = (largest_batch(gpt2, budget, True, ck) for ck in (False, True))
+    assert 0 < plain < checkpointed
+    for batch, ck in ((plain, False), (checkpointed, True)):
+        assert training_memory(gpt2, batch, True, checkpointing=ck).total <= budget
+        assert training_memory(gpt2, batch + 1, True, checkpointing=ck).total > budget
+    assert largest_batch(gpt2, 2**30, True, True) == 0  # the weights and AdamW's state alone take 1.9 GiB

@@ -1,0 +1,64 @@
+"""torch.compile with inductor (code generation, not the eager backend) on CPU: the model compiles as one graph
+(fullgraph), computes what eager computes, and training steps don't recompile; evaluation adds one more graph.
+Each model compiles once per test (about half a minute on 2 cores, cold)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from conftest import MODERN
+from model import GPT, GPTConfig
+
+# torch's own, from inside inductor
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+SHAPE = dict(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=32)
+MODELS = {
+    # GPT-2's block with a sliding window in its first layer (the blocked SDPA path off CUDA) and a full second one
+    "gpt2_windowed": GPTConfig(**SHAPE, attn_window=16, window_pattern="SL"),
+    "every_modern_option": GPTConfig(**SHAPE, **MODERN),
+}
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_inductor_compiles_one_graph_that_trains_and_evaluates_like_eager(name: str) -> None:
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    eager = GPT(MODELS[name]).train()
+    with torch.no_grad():  # zero-initialised parts would leave gradients exactly 0 on both sides
+        for p in eager.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    plain = copy.deepcopy(eager)
+    compiled = torch.compile(plain, fullgraph=True)  # inductor: fullgraph fails on any graph break
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, plain)]
+    for step in range(3):
+        idx = torch.randint(65, (4, 64), generator=torch.Generator().manual_seed(step))
+        losses = []
+        for model in (eager, compiled):
+            _, loss = model(idx, idx.roll(-1, dims=1))
+            loss.backward()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+        for (n, a), b in zip(eager.named_parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=n)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    assert _graphs() == 1  # three training steps, new weights each time: no recompilation
+
+    eager.eval()
+    plain.eval()
+    idx = torch.randint(65, (2, 64))
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(compiled(idx)[0], eager(idx)[0], rtol=1e-4, atol=1e-5)
+    assert _graphs() == 2  # evaluation: one more graph, then reused

@@ -57,18 +57,31 @@ def _tiny_checkpoint(w: torch.Tensor, it: int) -> Checkpoint:
 
 
 @pytest.mark.parametrize(
-    ("stop_at", "optimizer", "recompute"),
-    [(7, "adamw", False), (19, "adamw", False), (30, "adamw", False), (19, "muon", False), (19, "adamw", True)],
+    ("stop_at", "optimizer", "recompute", "dtype"),
+    [
+        (7, "adamw", False, "float32"),
+        (19, "adamw", False, "float32"),
+        (30, "adamw", False, "float32"),
+        (19, "muon", False, "float32"),
+        (19, "adamw", True, "float32"),
+        (19, "muon", False, "bfloat16"),
+    ],
 )
 def test_interrupted_and_resumed_equals_uninterrupted(
-    half_run: tuple[Path, Path], tmp_path: Path, corpus_path: Path, stop_at: int, optimizer: str, recompute: bool
+    half_run: tuple[Path, Path],
+    tmp_path: Path,
+    corpus_path: Path,
+    stop_at: int,
+    optimizer: str,
+    recompute: bool,
+    dtype: str,
 ) -> None:
     """Muon too: its momentum buffers, and its momentum (still warming up at 40 iterations) from the iteration.
     With train.activation_checkpointing (recompute), against the run without it: the same numbers, dropout's
-    draws included."""
+    draws included. In bfloat16 (autocast, and Muon's Newton-Schulz in bfloat16) against a bfloat16 run."""
     reference, _ = half_run  # the uninterrupted run: EXACT's lr_decay_iters is its max_iters, 40
-    exact = {**EXACT, "train.optimizer": optimizer, "train.activation_checkpointing": recompute}
-    if optimizer != "adamw":
+    exact = {**EXACT, "train.optimizer": optimizer, "train.activation_checkpointing": recompute, "train.dtype": dtype}
+    if optimizer != "adamw" or dtype != "float32":
         train(compose_config(tiny_run_overrides(tmp_path / "a", corpus_path, **exact)))
         reference = tmp_path / "a" / "run"
     hook = _signal_at_step(stop_at, signal.SIGTERM)

@@ -1,9 +1,14 @@
-"""Every GPU check in one run of a few minutes, for a lent GPU (H200-class):
+"""Every GPU check in one run of at most 8 minutes, for a short loan of an H200-class GPU:
 
-1. the flash and math attention paths agree, in fp32 and in bf16 autocast, with full causal attention and with a
-   sliding window (FlexAttention on CUDA);
-2. experiment=shakespeare and experiment=speedrun_gpu (compile + bf16 + flash) train to val <= 1.47: time to target;
-3. GPT-2 124M (experiment=gpt2) at block 1024: training tokens/s and MFU (bench.py train).
+1. the flash and math attention paths agree, in fp32 and in bf16 autocast, forward and backward, with full causal
+   attention and with a sliding window (FlexAttention on CUDA);
+2. the model compiles (inductor) as one graph and trains three steps without recompiling;
+3. a training step's peak memory against training/memory.py's prediction, and activation checkpointing's saving;
+4. experiment=shakespeare and experiment=speedrun_gpu (compile + bf16 + flash) train to val <= 1.47: time to target;
+5. GPT-2 124M (experiment=gpt2) at block 1024: training tokens/s and MFU (bench.py train).
+
+Each step has a time budget (BUDGET_S, 8 minutes in all, data preparation included): the summary prints each
+budget beside the time taken, and a step over its budget is marked. Nothing is skipped without a line saying so.
 
     python scripts/gpu_check.py --text input.txt --out gpu_check.json     # on the GPU
     python scripts/gpu_check.py --dry-run --text input.txt                 # the same steps, tiny, on CPU
@@ -32,6 +37,70 @@ sys.path.insert(0, str(REPO))
 from model import GPT, GPTConfig  # noqa: E402
 
 TINY_MODEL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
+
+
+# seconds each step may take on an H200 (the dry run on CPU is timed against the same table)
+BUDGET_S = {"flash = math": 15, "compile": 60, "memory": 45, "shakespeare": 150, "speedrun_gpu": 90, "gpt2": 120}
+
+
+def compiled_graphs(device: str, config: GPTConfig) -> dict:
+    """torch.compile (inductor, fullgraph) of the model: graphs made over three training steps (1 expected)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = GPT(config).to(device).train()
+    compiled = torch.compile(model, fullgraph=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for _ in range(3):
+        idx = torch.randint(config.vocab_size, (4, config.block_size), device=device)
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            _, loss = compiled(idx, idx)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    graphs = counters["stats"]["unique_graphs"]
+    return {"check": "compile: one graph, no recompiles", "ok": graphs == 1, "graphs": graphs}
+
+
+def peak_memory(device: str, config: GPTConfig, batch_size: int) -> dict:
+    """A training step's measured peak (CUDA's allocator) against training/memory.py, without and with
+    activation checkpointing (bf16 autocast, AdamW). On CPU (the dry run) there is no allocator to ask: said so."""
+    from training.memory import training_memory
+
+    predicted = {ck: training_memory(config, batch_size, True, checkpointing=ck).total for ck in (False, True)}
+    if device != "cuda":
+        return {"check": "memory: peak against the prediction", "ok": True, "skipped": "needs CUDA's allocator",
+                "predicted_gib": predicted[False] / 2**30}
+    measured = {}
+    for ck in (False, True):
+        torch.manual_seed(0)
+        model = GPT(config).to(device).train()
+        model.activation_checkpointing = ck
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(2):  # the second step holds the optimizer's state too
+            idx = torch.randint(config.vocab_size, (batch_size, config.block_size), device=device)
+            with torch.autocast(device_type=device, dtype=torch.bfloat16):
+                _, loss = model(idx, idx)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        measured[ck] = torch.cuda.max_memory_allocated()
+        del model, optimizer
+        torch.cuda.empty_cache()
+    ratio = predicted[False] / measured[False]
+    return {
+        "check": "memory: peak against the prediction",
+        "ok": 0.85 <= ratio <= 1.15,
+        "measured_gib": measured[False] / 2**30,
+        "predicted_gib": predicted[False] / 2**30,
+        "predicted_over_measured": ratio,
+        "checkpointed_measured_gib": measured[True] / 2**30,
+        "checkpointed_predicted_over_measured": predicted[True] / measured[True],
+        "checkpointing_saves": 1 - measured[True] / measured[False],
+    }
 
 
 def paths_agree(device: str, dtype: torch.dtype, config: GPTConfig, tolerance: float) -> dict:
@@ -150,22 +219,36 @@ def main() -> None:
     )
     # A window that is no multiple of FlexAttention's 128-token blocks, over all but the last layer.
     windowed = replace(config, attn_window=5 if args.dry_run else 100, pos_emb="rope")
-    results = [
-        paths_agree(device, torch.float32, config, tolerance=1e-4),
-        paths_agree(device, torch.bfloat16, config, tolerance=5e-2),
-        paths_agree(device, torch.float32, windowed, tolerance=1e-4),
-        paths_agree(device, torch.bfloat16, windowed, tolerance=5e-2),
-        train_to_target(args, workdir, "shakespeare"),  # nanoGPT's baby GPT
-        train_to_target(args, workdir, "speedrun_gpu"),  # the issue's goal: <= 60 s
-        gpt2_throughput(args, workdir),
+    gpt2_shape = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    memory_shape = replace(gpt2_shape, n_layer=2, block_size=128) if args.dry_run else gpt2_shape
+    steps = [
+        ("flash = math", lambda: paths_agree(device, torch.float32, config, tolerance=1e-4)),
+        ("flash = math", lambda: paths_agree(device, torch.bfloat16, config, tolerance=5e-2)),
+        ("flash = math", lambda: paths_agree(device, torch.float32, windowed, tolerance=1e-4)),
+        ("flash = math", lambda: paths_agree(device, torch.bfloat16, windowed, tolerance=5e-2)),
+        ("compile", lambda: compiled_graphs(device, windowed)),
+        ("memory", lambda: peak_memory(device, memory_shape, 2 if args.dry_run else 16)),
+        ("shakespeare", lambda: train_to_target(args, workdir, "shakespeare")),  # nanoGPT's baby GPT
+        ("speedrun_gpu", lambda: train_to_target(args, workdir, "speedrun_gpu")),  # the goal: <= 60 s
+        ("gpt2", lambda: gpt2_throughput(args, workdir)),
     ]
-    for r in results:
+    results = []
+    for budget, run in steps:
+        began = time.perf_counter()
+        result = run()
+        result["took_s"] = time.perf_counter() - began
+        result["budget_s"] = BUDGET_S[budget] / len([b for b, _ in steps if b == budget])
+        results.append(result)
         details = ", ".join(
             f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-            for k, v in r.items()
-            if k not in ("check", "ok") and v not in (None, "")
+            for k, v in result.items()
+            if k not in ("check", "ok", "took_s", "budget_s") and v not in (None, "")
         )
-        print(f"{'PASS' if r['ok'] else 'FAIL'}  {r['check']}: {details}")
+        over = " OVER BUDGET" if result["took_s"] > result["budget_s"] else ""
+        print(f"{'PASS' if result['ok'] else 'FAIL'}  {result['check']}: {details} "
+              f"[{result['took_s']:.0f} s of {result['budget_s']:.0f} s{over}]", flush=True)
+    total = sum(r["took_s"] for r in results)
+    print(f"total {total:.0f} s of {sum(BUDGET_S.values())} s")
     shutil.rmtree(workdir, ignore_errors=True)  # throwaway runs and token files
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

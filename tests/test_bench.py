@@ -177,9 +177,14 @@ def test_gpu_check_dry_run_passes_on_cpu(tmp_path: Path, corpus_path: Path) -> N
         "flash = math (bfloat16)",
         "flash = math (float32, window 5)",
         "flash = math (bfloat16, window 5)",
+        "compile: one graph, no recompiles",
+        "memory: peak against the prediction",
         "shakespeare to val <= 4.0",
         "speedrun_gpu to val <= 4.0",
         "GPT-2 124M throughput (tiny stand-in)",
     ]
     assert all(c["ok"] for c in checks)
-    assert checks[4]["time_to_target_s"] > 0 and checks[5]["time_to_target_s"] > 0 and checks[6]["tokens_per_sec"] > 0
+    assert checks[4]["graphs"] == 1 and checks[5]["skipped"] == "needs CUDA's allocator"  # said, not silent
+    assert checks[6]["time_to_target_s"] > 0 and checks[7]["time_to_target_s"] > 0 and checks[8]["tokens_per_sec"] > 0
+    assert all(0 < c["took_s"] and c["budget_s"] > 0 for c in checks)
+    assert result.stdout.splitlines()[-1].startswith("total ") and result.stdout.splitlines()[-1].endswith("of 480 s")

@@ -28,9 +28,35 @@ def find_runs(paths: list[Path]) -> list[Path]:
     for path in paths:
         found = [path] if (path / METRICS_NAME).is_file() else sorted(p.parent for p in path.rglob(METRICS_NAME))
         if not found:
-            sys.exit(f"error: no metrics.jsonl in or under {path}; pass train.py run directories or a sweep directory")
+            fail(f"no metrics.jsonl in or under {path}; pass train.py run directories or a sweep directory")
         runs += found
     return runs
+
+
+def fail(message: str) -> None:
+    """A user's mistake: one line and status 2, as the other commands."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def picture_path(out: Path) -> Path:
+    """Where the picture goes: -o's path, .png added when it has no extension (matplotlib's default, said here
+    so the reported name is the real one); an extension matplotlib can't write, or a directory, is refused."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    if out.is_dir():
+        fail(f"-o {out} is a directory; name a file such as {out / 'loss.png'}")
+    if not out.suffix:
+        out = out.with_suffix(".png")
+    formats = Figure().canvas.get_supported_filetypes()
+    if out.suffix[1:].lower() not in formats:
+        fail(f"-o {out}: can't write {out.suffix} pictures; use one of {', '.join('.' + f for f in sorted(formats))}")
+    if not out.parent.is_dir():
+        fail(f"-o {out}: no directory {out.parent}; create it first")
+    return out
 
 
 def flat_config(run: Path) -> dict[str, Any]:
@@ -141,13 +167,17 @@ def main() -> None:
     parser.add_argument("-o", "--out", type=Path, default=Path("loss.png"))
     parser.add_argument("--x", choices=["iter", "time", "tokens"], default="iter", help="the x axis")
     args = parser.parse_args()
+    out = picture_path(args.out)
     runs = find_runs(args.runs)
     configs = [flat_config(run) for run in runs]
     keys = differing_keys(configs)
     summaries = [summarize(run, config, keys) for run, config in zip(runs, configs, strict=True)]
     print_table(summaries)
-    plot(summaries, args.x, args.out)
-    print(f"wrote {args.out}", file=sys.stderr)
+    try:
+        plot(summaries, args.x, out)
+    except OSError as err:  # a read-only directory, a full disk
+        fail(f"-o {out}: can't write it ({err.strerror or err})")
+    print(f"wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

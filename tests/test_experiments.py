@@ -91,7 +91,23 @@ def test_plot_py_draws_a_sweep_and_prints_a_summary(two_run_sweep: Path, tmp_pat
 
 def test_plot_py_says_when_there_is_no_run(tmp_path: Path) -> None:
     result = run_script("plot.py", [str(tmp_path)], cwd=tmp_path)
-    assert result.returncode == 1 and result.stderr.startswith("error: no metrics.jsonl in or under")
+    assert result.returncode == 2 and result.stderr.startswith("error: no metrics.jsonl in or under")
+
+
+def test_plot_py_names_the_file_it_writes_and_refuses_what_it_cant(two_run_sweep: Path, tmp_path: Path) -> None:
+    """-o without an extension gets .png, and says so; an unknown extension, a directory or a missing directory
+    is one line and status 2, before any work."""
+    result = run_script("plot.py", [str(two_run_sweep), "-o", str(tmp_path / "curves")], cwd=tmp_path)
+    assert result.returncode == 0 and result.stderr.strip().endswith(f"wrote {tmp_path / 'curves.png'}")
+    assert (tmp_path / "curves.png").is_file()
+    for out, message in [
+        (tmp_path / "curves.xyz", "can't write .xyz pictures; use one of"),
+        (tmp_path, "is a directory; name a file such as"),
+        (tmp_path / "missing" / "loss.png", "no directory"),
+    ]:
+        result = run_script("plot.py", [str(two_run_sweep), "-o", str(out)], cwd=tmp_path)
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_a_sweep_written_in_a_config_runs_its_grid(tmp_path: Path, corpus_path: Path) -> None:

@@ -456,8 +456,12 @@ GPU_GIB = (24, 40, 80, 141)  # a 4090 or 3090, an A100 40GB, an A100/H100 80GB, 
 GPU_USABLE = 0.9  # of a GPU's memory for tensors: the CUDA context and the allocator's fragmentation take the rest
 STEP_TOKENS = 491_520  # nanoGPT's GPT-2 step (12 x 1024 x 40): grad_accum reaches it from the largest batch
 # (n_layer, n_embd, block_size, batch_size, activation_checkpointing): shapes this CPU can measure in seconds
-MEMORY_PROBES = [(6, 384, 256, 16, 0), (6, 384, 256, 16, 1), (8, 128, 512, 16, 0), (8, 128, 512, 16, 1),
-                 (12, 256, 512, 8, 1), (4, 256, 256, 32, 0)]
+# (n_layer, n_embd, block_size, batch_size, activation_checkpointing, vocab_size, bf16): shapes this CPU can
+# measure in seconds; GPT-2's vocabulary too, where the head dominates
+MEMORY_PROBES = [(6, 384, 256, 16, 0, 65, 0), (6, 384, 256, 16, 1, 65, 0), (8, 128, 512, 16, 0, 65, 0),
+                 (8, 128, 512, 16, 1, 65, 0), (12, 256, 512, 8, 1, 65, 0), (4, 256, 256, 32, 0, 65, 0),
+                 (2, 128, 256, 8, 0, 50257, 0), (2, 128, 256, 8, 0, 50257, 1), (2, 128, 256, 8, 1, 50257, 1),
+                 (4, 256, 256, 16, 0, 65, 1)]
 
 
 def bench_memory(args: argparse.Namespace) -> list[dict]:
@@ -499,17 +503,20 @@ def bench_memory(args: argparse.Namespace) -> list[dict]:
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}  # freed memory leaves RSS
         command = [sys.executable, str(REPO / "bench.py"), "--memory-probe", *map(str, probe)]
         measured = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout)
-        n_layer, n_embd, block_size, batch_size, ck = probe
-        model = GPTConfig(vocab_size=65, block_size=block_size, n_layer=n_layer, n_head=4, n_embd=n_embd, bias=False)
-        predicted = training_memory(model, batch_size, False, checkpointing=bool(ck)).total
-        rows.append({"section": "memory: predicted against measured (CPU, fp32)",
-                     "shape": f"{n_layer}x{n_embd}, block {block_size}, batch {batch_size}",
-                     "checkpointing": bool(ck), "measured_mib": measured / 2**20, "predicted_mib": predicted / 2**20,
+        n_layer, n_embd, block_size, batch_size, ck, vocab, bf16 = probe
+        model = GPTConfig(vocab_size=vocab, block_size=block_size, n_layer=n_layer, n_head=4, n_embd=n_embd, bias=False)
+        predicted = training_memory(model, batch_size, bool(bf16), checkpointing=bool(ck)).total
+        rows.append({"section": "memory: predicted against measured (CPU)",
+                     "shape": f"{n_layer}x{n_embd}, vocab {vocab}, block {block_size}, batch {batch_size}",
+                     "dtype": "bfloat16" if bf16 else "float32", "checkpointing": bool(ck),
+                     "measured_mib": measured / 2**20, "predicted_mib": predicted / 2**20,
                      "predicted_over_measured": predicted / measured})
     return rows
 
 
-def memory_probe(n_layer: int, n_embd: int, block_size: int, batch_size: int, checkpointing: int) -> int:
+def memory_probe(
+    n_layer: int, n_embd: int, block_size: int, batch_size: int, checkpointing: int, vocab: int, bf16: int
+) -> int:
     """Bytes of RSS two AdamW steps of this shape add, in this process (bench.py --memory-probe runs it alone)."""
     import resource
 
@@ -518,14 +525,15 @@ def memory_probe(n_layer: int, n_embd: int, block_size: int, batch_size: int, ch
             return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS"))
 
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=65, block_size=block_size, n_layer=n_layer, n_head=4, n_embd=n_embd, bias=False)
+    config = GPTConfig(vocab_size=vocab, block_size=block_size, n_layer=n_layer, n_head=4, n_embd=n_embd, bias=False)
     before = rss()
     model = GPT(config).train()
     model.activation_checkpointing = bool(checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for _ in range(2):
-        idx = torch.randint(65, (batch_size, block_size))
-        _, loss = model(idx, idx)
+        idx = torch.randint(vocab, (batch_size, block_size))
+        with torch.autocast("cpu", torch.bfloat16, enabled=bool(bf16)):
+            _, loss = model(idx, idx)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -649,7 +657,7 @@ def main() -> None:
     sampling_args.add_argument("--num-samples", type=int, default=8, help="sampling-batch: samples in the batch")
     memory_args = parser.add_argument_group("memory")
     memory_args.add_argument("--memory-probes", type=int, default=len(MEMORY_PROBES), help="shapes to measure")
-    memory_args.add_argument("--memory-probe", type=int, nargs=5, help=argparse.SUPPRESS)
+    memory_args.add_argument("--memory-probe", type=int, nargs=7, help=argparse.SUPPRESS)
     serve_args = parser.add_argument_group("serve")
     serve_args.add_argument("--serve-run", help="a run directory to serve; default: the CPU preset's shape, random")
     serve_args.add_argument("--serve-clients", type=int, nargs="+", default=[1, 4, 16, 64])

@@ -18,7 +18,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from common.cli import check_overrides, exit_on_user_error
+from common.cli import check_overrides, exit_on_user_error, stdout_reader_may_leave
 from common.config import typed_config
 from inference.eval_run import readable, run_eval
 from training.schema import EvalConfig, register_schemas
@@ -30,10 +30,11 @@ register_schemas()
 def main(dict_cfg: DictConfig) -> None:
     with exit_on_user_error():
         record = run_eval(typed_config(dict_cfg, EvalConfig))  # checked: one line for a bad value
-    for line in readable(record):
-        print(line)
-    # NaN (bits per byte of a text that is all special tokens) isn't JSON: null
-    print(json.dumps({k: None if isinstance(v, float) and math.isnan(v) else v for k, v in record.items()}))
+    with stdout_reader_may_leave():
+        for line in readable(record):
+            print(line)
+        # NaN (bits per byte of a text that is all special tokens) isn't JSON: null
+        print(json.dumps({k: None if isinstance(v, float) and math.isnan(v) else v for k, v in record.items()}))
 
 
 if __name__ == "__main__":

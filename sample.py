@@ -30,7 +30,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from common.cli import check_overrides, exit_on_user_error, literal_text
+from common.cli import check_overrides, exit_on_user_error, literal_text, stdout_reader_may_leave
 from common.config import typed_config
 from inference.sample_text import SEPARATOR, stop_strings
 from inference.sampling import load_sampler, warn
@@ -43,7 +43,7 @@ TEXT_KEYS = ("start", "stop")  # taken literally: a prompt's ${...} is text, not
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="sample")
 def main(dict_cfg: DictConfig) -> None:
-    with exit_on_user_error():
+    with exit_on_user_error(), stdout_reader_may_leave():
         cfg = typed_config(dict_cfg, SampleConfig)  # checked: one line for a bad value
         sampler = load_sampler(cfg)
         prompt = sampler.encode_prompt(cfg.start)

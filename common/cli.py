@@ -1,6 +1,6 @@
 """What the command-line scripts share: user errors become one line on stderr and exit status 2;
 Ctrl-C (a second one, during training) exits with status 130 without a traceback, and a closed stdout
-(`sample.py | head`) with 141, as SIGPIPE would, silently."""
+(`sample.py | head`) with 141, as SIGPIPE would, silently (stdout_reader_may_leave)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,16 @@ def exit_on_user_error(job: str | None = None) -> Iterator[None]:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
-    except BrokenPipeError:  # stdout's reader left (`| head`): nothing to say, and nobody to say it to
+
+
+@contextlib.contextmanager
+def stdout_reader_may_leave() -> Iterator[None]:
+    """For the commands whose output is their stdout (sample.py, eval.py): a reader that leaves (`| head`) ends
+    the command quietly, with the status a SIGPIPE would give. Only around code whose one pipe is stdout: a
+    broken pipe elsewhere (a socket, a worker's pipe) is an error to show."""
+    try:
+        yield
+    except BrokenPipeError:  # nothing to say, and nobody to say it to
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush doesn't fail again
         sys.exit(128 + signal.SIGPIPE)

@@ -14,8 +14,9 @@ from torch import nn
 class Shortcuts:
     x0: torch.Tensor  # the input embeddings (B, T, C), after dropout
     idx: torch.Tensor  # the token ids (B, T)
-    # the first layer's values (B, n_head, T, head_dim): that layer sets them, the later ones read them (so a
-    # wrapper that copied the blocks' arguments, such as FSDP2 with a param_dtype, would need them passed instead)
+    # the first layer's values (B, n_head, T, head_dim): that layer sets them, the later ones read them. A wrapper
+    # that copies the blocks' arguments loses them: FSDP2 does in training (refused with value_residual), and
+    # under torch.compile with train.activation_checkpointing the mutation breaks the graph once per step
     first_values: torch.Tensor | None = None
 
 

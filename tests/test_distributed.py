@@ -166,6 +166,16 @@ def test_muon_refuses_fsdp_which_would_shard_its_matrices() -> None:
     check_for_world(opt, World(rank=1, size=2))
 
 
+def test_value_residual_refuses_fsdp_which_copies_the_blocks_arguments() -> None:
+    opt = typed_config(compose_config(["train.parallel=fsdp", "train.grad_accum=2"]), TrainRunConfig).train
+    check_for_world(opt, World(size=1), value_residual=True)  # one process: no FSDP
+    with pytest.raises(ConfigError, match="^model.value_residual=true can't run under train.parallel=fsdp"):
+        check_for_world(opt, World(rank=1, size=2), value_residual=True)
+    check_for_world(opt, World(rank=1, size=2), value_residual=False)
+    opt.parallel = "ddp"
+    check_for_world(opt, World(rank=1, size=2), value_residual=True)
+
+
 @pytest.mark.parametrize("batches", [0, 1, 4, 5, 7])
 def test_eval_batches_are_shared_once_each_with_equal_passes(batches: int) -> None:
     items = [(torch.tensor([i]), torch.tensor([i])) for i in range(batches)]

@@ -8,12 +8,14 @@ keeps no T x T matrix), per token and layer, in elements of C = n_embd:
     ln_1's input C, c_attn's input C, q, k, v 3C, attention's output C, its c_proj's input C,
     ln_2's input C, c_fc's input C, GELU's input 4C, the MLP's c_proj input 4C: 17C;
 in float32 68C bytes. Under bfloat16 autocast the linear layers' and attention's inputs are kept in bfloat16
-and the norms' in float32: 4C + 2C + 6C + 2C + 2C + 4C + 2C + 8C + 8C = 38C bytes. Dropout adds a 1-byte mask
+and the norms' in float32: 4C + 2C + 6C + 2C + 2C + 4C + 2C + 8C + 8C = 38C bytes (46C measured: the estimate
+uses that). Dropout adds a 1-byte mask
 per residual branch (2C; on CPU, attention dropout runs SDPA's math path, which keeps T x T weights: not
 counted here). With activation checkpointing a block keeps only its input (C), and backward holds
 one block's activations, and their gradients, at a time. The head keeps its input and the logits, B·T·V in the
 activations' dtype, plus cross-entropy's float32 log-probabilities; backward's transient is the logits' float32
-gradient and the first of the last block's. The peak comes at backward's start, before any gradient is
+gradients (two at once) and the first of the last block's; bfloat16 autocast also keeps a copy of each weight
+matrix. The peak comes at backward's start, before any gradient is
 allocated (the gradients grow as the activations are freed). Measured on CPU, the saved activations match the
 count to 0.3 %, and the peak is within 15 % (bench.py memory).
 The modern options (relu², RMSNorm, QK-norm, the shortcuts) change the block's count by a few C: the estimate is
@@ -65,15 +67,19 @@ def activation_bytes(config: GPTConfig, batch_size: int, bf16: bool, checkpointi
     """(kept for backward, backward's largest transient) for one micro-batch of batch_size x block_size."""
     C, V, L = config.n_embd, config.vocab_size, config.n_layer
     tokens = batch_size * config.block_size
-    per_layer = (38 if bf16 else 68) * C + (2 * C if config.dropout > 0 else 0)  # bytes per token
-    boundary = (2 if bf16 else 4) * C  # a block's input
+    # bytes per token: 68C counted in float32; in bfloat16 38C counted, 46C measured on CPU (the estimate takes
+    # the measurement: autocast keeps a few casts the count misses)
+    per_layer = (46 if bf16 else 68) * C + (2 * C if config.dropout > 0 else 0)
+    boundary = 4 * C  # a block's input: the residual stream stays float32 under autocast
     # checkpointed: every block's input, and the block being recomputed in backward, with its gradients
     blocks = L * boundary + 2 * per_layer if checkpointing else L * per_layer
     logits = (2 if bf16 else 4) * V + 4 * V  # the logits, and cross-entropy's float32 log-probabilities
     head = 4 * C + (2 if bf16 else 4) * C + logits
     embeddings = 4 * C
-    transient = 4 * V + per_layer // 2  # the logits' gradient, and the last block's first gradients
-    return tokens * (blocks + head + embeddings), tokens * transient
+    transient = 8 * V + per_layer // 2  # cross-entropy's backward: two float32 logits-sized gradients at once
+    # autocast's bfloat16 copies of the weight matrices, kept for backward: the blocks' and the head's
+    weight_copies = 2 * (12 * L * C * C + V * C) if bf16 else 0
+    return tokens * (blocks + head + embeddings) + weight_copies, tokens * transient
 
 
 def training_memory(

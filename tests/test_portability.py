@@ -286,3 +286,28 @@ def test_flash_equals_math_in_float32_on_this_machines_device() -> None:
     math_.load_state_dict(flash.state_dict())
     idx = torch.randint(50, (2, 32), device=device)
     torch.testing.assert_close(flash(idx)[0], math_(idx)[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_lock_deleted_by_hand_stops_the_writer_before_its_next_write(tmp_path: Path, corpus_path: Path) -> None:
+    """On POSIX, deleting .lock lets a second writer lock a new file: the first notices at its next write (a
+    metrics line, a checkpoint) and stops with one line, so two runs never write the same files."""
+    from training.errors import RunLocked
+    from training.run_lock import LOCK_NAME, still_held
+
+    run = tmp_path / "run"
+
+    def delete_lock(it: int) -> None:
+        if it == 7:
+            (run / LOCK_NAME).unlink()
+            second = subprocess.run(  # a second writer gets in: a new .lock, locked by another process
+                [sys.executable, "-c", f"from filelock import FileLock; FileLock({str(run / LOCK_NAME)!r}).acquire()"],
+                capture_output=True, text=True, timeout=60,
+            )
+            assert second.returncode == 0, second.stderr
+
+    extra = {"train.max_iters": 20, "train.log_interval": 1}
+    with pytest.raises(RunLocked, match=rf"{LOCK_NAME} was removed or replaced while this run held it"):
+        train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)), before_step=delete_lock)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["iter"] for r in records) == 7  # nothing written after the lock was lost
+    still_held(run)  # released: nothing held here any more, nothing to check

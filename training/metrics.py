@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from training.run_lock import still_held
 from training.schema import WandbConfig
 
 log = logging.getLogger("train")
@@ -49,6 +50,7 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.active:
             return
+        still_held(self.path.parent)
         with open(self.path, "a") as f:
             f.write(json.dumps(_strict(record), allow_nan=False) + "\n")
         log.info(_readable(record))

@@ -40,6 +40,7 @@ from training.evaluation import Evaluator, HellaSwagEval, Losses
 from training.metrics import LogWindow, MetricsLog, drop_records_after
 from training.optim import group_hyperparameters, set_hyperparameters
 from training.preemption import StopRequests
+from training.run_lock import still_held
 from training.runtime import Runtime
 from training.schema import SampleConfig, TrainRunConfig
 
@@ -286,6 +287,7 @@ class Trainer:
         return broadcast_from_main(saved, self.world)
 
     def _write(self, model_state: dict, optimizer_state: dict | None, rng: list, latest: bool, best: bool) -> bool:
+        still_held(self.out_dir)
         self.progress.elapsed_s = self.elapsed()
         checkpoint = Checkpoint(
             model_config=self.model.config,

@@ -35,20 +35,25 @@ def option(
     below: float | None = None,
     at_most: float | None = None,
     directory: bool = False,
+    path: bool = False,
     hint: str = "",
 ) -> Any:
     """A dataclass field with a default and the values it accepts (None always passes: the type allows it or
     OmegaConf refuses it first). directory: a path to a directory (made if missing), so no file may stand there
-    or above it. `hint` is appended to the error: what to do instead."""
+    or above it. path (directory implies it): a file system path, `~` expanded once, here, so the checks and
+    every use see the same path. `hint` is appended to the error: what to do instead."""
     rules = {"choices": choices, "at_least": at_least, "above": above, "below": below, "at_most": at_most}
     rules |= {"directory": directory, "hint": hint}
-    return dataclasses.field(default=default, metadata={"rules": rules})
+    return dataclasses.field(default=default, metadata={"rules": rules, "path": path or directory})
 
 
 def check_fields(config: Any, prefix: str = "") -> None:
     """This dataclass's own fields with rules (nested configs check themselves); keys named as prefix + name."""
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
+        if f.metadata.get("path") and isinstance(value, str):
+            value = str(Path(value).expanduser())
+            setattr(config, f.name, value)
         if "rules" in f.metadata and value is not None:
             problem = _problem(value, **f.metadata["rules"])
             if problem:

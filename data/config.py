@@ -15,7 +15,8 @@ SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/da
 class DataConfig:
     name: str = "shakespeare_char"  # folder under data/cache unless data.dir is set
     tokenizer: str = "char"  # char, or a tiktoken encoding (r50k_base is GPT-2's BPE); a corpus needs a BPE
-    input: str | None = None  # a UTF-8 text file instead of the download, or a directory of .txt / .jsonl documents
+    # a UTF-8 text file instead of the download, or a directory of .txt / .jsonl documents
+    input: str | None = option(None, path=True)
     url: str | None = SHAKESPEARE_URL
     dir: str | None = option(None, directory=True)  # where the token files and meta.json live
     val_fraction: float = option(0.1, above=0.0, below=1.0)  # a text's last part kept for val

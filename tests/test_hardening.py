@@ -326,3 +326,23 @@ def test_a_prompt_is_taken_literally_interpolations_included(override: str, text
     config = typed_config(compose_config(overrides, config_name="sample"), SampleConfig)
     key = override.partition("=")[0]
     assert getattr(config, key) == text
+
+
+def test_every_path_key_expands_the_home_directory_once_for_checks_and_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`~` (quoted for Hydra, or left by the shell) in out_dir and attention_dir made a literal ./~/ directory while
+    data.input was expanded: one rule now, applied when the config is built."""
+    from common.config import typed_config
+    from training.schema import EvalConfig
+
+    home = Path.home()
+    train_config = typed_config(
+        compose_config(["out_dir='~/runs/a'", "data.input='~/text.txt'", "data.dir='~/data'"]),
+        TrainRunConfig,
+    )
+    assert (train_config.out_dir, train_config.data.input, train_config.data.dir) == (
+        str(home / "runs/a"), str(home / "text.txt"), str(home / "data")
+    )
+    sample = typed_config(compose_config(["out_dir='~/runs/a'", "attention_dir='~/maps'"], "sample"), SampleConfig)
+    assert (sample.out_dir, sample.attention_dir) == (str(home / "runs/a"), str(home / "maps"))
+    evaluation = typed_config(compose_config(["out_dir='~/runs/a'", "input='~/t.txt'"], "eval"), EvalConfig)
+    assert (evaluation.out_dir, evaluation.input) == (str(home / "runs/a"), str(home / "t.txt"))

@@ -105,7 +105,8 @@ class OptimConfig:
     parallel: str = option("ddp", choices=PARALLEL)  # under torchrun: ddp (replicas) | fsdp (FSDP2: sharded)
     # HellaSwag at the evaluations whose iteration is a multiple of this (BPE data only); 0: never
     hellaswag_every: int = option(0, at_least=0, hint="0 means never; use a multiple of train.eval_interval")
-    hellaswag_file: str | None = None  # a local hellaswag_val.jsonl; null: data/cache/hellaswag's, downloaded once
+    # a local hellaswag_val.jsonl; null: data/cache/hellaswag's, downloaded once
+    hellaswag_file: str | None = option(None, path=True)
 
     def __post_init__(self) -> None:
         check_fields(self, "train.")
@@ -166,7 +167,7 @@ class TrainRunConfig:
 class ModelChoice:
     """The keys that pick the model sample.py and eval.py run."""
 
-    out_dir: str | None = None  # a train.py run directory holding ckpt.pt (or init_from)
+    out_dir: str | None = option(None, path=True)  # a train.py run directory holding ckpt.pt (or init_from)
     init_from: str | None = None  # instead of out_dir: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 dir
     ckpt: str = option("latest", choices=("latest", "best"))  # the run's ckpt.pt, or its best.pt (train.keep_best)
 
@@ -207,7 +208,8 @@ class SampleConfig(ModelChoice):
 
 @dataclass
 class EvalConfig(ModelChoice):
-    input: str | None = None  # a UTF-8 text file to score; null: the run's own val split (init_from needs a file)
+    # a UTF-8 text file to score; null: the run's own val split (init_from needs a file)
+    input: str | None = option(None, path=True)
     # tokens of context a window holds; null: the model's block_size
     context: int | None = option(None, at_least=1, hint="null means the model's block_size")
     # tokens each window advances (and scores, but the first); null: context // 2. stride=context: disjoint windows
@@ -215,7 +217,8 @@ class EvalConfig(ModelChoice):
     # windows per forward pass; null: 4096 tokens' worth (as train.full_val), at least 1
     batch_size: int | None = option(None, at_least=1, hint="null means 4096 // context windows")
     hellaswag: bool = False  # also score HellaSwag's validation set (BPE models)
-    hellaswag_file: str | None = None  # a local hellaswag_val.jsonl; null: data/cache/hellaswag's, downloaded once
+    # a local hellaswag_val.jsonl; null: data/cache/hellaswag's, downloaded once
+    hellaswag_file: str | None = option(None, path=True)
     device: str = option("auto", choices=DEVICES)
     dtype: str = option("auto", choices=DTYPES)
     attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's

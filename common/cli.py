@@ -15,7 +15,7 @@ from pathlib import Path
 from hydra.core.override_parser.types import ChoiceSweep, Override
 
 from common.config import check_key, check_override
-from common.errors import UserError
+from common.errors import ConfigError, UserError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # Hydra's config groups are its folders
 
@@ -59,6 +59,12 @@ def check_overrides(args: list[str], schema: type) -> None:
     groups = {path.name for path in CONFIG_DIR.iterdir() if path.is_dir()}
     for override in parsed:
         key = override.key_or_group
+        if key == "hydra.job.chdir" and str(override.value()).lower() == "true":
+            with exit_on_user_error():
+                raise ConfigError(
+                    "hydra.job.chdir=true would run the command in Hydra's output directory, where relative paths "
+                    "(out_dir, data.dir) name other places than they do here; drop it: paths resolve from here"
+                )
         if override.is_hydra_override() or override.is_delete() or key in groups:
             continue
         with exit_on_user_error():

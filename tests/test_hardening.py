@@ -346,3 +346,12 @@ def test_every_path_key_expands_the_home_directory_once_for_checks_and_use(monke
     assert (sample.out_dir, sample.attention_dir) == (str(home / "runs/a"), str(home / "maps"))
     evaluation = typed_config(compose_config(["out_dir='~/runs/a'", "input='~/t.txt'"], "eval"), EvalConfig)
     assert (evaluation.out_dir, evaluation.input) == (str(home / "runs/a"), str(home / "t.txt"))
+
+
+def test_hydra_job_chdir_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """It ran the command inside Hydra's output directory, so a relative out_dir split the run in two."""
+    for script in ("train.py", "sample.py"):
+        result = run_script(script, ["hydra.job.chdir=true", "out_dir=run"], cwd=tmp_path)
+        assert result.returncode == 2 and result.stderr.startswith("error: hydra.job.chdir=true would run")
+        assert len(result.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []

@@ -98,6 +98,13 @@ def _parse(args: list[str]) -> list[Override]:
     overrides = _overrides(args)
     try:
         return OverridesParser.create().parse_overrides(overrides)
+    except ValueError as err:  # Python's limit on integer digits, hit while Hydra parses a number
+        if "digits" not in str(err):
+            raise
+        long = next((o for o in overrides if sum(c.isdigit() for c in o) > 4300), "a value")
+        key = long.partition("=")[0] if "=" in long else long[:40]
+        print(f"error: {key}= has a number of more than 4300 digits; no key takes one that long", file=sys.stderr)
+        sys.exit(2)
     except OverrideParseException:
         text = " ".join(overrides)
         windows = (

@@ -360,4 +360,5 @@ def test_hydra_job_chdir_is_refused_before_anything_is_written(tmp_path: Path) -
 def test_an_integer_of_100000_digits_is_one_line(tmp_path: Path) -> None:
     result = run_script("train.py", ["train.max_iters=" + "9" * 100_000], cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr == "error: train.max_iters= has a number of more than 4300 digits; no key takes one that long\n"
+    line = "error: train.max_iters= has a number of more than 4300 digits; no key takes one that long\n"
+    assert result.stderr == line

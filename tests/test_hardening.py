@@ -362,3 +362,42 @@ def test_an_integer_of_100000_digits_is_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2
     line = "error: train.max_iters= has a number of more than 4300 digits; no key takes one that long\n"
     assert result.stderr == line
+
+
+def _altered(raw: dict, name: str) -> None:
+    if name == "tokenizer without kind":
+        raw["tokenizer"].pop("kind")
+    elif name == "fewer characters than the model's vocabulary":
+        raw["tokenizer"]["chars"] = raw["tokenizer"]["chars"][:10]
+    elif name == "a weight of another shape":
+        raw["model"]["lm_head.weight"] = torch.zeros(3, 3)
+    elif name == "a missing weight":
+        raw["model"].pop("transformer.ln_f.weight")
+    elif name == "model not a mapping":
+        raw["model"] = [1, 2]
+    elif name == "an absurd model_config":
+        raw["model_config"].update(n_embd=10**6, n_layer=10**4, n_head=1)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("tokenizer without kind", "has a tokenizer this version can't rebuild (kind None)"),
+        ("fewer characters than the model's vocabulary", "has a tokenizer of 10 characters for a model of"),
+        ("a weight of another shape", "weights don't fit its model_config: size mismatch for lm_head.weight"),
+        ("a missing weight", "weights don't fit its model_config: Missing key(s) in state_dict"),
+        ("model not a mapping", "its model is no mapping of weights"),
+        ("an absurd model_config", "GiB in float32), more than this machine's"),
+    ],
+)
+def test_a_loadable_but_malformed_checkpoint_is_one_line(
+    trained_run: Path, tmp_path: Path, name: str, message: str
+) -> None:
+    """Each was a traceback from sample.py (the absurd model one allocating without limit first)."""
+    raw = torch.load(trained_run / CKPT_NAME, weights_only=True)
+    _altered(raw, name)
+    (tmp_path / "run").mkdir()
+    torch.save(raw, tmp_path / "run" / CKPT_NAME)
+    result = run_script("sample.py", [f"out_dir={tmp_path / 'run'}", "max_new_tokens=3", "num_samples=1"], tmp_path)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

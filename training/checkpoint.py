@@ -53,20 +53,39 @@ class Checkpoint:
     rng: list[dict[str, Any]] = field(default_factory=list)  # each rank's dropout generators, in rank order
 
     def build_model(self, attn_impl: str | None = None) -> GPT:
-        """The trained model; attn_impl may differ from the training run's, since both paths share weights."""
+        """The trained model; attn_impl may differ from the training run's, since both paths share weights. Weights
+        that don't fit the model (missing, extra, another shape) are a CheckpointError naming the first."""
         config = self.model_config
         if attn_impl is not None:
             config = dataclasses.replace(config, attn_impl=attn_impl)
         model = GPT(config)
-        model.load_state_dict(self.model)
+        try:
+            model.load_state_dict(self.model)
+        except RuntimeError as err:
+            detail = " ".join(str(err).split("\n\t")[1:2]) or _first_line(err)
+            raise CheckpointError(f"the checkpoint's weights don't fit its model_config: {detail.strip()}") from None
         return model
 
     def tokenizer_for_decoding(self, path: Path) -> dict[str, Any]:
         """The tokenizer's metadata; a checkpoint that has none (an export's input needs none) can't sample or
-        resume."""
-        if not self.tokenizer:
+        resume, and one that data.tokenizers can't rebuild, or whose characters don't cover the model's
+        vocabulary, is refused."""
+        meta = self.tokenizer
+        if not meta:
             raise CheckpointError(f"{path} holds no tokenizer: it wasn't written by train.py")
-        return self.tokenizer
+        kind = meta.get("kind") if isinstance(meta, dict) else None
+        if kind == "char":
+            chars = meta.get("chars")
+            if not isinstance(chars, list) or not all(isinstance(c, str) for c in chars):
+                raise CheckpointError(f"{path} has a char tokenizer without its list of characters")
+            if len(chars) != self.model_config.vocab_size:
+                raise CheckpointError(
+                    f"{path} has a tokenizer of {len(chars)} characters for a model of {self.model_config.vocab_size} "
+                    "tokens: it wasn't written by train.py, or was altered"
+                )
+        elif kind != "bpe" or not isinstance(meta.get("encoding"), str):
+            raise CheckpointError(f"{path} has a tokenizer this version can't rebuild (kind {kind!r})")
+        return meta
 
     def optimizer_state_for(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """The optimizer state keyed by parameter name. Checkpoints written before torchrun support keyed it by
@@ -113,10 +132,14 @@ class Checkpoint:
         state by position (optimizer_state_for)."""
         if not isinstance(raw, dict) or "model" not in raw or "model_config" not in raw:
             raise CheckpointError(f"{path} is not a checkpoint written by train.py")
+        weights = raw["model"]
+        if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
+            raise CheckpointError(f"{path} is not a checkpoint written by train.py: its model is no mapping of weights")
         try:
             model_config = GPTConfig(**raw["model_config"])
         except (TypeError, ConfigError) as err:
             raise CheckpointError(f"{path} has a model config this version can't build ({err})") from None
+        _check_buildable(model_config, path)
         rng = raw.get("rng", [])
         progress = {f.name: raw[f.name] for f in dataclasses.fields(Progress) if f.name in raw}
         return cls(
@@ -129,6 +152,27 @@ class Checkpoint:
             scaler=raw.get("scaler") or {},
             rng=[rng] if isinstance(rng, dict) else list(rng),
         )
+
+
+def _check_buildable(config: GPTConfig, path: Path) -> None:
+    """Before anything is allocated: a model_config whose float32 weights alone outgrow this machine's memory
+    (a damaged or crafted file) is refused instead of building it."""
+    from training.memory import parameter_count
+
+    need = 4 * parameter_count(config)
+    memory = _physical_memory()
+    if memory is not None and need > memory:
+        raise CheckpointError(
+            f"{path} asks for a model of {need / 4:,.0f} parameters ({need / 2**30:,.1f} GiB in float32), more "
+            f"than this machine's {memory / 2**30:,.1f} GiB: it is damaged, or not a checkpoint of a model this size"
+        )
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX: no limit checked
+        return None
 
 
 def nonfinite_tensors(state: Any, prefix: str = "") -> list[str]:

@@ -65,8 +65,12 @@ def load_examples(path: Path, tokenizer: Tokenizer) -> list[Example]:
     """Every example of the .jsonl file, tokenized."""
     require_bpe(tokenizer)
     examples = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DataError(f"{path}:{number} is not UTF-8 text; name the HellaSwag .jsonl file itself") from None
             if line.strip():
                 ctx, endings, label = _fields(line, path, number)
                 examples.append(Example(tokenizer.encode(ctx), [tokenizer.encode(" " + end) for end in endings], label))

@@ -27,9 +27,19 @@ def input_file(input_path: str) -> Path:
     path = Path(input_path).expanduser()
     if not path.is_file():
         raise DataError(
-            f"data.input={input_path} does not exist; pass a UTF-8 text file or a directory of .txt / .jsonl documents"
+            f"data.input={input_path} {why_not_a_file(path)}; pass a UTF-8 text file or a directory of .txt / .jsonl "
+            "documents"
         )
     return path
+
+
+def why_not_a_file(path: Path) -> str:
+    """What stands at a path that is no regular file, in words: nothing, a directory, or something else."""
+    if not path.exists():
+        return "does not exist"
+    if path.is_dir():
+        return "is a directory"
+    return "is not a regular file (a pipe, a device or a socket)"
 
 
 def text_file(input_path: str | None, cached_copy: Path, url: str | None) -> Path:

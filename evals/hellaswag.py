@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from data.errors import DataError
 from data.prepare import DEFAULT_CACHE
-from data.source import download
+from data.source import download, why_not_a_file
 from data.tokenizers import CharTokenizer, Tokenizer
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -54,7 +54,7 @@ def hellaswag_path(file: str | None, key: str, cached_copy: Path = CACHED_COPY, 
     if file is not None:
         path = Path(file).expanduser()
         if not path.is_file():
-            raise DataError(f"{key}={file} does not exist; name a HellaSwag .jsonl file (hellaswag_val.jsonl)")
+            raise DataError(f"{key}={file} {why_not_a_file(path)}; name a HellaSwag .jsonl file (hellaswag_val.jsonl)")
         return path
     if cached_copy.is_file():
         return cached_copy

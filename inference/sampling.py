@@ -12,7 +12,7 @@ import torch
 
 from common.errors import ConfigError
 from data.errors import DataError
-from data.source import read_utf8
+from data.source import read_utf8, why_not_a_file
 from data.tokenizers import Tokenizer
 from inference.load import load_model
 from inference.sample_text import InOrder, SampleText
@@ -27,10 +27,8 @@ def read_prompt(start: str) -> str:
     if not start.startswith("FILE:"):
         return start
     path = Path(start.removeprefix("FILE:")).expanduser()
-    if path.is_dir():
-        raise DataError(f"start=FILE:{path} is a directory; name a text file")
     if not path.is_file():
-        raise DataError(f"start=FILE:{path}: no such file")
+        raise DataError(f"start=FILE:{path} {why_not_a_file(path)}; name a text file")
     return read_utf8(path)
 
 

@@ -8,6 +8,7 @@ import logging
 import os
 import platform
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,23 @@ def test_a_prompt_file_that_is_a_directory_or_not_utf8_is_one_line(tmp_path: Pat
     binary.write_bytes(b"ROMEO:\xff\xfe")
     with pytest.raises(DataError, match=r"is not UTF-8 text \(invalid start byte at byte 6\)"):
         read_prompt(f"FILE:{binary}")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX's")
+def test_a_pipe_where_a_file_is_expected_is_named_as_such(tmp_path: Path) -> None:
+    """It was 'does not exist' (data.input, the HellaSwag file) or 'no such file' (start=FILE:)."""
+    from data.source import input_file
+    from evals.hellaswag import hellaswag_path
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    expected = "is not a regular file (a pipe, a device or a socket)"
+    for call in (lambda: read_prompt(f"FILE:{fifo}"), lambda: input_file(str(fifo)),
+                 lambda: hellaswag_path(str(fifo), "hellaswag_file")):
+        with pytest.raises(DataError, match=re.escape(expected)):
+            call()
+    with pytest.raises(DataError, match=f"start=FILE:{tmp_path / 'none.txt'} does not exist"):
+        read_prompt(f"FILE:{tmp_path / 'none.txt'}")
 
 
 def test_max_iters_0_writes_the_initial_weights_it_claims(

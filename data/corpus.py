@@ -15,6 +15,8 @@ import json
 import multiprocessing
 import os
 import signal
+import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -141,7 +143,7 @@ class DocumentEncoder:
                 self.num_proc,
                 mp_context=multiprocessing.get_context(START_METHOD),
                 initializer=_init_worker,
-                initargs=(_encoding_args(self.tokenizer),),
+                initargs=(_encoding_args(self.tokenizer), os.getpid()),
             )
         return self
 
@@ -190,11 +192,24 @@ def _encoding_args(tokenizer: BpeTokenizer) -> dict[str, Any]:
     }
 
 
-def _init_worker(encoding_args: dict[str, Any]) -> None:
+def _init_worker(encoding_args: dict[str, Any], parent: int) -> None:
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: one KeyboardInterrupt, the main process's
+    exit_with_parent(parent)
     encoding = tiktoken.Encoding(**encoding_args)
     _worker = (encoding, encoding.eot_token)
+
+
+def exit_with_parent(parent: int, every_s: float = 0.5) -> None:
+    """A worker ends itself once its parent is gone: a parent killed by SIGTERM or SIGKILL can't stop its pool,
+    and the workers lived on under PID 1, each holding its memory. Re-parented, a process's getppid changes."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _encode_chunk_in_worker(docs: list[str]) -> list[np.ndarray]:

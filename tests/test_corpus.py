@@ -448,3 +448,61 @@ def test_val_bits_per_byte_is_the_text_tokens_nats_over_their_bytes(
     assert nats < all_nats  # the val shard does hold document boundaries: the two sums differ
     assert reported["val_loss"] == pytest.approx(all_nats / tokens, rel=1e-5)
     assert reported["val_bpb"] == pytest.approx(nats / (np.log(2) * n_bytes), rel=1e-5)
+
+
+_ORPHAN_PARENT = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+from concurrent.futures import ProcessPoolExecutor
+import multiprocessing
+from data.corpus import exit_with_parent
+
+def work(_):
+    time.sleep(60)
+    return os.getpid()
+
+if __name__ == "__main__":
+    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=exit_with_parent,
+                               initargs=(os.getpid(), 0.1))
+    futures = [pool.submit(work, i) for i in range(2)]
+    while len(pool._processes) < 2:
+        time.sleep(0.05)
+    print(" ".join(str(pid) for pid in pool._processes), flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL and re-parenting are POSIX's")
+def test_encoding_workers_end_when_their_parent_is_killed(tmp_path: Path) -> None:
+    """data.prepare's pool initializer: workers of a parent killed with SIGKILL used to live on under PID 1."""
+    import signal
+    import subprocess
+    import time
+
+    from conftest import REPO
+
+    script = tmp_path / "parent.py"  # a file: spawned workers import their task from it
+    script.write_text(_ORPHAN_PARENT.format(repo=str(REPO)))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    workers = [int(pid) for pid in parent.stdout.readline().split()]
+    assert len(workers) == 2
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [pid for pid in workers if _running(pid)]
+    assert alive == []
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:  # Linux: a zombie (ended, not yet reaped) is not running
+            return stat.read().split()[2] != "Z"
+    except OSError:
+        return True

@@ -517,16 +517,17 @@ def bench_memory(args: argparse.Namespace) -> list[dict]:
 def memory_probe(
     n_layer: int, n_embd: int, block_size: int, batch_size: int, checkpointing: int, vocab: int, bf16: int
 ) -> int:
-    """Bytes of RSS two AdamW steps of this shape add, in this process (bench.py --memory-probe runs it alone)."""
-    import resource
+    """Bytes of RSS two AdamW steps of this shape add, in this process (bench.py --memory-probe runs it alone).
+    The peak is VmHWM, this process image's own: getrusage's ru_maxrss keeps the peak of the process that forked
+    this one (pytest's, hundreds of MB) across exec."""
 
-    def rss() -> int:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS"))
+    def status(field: str) -> int:
+        with open("/proc/self/status") as lines:
+            return next(int(line.split()[1]) * 1024 for line in lines if line.startswith(field + ":"))
 
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=vocab, block_size=block_size, n_layer=n_layer, n_head=4, n_embd=n_embd, bias=False)
-    before = rss()
+    before = status("VmRSS")
     model = GPT(config).train()
     model.activation_checkpointing = bool(checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -537,7 +538,7 @@ def memory_probe(
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    return status("VmHWM") - before
 
 
 def bench_muon(args: argparse.Namespace) -> list[dict]:

@@ -45,6 +45,10 @@ TEXT_KEYS = ("start", "stop")  # taken literally: a prompt's ${...} is text, not
 def main(dict_cfg: DictConfig) -> None:
     with exit_on_user_error(), stdout_reader_may_leave():
         cfg = typed_config(dict_cfg, SampleConfig)  # checked: one line for a bad value
+        if cfg.attention_dir:
+            from analysis.attention_maps import check_output_dir
+
+            check_output_dir(Path(cfg.attention_dir))  # before any work: nothing of the user's is overwritten
         sampler = load_sampler(cfg)
         prompt = sampler.encode_prompt(cfg.start)
         decoding = Decoding(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)

@@ -9,14 +9,17 @@ visible.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from analysis.diagnostics import DIAGNOSTIC_NAMES, head_diagnostics
+from data.errors import DataError
 from model import GPT, causal_mask
 
+EXPLORER_MARK = "<!-- The attention explorer."  # the first comment of analysis/explorer_page.html
 LABELS_UP_TO = 48  # token labels on the axes only while they stay readable
 MASKED_COLOUR = "#9a9a9a"  # neutral grey: no weight's colour in the map's scale
 
@@ -45,6 +48,25 @@ def attention_arrays(model: GPT, ids: list[int]) -> tuple[np.ndarray, np.ndarray
     T = len(ids)
     mask = np.stack([causal_mask(T, T, window=w).numpy() for w in model.config.layer_windows()])
     return weights, mask
+
+
+OURS = re.compile(r"attention\.npz|index\.html|attention_layer\d+\.png")  # every file sample.py writes there
+
+
+def check_output_dir(out_dir: Path, key: str = "attention_dir") -> None:
+    """Before any work: the directory is new, empty, or holds only what an earlier attention_dir=... wrote, and
+    its index.html, if any, is the explorer's. Anything else is the user's, never overwritten: DataError."""
+    if not out_dir.is_dir():
+        return
+    strangers = sorted(p.name for p in out_dir.iterdir() if not OURS.fullmatch(p.name) or not p.is_file())
+    page = out_dir / "index.html"
+    if page.is_file() and EXPLORER_MARK not in page.read_text(encoding="utf-8", errors="replace")[:1000]:
+        strangers.append("index.html (not an attention explorer page)")
+    if strangers:
+        raise DataError(
+            f"{key}={out_dir} holds files sample.py didn't write ({', '.join(strangers[:3])}); name an empty or "
+            "new directory, so nothing of yours is overwritten"
+        )
 
 
 def load_attention_maps(out_dir: Path) -> dict[str, np.ndarray]:

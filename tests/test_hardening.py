@@ -419,3 +419,23 @@ def test_a_loadable_but_malformed_checkpoint_is_one_line(
     result = run_script("sample.py", [f"out_dir={tmp_path / 'run'}", "max_new_tokens=3", "num_samples=1"], tmp_path)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_attention_dir_never_overwrites_the_users_files(trained_run: Path, tmp_path: Path) -> None:
+    """An index.html or any other file sample.py didn't write stops it before any work; its own output from an
+    earlier run may be written again."""
+    from analysis.attention_maps import check_output_dir
+
+    mine = tmp_path / "maps"
+    args = [f"out_dir={trained_run}", "max_new_tokens=20", "num_samples=1", f"attention_dir={mine}"]
+    assert run_script("sample.py", args, tmp_path).returncode == 0
+    assert run_script("sample.py", args, tmp_path).returncode == 0  # ours: written again
+    for name, content in (("index.html", "<html>my homepage</html>"), ("notes.txt", "mine")):
+        theirs = tmp_path / name.replace(".", "_")
+        theirs.mkdir()
+        (theirs / name).write_text(content)
+        result = run_script("sample.py", [*args[:-1], f"attention_dir={theirs}"], tmp_path)
+        assert result.returncode == 2 and result.stdout == ""  # refused before sampling
+        assert f"holds files sample.py didn't write ({name}" in result.stderr
+        assert (theirs / name).read_text() == content and len(list(theirs.iterdir())) == 1
+    check_output_dir(tmp_path / "new")  # a new directory: nothing to check

@@ -261,6 +261,7 @@ def _prepared_once(
     if prepared:
         return prepared
     _refuse_unless(prepare, out_dir)
+    _refuse_foreign(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = FileLock(out_dir / PREPARE_LOCK)  # not the run's .lock: data.dir may be the run directory
     try:
@@ -277,6 +278,23 @@ def _prepared_once(
         return make()
     finally:
         lock.release()
+
+
+def _refuse_foreign(out_dir: Path) -> None:
+    """A meta.json this project didn't write (another tool's, or the user's own) is never replaced, nor the token
+    files beside it: ours always names its source and tokenizer spec."""
+    path = out_dir / "meta.json"
+    if not path.is_file():
+        return
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError):
+        meta = None
+    if not isinstance(meta, dict) or not {"source", "tokenizer_spec"} <= meta.keys():
+        raise DataError(
+            f"data.dir={out_dir} holds a meta.json this project didn't write; preparing would replace it and the "
+            "token files beside it: name another data.dir"
+        )
 
 
 def _refuse_unless(prepare: bool, out_dir: Path) -> None:

@@ -439,3 +439,19 @@ def test_attention_dir_never_overwrites_the_users_files(trained_run: Path, tmp_p
         assert f"holds files sample.py didn't write ({name}" in result.stderr
         assert (theirs / name).read_text() == content and len(list(theirs.iterdir())) == 1
     check_output_dir(tmp_path / "new")  # a new directory: nothing to check
+
+
+def test_data_dir_never_replaces_a_meta_json_it_did_not_write(tmp_path: Path, corpus_path: Path) -> None:
+    for content in ('{"vocab_size": 50257, "note": "my own dataset"}', "not json"):
+        data = tmp_path / "data"
+        data.mkdir(exist_ok=True)
+        (data / "meta.json").write_text(content)
+        (data / "train.bin").write_bytes(b"\x01\x02")
+        config = DataConfig(input=str(corpus_path), dir=str(data))
+        with pytest.raises(DataError, match=r"holds a meta.json this project didn't write; .* name another data.dir"):
+            ensure_prepared(config)
+        assert (data / "meta.json").read_text() == content and (data / "train.bin").read_bytes() == b"\x01\x02"
+    ours = DataConfig(input=str(corpus_path), dir=str(tmp_path / "ours"))
+    ensure_prepared(ours)
+    changed = DataConfig(input=str(corpus_path), dir=str(tmp_path / "ours"), val_fraction=0.2)
+    assert ensure_prepared(changed).meta["val_fraction"] == 0.2  # its own, from other settings: prepared again

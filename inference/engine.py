@@ -215,7 +215,7 @@ class Engine:
         cache = KVCache(self.model.config)
         idx = torch.tensor([completion.prompt], dtype=torch.long, device=self.runtime.device)
         with self.runtime.autocast():
-            logits = self.model.logits(self.model.hidden(idx, cache)[:, -1, :])
+            logits = self.model.logits(self.model.prefill(idx, cache)[:, -1, :])
         self._deliver(completion, pick_tokens(logits, [completion])[0])
         if not completion.done:
             self.cache.add(cache)

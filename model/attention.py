@@ -179,8 +179,9 @@ class CausalSelfAttention(nn.Module):
             # is_causal aligns the mask to the first key; a single query after the cache may see every key
             # the cache returned (a windowed layer's cache returns only those in its window).
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
-        else:
-            raise ValueError("the flash path extends a non-empty KV cache one token at a time")
+        else:  # T new tokens after the cached ones (a long prompt fed in chunks): the mask aligned to the end
+            mask = causal_mask(T, k.size(-2), x.device, self.window)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         y = y.transpose(1, 2).reshape(B, T, C)
         return F.dropout(self.c_proj(y), dropout_p)
 

@@ -44,7 +44,7 @@ class BatchKVCache:
         length = prefilled.length
         for layer, (source, slots) in enumerate(zip(prefilled.layers, self.slots, strict=True)):
             assert source.buffer is not None and source.buffer.size(1) == 1, "a row joins with one sequence"
-            assert source.stored == length, "a prompt run once, from an empty cache"
+            first = length - source.stored  # the position of the source's first stored token (a rolled window's)
             buffer = self.buffers[layer]
             if buffer is None or buffer.size(1) == self.rows:  # full: room for as many rows again
                 two, _, n_head, _, head_dim = source.buffer.shape
@@ -52,8 +52,8 @@ class BatchKVCache:
                 if buffer is not None:
                     grown[:, : self.rows] = buffer[:, : self.rows]
                 self.buffers[layer] = buffer = grown
-            kept = torch.arange(max(0, length - slots), length, device=source.buffer.device)
-            buffer[:, self.rows, :, kept % slots] = source.buffer[:, 0, :, kept]
+            kept = torch.arange(max(first, length - slots), length, device=source.buffer.device)
+            buffer[:, self.rows, :, kept % slots] = source.buffer[:, 0, :, kept - first]
         assert prefilled.last_token is not None
         last = prefilled.last_token.reshape(1, 1)
         self.last_token = last if self.last_token is None else torch.cat((self.last_token, last))

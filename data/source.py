@@ -119,16 +119,30 @@ class TextFile:
     path: Path
     length: int  # in characters
     chars: frozenset[str]  # empty unless the survey was asked for them
+    stamp: tuple[int, int]  # size and modification time when surveyed
 
     @classmethod
     def survey(cls, path: Path, *, chars: bool) -> TextFile:
         """Reads the whole file, so a text that is not UTF-8 fails here, before anything is written."""
+        stamp = _stamp(path)
         length, seen = 0, set()
         for piece in utf8_pieces(path):
             length += len(piece)
             if chars:
                 seen.update(piece)
-        return cls(path, length, frozenset(seen))
+        return cls(path, length, frozenset(seen), stamp)
+
+    def check_unchanged(self) -> None:
+        """DataError if the file changed since the survey (its second pass would not be the text surveyed)."""
+        if _stamp(self.path) != self.stamp:
+            raise DataError(
+                f"{self.path} changed while it was being prepared; prepare again once nothing is writing to it"
+            )
 
     def pieces(self) -> Iterator[str]:
         return utf8_pieces(self.path)
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns

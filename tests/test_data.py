@@ -152,3 +152,21 @@ def test_real_char_level_tiny_shakespeare_matches_nanogpt(tmp_path: Path) -> Non
     assert data.meta["vocab_size"] == 65
     assert (data.meta["train_tokens"], data.meta["val_tokens"]) == (1_003_854, 111_540)
     assert json.loads((data.dir / "meta.json").read_text())["vocab_size"] == 65
+
+
+@pytest.mark.parametrize("added", ["Ω", " more of the same text"])
+def test_a_text_that_changes_during_preparation_is_named_as_such(tmp_path: Path, added: str) -> None:
+    """It was "character 'Ω' is not in the model's vocabulary ...; remove it from the text" for a character the
+    survey never saw, and silently a split and counts from another text otherwise."""
+    from data.prepare import make_tokenizer, write_dataset
+    from data.source import TextFile
+
+    path = tmp_path / "input.txt"
+    path.write_text("To be, or not to be, that is the question.\n" * 50)
+    text = TextFile.survey(path, chars=True)
+    tokenizer = make_tokenizer("char", text.chars)
+    with path.open("a") as f:  # another program writes on
+        f.write(added)
+    with pytest.raises(DataError, match=r"input\.txt changed while it was being prepared; prepare again once"):
+        write_dataset(text, tokenizer, tmp_path / "data", 0.1, {})
+    assert not (tmp_path / "data" / "meta.json").exists()  # nothing that counts as prepared

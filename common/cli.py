@@ -59,7 +59,7 @@ def check_overrides(args: list[str], schema: type) -> None:
     groups = {path.name for path in CONFIG_DIR.iterdir() if path.is_dir()}
     for override in parsed:
         key = override.key_or_group
-        if key == "hydra.job.chdir" and str(override.value()).lower() == "true":
+        if key == "hydra.job.chdir" and str(override.value()).lower() in ("true", "yes", "on", "1", "y"):
             with exit_on_user_error():
                 raise ConfigError(
                     "hydra.job.chdir=true would run the command in Hydra's output directory, where relative paths "

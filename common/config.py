@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from collections.abc import Sequence
@@ -51,8 +52,8 @@ def check_fields(config: Any, prefix: str = "") -> None:
     """This dataclass's own fields with rules (nested configs check themselves); keys named as prefix + name."""
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if f.metadata.get("path") and isinstance(value, str):
-            value = str(Path(value).expanduser())
+        if f.metadata.get("path") and isinstance(value, str) and value.startswith("~"):
+            value = os.path.expanduser(value)  # only the ~: an unknown ~user, "" and the rest are left as given
             setattr(config, f.name, value)
         if "rules" in f.metadata and value is not None:
             problem = _problem(value, **f.metadata["rules"])
@@ -178,7 +179,7 @@ def _problem(
     bounded = any(bound is not None for bound in (at_least, above, below, at_most))
     if bounded and isinstance(value, float) and not math.isfinite(value):
         problem = "must be a finite number"
-    elif directory and (file := _file_in_the_way(path := Path(value).expanduser())):
+    elif directory and (file := _file_in_the_way(path := Path(os.path.expanduser(value)))):
         problem = "is a file, not a directory" if file == path else f"is inside the file {file}"
         problem += "; name a directory"
     elif choices is not None and value not in choices:

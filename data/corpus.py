@@ -105,7 +105,7 @@ def source_fingerprint(input: str | None, hf_dataset: str | None, hf_name: str |
     their contents: a corpus can be gigabytes). A dataset: its name only, the hub's data is taken as fixed."""
     if hf_dataset:
         return {"hf_dataset": hf_dataset, "hf_name": hf_name}
-    root = Path(input).expanduser()  # type: ignore[arg-type]
+    root = Path(os.path.expanduser(input))  # type: ignore[arg-type]
     listing = [(p.relative_to(root).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in document_files(root)]
     return {"files_sha256": hashlib.sha256(json.dumps(listing).encode()).hexdigest(), "files": len(listing)}
 
@@ -192,20 +192,31 @@ def _encoding_args(tokenizer: BpeTokenizer) -> dict[str, Any]:
     }
 
 
-def _init_worker(encoding_args: dict[str, Any], parent: int) -> None:
+def _init_worker(encoding_args: dict[str, Any], main: int) -> None:
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: one KeyboardInterrupt, the main process's
-    exit_with_parent(parent)
+    exit_with_parent(main)
     encoding = tiktoken.Encoding(**encoding_args)
     _worker = (encoding, encoding.eot_token)
 
 
-def exit_with_parent(parent: int, every_s: float = 0.5) -> None:
-    """A worker ends itself once its parent is gone: a parent killed by SIGTERM or SIGKILL can't stop its pool,
-    and the workers lived on under PID 1, each holding its memory. Re-parented, a process's getppid changes."""
+def exit_with_parent(main: int, every_s: float = 0.5) -> None:
+    """A worker ends itself once the process that made its pool (`main`) is gone: one killed by SIGTERM or
+    SIGKILL can't stop its pool, and the workers lived on under PID 1, each holding its memory. Asked of `main`
+    itself, not of getppid: a forkserver's workers have the forkserver for a parent, and a worker that starts
+    after main died would take PID 1 for its parent."""
+
+    def gone() -> bool:
+        try:
+            os.kill(main, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, and someone else's (the PID reused): as good as gone
+            return True
+        return False
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while not gone():
             time.sleep(every_s)
         os._exit(1)
 

@@ -13,6 +13,7 @@ import bisect
 import itertools
 import json
 import logging
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ class PreparedData:
 
 
 def dataset_dir(name: str, dir: str | None) -> Path:
-    return Path(dir).expanduser() if dir else DEFAULT_CACHE / name
+    return Path(os.path.expanduser(dir)) if dir else DEFAULT_CACHE / name
 
 
 def source_fingerprint(input_path: str | None, url: str | None) -> dict[str, str | None]:
@@ -213,7 +214,7 @@ def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData
     gives shards. prepare=False (a torchrun rank other than 0) only reads what rank 0 prepared.
     """
     out_dir = dataset_dir(config.name, config.dir)
-    if config.hf_dataset or (config.input and Path(config.input).expanduser().is_dir()):
+    if config.hf_dataset or (config.input and Path(os.path.expanduser(config.input)).is_dir()):
         return _ensure_corpus(out_dir, config, prepare)
     fingerprint = {
         "source": source_fingerprint(config.input, config.url),
@@ -293,8 +294,8 @@ def _refuse_foreign(out_dir: Path) -> None:
         return
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, OSError):
-        meta = None
+    except (ValueError, OSError):  # damaged (ours are written whole, but disks fail): prepared again
+        return
     if not isinstance(meta, dict) or not {"source", "tokenizer_spec"} <= meta.keys():
         raise DataError(
             f"data.dir={out_dir} holds a meta.json this project didn't write; preparing would replace it and the "

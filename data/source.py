@@ -11,6 +11,7 @@ import codecs
 import hashlib
 import http.client
 import io
+import os
 import shutil
 import urllib.request
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ _READ_BYTES = 1 << 22  # 4 MiB a read: the decoded piece and its ids take a few 
 
 
 def input_file(input_path: str) -> Path:
-    path = Path(input_path).expanduser()
+    path = Path(os.path.expanduser(input_path))
     if not path.is_file():
         raise DataError(
             f"data.input={input_path} {why_not_a_file(path)}; pass a UTF-8 text file or a directory of .txt / .jsonl "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +53,7 @@ def hellaswag_path(file: str | None, key: str, cached_copy: Path = CACHED_COPY, 
     """The validation set: the file named by `key` (its name in the command's config), else the cached copy, else
     the download saved there (whole or not at all)."""
     if file is not None:
-        path = Path(file).expanduser()
+        path = Path(os.path.expanduser(file))
         if not path.is_file():
             raise DataError(f"{key}={file} {why_not_a_file(path)}; name a HellaSwag .jsonl file (hellaswag_val.jsonl)")
         return path

@@ -4,6 +4,7 @@ sliding-window loss, perplexity and bits per byte, and HellaSwag; one record of 
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,7 @@ def _text_to_score(cfg: EvalConfig, loaded: LoadedModel) -> tuple[str, list[np.n
 
 
 def _file_tokens(input_path: str, tokenizer: Tokenizer) -> np.ndarray:
-    path = Path(input_path).expanduser()
+    path = Path(os.path.expanduser(input_path))
     if not path.is_file():
         raise DataError(f"input={input_path} is not a file; name a UTF-8 text file")
     tokens = np.asarray(tokenizer.encode(read_utf8(path)), dtype=np.int64)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ def read_prompt(start: str) -> str:
     """The prompt itself, or the contents of a file given as FILE:path."""
     if not start.startswith("FILE:"):
         return start
-    path = Path(start.removeprefix("FILE:")).expanduser()
+    path = Path(os.path.expanduser(start.removeprefix("FILE:")))
     if not path.is_file():
         raise DataError(f"start=FILE:{path} {why_not_a_file(path)}; name a text file")
     return read_utf8(path)

@@ -462,8 +462,8 @@ def work(_):
     return os.getpid()
 
 if __name__ == "__main__":
-    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=exit_with_parent,
-                               initargs=(os.getpid(), 0.1))
+    context = multiprocessing.get_context(sys.argv[1])
+    pool = ProcessPoolExecutor(2, mp_context=context, initializer=exit_with_parent, initargs=(os.getpid(), 0.1))
     futures = [pool.submit(work, i) for i in range(2)]
     while len(pool._processes) < 2:
         time.sleep(0.05)
@@ -473,7 +473,8 @@ if __name__ == "__main__":
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL and re-parenting are POSIX's")
-def test_encoding_workers_end_when_their_parent_is_killed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])  # forkserver: Python 3.14's default on Linux
+def test_encoding_workers_end_when_their_parent_is_killed(tmp_path: Path, method: str) -> None:
     """data.prepare's pool initializer: workers of a parent killed with SIGKILL used to live on under PID 1."""
     import signal
     import subprocess
@@ -483,7 +484,7 @@ def test_encoding_workers_end_when_their_parent_is_killed(tmp_path: Path) -> Non
 
     script = tmp_path / "parent.py"  # a file: spawned workers import their task from it
     script.write_text(_ORPHAN_PARENT.format(repo=str(REPO)))
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, str(script), method], stdout=subprocess.PIPE, text=True)
     workers = [int(pid) for pid in parent.stdout.readline().split()]
     assert len(workers) == 2
     parent.send_signal(signal.SIGKILL)

@@ -442,7 +442,7 @@ def test_attention_dir_never_overwrites_the_users_files(trained_run: Path, tmp_p
 
 
 def test_data_dir_never_replaces_a_meta_json_it_did_not_write(tmp_path: Path, corpus_path: Path) -> None:
-    for content in ('{"vocab_size": 50257, "note": "my own dataset"}', "not json"):
+    for content in ('{"vocab_size": 50257, "note": "my own dataset"}', '["a list"]'):
         data = tmp_path / "data"
         data.mkdir(exist_ok=True)
         (data / "meta.json").write_text(content)
@@ -453,5 +453,14 @@ def test_data_dir_never_replaces_a_meta_json_it_did_not_write(tmp_path: Path, co
         assert (data / "meta.json").read_text() == content and (data / "train.bin").read_bytes() == b"\x01\x02"
     ours = DataConfig(input=str(corpus_path), dir=str(tmp_path / "ours"))
     ensure_prepared(ours)
+    (tmp_path / "ours" / "meta.json").write_text("")  # damaged, not someone else's: prepared again
+    ensure_prepared(ours)
     changed = DataConfig(input=str(corpus_path), dir=str(tmp_path / "ours"), val_fraction=0.2)
     assert ensure_prepared(changed).meta["val_fraction"] == 0.2  # its own, from other settings: prepared again
+
+
+def test_the_path_rule_expands_only_a_leading_tilde() -> None:
+    """An empty value stays empty (data.input= still means no input), an unknown ~user stays as given."""
+    config = DataConfig(input="", dir="~nosuchuser_here/data")
+    assert (config.input, config.dir) == ("", "~nosuchuser_here/data")
+    assert DataConfig(dir="a/./b/").dir == "a/./b/"

@@ -46,8 +46,9 @@ def run_lock(out_dir: Path) -> Iterator[None]:
         write_text_atomically(out_dir / HOLDER_NAME, str(os.getpid()))
         yield
     finally:
+        ours = still_ours(out_dir)  # a stolen lock's .lock.pid is the new holder's: left to it
         _HELD.pop(key, None)
-        if still_ours(out_dir):
+        if ours:
             (out_dir / HOLDER_NAME).unlink(missing_ok=True)
         lock.release()
 
@@ -68,7 +69,7 @@ def still_ours(out_dir: Path) -> bool:
         return True
     try:
         return _identity(out_dir / LOCK_NAME) == identity
-    except FileNotFoundError:
+    except OSError:  # gone, or unreadable: not the file this process locked
         return False
 
 

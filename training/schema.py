@@ -148,7 +148,8 @@ class TrainRunConfig:
     device: str = option("auto", choices=DEVICES)
     seed: int = option(1337, at_least=0, at_most=SEED_MAX)
     resume: bool = False  # continue the run in out_dir from its ckpt.pt
-    init_from: str | None = None  # gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 directory: start from it
+    # gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 directory: start from it
+    init_from: str | None = option(None, path=True)
     model: ModelConfig = field(default_factory=ModelConfig)  # type: ignore[valid-type]
     data: DataConfig = field(default_factory=DataConfig)
     train: OptimConfig = field(default_factory=OptimConfig)
@@ -168,7 +169,8 @@ class ModelChoice:
     """The keys that pick the model sample.py and eval.py run."""
 
     out_dir: str | None = option(None, path=True)  # a train.py run directory holding ckpt.pt (or init_from)
-    init_from: str | None = None  # instead of out_dir: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 dir
+    # instead of out_dir: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 dir
+    init_from: str | None = option(None, path=True)
     ckpt: str = option("latest", choices=("latest", "best"))  # the run's ckpt.pt, or its best.pt (train.keep_best)
 
     def __post_init__(self) -> None:

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 PREPARE_LOCK = ".prepare.lock"  # held by the one process preparing a data folder
 DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
 _CHUNK_CHARS = 1 << 20  # BPE: encode pieces of at least this many characters, cut where it is safe
+_GIANT_WORD_CHARS = _CHUNK_CHARS  # a run with no safe cut is cut here anyway (_safely_cut)
 # A lone newline between two non-space characters: GPT-2's pre-tokenizer always splits after it,
 # so cutting there gives the same tokens as encoding the whole text at once.
 _SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
@@ -146,9 +147,10 @@ def _safely_cut(pieces: Iterable[str], pretokenizer: regex.Pattern) -> Iterator[
 
     A lone newline between words is the cheap safe cut (_chunks). A text without one (a paragraph a line, blank
     lines between) is cut where the encoding's own pre-tokenizer splits it whether or not the text goes on
-    (_pretoken_chunks), once more than 2 * _CHUNK_CHARS characters are held: memory stays bounded either way,
-    unless the text is one giant word (a run of letters or spaces millions long), which is held whole. A piece is
-    joined to the held text only when it brings a cut, so a long stretch is joined once, not per piece.
+    (_pretoken_chunks), once more than 2 * _CHUNK_CHARS characters are held: memory stays bounded either way.
+    A giant word (a run of letters or spaces with no cut at all) is cut every _GIANT_WORD_CHARS characters: its
+    tokens at each such cut may differ from encoding it whole (20 MB of one letter, held whole, peaked at 1.2 GB).
+    A piece is joined to the held text only when it brings a cut, so a long stretch is joined once, not per piece.
 
     Both rules are proven (and fuzzed) for GPT-2's pre-tokenizer pattern, which r50k_base and p50k_base use: the
     encodings whose vocabularies fit the uint16 token files. cl100k's and o200k's patterns join words differently
@@ -166,6 +168,9 @@ def _safely_cut(pieces: Iterable[str], pretokenizer: regex.Pattern) -> Iterator[
         if not whole and len(tail) > 2 * _CHUNK_CHARS:
             *whole, tail = _pretoken_chunks(tail, pretokenizer)
         yield from whole
+        while len(tail) > _GIANT_WORD_CHARS:  # no safe cut anywhere: cut anyway, memory before exactness
+            yield tail[:_GIANT_WORD_CHARS]
+            tail = tail[_GIANT_WORD_CHARS:]
         held, held_chars = [tail], len(tail)
     yield "".join(held)
 

@@ -200,3 +200,14 @@ def test_a_downloaded_text_is_saved_then_streamed(tmp_path: Path, small_reads: N
     cached = tmp_path / "data" / "input.txt"
     assert cached.read_bytes() == TEXT.encode()
     assert _prepared_files(tmp_path / "data") == _expected_files(cached, TINY_BPE, 0.1, {"url": url})
+
+
+def test_a_giant_word_is_cut_anyway_so_memory_stays_bounded(small_reads: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run of one letter has no safe cut at all: it used to be held whole (20 MB peaked at 1.16 GB of RSS; cut
+    every _GIANT_WORD_CHARS: 0.33 GB, the same token counts)."""
+    monkeypatch.setattr(prepare, "_GIANT_WORD_CHARS", 4096)
+    bpe = BpeTokenizer.from_name(TINY_BPE)
+    text = "a" * 20_000 + " the end\n"
+    reads = [text[i : i + 100] for i in range(0, len(text), 100)]
+    pieces = list(prepare._safely_cut(reads, bpe.pretokenizer()))
+    assert "".join(pieces) == text and max(map(len, pieces)) <= 4096 + 2 * 100

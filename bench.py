@@ -321,14 +321,13 @@ def bench_serve(args: argparse.Namespace) -> list[dict]:
     own generation of one sample of the same length, timed in this process. The model: --serve-run's checkpoint,
     else the CPU preset's shape (4x4x128, block 64) with random weights, which time the same. The clients run
     here, on the same CPU as the server: their share of it is in the figures."""
-    from data.tokenizers import CharTokenizer
     from inference.load import load_model
     from inference.sampling import Sampler
     from model.decoding import Decoding
     from training.runtime import make_runtime
 
     with tempfile.TemporaryDirectory() as tmp:
-        run = Path(args.serve_run) if args.serve_run else _random_run(Path(tmp) / "run", CharTokenizer)
+        run = Path(args.serve_run) if args.serve_run else _random_run(Path(tmp) / "run")
         loaded = load_model(str(run), None, "latest", None)
         sampler = Sampler(loaded.model.to(args.device).eval(), loaded.tokenizer, make_runtime(args.device, "auto"))
         prompt = loaded.tokenizer.encode(SERVE_PROMPT)
@@ -404,8 +403,9 @@ def _engine_alone(
     return rows
 
 
-def _random_run(run: Path, char_tokenizer: type) -> Path:
+def _random_run(run: Path) -> Path:
     """A run directory whose ckpt.pt holds the CPU preset's shape with random weights, for timing only."""
+    from data.tokenizers import CharTokenizer
     from training.checkpoint import CKPT_NAME, Checkpoint, save_checkpoint
 
     torch.manual_seed(0)
@@ -413,7 +413,7 @@ def _random_run(run: Path, char_tokenizer: type) -> Path:
     chars = sorted(set(SERVE_PROMPT) | set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ .,;:!?'-\n"))
     chars += [chr(0x100 + i) for i in range(65 - len(chars))]
     run.mkdir(parents=True)
-    tokenizer = char_tokenizer(chars)
+    tokenizer = CharTokenizer(chars)
     save_checkpoint(run / CKPT_NAME, Checkpoint(config, GPT(config).state_dict(), tokenizer.metadata()))
     return run
 

@@ -15,7 +15,7 @@ import uvicorn
 from common.errors import ConfigError
 from inference.engine import Engine
 from inference.load import load_model
-from inference.server import Limits, Service, create_app
+from inference.server import Service, create_app
 from training.runtime import make_runtime
 from training.schema import ServeConfig
 
@@ -31,9 +31,7 @@ def build_service(cfg: ServeConfig) -> Service:
     model = loaded.model.to(runtime.device).eval()
     engine = Engine(model, loaded.tokenizer, runtime, cfg.max_batch)
     model_id = cfg.model_id or (cfg.init_from if cfg.out_dir is None else Path(cfg.out_dir).resolve().name)
-    limits = Limits(cfg.max_tokens, cfg.max_choices, cfg.max_prompt_tokens, cfg.max_queue, cfg.timeout_s,
-                    cfg.max_body_bytes)
-    return Service(engine, loaded.tokenizer, model_id, limits)
+    return Service(engine, loaded.tokenizer, model_id, cfg)
 
 
 def cpu_threads() -> int:

@@ -41,7 +41,7 @@ from data.tokenizers import Tokenizer
 from inference.engine import Completion, Engine
 from inference.sample_text import SampleText
 from model.decoding import Decoding, row_generators
-from training.schema import SEED_MAX
+from training.schema import SEED_MAX, ServeConfig
 
 log = logging.getLogger("serve")
 PAGE = Path(__file__).with_name("serve_page.html")
@@ -50,18 +50,6 @@ FLUSH_ROWS = 4  # ...per this many completions running
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI takes up to 4; each is searched for after every token
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a JSON number, not "0.5"
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask for, and how much the server holds at once (configs/serve.yaml)."""
-
-    max_tokens: int = 1024  # per choice
-    max_choices: int = 16  # prompts x n in one request
-    max_prompt_tokens: int = 8192  # a rolling model's prompt (others: block_size, with the completion)
-    max_queue: int = 256  # choices waiting beyond the free rows of the batch; past it 503
-    timeout_s: float = 300.0  # a request still running then is cancelled: 504
-    max_body_bytes: int = 1_000_000
 
 
 class ApiError(Exception):
@@ -169,15 +157,13 @@ class Choice:
 class Service:
     """The model behind the API: turns checked requests into engine Completions, and their text into answers."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_id: str, limits: Limits) -> None:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_id: str, limits: ServeConfig) -> None:
+        """limits: serve.py's config, whose max_* keys and timeout_s bound each request."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.limits = limits
         self.created = int(time.time())
-        config = engine.model.config
-        self.rolls = config.rolls
-        self.block_size = config.block_size
         self._mailbox: Mailbox | None = None
         self.induction: Any = None  # the model's induction scores, for the live page (they don't depend on text)
 
@@ -233,7 +219,7 @@ class Service:
             ids = self.tokenizer.encode(prompt)
         except UserError as err:  # a character a char-level model has never seen
             raise ApiError(400, f"prompt: {err}", "prompt") from None
-        if self.rolls:
+        if self.engine.model.config.rolls:
             if len(ids) > self.limits.max_prompt_tokens:
                 raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most "
                                f"{self.limits.max_prompt_tokens} (max_prompt_tokens)", "prompt")
@@ -286,6 +272,10 @@ class Service:
         except RuntimeError as err:
             raise ApiError(503, f"the server can't take requests now ({err})", kind="server_unavailable") from None
         return await asyncio.wrap_future(future)
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.model.config.block_size
 
     def page_tokens(self, page: PageText) -> tuple[list[int], int]:
         """The text's last block_size tokens (all the page shows), and how many of them are the prompt's."""

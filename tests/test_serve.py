@@ -225,12 +225,13 @@ def test_the_queue_holds_max_queue_choices_beyond_the_free_rows(served_run: Path
     """In-process, the engine's thread not started: every choice submitted waits."""
     from inference.engine import Engine
     from inference.load import load_model
-    from inference.server import ApiError, CompletionRequest, Limits, Service
+    from inference.server import ApiError, CompletionRequest, Service
     from training.runtime import make_runtime
+    from training.schema import ServeConfig
 
     loaded = load_model(str(served_run), None, "latest", None)
     engine = Engine(loaded.model.eval(), loaded.tokenizer, make_runtime("cpu", "float32"), max_batch=2)
-    service = Service(engine, loaded.tokenizer, "run", Limits(max_queue=3))
+    service = Service(engine, loaded.tokenizer, "run", ServeConfig(out_dir=str(served_run), max_queue=3))
     request = CompletionRequest(prompt=PROMPT, n=2)
     for _ in range(2):  # 2 rows free + 3 may wait: 4 choices fit, a fifth and sixth don't
         service.submit(request, service.check(request), lambda *update: None)

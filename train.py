@@ -21,6 +21,7 @@ from common.cli import check_overrides, exit_on_user_error
 from common.files import write_text_atomically
 from training.distributed import world_from_env
 from training.loop import train
+from training.resume import resumed_config
 from training.schema import TrainRunConfig, register_schemas
 
 register_schemas()
@@ -35,7 +36,10 @@ def main(cfg: DictConfig) -> None:
         if not any(o.lstrip("+").startswith("out_dir=") for o in hydra_cfg.overrides.task):
             cfg.out_dir = hydra_cfg.runtime.output_dir  # one run directory per job, under the sweep directory
     with exit_on_user_error(job):
-        result = train(cfg, on_run_opened=_hydra_files(cfg, hydra_cfg))
+        on_run_opened = _hydra_files(cfg, hydra_cfg)
+        if cfg.resume:
+            cfg = resumed_config(cfg, list(hydra_cfg.overrides.task), TrainRunConfig)
+        result = train(cfg, on_run_opened=on_run_opened)
     if result.stopped_by is not None:
         sys.exit(128 + signal.Signals[result.stopped_by].value)  # the shell's convention for "killed by"
 
@@ -51,6 +55,8 @@ def _hydra_files(cfg: DictConfig, hydra_cfg: DictConfig) -> Callable[[Path], Non
     }
 
     def save(out_dir: Path) -> None:
+        if cfg.resume and (out_dir / ".hydra" / "hydra.yaml").is_file():
+            return  # the record of the command that started the run stays: a resume reads its config groups
         (out_dir / ".hydra").mkdir(exist_ok=True)
         for name, record in records.items():
             write_text_atomically(out_dir / ".hydra" / name, OmegaConf.to_yaml(record))

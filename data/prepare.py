@@ -227,6 +227,11 @@ def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData
         "val_fraction": config.val_fraction,
     }
 
+    if not config.input and not (out_dir / "input.txt").is_file():
+        prepared = _prepared_from_any_text(out_dir, fingerprint)
+        if prepared:
+            return prepared
+
     def prepare_text() -> PreparedData:
         path = text_file(config.input, out_dir / "input.txt", config.url)
         text = TextFile.survey(path, chars=config.tokenizer == "char")
@@ -235,9 +240,21 @@ def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData
                 f"the text for dataset {config.name!r} is empty; pass a non-empty file with data.input=PATH"
             )
         tokenizer = make_tokenizer(config.tokenizer, text.chars)
-        return write_dataset(text, tokenizer, out_dir, config.val_fraction, fingerprint)
+        made_from = {"input": str(path)} if config.input else {}  # for the line _prepared_from_any_text writes
+        return write_dataset(text, tokenizer, out_dir, config.val_fraction, {**fingerprint, **made_from})
 
     return _prepared_once(out_dir, fingerprint, prepare, prepare_text)
+
+
+def _prepared_from_any_text(out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData | None:
+    """With no data.input and nothing downloaded, a whole dataset prepared here from another text (data.input on
+    an earlier command) is used rather than downloading: a run, its resume and a sweep work offline without
+    repeating data.input. Its tokenizer and split must be the ones asked for; the line says which text it holds."""
+    prepared = _reusable(out_dir, {key: value for key, value in fingerprint.items() if key != "source"})
+    if prepared is not None:
+        source = prepared.meta.get("input") or prepared.meta.get("source", {}).get("url") or "an earlier data.input"
+        log.info(f"data: using {out_dir}, prepared from {source} (pass data.input=FILE to prepare another text)")
+    return prepared
 
 
 def _ensure_corpus(out_dir: Path, config: DataConfig, prepare: bool) -> PreparedData:

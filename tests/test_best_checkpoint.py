@@ -32,6 +32,7 @@ def scripted_evaluations(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def run(tmp_path: Path, corpus: Path, keep_best: bool, max_iters: int = 6, resume: bool = False) -> Path:
     extra = {"train.max_iters": max_iters, "train.eval_interval": 2, "train.keep_best": keep_best, "resume": resume}
+    extra["resume_with_changes"] = resume  # to more iterations
     train(compose_config(tiny_run_overrides(tmp_path, corpus, **extra)))
     return tmp_path / "run"
 

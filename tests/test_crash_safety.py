@@ -88,7 +88,9 @@ def test_interrupted_and_resumed_equals_uninterrupted(
     stopped = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, **exact)), before_step=hook)
     assert stopped.stopped_by == "SIGTERM" and stopped.iters == stop_at + 1
     assert load_checkpoint(tmp_path / "b" / "run" / CKPT_NAME).progress.iter == stop_at + 1
-    resumed = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, **exact)))
+    resumed = train(
+        compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, resume_with_changes=True, **exact))
+    )
 
     assert resumed.iters == 40
     assert _val_losses(tmp_path / "b" / "run") == _val_losses(reference)  # bit-identical
@@ -110,7 +112,9 @@ def test_a_muon_checkpoint_from_before_muon_ns_steps_resumes_exactly(tmp_path: P
     raw = _raw(path)
     assert [group.pop("ns_steps") for group in raw["optimizer"]["param_groups"] if group["muon"]] == [5]
     torch.save(raw, path)
-    resumed = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, **exact)))
+    resumed = train(
+        compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, resume_with_changes=True, **exact))
+    )
     assert resumed.iters == 40
     assert _val_losses(tmp_path / "b" / "run") == _val_losses(tmp_path / "a" / "run")
     final_a = load_checkpoint(tmp_path / "a" / "run" / CKPT_NAME).model
@@ -140,7 +144,9 @@ def test_sigterm_stops_the_script_promptly_and_the_run_resumes(tmp_path: Path, c
     stopped_at = load_checkpoint(tmp_path / "run" / CKPT_NAME).progress.iter
     assert 0 < stopped_at < 100_000
 
-    finish = tiny_run_overrides(tmp_path, corpus_path, resume=True, **{**EXACT, "train.max_iters": stopped_at + 5})
+    finish = tiny_run_overrides(
+        tmp_path, corpus_path, resume=True, resume_with_changes=True, **{**EXACT, "train.max_iters": stopped_at + 5}
+    )
     result = run_script("train.py", finish, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert f"resuming {tmp_path / 'run'} at iter {stopped_at}" in result.stdout
@@ -216,6 +222,7 @@ def test_a_diverging_run_stops_naming_the_iteration_and_keeps_the_good_checkpoin
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 10})))
     good = (tmp_path / "run" / CKPT_NAME).read_bytes()
     explode = {"train.learning_rate": 1e30, "train.max_iters": 20, "train.eval_interval": 1, "resume": True}
+    explode["resume_with_changes"] = True
     kept = r"the loss is (nan|inf) at iter 1\d.*; .*ckpt.pt keeps iter (1\d), the last good state"
     with pytest.raises(TrainingDiverged, match=kept) as info:
         train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **explode)))
@@ -347,7 +354,9 @@ def _resume_copy(half_run: tuple[Path, Path], tmp_path: Path, corpus_path: Path,
     shutil.copytree(half, tmp_path / "b")
     path = tmp_path / "b" / "run" / CKPT_NAME
     torch.save(rewrite(_raw(path), path), path)
-    resumed = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, **HALF)))
+    resumed = train(
+        compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, resume_with_changes=True, **HALF))
+    )
     assert resumed.iters == 40
     assert _val_losses(tmp_path / "b" / "run") == _val_losses(whole)
 

@@ -139,6 +139,7 @@ def test_fsdp_checkpoint_loads_in_one_process_resumes_and_samples(
     assert sample.returncode == 0, sample.stderr
     config = OmegaConf.load(two_processes / "config.yaml")  # resumed by one process, optimizer state and all
     config.out_dir, config.resume, config.train.max_iters = str(two_processes), True, 14
+    config.resume_with_changes = True
     assert train(config).iters == 14 and evals(two_processes)[-1][0] == 14
 
 
@@ -203,7 +204,7 @@ def test_fsdp_run_stopped_by_sigterm_to_torchrun_saves_once_and_resumes_on_two_p
     stopped_at = load_checkpoint(run / CKPT_NAME).progress.iter
     assert stopped_at >= 10 and "stopped by SIGTERM" in (run / "train.log").read_text()
 
-    resume = [*args, "resume=true", f"train.max_iters={stopped_at + 3}"]
+    resume = [*args, "resume=true", "resume_with_changes=true", f"train.max_iters={stopped_at + 3}"]
     result = torchrun(2, [a for a in resume if not a.startswith("train.max_iters=100000")], cwd=tmp_path)
     assert result.returncode == 0, failure(result) + "\ntrain.log:\n" + (run / "train.log").read_text()[-2000:]
     assert load_checkpoint(run / CKPT_NAME).progress.iter == stopped_at + 3 == evals(run)[-1][0]

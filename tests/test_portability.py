@@ -55,7 +55,7 @@ def test_a_run_checkpoints_and_resumes_exactly_where_directories_cant_be_fsynced
     train(compose_config(whole))
     half = tiny_run_overrides(tmp_path / "half", corpus_path, **schedule, **{"train.max_iters": 10})
     train(compose_config(half))
-    train(compose_config([*half, "resume=true", "train.max_iters=20"]))
+    train(compose_config([*half, "resume=true", "resume_with_changes=true", "train.max_iters=20"]))
     assert _val_losses(tmp_path / "half" / "run") == _val_losses(tmp_path / "whole" / "run")  # bit for bit
     assert not list((tmp_path / "half" / "run").glob("*.tmp"))
 

@@ -250,7 +250,9 @@ def test_pretrained_init_from_trains_from_the_hf_weights_and_resumes(tmp_path: P
     ckpt = load_checkpoint(tmp_path / "run" / CKPT_NAME)
     assert ckpt.model_config.block_size == 32 and ckpt.model_config.activation == "gelu_tanh"
     # A finetune resumes with the pretrained shape, though the config's model group is the default's.
-    overrides = tiny_run_overrides(tmp_path, corpus_path, **{**extra, "resume": True, "train.max_iters": 6})
+    overrides = tiny_run_overrides(
+        tmp_path, corpus_path, **{**extra, "resume": True, "resume_with_changes": True, "train.max_iters": 6}
+    )
     assert result.iters == 4 and train(compose_config(overrides)).iters == 6
     for change, message in (("model.attn_window=4", "attn_window: None -> 4"), ("model.block_size=16", "32 -> 16")):
         with pytest.raises(CheckpointError, match=message):  # what init_from took from the config is kept too

@@ -337,7 +337,7 @@ def test_a_windowed_run_resumes_and_samples_past_block_size(tmp_path: Path, corp
     assert (saved.attn_window, saved.window_pattern, saved.rolls) == (6, "SS", True)
     with pytest.raises(CheckpointError, match="attn_window: 6 -> 7"):
         train(compose_config([*overrides, "resume=true", "model.attn_window=7"]))
-    train(compose_config([*overrides, "resume=true", "train.max_iters=20"]))
+    train(compose_config([*overrides, "resume=true", "resume_with_changes=true", "train.max_iters=20"]))
     assert load_checkpoint(run / CKPT_NAME).progress.iter == 20
 
     args = [f"out_dir={run}", "start=ROMEO:", "max_new_tokens=80", "num_samples=1", "check_causal=true"]

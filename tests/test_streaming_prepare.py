@@ -77,6 +77,7 @@ def _expected_files(path: Path, spec: str, val_fraction: float, source_meta: dic
         "source": source_meta,
         "tokenizer_spec": spec,
         "val_fraction": val_fraction,
+        **({"input": str(path)} if "input_sha256" in source_meta else {}),
     }
     files = {f"{name}.bin": np.asarray(part, dtype=np.uint16).tobytes() for name, part in ids.items()}
     return {**files, "meta.json": json.dumps(meta, ensure_ascii=False).encode()}

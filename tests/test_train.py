@@ -34,7 +34,7 @@ def test_cpu_preset_is_nanogpts_recipe() -> None:
     assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size) == (4, 4, 128, 64)
     assert cfg.model.dropout == 0.0 and cfg.data.tokenizer == "char"
     t = cfg.train
-    assert (t.batch_size, t.max_iters, t.lr_decay_iters, t.warmup_iters) == (12, 2000, 2000, 100)
+    assert (t.batch_size, t.max_iters, t.decay_iters, t.warmup_iters) == (12, 2000, 2000, 100)
     assert (t.learning_rate, t.min_lr, t.compile) == (1e-3, 1e-4, False)
 
 
@@ -130,7 +130,8 @@ def test_short_real_run_learns_and_writes_its_run_directory(tmp_path: Path, corp
 def test_resume_continues_the_run_and_appends_metrics(tmp_path: Path, corpus_path: Path) -> None:
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path)))
     first = len(_records(tmp_path / "run"))
-    result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, **{"train.max_iters": 30})))
+    more = {"resume_with_changes": True, "train.max_iters": 30}
+    result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, **more)))
     records = _records(tmp_path / "run")
     assert result.iters == 30 and load_checkpoint(tmp_path / "run" / CKPT_NAME).progress.iter == 30
     assert [r["iter"] for r in records[first:] if "val_loss" in r] == [30]
@@ -138,8 +139,10 @@ def test_resume_continues_the_run_and_appends_metrics(tmp_path: Path, corpus_pat
 
 def test_resume_may_change_the_keys_the_weights_do_not_depend_on(tmp_path: Path, corpus_path: Path) -> None:
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 10})))
-    free = {"model.zero_init_proj": True, "model.dropout": 0.1, "model.attn_impl": "math", "train.max_iters": 12}
-    assert train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, **free))).iters == 12
+    free = {"model.zero_init_proj": True, "model.attn_impl": "math", "train.max_iters": 10, "train.eval_iters": 3}
+    assert train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, **free))).iters == 10
+    changed = {"model.dropout": 0.1, "train.max_iters": 12, "resume_with_changes": True}
+    assert train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, **changed))).iters == 12
 
 
 def test_resume_with_a_different_model_shape_names_the_keys(tmp_path: Path, corpus_path: Path) -> None:
@@ -272,7 +275,7 @@ def test_full_val_uses_every_block_of_the_split(tmp_path: Path, corpus_path: Pat
 def test_resume_applies_the_new_optimizer_settings(tmp_path: Path, corpus_path: Path, optimizer: str) -> None:
     keys = {"train.optimizer": optimizer}
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **keys, **{"train.max_iters": 10})))
-    changed = {"train.max_iters": 20, "train.weight_decay": 0.5, "train.beta2": 0.9}
+    changed = {"train.max_iters": 20, "train.weight_decay": 0.5, "train.beta2": 0.9, "resume_with_changes": True}
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, **keys, **changed)))
     groups = load_checkpoint(tmp_path / "run" / CKPT_NAME).optimizer["param_groups"]
     assert groups[0]["weight_decay"] == 0.5 and groups[1]["weight_decay"] == 0.0
@@ -303,7 +306,7 @@ def test_resume_drops_records_written_after_the_checkpoint(tmp_path: Path, corpu
     with open(metrics, "a") as f:  # what a run killed after its last checkpoint leaves behind
         f.write(json.dumps({"iter": 15, "train_loss": 9.0, "lr": 1e-3, "elapsed_s": 99.0}) + "\n")
     saved_elapsed = load_checkpoint(tmp_path / "run" / CKPT_NAME).progress.elapsed_s
-    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True)))
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, resume_with_changes=True)))
     records = _records(tmp_path / "run")
     assert not any(r.get("train_loss") == 9.0 for r in records)
     iters = [r["iter"] for r in records if "val_loss" not in r]
@@ -336,6 +339,6 @@ def test_speedrun_preset_uses_the_options_and_stops_at_the_target() -> None:
         6e-3,
         20,
     )
-    assert t.max_iters == t.lr_decay_iters == t.eval_from == t.eval_interval == 225  # one evaluation, at the end
+    assert t.max_iters == t.decay_iters == t.eval_from == t.eval_interval == 225  # one evaluation, at the end
     assert t.full_val and t.target_val_loss == 1.89 and t.eval_iters == 20
     assert compose_config([]).model.pos_emb == "learned" and compose_config([]).model.activation == "gelu"

@@ -28,7 +28,8 @@ from training.errors import CheckpointError
 from training.evaluation import Evaluator, HellaSwagEval
 from training.metrics import MetricsLog, forget_metrics
 from training.mfu import peak_flops
-from training.optim import make_optimizer
+from training.optim import make_optimizer, scheduled_lr
+from training.resume import check_resume_changes
 from training.runtime import Runtime
 from training.schema import OptimConfig, TrainRunConfig
 from training.trainer import Trainer
@@ -95,6 +96,8 @@ def build_trainer(
         f"{num_params / 1e6:.2f}M parameters, {data.meta['vocab_size']} tokens in the vocabulary, "
         f"{_machinery(runtime, world, opt.parallel, use_compile)}, out_dir {out_dir}"
     )
+    if opt.max_iters and opt.decay_iters != opt.max_iters:
+        log.info(_schedule_note(opt))
     if peak is None and world.is_main:
         name = str(runtime.dtype).removeprefix("torch.")
         log.warning(
@@ -121,6 +124,17 @@ def _hellaswag(
     examples = load_examples(path, tokenizer)
     log.info(f"HellaSwag: {len(examples):,} examples from {path}, every {opt.hellaswag_every} iterations")
     return HellaSwagEval(examples, opt.hellaswag_every, block_size, runtime, world)
+
+
+def _schedule_note(opt: OptimConfig) -> str:
+    """One line when the decay is set apart from max_iters: the learning rate then doesn't end at min_lr with the
+    run (shorter: it stays at min_lr for the last iterations; longer: it is still high when the run stops)."""
+    end = scheduled_lr(opt, opt.max_iters - 1)
+    where = "before" if opt.decay_iters < opt.max_iters else "after"
+    return (
+        f"train.lr_decay_iters={opt.decay_iters} ends {where} train.max_iters={opt.max_iters}: the last step's "
+        f"learning rate is {end:.3g} (min_lr {opt.min_lr:.3g}); lr_decay_iters=null follows max_iters"
+    )
 
 
 def compile_by_default(runtime: Runtime) -> bool:
@@ -169,7 +183,7 @@ def _data_and_model(config: TrainRunConfig, checkpoint: Checkpoint | None, world
     data = _prepared_data(config, world)
     model = _build_model(config, checkpoint, data)
     if checkpoint is not None:
-        _log_changed_keys(checkpoint.config, dataclasses.asdict(config))
+        check_resume_changes(checkpoint.config, dataclasses.asdict(config), config.resume_with_changes)
     if world.rank:  # then each rank its own dropout masks (nanoGPT's seed offset); rank 0's stream goes on
         torch.manual_seed(config.seed + world.rank)
     _check_data_fits(data, model.config.block_size)
@@ -258,13 +272,3 @@ def _check_same_optimizer(saved: dict[str, Any], optimizer: str) -> None:
             f"resume=true with train.optimizer={optimizer}, but the checkpoint's run was trained with {before}; "
             f"resume with train.optimizer={before}, or start a new run"
         )
-
-
-def _log_changed_keys(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> None:
-    """Training keys may change on resume (more iterations, another learning rate): say which did."""
-    for key in sorted(set(saved) | set(current)):
-        old, new = saved.get(key), current.get(key)
-        if isinstance(old, dict) and isinstance(new, dict):
-            _log_changed_keys(old, new, f"{prefix}{key}.")
-        elif old != new and f"{prefix}{key}" not in ("resume", "out_dir"):
-            log.info(f"resume: {prefix}{key} changed from {old} to {new}")

@@ -251,6 +251,17 @@ def load_checkpoint(path: Path) -> Checkpoint:
     return checkpoint
 
 
+def saved_config(path: Path) -> dict[str, Any] | None:
+    """The config the run at `path` saved, read through a memory map (the weights stay on disk): what resume=true
+    continues. None where there is no readable checkpoint holding one; load_checkpoint then says why."""
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # missing, damaged, foreign, or an old format without memory maps: load_checkpoint's to report
+        return None
+    config = raw.get("config") if isinstance(raw, dict) else None
+    return config if isinstance(config, dict) and config else None
+
+
 def _first_line(err: object) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else "no details"

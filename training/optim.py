@@ -70,9 +70,7 @@ def hidden_matrices(model: nn.Module) -> dict[str, nn.Parameter]:
 def set_hyperparameters(optimizer: torch.optim.Optimizer, opt: OptimConfig, step: int) -> float:
     """The step's learning rate on every group (Muon's scaled to train.muon_lr) and Muon's momentum, functions
     of the iteration alone, so a resumed run steps exactly as the uninterrupted one. Returns AdamW's lr."""
-    lr = lr_at(
-        step, opt.learning_rate, opt.min_lr, opt.warmup_iters, opt.decay_iters, opt.lr_schedule, opt.cooldown_frac
-    )
+    lr = scheduled_lr(opt, step)
     for group in optimizer.param_groups:
         if group.get("muon"):
             group["lr"] = opt.muon_lr * lr / opt.learning_rate
@@ -80,6 +78,13 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer, opt: OptimConfig, step
         else:
             group["lr"] = lr
     return lr
+
+
+def scheduled_lr(opt: OptimConfig, step: int) -> float:
+    """AdamW's learning rate at `step` under the config's schedule."""
+    return lr_at(
+        step, opt.learning_rate, opt.min_lr, opt.warmup_iters, opt.decay_iters, opt.lr_schedule, opt.cooldown_frac
+    )
 
 
 def muon_momentum_at(step: int, momentum: float, warmup_iters: int) -> float:

@@ -147,7 +147,9 @@ class TrainRunConfig:
     out_dir: str = option("outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}", directory=True)
     device: str = option("auto", choices=DEVICES)
     seed: int = option(1337, at_least=0, at_most=SEED_MAX)
-    resume: bool = False  # continue the run in out_dir from its ckpt.pt
+    resume: bool = False  # continue the run in out_dir from its ckpt.pt, with its saved settings
+    # with resume=true: let overrides change what the run trains (its schedule, optimizer, data, model settings)
+    resume_with_changes: bool = False
     # gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 directory: start from it
     init_from: str | None = option(None, path=True)
     model: ModelConfig = field(default_factory=ModelConfig)  # type: ignore[valid-type]

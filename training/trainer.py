@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import shlex
 import signal
 import time
 from collections.abc import Callable
@@ -172,8 +173,10 @@ class Trainer:
                 )
             self.skipped_in_a_row += 1
             if diverged:
-                raise TrainingDiverged(f"the loss is {loss.item()} at iter {it}{weights}: skipping steps can't undo "
-                                       f"that; {self._kept()}. {fix}")
+                raise TrainingDiverged(
+                    f"the loss is {loss.item()} at iter {it}{weights}: skipping steps can't undo "
+                    f"that; {self._kept()}. {fix}"
+                )
             if self.skipped_in_a_row >= opt.max_consecutive_skips:
                 first = it - self.skipped_in_a_row + 1
                 raise TrainingDiverged(
@@ -349,7 +352,7 @@ class Trainer:
         barrier(self.world)  # none exits before rank 0 has written: torchrun stops the others when one exits
         name = (received or signal.SIGTERM).name  # another rank's signal, forwarded by agree_on_step
         where = f"checkpoint {self.out_dir / CKPT_NAME}" if saved else self._kept()
-        resume = f"python train.py out_dir={self.out_dir} resume=true (and the same overrides)"
+        resume = f"python train.py out_dir={shlex.quote(str(self.out_dir))} resume=true"
         log.warning(
             f"stopped by {name} at iter {self.progress.iter}; {where}. "
             + (f"Resume with: {resume}" if self.checkpointed_iter is not None else "Nothing to resume")

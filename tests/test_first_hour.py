@@ -1,0 +1,173 @@
+"""A newcomer's traps: resume continues the run it names, the schedule follows max_iters, prepared data is reused
+offline."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from common.config import typed_config
+from conftest import CONFIGS, REPO, compose_config, run_script, tiny_run_overrides
+from data.config import DataConfig
+from data.prepare import ensure_prepared
+from training.checkpoint import CKPT_NAME, load_checkpoint
+from training.loop import train
+from training.optim import scheduled_lr
+from training.schema import TrainRunConfig
+
+UNREACHABLE = "http://127.0.0.1:9/input.txt"  # the discard port: a download fails at once, offline or not
+# A run's settings that differ from the schema's defaults, as a preset's would: a resume must keep every one.
+STARTED_WITH = {
+    "train.max_iters": 60,
+    "train.eval_interval": 20,
+    "train.warmup_iters": 5,
+    "train.learning_rate": 2e-3,
+    "seed": 7,
+}
+
+
+def _evals(run: Path) -> list[int]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r["iter"] for r in map(json.loads, lines) if "val_loss" in r]
+
+
+def _interrupted_run(tmp_path: Path, corpus: Path) -> str:
+    """train.py stopped by SIGTERM after its first logged step; returns the resume command it printed."""
+    args = tiny_run_overrides(tmp_path, corpus, **STARTED_WITH, **{"train.log_interval": 1})
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 120
+    while not (metrics.exists() and '"val_loss"' in metrics.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+    line = next(line for line in stdout.splitlines() if "Resume with: " in line)
+    return line.partition("Resume with: ")[2]
+
+
+def _run_printed(command: str, cwd: Path, *more: str) -> subprocess.CompletedProcess:
+    program, script, *args = shlex.split(command)
+    assert (program, script) == ("python", "train.py")
+    return run_script("train.py", [*args, *more], cwd)
+
+
+def test_the_printed_resume_command_continues_the_run_with_its_own_settings(tmp_path: Path, corpus_path: Path) -> None:
+    """The issue's trap: resuming without repeating the overrides took the schema's defaults (max_iters 2000,
+    another eval_interval) and trained on. Now the printed command alone finishes the run as it was started."""
+    command = _interrupted_run(tmp_path, corpus_path)
+    run = tmp_path / "run"
+    assert command == f"python train.py out_dir={run} resume=true"
+    stopped_at = load_checkpoint(run / CKPT_NAME).progress.iter
+    assert 0 < stopped_at < 60
+
+    result = _run_printed(command, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "changed from" not in result.stdout
+    assert load_checkpoint(run / CKPT_NAME).progress.iter == 60  # not the schema's 2000
+    assert _evals(run)[-1] == 60 and all(i % 20 == 0 for i in _evals(run)[:-1])
+    resumed = OmegaConf.load(run / "config.yaml")
+    for key, value in STARTED_WITH.items():
+        assert OmegaConf.select(resumed, key) == value, key
+    assert resumed.model.n_embd == 32 and resumed.data.input == str(corpus_path)
+
+
+def test_a_resume_refuses_changes_to_what_the_run_trains_unless_asked(tmp_path: Path, corpus_path: Path) -> None:
+    start = tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 10})
+    assert run_script("train.py", start, tmp_path).returncode == 0
+    run = tmp_path / "run"
+    before = (run / CKPT_NAME).read_bytes()
+
+    refused = run_script("train.py", [f"out_dir={run}", "resume=true", "train.max_iters=20"], tmp_path)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip() == (
+        "error: resume=true would change what the run trains (train.max_iters 10 -> 20); drop those overrides to "
+        "continue the run as it was, or add resume_with_changes=true to resume with them"
+    )
+    another_preset = run_script("train.py", [f"out_dir={run}", "resume=true", "experiment=speedrun_cpu"], tmp_path)
+    assert another_preset.returncode == 2 and "Traceback" not in another_preset.stderr
+    assert "experiment=speedrun_cpu: resume=true continues" in another_preset.stderr
+    assert (run / CKPT_NAME).read_bytes() == before
+
+    # The start command repeated (its group, its keys) is no change; a free key (eval_iters) may change.
+    same = [*start, "model=baby", "resume=true"]
+    repeated = run_script("train.py", [*same, "train.eval_iters=3"], tmp_path)
+    assert repeated.returncode == 0, repeated.stderr
+    assert "resume: train.eval_iters changed from 4 to 3" in repeated.stdout
+
+    asked = run_script(
+        "train.py", [f"out_dir={run}", "resume=true", "resume_with_changes=true", "train.max_iters=20"], tmp_path
+    )
+    assert asked.returncode == 0, asked.stderr
+    assert "resume: train.max_iters changed from 10 to 20" in asked.stdout
+    assert load_checkpoint(run / CKPT_NAME).progress.iter == 20
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml")))
+def test_the_schedule_follows_max_iters_in_every_preset(preset: str) -> None:
+    """experiment=shakespeare_char_cpu train.max_iters=500 ended at lr 9.06e-4, not min_lr: presets fixed
+    lr_decay_iters at their own max_iters."""
+    iters = compose_config([f"experiment={preset}"]).train.warmup_iters + 500
+    config = typed_config(compose_config([f"experiment={preset}", f"train.max_iters={iters}"]), TrainRunConfig)
+    opt = config.train
+    assert opt.decay_iters == iters
+    assert scheduled_lr(opt, iters - 1) == pytest.approx(opt.min_lr, rel=0.01, abs=1e-7)
+
+
+def test_a_decay_set_apart_from_max_iters_is_said_at_start(
+    tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    overrides = tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 4, "train.lr_decay_iters": 100})
+    with caplog.at_level(logging.INFO, logger="train"):
+        train(compose_config(overrides))
+    notes = [m for m in caplog.messages if "lr_decay_iters" in m]
+    assert notes == [
+        "train.lr_decay_iters=100 ends after train.max_iters=4: the last step's learning rate is 0.001 "
+        "(min_lr 0.0001); lr_decay_iters=null follows max_iters"
+    ]
+
+
+def test_prepared_data_is_used_offline_without_data_input(
+    tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Prepared once with data.input, then every later command (a preset, a resume, a sweep) without it: the
+    prepared files are used and no download is tried; with nothing prepared the download is tried, and fails."""
+    data_dir = tmp_path / "data"
+    made = ensure_prepared(DataConfig(input=str(corpus_path), url=UNREACHABLE, dir=str(data_dir)))
+    with caplog.at_level(logging.INFO, logger="data.prepare"):
+        again = ensure_prepared(DataConfig(input=None, url=UNREACHABLE, dir=str(data_dir)))
+    assert again.meta == made.meta
+    assert f"data: using {data_dir}, prepared from {corpus_path}" in caplog.text
+
+    with pytest.raises(Exception, match=f"could not download {UNREACHABLE}"):  # another split: not what was made
+        ensure_prepared(DataConfig(input=None, url=UNREACHABLE, dir=str(data_dir), val_fraction=0.2))
+    with pytest.raises(Exception, match=f"could not download {UNREACHABLE}"):
+        ensure_prepared(DataConfig(input=None, url=UNREACHABLE, dir=str(tmp_path / "empty")))
+
+    overrides = [
+        f"out_dir={tmp_path / 'run'}",
+        "device=cpu",
+        f"data.dir={data_dir}",
+        f"data.url={UNREACHABLE}",
+        "train.max_iters=2",
+        "train.eval_iters=2",
+        "model.n_layer=1",
+        "model.n_embd=32",
+    ]
+    result = run_script("train.py", overrides, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"prepared from {corpus_path}" in result.stdout

@@ -1,0 +1,158 @@
+"""What `train.py resume=true` continues: the run's own saved settings, with only this command's overrides on top.
+
+A resumed run is the run it names. Today's schema defaults and presets don't replace what it was started with, so
+`python train.py out_dir=RUN resume=true` alone continues it exactly. An override that changes what the run
+trains (its schedule, optimizer settings, data, model) is refused unless resume_with_changes=true asks for it;
+the keys that only change how the run is computed, observed or recorded (CHANGEABLE_ON_RESUME) may change freely.
+"""
+
+from __future__ import annotations
+
+import logging
+import typing
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from common.errors import ConfigError
+from training.checkpoint import CKPT_NAME, saved_config
+
+log = logging.getLogger("train")
+
+# Keys a resume may change without resume_with_changes: where and how the steps run, evaluation and logging.
+# `model.attn_impl` computes the same function; `model.zero_init_proj` only shapes a new model's weights.
+CHANGEABLE_ON_RESUME = frozenset(
+    {
+        "out_dir",
+        "resume",
+        "resume_with_changes",
+        "device",
+        "model.attn_impl",
+        "model.zero_init_proj",
+        "data.num_proc",
+        "data.dir",  # where the prepared files are; data.input, the tokenizer and val_fraction say what they hold
+        "data.name",
+        *(
+            f"train.{key}"
+            for key in (
+                "eval_interval",
+                "eval_from",
+                "eval_iters",
+                "full_val",
+                "target_val_loss",
+                "keep_best",
+                "log_interval",
+                "compile",
+                "activation_checkpointing",
+                "dtype",
+                "on_nonfinite",
+                "max_consecutive_skips",
+                "parallel",
+                "hellaswag_every",
+                "hellaswag_file",
+            )
+        ),
+    }
+)
+CONFIG_GROUPS = ("experiment", "model", "data")  # train.py's Hydra groups: their choice is the run's, as recorded
+
+
+def resumed_config(cfg: DictConfig, overrides: list[str], schema: type) -> DictConfig:
+    """The config to resume with: the checkpoint's saved config, then the command's `key=value` overrides (their
+    values as Hydra composed them into cfg). A config group on the command (experiment=X) must be the run's own,
+    as its .hydra/hydra.yaml recorded it: repeating the start command with resume=true works; another preset is
+    refused. Without a readable checkpoint, cfg as it is: the run's start names the problem."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    out_dir = Path(cfg.out_dir)
+    saved = saved_config(out_dir / CKPT_NAME)
+    if saved is None:
+        return cfg
+    base = OmegaConf.create(_known_keys(saved, schema))
+    recorded = _recorded_choices(out_dir)
+    for override in OverridesParser.create().parse_overrides(overrides):
+        key = override.key_or_group
+        if override.is_hydra_override():
+            continue
+        if key in CONFIG_GROUPS and not override.is_delete():
+            _check_group(key, override.value(), recorded, out_dir)
+            continue
+        if override.is_delete():
+            raise ConfigError(
+                f"~{key}: resume=true continues the run with its saved settings, so there is nothing to delete; "
+                f"set {key}=VALUE instead"
+            )
+        OmegaConf.update(base, key, OmegaConf.select(cfg, key), merge=False, force_add=True)
+    return base
+
+
+def check_resume_changes(saved: dict[str, Any], current: dict[str, Any], allowed: bool) -> None:
+    """Every key that differs from the run's saved value, in one line each; a change outside CHANGEABLE_ON_RESUME
+    is refused unless allowed (resume_with_changes=true). A key the saved config lacks was added to the schema
+    since the run was saved: its default is the old behaviour, so it is no change."""
+    changes = _differences(saved, current)
+    meaningful = [(key, old, new) for key, old, new in changes if key not in CHANGEABLE_ON_RESUME]
+    if meaningful and not allowed:
+        listed = ", ".join(f"{key} {_shown(old)} -> {_shown(new)}" for key, old, new in meaningful)
+        raise ConfigError(
+            f"resume=true would change what the run trains ({listed}); drop those overrides to continue the run as "
+            "it was, or add resume_with_changes=true to resume with them"
+        )
+    for key, old, new in changes:
+        log.info(f"resume: {key} changed from {_shown(old)} to {_shown(new)}")
+
+
+def _differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    found = []
+    for key in current:
+        if key not in saved:
+            continue
+        old, new = saved[key], current[key]
+        if isinstance(old, dict) and isinstance(new, dict):
+            found += _differences(old, new, f"{prefix}{key}.")
+        elif old != new and f"{prefix}{key}" not in ("resume", "resume_with_changes"):
+            found.append((f"{prefix}{key}", old, new))
+    return found
+
+
+def _shown(value: Any) -> str:
+    return "null" if value is None else str(value)
+
+
+def _known_keys(saved: dict[str, Any], schema: type) -> dict[str, Any]:
+    """The saved config less keys this version's schema no longer has (nothing reads them)."""
+    import dataclasses
+
+    hints = typing.get_type_hints(schema)
+    kept = {}
+    for key, value in saved.items():
+        if key not in hints:
+            continue
+        nested = dataclasses.is_dataclass(hints[key]) and isinstance(value, dict)
+        kept[key] = _known_keys(value, hints[key]) if nested else value
+    return kept
+
+
+def _recorded_choices(out_dir: Path) -> dict[str, Any]:
+    """The config groups the run was started with (Hydra's runtime.choices, which train.py keeps in .hydra/)."""
+    path = out_dir / ".hydra" / "hydra.yaml"
+    try:
+        choices = OmegaConf.select(OmegaConf.load(path), "hydra.runtime.choices")
+    except (OSError, ValueError, Exception):  # missing, unreadable or not YAML: no record
+        return {}
+    return dict(choices) if choices is not None else {}
+
+
+def _check_group(group: str, value: Any, recorded: dict[str, Any], out_dir: Path) -> None:
+    if group in recorded and recorded[group] == value:
+        return  # the start command repeated
+    was = (
+        f"it was started with {group}={_shown(recorded[group])}"
+        if group in recorded
+        else "it has no record of its groups"
+    )
+    raise ConfigError(
+        f"{group}={_shown(value)}: resume=true continues {out_dir} with the settings it was started with, and "
+        f"{was}; drop {group}={_shown(value)} (set the keys you mean to change, with resume_with_changes=true)"
+    )

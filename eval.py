@@ -24,6 +24,20 @@ from inference.eval_run import readable, run_eval
 from training.schema import EvalConfig, register_schemas
 
 register_schemas()
+USAGE = """Score a model: loss, perplexity and bits per byte of a text, and HellaSwag. Settings are key=value.
+
+Keys set most:
+  out_dir=RUN             a train.py run directory (or init_from=gpt2 for OpenAI's GPT-2)
+  input=FILE              a UTF-8 text to score; default: the run's own val split
+  context=N stride=N      tokens a window holds, and how far it advances (default: block_size, half of it)
+  hellaswag=true          also score HellaSwag's validation set (BPE models)
+  ckpt=best               the run's best.pt instead of ckpt.pt
+
+Examples:
+  python eval.py out_dir=runs/cpu
+  python eval.py init_from=gpt2 input=text.txt hellaswag=true
+
+Every key: docs/reference.md. Hydra's own flags: --hydra-help."""
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
@@ -38,5 +52,5 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    check_overrides(sys.argv[1:], EvalConfig)
+    check_overrides(sys.argv[1:], EvalConfig, help_text=USAGE)
     main()

@@ -39,6 +39,26 @@ from training.schema import SampleConfig, register_schemas
 
 register_schemas()
 TEXT_KEYS = ("start", "stop")  # taken literally: a prompt's ${...} is text, not an interpolation
+USAGE = """Generate text from a trained run. Settings are key=value, no dashes.
+
+Keys set most:
+  out_dir=RUN             a train.py run directory (or init_from=gpt2 for OpenAI's GPT-2)
+  start=TEXT              the prompt; start=FILE:prompt.txt reads it from a file
+  num_samples=N           samples drawn side by side (default 3)
+  max_new_tokens=N        tokens per sample (default 500)
+  temperature=X           0 is greedy; default 0.8 (and top_k=200, top_p=, min_p=)
+  seed=N                  the same seed, the same samples
+  stop=[...]              end each sample before the first of these strings
+  ckpt=best               the run's best.pt instead of its latest ckpt.pt
+  attention_dir=DIR       write attention maps and an offline page to explore them
+  check_causal=true       show that the causal mask holds
+
+Examples:
+  python sample.py out_dir=runs/cpu start="ROMEO:" num_samples=2 max_new_tokens=200
+  python sample.py out_dir=runs/cpu start="'To be, or not'" temperature=0   # quote text with commas twice
+  python sample.py out_dir=runs/cpu start="ROMEO:" max_new_tokens=60 attention_dir=maps
+
+Every key: docs/reference.md. Hydra's own flags: --hydra-help."""
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="sample")
@@ -108,5 +128,5 @@ def main(dict_cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     sys.argv[1:] = literal_text(sys.argv[1:], TEXT_KEYS)
-    check_overrides(sys.argv[1:], SampleConfig)
+    check_overrides(sys.argv[1:], SampleConfig, help_text=USAGE)
     main()

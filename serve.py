@@ -20,6 +20,20 @@ from common.config import typed_config
 from training.schema import ServeConfig, register_schemas
 
 register_schemas()
+USAGE = """Serve a model through OpenAI's completions API, with a live page at /. Settings are key=value.
+
+Keys set most:
+  out_dir=RUN             a train.py run directory (or init_from=gpt2 for OpenAI's GPT-2)
+  host=ADDR port=N        where to listen (default 127.0.0.1:8000; port=0: any free port)
+  api_key=KEY             requests then need Authorization: Bearer KEY (or set $GPT_LAB_API_KEY)
+  max_batch=N             sequences decoded together (default 64)
+  max_tokens=N            the most tokens a request may ask for (default 1024)
+
+Examples:
+  python serve.py out_dir=runs/cpu
+  python serve.py out_dir=runs/cpu ckpt=best port=8001 api_key=secret
+
+Every key: docs/reference.md; the API: docs/serving.md. Hydra's own flags: --hydra-help."""
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="serve")
@@ -31,5 +45,5 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    check_overrides(sys.argv[1:], ServeConfig)
+    check_overrides(sys.argv[1:], ServeConfig, help_text=USAGE)
     main()

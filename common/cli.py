@@ -5,10 +5,13 @@ Ctrl-C (a second one, during training) exits with status 130 without a traceback
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import difflib
 import os
 import re
 import signal
 import sys
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,17 +49,30 @@ def stdout_reader_may_leave() -> Iterator[None]:
         sys.exit(128 + signal.SIGPIPE)
 
 
-def check_overrides(args: list[str], schema: type) -> None:
+# Hydra's own command-line flags (hydra/_internal/utils.py's parser), spelt out: anything else with dashes is a
+# habit from argparse scripts (nanoGPT's --max_iters=100), and argparse would take --experiment for
+# --experimental-rerun.
+HYDRA_FLAGS = frozenset(
+    "--help -h --hydra-help --version --cfg -c --resolve --package -p --run -r --multirun -m --shell-completion -sc "
+    "--config-path -cp --config-name -cn --config-dir -cd --info -i --experimental-rerun".split()
+)
+
+
+def check_overrides(args: list[str], schema: type, groups: tuple[str, ...] = (), help_text: str = "") -> None:
     """Before Hydra composes (and makes out_dir): every `key=value` parses, names a key of the schema and has a
-    value of its type and range, or the command ends here with one line and status 2. Hydra's own reports are
-    several lines, and tell a misspelt key to add itself with `+`. Config groups (experiment=, model=) and
-    hydra.* are Hydra's to judge, and so are the values of range() and interval() sweeps (each job checks its own)."""
+    value of its type and range, and every config group (`groups`: the ones this command takes) names one of its
+    presets, or the command ends here with one line and status 2. Hydra's own reports are several lines, and tell
+    a misspelt key to add itself with `+`. hydra.* is Hydra's to judge, and so are the values of range() and
+    interval() sweeps (each job checks its own). `-h`/`--help` prints help_text (Hydra's own: --hydra-help)."""
     from hydra._internal.utils import get_args_parser
 
+    if help_text and ("-h" in args or "--help" in args):
+        print(help_text.strip())
+        sys.exit(0)
     if get_args_parser().parse_known_args(args)[0].shell_completion:
         return  # `-sc install=bash` and its queries are not overrides
-    parsed = _parse(args)
-    groups = {path.name for path in CONFIG_DIR.iterdir() if path.is_dir()}
+    _refuse_dashed_keys(args, schema, groups)
+    parsed = _parse(args, schema, groups)
     for override in parsed:
         key = override.key_or_group
         if key == "hydra.job.chdir" and str(override.value()).lower() in ("true", "yes", "on", "1", "y"):
@@ -65,9 +81,13 @@ def check_overrides(args: list[str], schema: type) -> None:
                     "hydra.job.chdir=true would run the command in Hydra's output directory, where relative paths "
                     "(out_dir, data.dir) name other places than they do here; drop it: paths resolve from here"
                 )
-        if override.is_hydra_override() or override.is_delete() or key in groups:
+        if override.is_hydra_override() or override.is_delete():
             continue
         with exit_on_user_error():
+            if key in groups:
+                for value in override.sweep_iterator() if override.is_sweep_override() else [override.value()]:
+                    _check_preset(key, value)
+                continue
             if not override.is_sweep_override():
                 check_override(schema, key, override.value())
             elif isinstance(override.value(), ChoiceSweep):  # a,b,c or choice(a,b,c)
@@ -90,12 +110,78 @@ def literal_text(args: list[str], keys: tuple[str, ...]) -> list[str]:
     return escaped
 
 
-def _parse(args: list[str]) -> list[Override]:
-    """Hydra's grammar rejects unquoted values with commas, spaces or symbols: say how to quote them."""
+def presets(group: str) -> list[str]:
+    """A config group's choices: the YAML files in its folder."""
+    return sorted(path.stem for path in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def _check_preset(group: str, value: object) -> None:
+    choices = presets(group)
+    if value is None or str(value) in choices:
+        return
+    close = difflib.get_close_matches(str(value), choices, 1, 0.6)
+    guess = f"; did you mean {group}={close[0]}?" if close else ""
+    raise ConfigError(f"{group}={value} is unknown{guess} (the choices: {', '.join(choices)})")
+
+
+def _refuse_dashed_keys(args: list[str], schema: type, groups: tuple[str, ...]) -> None:
+    """`--max_iters=100` or `--experiment x`, argparse's style: one line with the override to write instead."""
+    for i, arg in enumerate(args):
+        if not arg.startswith("--") or arg in HYDRA_FLAGS or arg.partition("=")[0] in HYDRA_FLAGS:
+            continue
+        name, eq, value = arg[2:].partition("=")
+        shown = arg
+        if not eq and i + 1 < len(args) and not args[i + 1].startswith("-") and "=" not in args[i + 1]:
+            value, shown = args[i + 1], f"{arg} {args[i + 1]}"
+        key = _key_named(name.replace("-", "_"), schema, groups)
+        with exit_on_user_error():
+            if key is None:
+                raise ConfigError(f"{arg} is not an option: settings are written key=value, no dashes (see --help)")
+            raise ConfigError(f"{shown}: settings are Hydra overrides, without dashes; write {key}={value or 'VALUE'}")
+
+
+def _key_named(name: str, schema: type, groups: tuple[str, ...]) -> str | None:
+    """The key or group a dashed option means: itself, or the one key whose last part it is (max_iters)."""
+    if name in groups:
+        return name
+    try:
+        check_key(schema, name)
+        return name
+    except ConfigError:
+        pass
+    found = [key for key in _leaf_keys(schema) if key.rsplit(".", 1)[-1] == name]
+    return found[0] if len(found) == 1 else None
+
+
+def _leaf_keys(schema: type, prefix: str = "") -> list[str]:
+    keys = []
+    for name, hint in typing.get_type_hints(schema).items():
+        nested = dataclasses.is_dataclass(hint)
+        keys += _leaf_keys(hint, f"{prefix}{name}.") if nested else [f"{prefix}{name}"]
+    return keys
+
+
+def _not_an_override(text: str, schema: type, groups: tuple[str, ...]) -> str:
+    """What a bare word on the command line (no `=`) was probably meant to be."""
+    group = next((g for g in groups if text in presets(g)), None)
+    if group:
+        return f"{text} is not an override; did you mean {group}={text}?"
+    if "out_dir" in typing.get_type_hints(schema) and (Path(text).is_dir() or "/" in text or "\\" in text):
+        return f"{text} is not an override; to name a run directory, write out_dir={text}"
+    return f"{text} is not an override: settings are written key=value (see --help)"
+
+
+def _parse(args: list[str], schema: type, groups: tuple[str, ...]) -> list[Override]:
+    """Hydra's grammar rejects unquoted values with commas, spaces or symbols: say how to quote them; a bare word
+    is no override at all: say what it may have meant."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
     overrides = _overrides(args)
+    bare = next((o for o in overrides if "=" not in o and not o.startswith(("~", "+"))), None)
+    if bare is not None:
+        print(f"error: {_not_an_override(bare, schema, groups)}", file=sys.stderr)
+        sys.exit(2)
     try:
         return OverridesParser.create().parse_overrides(overrides)
     except ValueError as err:  # Python's limit on integer digits, hit while Hydra parses a number

@@ -395,7 +395,7 @@ if __name__ == "__main__":
     import hydra
     from omegaconf import DictConfig
 
-    from common.cli import check_overrides, exit_on_user_error
+    from common.cli import check_overrides, exit_on_user_error, presets
     from common.config import typed_config
     from data.config import PrepareConfig, register_prepare_schema
 
@@ -412,5 +412,13 @@ if __name__ == "__main__":
             f"vocabulary {m['vocab_size']}"
         )
 
-    check_overrides(sys.argv[1:], PrepareConfig)
+    usage = (
+        "Tokenize a text or a corpus into data/cache/NAME (train.py does it when needed). Settings: key=value.\n\n"
+        f"  data=NAME               {', '.join(presets('data'))}\n"
+        "  data.input=FILE|DIR     your own UTF-8 text, or a directory of .txt / .jsonl documents\n"
+        "  data.tokenizer=NAME     char, or a tiktoken encoding such as r50k_base (GPT-2's)\n\n"
+        "Examples:\n  python -m data.prepare data=shakespeare\n"
+        "  python -m data.prepare data.input=my_text.txt data.name=mine\n"
+    )
+    check_overrides(sys.argv[1:], PrepareConfig, ("data",), usage)
     main()

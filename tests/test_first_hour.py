@@ -15,14 +15,16 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from common.cli import check_overrides
 from common.config import typed_config
 from conftest import CONFIGS, REPO, compose_config, run_script, tiny_run_overrides
 from data.config import DataConfig
 from data.prepare import ensure_prepared
+from train import GROUPS
 from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.loop import train
 from training.optim import scheduled_lr
-from training.schema import TrainRunConfig
+from training.schema import SampleConfig, TrainRunConfig
 
 UNREACHABLE = "http://127.0.0.1:9/input.txt"  # the discard port: a download fails at once, offline or not
 # A run's settings that differ from the schema's defaults, as a preset's would: a resume must keep every one.
@@ -171,3 +173,81 @@ def test_prepared_data_is_used_offline_without_data_input(
     result = run_script("train.py", overrides, tmp_path)
     assert result.returncode == 0, result.stderr
     assert f"prepared from {corpus_path}" in result.stdout
+
+
+def _one_line_error(capsys: pytest.CaptureFixture, call) -> str:
+    with pytest.raises(SystemExit) as stopped:
+        call()
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    return err.strip()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--max_iters=100"],
+            "error: --max_iters=100: settings are Hydra overrides, without dashes; write train.max_iters=100",
+        ),
+        (["--experiment", "speedrun_cpu"], "write experiment=speedrun_cpu"),  # argparse: --experimental-rerun
+        (["--model.n-layer", "2"], "write model.n_layer=2"),
+        (["--lr=3"], "error: --lr=3 is not an option: settings are written key=value, no dashes (see --help)"),
+        (
+            ["experiment=shakespeare_char_cp"],
+            "error: experiment=shakespeare_char_cp is unknown; did you mean "
+            "experiment=shakespeare_char_cpu? (the choices: finetune_shakespeare, ",
+        ),
+        (["model=small"], "error: model=small is unknown (the choices: baby, gpt2, shakespeare)"),
+        (["-m", "experiment=speedrun_cpu,speedrun_cp"], "error: experiment=speedrun_cp is unknown; did you mean"),
+        (
+            ["shakespeare_char_cpu"],
+            "error: shakespeare_char_cpu is not an override; did you mean experiment=shakespeare_char_cpu?",
+        ),
+        (["runs/cpu"], "error: runs/cpu is not an override; to name a run directory, write out_dir=runs/cpu"),
+        (["max_iters"], "error: max_iters is not an override: settings are written key=value (see --help)"),
+    ],
+)
+def test_habits_and_typos_get_one_line_naming_what_to_write(
+    capsys: pytest.CaptureFixture, args: list[str], message: str
+) -> None:
+    err = _one_line_error(capsys, lambda: check_overrides(args, TrainRunConfig, GROUPS))
+    assert err.startswith(message) or (message.startswith("write") and err.endswith(message)), err
+
+
+def test_sample_takes_no_presets_and_suggests_out_dir(capsys: pytest.CaptureFixture) -> None:
+    assert "to name a run directory, write out_dir=runs/cpu" in _one_line_error(
+        capsys, lambda: check_overrides(["runs/cpu"], SampleConfig)
+    )
+    assert "experiment is not a key" in _one_line_error(
+        capsys, lambda: check_overrides(["experiment=speedrun_cpu"], SampleConfig)
+    )
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "eval.py", "serve.py"])
+def test_help_lists_the_keys_set_most_with_examples(tmp_path: Path, script: str) -> None:
+    result = run_script(script, ["--help"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "Keys set most:" in text and "Examples:" in text and "docs/reference.md" in text
+    examples = [line.strip() for line in text.splitlines() if line.strip().startswith(f"python {script}")]
+    assert len(examples) >= 2
+    assert ("experiment " in text) == (script == "train.py")  # only train.py takes presets
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_command_that_fails_before_training_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A typo'd input once left outputs/DATE/TIME/{train.log,.lock}; a resume of a misspelt run, its directory."""
+    (tmp_path / "mine").mkdir()  # the user's own empty folder, and a run directory's neighbour
+    (tmp_path / "outputs" / "older").mkdir(parents=True)
+    for args in (
+        ["data.input=missing.txt"],  # the default outputs/DATE/TIME
+        ["out_dir=runs/new/one", "data.input=missing.txt"],
+        ["out_dir=runs/typo", "resume=true"],
+        ["out_dir=mine", "resume=true"],
+    ):
+        result = run_script("train.py", args, tmp_path)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert left == ["mine", "outputs", "outputs/older"]

@@ -13,14 +13,18 @@ import json
 import math
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
+from common.errors import UserError
+from common.files import check_writable
 from training.metrics import METRICS_NAME, read_records
 
-IGNORED_KEYS = ("out_dir", "resume")  # differ between runs without saying anything about them
+IGNORED_KEYS = ("out_dir", "resume", "resume_with_changes")  # differ between runs without saying anything about them
+KEYS_WIDTH = 60  # the table's "differing keys" column wraps at this width, the legend at twice it
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
@@ -56,6 +60,10 @@ def picture_path(out: Path) -> Path:
         fail(f"-o {out}: can't write {out.suffix} pictures; use one of {', '.join('.' + f for f in sorted(formats))}")
     if not out.parent.is_dir():
         fail(f"-o {out}: no directory {out.parent}; create it first")
+    try:
+        check_writable(out.parent, "-o")
+    except UserError as err:
+        fail(f"{err}".replace(f"-o={out.parent}", f"-o {out}: {out.parent}", 1))
     return out
 
 
@@ -94,26 +102,42 @@ def summarize(run: Path, config: dict[str, Any], keys: list[str]) -> dict[str, A
         "best_val": best["val_loss"] if best else None,
         "best_iter": best["iter"] if best else None,
         "iters": max((r["iter"] for r in records), default=0),
+        "wall_s": max((r["elapsed_s"] for r in records if "elapsed_s" in r), default=None),
         "tokens_per_sec": speeds[len(speeds) // 2] if speeds else None,
         "tokens_per_iter": tokens_per_iter,
     }
 
 
-def print_table(summaries: list[dict[str, Any]]) -> None:
-    rows = [["run", "differing keys", "best val", "iters", "tokens/s"]]
+def distinct_labels(summaries: list[dict[str, Any]]) -> None:
+    """Runs whose differing keys are the same (repeats of one config) are told apart by their run's name."""
+    counts = Counter(s["label"] for s in summaries)
     for s in summaries:
+        if counts[s["label"]] > 1:
+            s["label"] = f"{s['run'].name}: {s['label']}" if s["label"] != s["run"].name else s["label"]
+    if len({s["label"] for s in summaries}) < len(summaries):  # same names too (runs/a/x and runs/b/x)
+        for s in summaries:
+            s["label"] = f"{s['run']}: {s['label']}"
+
+
+def print_table(summaries: list[dict[str, Any]]) -> None:
+    """One row per run; a long "differing keys" cell wraps onto the lines below it."""
+    rows = [["run", "differing keys", "best val", "iters", "tokens/s", "wall time"]]
+    for s in summaries:
+        keys = textwrap.wrap(s["label"], KEYS_WIDTH, break_on_hyphens=False) or [""]
         rows.append(
             [
                 str(s["run"]),
-                s["label"],
+                keys[0],
                 f"{s['best_val']:.4f}" if s["best_val"] is not None else "-",
                 str(s["iters"]),
                 f"{s['tokens_per_sec']:,.0f}" if s["tokens_per_sec"] else "-",
+                f"{s['wall_s']:.1f} s" if s["wall_s"] is not None else "-",
             ]
         )
+        rows += [["", more, "", "", "", ""] for more in keys[1:]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)))
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
 
 
 def plot(summaries: list[dict[str, Any]], x_axis: str, out: Path) -> None:
@@ -143,7 +167,8 @@ def plot(summaries: list[dict[str, Any]], x_axis: str, out: Path) -> None:
             marker="o",
             ms=3,
             label=textwrap.fill(
-                f"{s['label']} (best val {s['best_val']:.3f})" if s["best_val"] is not None else s["label"], 120
+                f"{s['label']} (best val {s['best_val']:.3f})" if s["best_val"] is not None else s["label"],
+                2 * KEYS_WIDTH,
             ),
         )
         if s["best_val"] is not None:
@@ -172,6 +197,7 @@ def main() -> None:
     configs = [flat_config(run) for run in runs]
     keys = differing_keys(configs)
     summaries = [summarize(run, config, keys) for run, config in zip(runs, configs, strict=True)]
+    distinct_labels(summaries)
     print_table(summaries)
     try:
         plot(summaries, args.x, out)

@@ -51,7 +51,7 @@ Keys set most:
   stop=[...]              end each sample before the first of these strings
   ckpt=best               the run's best.pt instead of its latest ckpt.pt
   attention_dir=DIR       write attention maps and an offline page to explore them
-  check_causal=true       show that the causal mask holds
+  check_causal=true       show that the causal mask holds (check_causal_positions=true: position by position)
 
 Examples:
   python sample.py out_dir=runs/cpu start="ROMEO:" num_samples=2 max_new_tokens=200
@@ -105,7 +105,8 @@ def main(dict_cfg: DictConfig) -> None:
             else:
                 report = check_causality(sampler.model, window)
                 changed_to = sampler.tokenizer.decode([(window[report.position] + 1) % config.vocab_size])
-                print(format_report(report, decode_each[-len(window) :], changed_to))
+                tokens = decode_each[-len(window) :]
+                print(format_report(report, tokens, changed_to, positions=cfg.check_causal_positions))
                 causality = (report, decode_each[-len(window) :])
         if cfg.attention_dir:
             from analysis.attention_maps import save_attention_maps

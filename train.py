@@ -21,7 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from common.cli import check_overrides, exit_on_user_error, presets
-from common.files import write_text_atomically
+from common.files import check_writable, write_text_atomically
 from training.distributed import world_from_env
 from training.loop import train
 from training.resume import resumed_config
@@ -120,11 +120,15 @@ BEFORE_HYDRA: tuple[Path | None, set[str]] = (None, set())
 _TIME = "<TIME>"  # stands for the default out_dir's last folder (outputs/DATE/TIME), named once Hydra runs
 
 
+def _out_dir_named(args: list[str]) -> Path | None:
+    named = [a.partition("=")[2] for a in args if a.lstrip("+").startswith("out_dir=")]
+    return Path(os.path.expanduser(named[-1])) if named else None
+
+
 def _before_hydra(args: list[str]) -> tuple[Path | None, set[str]]:
     """What making the run directory will create, as seen before Hydra makes it: the outermost missing folder of
     out_dir=..., or of the default outputs/DATE/TIME; and the run directory's makings already there."""
-    named = [a.partition("=")[2] for a in args if a.lstrip("+").startswith("out_dir=")]
-    path = Path(os.path.expanduser(named[-1])) if named else Path("outputs", time.strftime("%Y-%m-%d"), _TIME)
+    path = _out_dir_named(args) or Path("outputs", time.strftime("%Y-%m-%d"), _TIME)
     missing = None
     for folder in (path, *path.parents):
         if folder.exists():
@@ -179,5 +183,8 @@ def _quiet_hydra_on_other_ranks(argv: list[str]) -> list[str]:
 if __name__ == "__main__":
     BEFORE_HYDRA = _before_hydra(sys.argv[1:])
     check_overrides(sys.argv[1:], TrainRunConfig, GROUPS, usage())
+    if world_from_env().is_main:  # Hydra makes out_dir first thing: a traceback if it can't
+        with exit_on_user_error():
+            check_writable(_out_dir_named(sys.argv[1:]) or Path("outputs"), "out_dir")
     sys.argv = _quiet_hydra_on_other_ranks(sys.argv)
     main()

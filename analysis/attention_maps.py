@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from analysis.diagnostics import DIAGNOSTIC_NAMES, head_diagnostics
+from common.files import check_writable
 from data.errors import DataError
 from model import GPT, causal_mask
 
@@ -56,6 +57,7 @@ OURS = re.compile(r"attention\.npz|index\.html|attention_layer\d+\.png")  # ever
 def check_output_dir(out_dir: Path, key: str = "attention_dir") -> None:
     """Before any work: the directory is new, empty, or holds only what an earlier attention_dir=... wrote, and
     its index.html, if any, is the explorer's. Anything else is the user's, never overwritten: DataError."""
+    check_writable(out_dir, key)
     if not out_dir.is_dir():
         return
     strangers = sorted(p.name for p in out_dir.iterdir() if not OURS.fullmatch(p.name) or not p.is_file())

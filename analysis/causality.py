@@ -81,18 +81,26 @@ def check_causality(
     return CausalityReport(position, changes, model.config.receptive_field)
 
 
-def format_report(report: CausalityReport, tokens: list[str], changed_to: str) -> str:
-    t = report.position
-    impls = list(report.changes)
-    lines = [
-        f"causality check: token {t} {tokens[t]!r} changed to {changed_to!r}; "
-        "largest |change| of the logits at each position:",
-        f"{'pos':>5}  {'token':<8}" + "".join(f"{impl:>12}" for impl in impls),
-    ]
-    for i, token in enumerate(tokens):
-        marker = "  <- changed" if i == t else ""
-        cells = "".join(f"{report.changes[impl][i].item():>12.3g}" for impl in impls)
-        lines.append(f"{i:>5}  {token!r:<8}{cells}{marker}")
+def format_report(report: CausalityReport, tokens: list[str], changed_to: str, positions: bool = False) -> str:
+    """A summary by range of positions (before the change, within its reach, beyond it), then the verdict;
+    positions=True: one line per position instead of the summary."""
+    t, last, impls = report.position, report.last_reachable, list(report.changes)
+    lines = [f"causality check: token {t} {tokens[t]!r} changed to {changed_to!r}; largest |change| of the logits"]
+    if positions:
+        lines[0] += " at each position:"
+        lines.append(f"{'pos':>5}  {'token':<8}" + "".join(f"{impl:>12}" for impl in impls))
+        for i, token in enumerate(tokens):
+            marker = "  <- changed" if i == t else ""
+            cells = "".join(f"{report.changes[impl][i].item():>12.3g}" for impl in impls)
+            lines.append(f"{i:>5}  {token!r:<8}{cells}{marker}")
+    else:
+        lines[0] += " (check_causal_positions=true: each position):"
+        ranges = [("before it", 0, t - 1), ("from it on" if last == report.length - 1 else "in its reach", t, last)]
+        ranges.append(("beyond its reach", last + 1, report.length - 1))
+        for name, a, b in ranges:
+            if a <= b:
+                largest = ", ".join(f"{impl} {report.changes[impl][a : b + 1].max().item():.3g}" for impl in impls)
+                lines.append(f"  positions {a}-{b} ({name}): {largest}")
     lines.append(verdict(report))
     return "\n".join(lines)
 

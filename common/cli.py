@@ -179,7 +179,8 @@ def _parse(args: list[str], schema: type, groups: tuple[str, ...]) -> list[Overr
 
     overrides = _overrides(args)
     bare = next((o for o in overrides if "=" not in o and not o.startswith(("~", "+"))), None)
-    if bare is not None:
+    split_by_the_shell = any(q in o for o in overrides for q in "'\"") or any(o.endswith(",") for o in overrides)
+    if bare is not None and not split_by_the_shell:  # a quoted value the shell split is the quoting hint's case
         print(f"error: {_not_an_override(bare, schema, groups)}", file=sys.stderr)
         sys.exit(2)
     try:

@@ -26,7 +26,7 @@ import regex
 from filelock import FileLock, Timeout
 from tqdm import tqdm
 
-from common.files import discard_temporaries, replace_file, temporary_beside, write_text_atomically
+from common.files import check_writable, discard_temporaries, replace_file, temporary_beside, write_text_atomically
 from data import corpus
 from data.batches import TokenFiles
 from data.config import DataConfig
@@ -290,6 +290,7 @@ def _prepared_once(
         return prepared
     _refuse_unless(prepare, out_dir)
     _refuse_foreign(out_dir)
+    check_writable(out_dir, "data.dir")
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = FileLock(out_dir / PREPARE_LOCK)  # not the run's .lock: data.dir may be the run directory
     try:

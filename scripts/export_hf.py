@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from common.cli import exit_on_user_error  # noqa: E402
+from common.files import check_writable  # noqa: E402
 from model.hf_gpt2 import hf_from_gpt  # noqa: E402
 from training.checkpoint import CKPT_NAME, load_checkpoint  # noqa: E402
 
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.hf_dir.exists() and not args.hf_dir.is_dir():  # save_pretrained would only log an error
         parser.error(f"HF_DIR {args.hf_dir} is a file; pass a directory")
     with exit_on_user_error():
+        check_writable(args.hf_dir, "HF_DIR")
         model = load_checkpoint(args.run_dir / CKPT_NAME).build_model()
         hf_from_gpt(model.eval()).save_pretrained(args.hf_dir)
     config = model.config

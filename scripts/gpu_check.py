@@ -14,7 +14,7 @@ budget beside the time taken, and a step over its budget is marked. Nothing is s
     python scripts/gpu_check.py --dry-run --text input.txt                 # the same steps, tiny, on CPU
 
 --text is tiny Shakespeare (no download is attempted then). GPT-2's BPE needs its ranks: offline, set
-TIKTOKEN_CACHE_DIR as the README says. Exits 1 if a check fails.
+TIKTOKEN_CACHE_DIR as docs/reference.md says. Exits 1 if a check fails.
 """
 
 from __future__ import annotations

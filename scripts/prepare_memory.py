@@ -5,7 +5,7 @@ process (wait4's ru_maxrss, what `/usr/bin/time -v` reports as "Maximum resident
     python scripts/prepare_memory.py --text input.txt --mb 200 --repo /tmp/old     # another checkout's code
 
 Each text is --text repeated to at least that many MB (10^6 bytes), written to a temporary folder with its token
-files and deleted afterwards. r50k_base offline needs TIKTOKEN_CACHE_DIR as the README says. --repo runs another
+files and deleted afterwards. r50k_base offline needs TIKTOKEN_CACHE_DIR as docs/reference.md says. --repo runs another
 checkout's data.prepare with this interpreter, e.g. the code before streaming: git worktree add /tmp/old HEAD.
 """
 

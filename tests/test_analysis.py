@@ -43,9 +43,13 @@ def test_causality_check_finds_no_leak_in_a_trained_model(trained_model: model.G
     report = check_causality(trained_model, ids)
     assert report.position == 15 and set(report.changes) == {"flash", "math"}
     assert report.mask_held and report.information_flows
-    text = format_report(report, [str(i) for i in ids], "x")
+    text = format_report(report, [str(i) for i in ids], "x", positions=True)
     assert text.splitlines()[-1].startswith("mask held: positions 0-14 are unchanged on flash and math")
     assert len(text.splitlines()) == 2 + len(ids) + 1
+    summary = format_report(report, [str(i) for i in ids], "x").splitlines()
+    assert summary[1:3] == ["  positions 0-14 (before it): flash 0, math 0", summary[2]]
+    assert summary[2].startswith("  positions 15-29 (from it on): flash ") and len(summary) == 4
+    assert summary[-1] == text.splitlines()[-1]
 
 
 def test_causality_check_reports_a_leak_when_the_mask_is_removed(

@@ -380,6 +380,6 @@ def test_train_hellaswag_every_is_refused_for_char_data_and_off_the_evaluations(
 
 
 def test_eval_py_is_documented() -> None:
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "reference.md").read_text()
     for key in ("input", "context", "stride", "batch_size", "hellaswag", "hellaswag_file", "train.hellaswag_every"):
         assert f"`{key}" in readme, key

@@ -129,3 +129,27 @@ def test_plot_py_skips_non_finite_val_losses_when_marking_the_best(tmp_path: Pat
     result = run_script("plot.py", [str(run), "-o", str(tmp_path / "loss.png")], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "3.5000" in result.stdout and (tmp_path / "loss.png").is_file()
+
+
+def test_plot_py_tells_repeats_apart_wraps_long_keys_and_reports_wall_time(tmp_path: Path) -> None:
+    """Two runs of one config once shared a label; a sweep over many keys made the table wider than a screen."""
+    long_keys = {f"key_number_{i}": i for i in range(12)}
+    for name, config in (("seed_a", {"seed": 1}), ("seed_b", {"seed": 1}), ("wide", {"seed": 2, **long_keys})):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+        records = [
+            {"iter": 5, "train_loss": 3.0, "lr": 1e-3, "elapsed_s": 2.0, "tokens_per_sec": 100.0},
+            {"iter": 10, "train_loss": 2.5, "val_loss": 2.75, "elapsed_s": 12.5},
+        ]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = run_script("plot.py", [str(tmp_path), "-o", str(tmp_path / "loss.png")], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    header, *rows = result.stdout.splitlines()
+    assert header.split()[-2:] == ["wall", "time"]
+    labelled = {row.split()[0]: row for row in rows if row.strip() and not row.startswith(" ")}
+    assert set(labelled) == {str(tmp_path / n) for n in ("seed_a", "seed_b", "wide")}
+    assert "seed_a: key_number_0=None" in labelled[str(tmp_path / "seed_a")]  # distinct from seed_b's
+    assert "seed_b: key_number_0=None" in labelled[str(tmp_path / "seed_b")]
+    assert all(row.rstrip().endswith("12.5 s") for row in labelled.values())
+    assert len(rows) > 3 and max(len(row) for row in rows) < 200  # the wide one wrapped onto more lines

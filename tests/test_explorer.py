@@ -311,3 +311,42 @@ def test_a_step_row_unlike_the_matrix_row_is_stored_and_shown(browser, page_dir:
         np.testing.assert_array_equal(np.array(shown).reshape(steps.shape), quantise(steps) / 255)
     finally:
         browser.get((page_dir / "index.html").as_uri())  # the module's page, for any test after this one
+
+
+def test_weights_near_zero_read_as_unattended_and_the_strips_name_their_heads(
+    browser, page_dir: Path, tmp_path: Path
+) -> None:
+    """A weight of ~0 coloured the text black on inferno's dark end, which read as a highlight."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    n = 6
+    mask = causal_mask(n, n).numpy()[None]
+    weights = np.tril(np.ones((1, 2, n, n))) / np.arange(1, n + 1)[:, None]
+    weights[0, 0, 5] = [0.001, 0.5, 0.009, 0.0, 0.3, 0.19]  # query 5: keys 0, 2 and 3 get under 1 %
+    steps = weights[:, :, 2:].transpose(2, 0, 1, 3).copy()
+    write_page(
+        page_data("faint", list("abcdef"), weights, mask, [None], np.zeros((1, 2, 5)), steps), tmp_path / "p.html"
+    )
+    try:
+        browser.get((tmp_path / "p.html").as_uri())
+        spans = browser.find_elements(By.CSS_SELECTOR, "#text span")
+        ActionChains(browser).move_to_element(spans[5]).perform()  # query 5's row colours the text
+        unattended = ["unattended" in span.get_attribute("class") for span in spans]
+        coloured = [span.value_of_css_property("background-color") != "rgba(0, 0, 0, 0)" for span in spans]
+        assert unattended == [True, False, True, True, False, False]
+        assert coloured == [False, True, False, False, True, True]
+        labels = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#strips .head-label")]
+        assert labels == ["head 0", "head 1"]
+    finally:
+        browser.get((page_dir / "index.html").as_uri())  # the module's page, for any test after this one
+
+
+def test_the_causality_chart_draws_both_paths_apart(page) -> None:
+    """flash and math agree, so their marks coincide: a ring and a dot inside it, each in its own colour."""
+    pixels = page.execute_script(
+        "const c = document.getElementById('causality'); return Array.from(c.getContext('2d')"
+        ".getImageData(0, 0, c.width, c.height - 20).data)"
+    )
+    rgb = {tuple(pixels[i : i + 3]) for i in range(0, len(pixels), 4)}
+    assert (0x1F, 0x77, 0xB4) in rgb and (0xFF, 0x7F, 0x0E) in rgb  # flash's ring, math's dot, both visible

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from common.cli import check_overrides
 from common.config import typed_config
+from common.errors import ConfigError
 from conftest import CONFIGS, REPO, compose_config, run_script, tiny_run_overrides
 from data.config import DataConfig
 from data.prepare import ensure_prepared
@@ -24,7 +25,8 @@ from train import GROUPS
 from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.loop import train
 from training.optim import scheduled_lr
-from training.schema import SampleConfig, TrainRunConfig
+from training.resume import resumed_config
+from training.schema import EvalConfig, SampleConfig, ServeConfig, TrainRunConfig
 
 UNREACHABLE = "http://127.0.0.1:9/input.txt"  # the discard port: a download fails at once, offline or not
 # A run's settings that differ from the schema's defaults, as a preset's would: a resume must keep every one.
@@ -88,9 +90,19 @@ def test_the_printed_resume_command_continues_the_run_with_its_own_settings(tmp_
     assert resumed.model.n_embd == 32 and resumed.data.input == str(corpus_path)
 
 
-def test_a_resume_refuses_changes_to_what_the_run_trains_unless_asked(tmp_path: Path, corpus_path: Path) -> None:
+def _resume(args: list[str], caplog: pytest.LogCaptureFixture) -> str:
+    """train.py's resume, in this process: the saved config with the command's overrides, then the run."""
+    with caplog.at_level(logging.INFO, logger="train"):
+        caplog.clear()
+        train(resumed_config(compose_config(args), args, TrainRunConfig))
+    return caplog.text
+
+
+def test_a_resume_refuses_changes_to_what_the_run_trains_unless_asked(
+    tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     start = tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 10})
-    assert run_script("train.py", start, tmp_path).returncode == 0
+    assert run_script("train.py", start, tmp_path).returncode == 0  # its .hydra/ records the groups it took
     run = tmp_path / "run"
     before = (run / CKPT_NAME).read_bytes()
 
@@ -100,22 +112,20 @@ def test_a_resume_refuses_changes_to_what_the_run_trains_unless_asked(tmp_path: 
         "error: resume=true would change what the run trains (train.max_iters 10 -> 20); drop those overrides to "
         "continue the run as it was, or add resume_with_changes=true to resume with them"
     )
-    another_preset = run_script("train.py", [f"out_dir={run}", "resume=true", "experiment=speedrun_cpu"], tmp_path)
-    assert another_preset.returncode == 2 and "Traceback" not in another_preset.stderr
-    assert "experiment=speedrun_cpu: resume=true continues" in another_preset.stderr
+    with pytest.raises(
+        ConfigError,
+        match="^experiment=speedrun_cpu: resume=true continues .* it was started with "
+        "experiment=null; drop experiment=speedrun_cpu",
+    ):
+        _resume([f"out_dir={run}", "resume=true", "experiment=speedrun_cpu"], caplog)
     assert (run / CKPT_NAME).read_bytes() == before
 
     # The start command repeated (its group, its keys) is no change; a free key (eval_iters) may change.
-    same = [*start, "model=baby", "resume=true"]
-    repeated = run_script("train.py", [*same, "train.eval_iters=3"], tmp_path)
-    assert repeated.returncode == 0, repeated.stderr
-    assert "resume: train.eval_iters changed from 4 to 3" in repeated.stdout
-
-    asked = run_script(
-        "train.py", [f"out_dir={run}", "resume=true", "resume_with_changes=true", "train.max_iters=20"], tmp_path
+    assert "resume: train.eval_iters changed from 4 to 3" in _resume(
+        [*start, "model=baby", "resume=true", "train.eval_iters=3"], caplog
     )
-    assert asked.returncode == 0, asked.stderr
-    assert "resume: train.max_iters changed from 10 to 20" in asked.stdout
+    asked = _resume([f"out_dir={run}", "resume=true", "resume_with_changes=true", "train.max_iters=20"], caplog)
+    assert "resume: train.max_iters changed from 10 to 20" in asked
     assert load_checkpoint(run / CKPT_NAME).progress.iter == 20
 
 
@@ -225,16 +235,28 @@ def test_sample_takes_no_presets_and_suggests_out_dir(capsys: pytest.CaptureFixt
     )
 
 
-@pytest.mark.parametrize("script", ["train.py", "sample.py", "eval.py", "serve.py"])
-def test_help_lists_the_keys_set_most_with_examples(tmp_path: Path, script: str) -> None:
-    result = run_script(script, ["--help"], tmp_path)
-    assert result.returncode == 0, result.stderr
-    text = result.stdout
-    assert "Keys set most:" in text and "Examples:" in text and "docs/reference.md" in text
-    examples = [line.strip() for line in text.splitlines() if line.strip().startswith(f"python {script}")]
-    assert len(examples) >= 2
-    assert ("experiment " in text) == (script == "train.py")  # only train.py takes presets
-    assert list(tmp_path.iterdir()) == []
+def test_help_lists_the_keys_set_most_with_examples(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import eval as eval_script
+    import sample
+    import serve
+
+    result = run_script("train.py", ["--help"], tmp_path)
+    assert result.returncode == 0 and list(tmp_path.iterdir()) == []  # nothing made, Hydra never started
+    texts = {"train.py": result.stdout}
+    for script, module, schema in (
+        ("sample.py", sample, SampleConfig),
+        ("eval.py", eval_script, EvalConfig),
+        ("serve.py", serve, ServeConfig),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            check_overrides(["-h"], schema, help_text=module.USAGE)
+        assert stopped.value.code == 0
+        texts[script] = capsys.readouterr().out
+    for script, text in texts.items():
+        assert "Keys set most:" in text and "Examples:" in text and "docs/reference.md" in text
+        examples = [line.strip() for line in text.splitlines() if line.strip().startswith(f"python {script}")]
+        assert len(examples) >= 2, script
+        assert ("experiment " in text) == (script == "train.py")  # only train.py takes presets
 
 
 def test_a_command_that_fails_before_training_leaves_nothing_behind(tmp_path: Path) -> None:
@@ -243,9 +265,8 @@ def test_a_command_that_fails_before_training_leaves_nothing_behind(tmp_path: Pa
     (tmp_path / "outputs" / "older").mkdir(parents=True)
     for args in (
         ["data.input=missing.txt"],  # the default outputs/DATE/TIME
-        ["out_dir=runs/new/one", "data.input=missing.txt"],
-        ["out_dir=runs/typo", "resume=true"],
-        ["out_dir=mine", "resume=true"],
+        ["out_dir=runs/typo/one", "resume=true"],  # two folders made for it
+        ["out_dir=mine", "resume=true"],  # there before: only what the command added goes
     ):
         result = run_script("train.py", args, tmp_path)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr

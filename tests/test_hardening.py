@@ -16,12 +16,13 @@ import torch
 
 from common.cli import check_overrides
 from common.config import check_override
-from common.errors import ConfigError
+from common.errors import ConfigError, UserError
 from conftest import compose_config, run_script, tiny_run_overrides
 from data.config import DataConfig
 from data.errors import DataError
 from data.prepare import ensure_prepared
 from inference.sampling import read_prompt
+from train import GROUPS
 from training.checkpoint import CKPT_NAME, CheckpointError, load_checkpoint
 from training.loop import train
 from training.metrics import METRICS_NAME, LogWindow, MetricsLog, drop_records_after, read_records
@@ -73,7 +74,7 @@ def test_a_command_line_override_is_checked_against_the_schema(key: str, value: 
     ],
 )
 def test_commands_that_hydra_takes_still_pass(args: list[str]) -> None:
-    check_overrides(args, TrainRunConfig)
+    check_overrides(args, TrainRunConfig, GROUPS)
 
 
 def test_a_range_sweep_over_a_misspelt_key_is_one_line(capsys: pytest.CaptureFixture) -> None:
@@ -464,3 +465,51 @@ def test_the_path_rule_expands_only_a_leading_tilde() -> None:
     config = DataConfig(input="", dir="~nosuchuser_here/data")
     assert (config.input, config.dir) == ("", "~nosuchuser_here/data")
     assert DataConfig(dir="a/./b/").dir == "a/./b/"
+
+
+def _unwritable_folder() -> Path | None:
+    """A folder no one, root included, may create files in: Linux's /sys (sysfs refuses new files)."""
+    from common.files import check_writable
+
+    try:
+        check_writable(Path("/sys"), "probe")
+    except Exception:
+        return Path("/sys")
+    return None
+
+
+UNWRITABLE = _unwritable_folder()
+needs_unwritable = pytest.mark.skipif(UNWRITABLE is None, reason="no folder refuses writes here (Linux's /sys does)")
+
+
+@needs_unwritable
+def test_an_unwritable_out_dir_or_data_dir_stops_train_py_before_any_work(tmp_path: Path, corpus_path: Path) -> None:
+    """As root, permission bits don't stop a write: the check tries one, so a read-only mount is caught too."""
+    where = UNWRITABLE / "gpt_lab_run"
+    result = run_script("train.py", tiny_run_overrides(tmp_path, corpus_path, out_dir=where), tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith(f"error: out_dir={where} is not writable (its folder {UNWRITABLE} can't hold it)")
+    assert list(tmp_path.iterdir()) == []  # nothing prepared, nothing made
+    data_dir = UNWRITABLE / "gpt_lab_data"
+    with pytest.raises(UserError, match=f"^data.dir={data_dir} is not writable"):
+        train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"data.dir": data_dir})))
+    assert not (tmp_path / "run" / "ckpt.pt").exists()
+
+
+@needs_unwritable
+def test_an_unwritable_attention_dir_stops_sample_py_before_sampling(trained_run: Path, tmp_path: Path) -> None:
+    maps = UNWRITABLE / "gpt_lab_maps"
+    args = [f"out_dir={trained_run}", "num_samples=1", "max_new_tokens=5", f"attention_dir={maps}"]
+    result = run_script("sample.py", args, tmp_path)
+    assert result.returncode == 2 and result.stdout == "", result.stdout  # no samples printed first
+    assert result.stderr.startswith(f"error: attention_dir={maps} is not writable")
+
+
+@needs_unwritable
+def test_plot_py_and_export_refuse_an_unwritable_destination_in_one_line(trained_run: Path, tmp_path: Path) -> None:
+    plotted = run_script("plot.py", [str(trained_run), "-o", str(UNWRITABLE / "loss.png")], tmp_path)
+    assert plotted.returncode == 2 and "Traceback" not in plotted.stderr
+    assert plotted.stderr.startswith(f"error: -o {UNWRITABLE / 'loss.png'}: {UNWRITABLE} is not writable")
+    exported = run_script("scripts/export_hf.py", [str(trained_run), str(UNWRITABLE / "hf")], tmp_path)
+    assert exported.returncode == 2 and "Traceback" not in exported.stderr
+    assert exported.stderr.startswith(f"error: HF_DIR={UNWRITABLE / 'hf'} is not writable")

@@ -34,7 +34,7 @@ def test_cpu_preset_is_nanogpts_recipe() -> None:
     assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size) == (4, 4, 128, 64)
     assert cfg.model.dropout == 0.0 and cfg.data.tokenizer == "char"
     t = cfg.train
-    assert (t.batch_size, t.max_iters, t.decay_iters, t.warmup_iters) == (12, 2000, 2000, 100)
+    assert (t.batch_size, t.max_iters, t.lr_decay_iters, t.warmup_iters) == (12, 2000, None, 100)  # max_iters
     assert (t.learning_rate, t.min_lr, t.compile) == (1e-3, 1e-4, False)
 
 
@@ -339,6 +339,7 @@ def test_speedrun_preset_uses_the_options_and_stops_at_the_target() -> None:
         6e-3,
         20,
     )
-    assert t.max_iters == t.decay_iters == t.eval_from == t.eval_interval == 225  # one evaluation, at the end
+    assert t.max_iters == t.eval_from == t.eval_interval == 225  # one evaluation, at the end
+    assert t.lr_decay_iters is None  # max_iters
     assert t.full_val and t.target_val_loss == 1.89 and t.eval_iters == 20
     assert compose_config([]).model.pos_emb == "learned" and compose_config([]).model.activation == "gelu"

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from common.cpu_threads import use_free_cores
 from common.errors import ConfigError
 from data.prepare import PreparedData, ensure_prepared
 from data.tokenizers import Tokenizer, tokenizer_from_metadata
@@ -62,6 +63,8 @@ def build_trainer(
     use_compile = compile_by_default(runtime) if opt.compile is None else opt.compile
     tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
     byte_lengths = torch.from_numpy(tokenizer.token_byte_lengths()).to(runtime.device, torch.float64)
+    if runtime.device.type == "cpu" and not world.distributed and (note := use_free_cores()):
+        log.warning(note)  # before the peak is measured: with the threads the run will use
     peak = None if runtime.emulated else peak_flops(runtime.device, runtime.dtype)
     trainer = Trainer(
         config=config,
@@ -76,7 +79,7 @@ def build_trainer(
         optimizer=make_optimizer(model, opt, runtime),
         scaler=torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16),
         evaluator=Evaluator(data, opt, config.seed, model.config.block_size, byte_lengths, runtime, world),
-        metrics=MetricsLog(out_dir, active=world.is_main),
+        metrics=MetricsLog(out_dir, active=world.is_main, max_iters=opt.max_iters),
         flops_per_token=flops_per_token,
         peak_flops=None if peak is None else peak.flops * world.size,
         started=started,

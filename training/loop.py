@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from common.config import typed_config
 from common.errors import ConfigError
-from common.files import discard_temporaries
+from common.files import check_writable, discard_temporaries
 from training.build import build_trainer
 from training.checkpoint import BEST_NAME, CKPT_NAME
 from training.distributed import (
@@ -48,6 +48,8 @@ def train(
     config = typed_config(cfg, TrainRunConfig)
     check_for_world(config.train, world, config.model.value_residual)
     runtime = make_runtime(config.device, config.train.dtype, world.local_rank if world.distributed else None)
+    if world.is_main:
+        check_writable(Path(config.out_dir), "out_dir")
     init_process_group(world, runtime.device)
     try:
         with contextlib.ExitStack() as held:

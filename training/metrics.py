@@ -20,9 +20,10 @@ METRICS_NAME = "metrics.jsonl"
 
 
 class MetricsLog:
-    def __init__(self, out_dir: Path, active: bool = True) -> None:
+    def __init__(self, out_dir: Path, active: bool = True, max_iters: int | None = None) -> None:
         self.path = out_dir / METRICS_NAME
         self.active = active  # False on every torchrun rank but 0
+        self.max_iters = max_iters  # for the console's "iter N/MAX"
         self.wandb_run: Any = None
 
     def start_wandb(self, config: WandbConfig, run_config: dict[str, Any]) -> None:
@@ -53,7 +54,7 @@ class MetricsLog:
         still_held(self.path.parent)
         with open(self.path, "a") as f:
             f.write(json.dumps(_strict(record), allow_nan=False) + "\n")
-        log.info(_readable(record))
+        log.info(_readable(record, self.max_iters))
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
@@ -141,20 +142,37 @@ class LogWindow:
             tokens_per_sec = self.tokens_per_iter * self.timed / self.seconds
             throughput = {"ms_per_iter": 1000 * self.seconds / self.timed, "tokens_per_sec": tokens_per_sec}
             if self.peak_flops is not None:
-                throughput["mfu"] = self.flops_per_token * tokens_per_sec / self.peak_flops
+                achieved = self.flops_per_token * tokens_per_sec
+                if achieved > self.peak_flops:  # the peak was measured while the CPU was busy: this is the truer
+                    log.warning(
+                        f"MFU: training reaches {achieved / 1e12:.3g} TFLOP/s, above the {self.peak_flops / 1e12:.3g} "
+                        "measured as the peak at start (the machine was busier then); MFU is against it from now on"
+                    )
+                    self.peak_flops = achieved
+                throughput["mfu"] = achieved / self.peak_flops
         self.loss_sum, self.steps, self.seconds, self.timed = 0.0, 0, 0.0, 0
         return train_loss, throughput
 
 
-def _readable(r: dict[str, Any]) -> str:
+def _readable(r: dict[str, Any], max_iters: int | None = None) -> str:
     if "val_loss" in r:
         line = f"step {r['iter']}: train loss {r['train_loss']:.4f}, val loss {r['val_loss']:.4f}"
         line += f", val {r['val_bpb']:.4f} bits/byte" if "val_bpb" in r else ""
         if "hellaswag_acc" in r:
             line += f", hellaswag acc {r['hellaswag_acc']:.4f} (acc_norm {r['hellaswag_acc_norm']:.4f})"
         return line
-    line = f"iter {r['iter']}: loss {r['train_loss']:.4f}, lr {r['lr']:.2e}"
+    of = f"/{max_iters}" if max_iters else ""
+    line = f"iter {r['iter']}{of}: loss {r['train_loss']:.4f}, lr {r['lr']:.2e}"
     if "tokens_per_sec" not in r:
         return line + " (warm-up, not timed)"
     line += f", {r['ms_per_iter']:.1f} ms/iter, {r['tokens_per_sec']:,.0f} tok/s"
-    return line + f", mfu {100 * r['mfu']:.1f}%" if "mfu" in r else line
+    line += f", mfu {100 * r['mfu']:.1f}%" if "mfu" in r else ""
+    return line + f", ETA {_duration(r['eta_s'])}" if "eta_s" in r else line
+
+
+def _duration(seconds: float) -> str:
+    """3h05m, 4m12s, 37s."""
+    s = round(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"

@@ -202,7 +202,8 @@ class SampleConfig(ModelChoice):
     stop: list[str] | None = None
     stream: bool | None = None  # print each sample as it is generated; null: when stdout is a terminal
     attention_dir: str | None = option(None, directory=True)  # write attention.npz and one PNG per layer here
-    check_causal: bool = False  # print the causality demonstration after the samples
+    check_causal: bool = False  # print the causality demonstration after the samples: a summary by range
+    check_causal_positions: bool = False  # with check_causal: one line per position instead of the summary
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from common.cpu_threads import recheck_free_cores
 from data.batches import TRAIN_WINDOWS, batch_generator, every_window, get_batch
 from data.prepare import PreparedData
 from data.tokenizers import Tokenizer
@@ -94,6 +95,8 @@ class Trainer:
     # steps skipped in a row by train.on_nonfinite=skip in this process
     checkpointed_iter: int | None = None
     skipped_in_a_row: int = 0
+    fastest_ms: float = math.inf  # this process's fastest log window, to notice steps slowing down
+    paced_from: tuple[float, int] | None = None  # perf_counter() and iter at the first timed log line: the ETA's
 
     def fit(self) -> TrainResult:
         """Evaluate (and checkpoint) when due, stop when done or the target is reached, step, log. A signal
@@ -269,7 +272,35 @@ class Trainer:
         if window is not None:
             train_loss, throughput = window
             record = {"iter": self.progress.iter, "train_loss": train_loss, "lr": lr, "elapsed_s": self.elapsed()}
+            if "ms_per_iter" in throughput:
+                record["eta_s"] = self._eta(throughput["ms_per_iter"])
+                self._notice_slowdown(throughput["ms_per_iter"])
             self.metrics.write({**record, **throughput})
+
+    def _eta(self, ms_per_iter: float) -> float:
+        """Seconds to max_iters: at the pace since this process's first timed log line, evaluations and checkpoints
+        included (the first evaluation and warm-up come before it); at that line, the steps' own pace."""
+        now, left = time.perf_counter(), max(0, self.config.train.max_iters - self.progress.iter)
+        if self.paced_from is None:
+            self.paced_from = (now, self.progress.iter)
+            return round(left * ms_per_iter / 1000, 1)
+        began, first = self.paced_from
+        return round((now - began) / max(1, self.progress.iter - first) * left, 1)
+
+    def _notice_slowdown(self, ms_per_iter: float) -> None:
+        """Steps 2.5x slower than this process's fastest: on a CPU, most likely another process took cores that
+        torch's threads wait for. Lower the threads to the free cores, or say what to do."""
+        slower = ms_per_iter / self.fastest_ms
+        self.fastest_ms = min(self.fastest_ms, ms_per_iter)
+        if slower < 2.5 or self.runtime.device.type != "cpu" or self.world.distributed:
+            return
+        self.fastest_ms = ms_per_iter  # once per slowdown
+        note = recheck_free_cores()
+        log.warning(
+            note
+            or f"steps take {slower:.1f}x as long as earlier in this run: if another process is using the CPU, "
+            "OMP_NUM_THREADS=1 (or stopping it) may help"
+        )
 
     def elapsed(self) -> float:
         """The run's wall time, its earlier processes included."""

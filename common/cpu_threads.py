@@ -1,0 +1,86 @@
+"""CPU threads for torch on a machine others share. Torch starts one thread per core; when another process keeps a
+core busy, its threads wait on each other at every operation's barrier, and a small model's steps ran 2-3x (on a
+busier 2-core machine, 15-25x) slower than with the free cores alone. So the CPU path uses the cores that are
+actually free, measured from /proc/stat (Linux); OMP_NUM_THREADS, when set, is the user's choice and stays.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import time
+
+import torch
+
+log = logging.getLogger("train")
+_SAMPLE_S = 0.1  # how long the other processes' CPU time is measured for (10 clock ticks a core)
+
+
+def others_busy_cores(sample_s: float = _SAMPLE_S) -> float | None:
+    """How many of this process's cores (its affinity) other processes kept busy over sample_s, while this one
+    sleeps; None where /proc/stat can't say (not Linux)."""
+    try:
+        cores = os.sched_getaffinity(0)
+        before, own_before = _busy_ticks(cores), os.times()
+        time.sleep(sample_s)
+        after, own_after = _busy_ticks(cores), os.times()
+    except (AttributeError, OSError, ValueError, IndexError):
+        return None
+    # this process's own threads (OpenMP's spin a while after each parallel region) are not others
+    own_s = own_after.user + own_after.system - own_before.user - own_before.system
+    return max(0.0, ((after - before) / os.sysconf("SC_CLK_TCK") - own_s) / sample_s)
+
+
+def _busy_ticks(cores: set[int]) -> int:
+    """Clock ticks the given cores spent busy since boot, from their lines of /proc/stat (cpuN user nice system
+    idle iowait irq softirq steal ...)."""
+    busy = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
+                busy += user + nice + system + irq + softirq + steal
+    return busy
+
+
+def free_threads(current: int, busy: float | None) -> int:
+    """The threads to use: the current count less the cores others keep busy (a core busy more than half the
+    time counts as taken), at least one."""
+    if busy is None:
+        return current
+    return max(1, min(current, current - math.ceil(busy - 0.5)))
+
+
+@functools.cache
+def use_free_cores() -> str | None:
+    """Once per process, on the CPU path: lower torch's threads to the free cores. Returns the one line saying so,
+    or None when nothing changed (all free, OMP_NUM_THREADS set, or no way to tell)."""
+    current = torch.get_num_threads()
+    if os.environ.get("OMP_NUM_THREADS") or current <= 1:
+        return None
+    busy = others_busy_cores()
+    threads = free_threads(current, busy)
+    if threads == current:
+        return None
+    torch.set_num_threads(threads)
+    return (
+        f"CPU threads: {threads} of {current}: other processes keep {busy:.1f} cores busy, and threads waiting for a "
+        "busy core slow every step down; set OMP_NUM_THREADS=N to choose"
+    )
+
+
+def recheck_free_cores() -> str | None:
+    """After steps slowed down mid-run (another process started): the free cores again, and the threads lowered
+    to them; the line saying so, or None."""
+    current = torch.get_num_threads()
+    if os.environ.get("OMP_NUM_THREADS") or current <= 1:
+        return None
+    busy = others_busy_cores()
+    threads = free_threads(current, busy)
+    if threads == current:
+        return None
+    torch.set_num_threads(threads)
+    return f"CPU threads: {threads} of {current} from now on: other processes keep {busy:.1f} cores busy"

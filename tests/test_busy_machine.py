@@ -1,0 +1,116 @@
+"""A machine shared with other processes: threads chosen from the free cores, a slowdown noticed mid-run, MFU
+never above 100%, and log lines that say how far the run is and how long it has to go."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from common import cpu_threads
+from conftest import compose_config, tiny_run_overrides
+from training.loop import train
+from training.metrics import LogWindow
+from training.trainer import Trainer
+
+
+@pytest.fixture
+def threads_restored():
+    before = torch.get_num_threads()
+    cpu_threads.use_free_cores.cache_clear()
+    yield
+    torch.set_num_threads(before)
+    cpu_threads.use_free_cores.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("current", "busy", "expected"), [(2, 1.0, 1), (2, 0.3, 2), (2, 2.0, 1), (8, 3.0, 5), (4, None, 4), (2, 0.6, 1)]
+)
+def test_threads_are_the_cores_left_free(current: int, busy: float | None, expected: int) -> None:
+    assert cpu_threads.free_threads(current, busy) == expected
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/stat is Linux's")
+def test_a_busy_process_on_one_of_our_cores_is_measured() -> None:
+    core = min(os.sched_getaffinity(0))
+    busy = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+    try:
+        time.sleep(0.3)
+        measured = cpu_threads.others_busy_cores(0.3)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert measured is not None and 0.7 <= measured <= len(os.sched_getaffinity(0)) + 0.1
+
+
+def test_the_threads_drop_to_the_free_cores_unless_omp_num_threads_is_set(
+    monkeypatch: pytest.MonkeyPatch, threads_restored: None
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cpu_threads, "others_busy_cores", lambda: 1.0)
+    torch.set_num_threads(2)
+    note = cpu_threads.use_free_cores()
+    assert torch.get_num_threads() == 1
+    assert note.startswith("CPU threads: 1 of 2: other processes keep 1.0 cores busy")
+    assert "OMP_NUM_THREADS=N" in note
+
+    cpu_threads.use_free_cores.cache_clear()
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    torch.set_num_threads(2)
+    assert cpu_threads.use_free_cores() is None and torch.get_num_threads() == 2  # the user's choice stays
+
+
+def test_a_slowdown_mid_run_lowers_the_threads_or_says_what_to_do(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    trainer = SimpleNamespace(
+        fastest_ms=10.0, runtime=SimpleNamespace(device=torch.device("cpu")), world=SimpleNamespace(distributed=False)
+    )
+    notes = iter(["CPU threads: 1 of 2 from now on: other processes keep 1.0 cores busy", None])
+    monkeypatch.setattr("training.trainer.recheck_free_cores", lambda: next(notes))
+    with caplog.at_level(logging.WARNING, logger="train"):
+        Trainer._notice_slowdown(trainer, 20.0)  # 2x: noise, not a collapse
+        assert caplog.messages == []
+        Trainer._notice_slowdown(trainer, 40.0)
+        Trainer._notice_slowdown(trainer, 41.0)  # the same slowdown: said once
+        Trainer._notice_slowdown(trainer, 120.0)  # worse again, and no threads left to drop
+    assert caplog.messages == [
+        "CPU threads: 1 of 2 from now on: other processes keep 1.0 cores busy",
+        "steps take 3.0x as long as earlier in this run: if another process is using the CPU, OMP_NUM_THREADS=1 "
+        "(or stopping it) may help",
+    ]
+
+
+def test_mfu_never_passes_100_percent(caplog: pytest.LogCaptureFixture) -> None:
+    """The peak measured at start under load was lower than what training later reached (MFU read 115%)."""
+    window = LogWindow(first_step=0, tokens_per_iter=1000, flops_per_token=1e6, peak_flops=1e9)  # 1 GFLOP/s
+    with caplog.at_level(logging.WARNING, logger="train"):
+        for step in range(3):
+            window.add(torch.tensor(1.0))
+            began = time.perf_counter() - 0.1  # 10,000 tokens/s: 10 GFLOP/s
+            result = window.end_step(step, began, log_now=step == 2)
+    _, throughput = result
+    assert throughput["mfu"] == pytest.approx(1.0)
+    assert window.peak_flops == pytest.approx(1e10, rel=0.05)
+    assert "above the 0.001 measured as the peak at start" in caplog.text
+
+
+def test_log_lines_show_the_iteration_of_max_iters_and_an_eta(
+    tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="train"):
+        train(compose_config(tiny_run_overrides(tmp_path, corpus_path)))
+    lines = [m for m in caplog.messages if m.startswith("iter ")]
+    assert lines[0].startswith("iter 5/20: ") and lines[-1].startswith("iter 20/20: ")
+    assert lines[-1].endswith(", ETA 0s") and ", ETA " in lines[1]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in records if "ms_per_iter" in r]
+    assert timed and all(r["eta_s"] >= 0 for r in timed) and timed[-1]["eta_s"] == 0

@@ -1,0 +1,65 @@
+"""The README is the front door: short, its links alive, and every command in it one the commands accept."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+import pytest
+
+from common.cli import check_overrides
+from common.config import typed_config
+from conftest import REPO, compose_config
+from train import GROUPS
+from training.schema import EvalConfig, SampleConfig, ServeConfig, TrainRunConfig
+
+README = (REPO / "README.md").read_text(encoding="utf-8")
+SCHEMAS = {
+    "train.py": (TrainRunConfig, GROUPS, "config"),
+    "sample.py": (SampleConfig, (), "sample"),
+    "eval.py": (EvalConfig, (), "eval"),
+    "serve.py": (ServeConfig, (), "serve"),
+}
+
+
+def _commands() -> list[list[str]]:
+    """Every `python SCRIPT ...` line of the README's bash blocks, split as the shell would (comments dropped)."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+        for line in block.splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] == ["python"] and words[1:2] and words[1] in SCHEMAS:
+                commands.append(words[1:])
+    return commands
+
+
+def test_the_readme_is_a_front_door_of_about_200_lines() -> None:
+    assert len(README.splitlines()) <= 220
+    first_screen = "\n".join(README.splitlines()[:40])
+    assert "docs/explorer.png" in first_screen and "--index-url https://download.pytorch.org/whl/cpu" in first_screen
+    cpu_line = README.index("download.pytorch.org/whl/cpu")
+    assert cpu_line < README.index('pip install ".[dev]"')  # the CPU build before the install, not after
+
+
+def test_every_link_in_the_readme_leads_somewhere() -> None:
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README)
+    assert len(targets) >= 10
+    for target in targets:
+        assert (REPO / target).exists(), target
+
+
+@pytest.mark.parametrize("command", _commands(), ids=lambda c: " ".join(c)[:60])
+def test_every_command_in_the_readme_is_accepted(command: list[str]) -> None:
+    """Each override checked as the command checks it, and the whole config composed and typed (a sweep's
+    values are checked one by one by check_overrides)."""
+    script, *args = command
+    schema, groups, config_name = SCHEMAS[script]
+    check_overrides(args, schema, groups)  # exits with status 2 on anything wrong
+    if "-m" not in args:
+        typed_config(compose_config(args, config_name), schema)
+
+
+def test_the_readme_runs_every_command_a_newcomer_needs() -> None:
+    scripts = {command[0] for command in _commands()}
+    assert scripts == set(SCHEMAS)
+    assert ["train.py", "experiment=shakespeare_char_cpu", "out_dir=runs/cpu"] in _commands()

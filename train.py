@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import hydra
+from filelock import FileLock, Timeout
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -86,9 +87,10 @@ def main(cfg: DictConfig) -> None:
             if cfg.resume:
                 cfg = resumed_config(cfg, list(hydra_cfg.overrides.task), TrainRunConfig)
             result = train(cfg, on_run_opened=on_run_opened)
-    finally:
-        if not opened and job is None:  # failed before the run was opened: leave nothing behind
+    except BaseException:  # a user's error (SystemExit 2 by now), Ctrl-C, a bug
+        if not opened and job is None and world_from_env().is_main:  # failed before the run was opened
             _remove_unopened_run_dir(Path(cfg.out_dir), BEFORE_HYDRA)
+        raise
     if result.stopped_by is not None:
         sys.exit(128 + signal.Signals[result.stopped_by].value)  # the shell's convention for "killed by"
 
@@ -156,7 +158,7 @@ def _remove_unopened_run_dir(out_dir: Path, before: tuple[Path | None, set[str]]
     top = out if missing.name == _TIME else missing.absolute()
     if not (top == out or top in out.parents) or not out.is_dir():
         return
-    if not {path.name for path in out.iterdir()} <= RUN_DIR_MAKINGS:
+    if not {path.name for path in out.iterdir()} <= RUN_DIR_MAKINGS or _lock_held(out):
         return
     for name in RUN_DIR_MAKINGS:
         (out / name).unlink(missing_ok=True)
@@ -169,6 +171,19 @@ def _remove_unopened_run_dir(out_dir: Path, before: tuple[Path | None, set[str]]
         if folder == top:
             return
         folder = folder.parent
+
+
+def _lock_held(out_dir: Path) -> bool:
+    """Another process holds out_dir's run lock (started on the same directory): its files are not ours."""
+    if not (out_dir / LOCK_NAME).exists():
+        return False
+    lock = FileLock(out_dir / LOCK_NAME, timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        return True
+    lock.release()
+    return False
 
 
 def _quiet_hydra_on_other_ranks(argv: list[str]) -> list[str]:

@@ -46,12 +46,16 @@ def _busy_ticks(cores: set[int]) -> int:
     return busy
 
 
-def free_threads(current: int, busy: float | None) -> int:
-    """The threads to use: the current count less the cores others keep busy (a core busy more than half the
-    time counts as taken), at least one."""
+def free_threads(current: int, busy: float | None, cores: int) -> int:
+    """The threads to use: no more than now, nor than this process's cores less those others keep busy (a core
+    busy more than half the time counts as taken), at least one."""
     if busy is None:
         return current
-    return max(1, min(current, current - math.ceil(busy - 0.5)))
+    return max(1, min(current, cores - math.ceil(busy - 0.5)))
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @functools.cache
@@ -62,7 +66,7 @@ def use_free_cores() -> str | None:
     if os.environ.get("OMP_NUM_THREADS") or current <= 1:
         return None
     busy = others_busy_cores()
-    threads = free_threads(current, busy)
+    threads = free_threads(current, busy, _cores())
     if threads == current:
         return None
     torch.set_num_threads(threads)
@@ -79,7 +83,7 @@ def recheck_free_cores() -> str | None:
     if os.environ.get("OMP_NUM_THREADS") or current <= 1:
         return None
     busy = others_busy_cores()
-    threads = free_threads(current, busy)
+    threads = free_threads(current, busy, _cores())
     if threads == current:
         return None
     torch.set_num_threads(threads)

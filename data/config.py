@@ -9,6 +9,8 @@ from common.config import check_fields, option
 from common.errors import ConfigError
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+# The sha256 of the text at a known URL: a local copy of it (data.input) counts as the same text
+KNOWN_TEXTS = {SHAKESPEARE_URL: "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"}
 
 
 @dataclass

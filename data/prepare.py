@@ -29,7 +29,7 @@ from tqdm import tqdm
 from common.files import check_writable, discard_temporaries, replace_file, temporary_beside, write_text_atomically
 from data import corpus
 from data.batches import TokenFiles
-from data.config import DataConfig
+from data.config import KNOWN_TEXTS, DataConfig
 from data.errors import DataError
 from data.source import TextFile, file_sha256, input_file, text_file
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer, tokenizer_from_metadata
@@ -221,6 +221,10 @@ def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData
     out_dir = dataset_dir(config.name, config.dir)
     if config.hf_dataset or (config.input and Path(os.path.expanduser(config.input)).is_dir()):
         return _ensure_corpus(out_dir, config, prepare)
+    if config.input and not os.path.exists(os.path.expanduser(config.input)):
+        prepared = _prepared_from_a_gone_text(out_dir, config)
+        if prepared:
+            return prepared
     fingerprint = {
         "source": source_fingerprint(config.input, config.url),
         "tokenizer_spec": config.tokenizer,
@@ -228,7 +232,7 @@ def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData
     }
 
     if not config.input and not (out_dir / "input.txt").is_file():
-        prepared = _prepared_from_any_text(out_dir, fingerprint)
+        prepared = _prepared_from_any_text(out_dir, fingerprint, config.url)
         if prepared:
             return prepared
 
@@ -246,14 +250,35 @@ def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData
     return _prepared_once(out_dir, fingerprint, prepare, prepare_text)
 
 
-def _prepared_from_any_text(out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData | None:
-    """With no data.input and nothing downloaded, a whole dataset prepared here from another text (data.input on
-    an earlier command) is used rather than downloading: a run, its resume and a sweep work offline without
-    repeating data.input. Its tokenizer and split must be the ones asked for; the line says which text it holds."""
+def _prepared_from_any_text(out_dir: Path, fingerprint: dict[str, Any], url: str | None) -> PreparedData | None:
+    """With no data.input and nothing downloaded, a whole dataset prepared here from a file (data.input on an
+    earlier command) is used rather than downloading: a run, its resume and a sweep work offline without repeating
+    data.input. Its tokenizer and split must be the ones asked for (a folder made from another URL is not used).
+    A copy of the URL's own text is said in passing; any other text with a warning, since it is not what the
+    preset names."""
     prepared = _reusable(out_dir, {key: value for key, value in fingerprint.items() if key != "source"})
-    if prepared is not None:
-        source = prepared.meta.get("input") or prepared.meta.get("source", {}).get("url") or "an earlier data.input"
-        log.info(f"data: using {out_dir}, prepared from {source} (pass data.input=FILE to prepare another text)")
+    source = prepared.meta.get("source", {}) if prepared is not None else {}
+    if not isinstance(source, dict) or "input_sha256" not in source:
+        return None
+    made_from = prepared.meta.get("input", "an earlier data.input")
+    if source["input_sha256"] == KNOWN_TEXTS.get(url):
+        log.info(f"data: using {out_dir}, prepared from {made_from}, a copy of {url}")
+    else:
+        log.warning(
+            f"data: {out_dir} holds the text of {made_from}, not {url}; training on it (data.input=FILE prepares "
+            "another text; another data.name keeps both)"
+        )
+    return prepared
+
+
+def _prepared_from_a_gone_text(out_dir: Path, config: DataConfig) -> PreparedData | None:
+    """data.input names a file that is gone (moved, or on a disk not mounted now), and this folder was prepared
+    from that very path: its tokens stand for it (a resume restores data.input from the run's config)."""
+    wanted = str(Path(os.path.expanduser(config.input)))
+    prepared = _reusable(out_dir, {"tokenizer_spec": config.tokenizer, "val_fraction": config.val_fraction})
+    if prepared is None or prepared.meta.get("input") != wanted:
+        return None
+    log.warning(f"data.input={config.input} is gone; using the data prepared from it in {out_dir}")
     return prepared
 
 

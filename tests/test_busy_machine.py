@@ -32,10 +32,12 @@ def threads_restored():
 
 
 @pytest.mark.parametrize(
-    ("current", "busy", "expected"), [(2, 1.0, 1), (2, 0.3, 2), (2, 2.0, 1), (8, 3.0, 5), (4, None, 4), (2, 0.6, 1)]
+    ("current", "busy", "cores", "expected"),
+    [(2, 1.0, 2, 1), (2, 0.3, 2, 2), (2, 2.0, 2, 1), (8, 3.0, 8, 5), (4, None, 4, 4), (2, 0.6, 2, 1), (8, 4.0, 16, 8),
+     (8, 9.0, 16, 7)],  # threads set below the cores (physical ones of hyper-threaded logical) drop only if needed
 )
-def test_threads_are_the_cores_left_free(current: int, busy: float | None, expected: int) -> None:
-    assert cpu_threads.free_threads(current, busy) == expected
+def test_threads_are_the_cores_left_free(current: int, busy: float | None, cores: int, expected: int) -> None:
+    assert cpu_threads.free_threads(current, busy, cores) == expected
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/stat is Linux's")
@@ -56,6 +58,7 @@ def test_the_threads_drop_to_the_free_cores_unless_omp_num_threads_is_set(
 ) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(cpu_threads, "others_busy_cores", lambda: 1.0)
+    monkeypatch.setattr(cpu_threads, "_cores", lambda: 2)
     torch.set_num_threads(2)
     note = cpu_threads.use_free_cores()
     assert torch.get_num_threads() == 1

@@ -88,9 +88,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(
     stopped = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, **exact)), before_step=hook)
     assert stopped.stopped_by == "SIGTERM" and stopped.iters == stop_at + 1
     assert load_checkpoint(tmp_path / "b" / "run" / CKPT_NAME).progress.iter == stop_at + 1
-    resumed = train(
-        compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, resume_with_changes=True, **exact))
-    )
+    resumed = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, **exact)))
 
     assert resumed.iters == 40
     assert _val_losses(tmp_path / "b" / "run") == _val_losses(reference)  # bit-identical
@@ -112,9 +110,7 @@ def test_a_muon_checkpoint_from_before_muon_ns_steps_resumes_exactly(tmp_path: P
     raw = _raw(path)
     assert [group.pop("ns_steps") for group in raw["optimizer"]["param_groups"] if group["muon"]] == [5]
     torch.save(raw, path)
-    resumed = train(
-        compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, resume_with_changes=True, **exact))
-    )
+    resumed = train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, **exact)))
     assert resumed.iters == 40
     assert _val_losses(tmp_path / "b" / "run") == _val_losses(tmp_path / "a" / "run")
     final_a = load_checkpoint(tmp_path / "a" / "run" / CKPT_NAME).model

@@ -11,10 +11,10 @@ import torch
 import data.prepare as prepare
 from conftest import TINY_BPE, tiny_encoding
 from data.batches import TokenFiles, get_batch
-from data.config import DataConfig
+from data.config import KNOWN_TEXTS, SHAKESPEARE_URL, DataConfig
 from data.errors import DataError
 from data.prepare import ensure_prepared, write_dataset
-from data.source import read_utf8, text_file
+from data.source import file_sha256, read_utf8, text_file
 from data.tokenizers import BpeTokenizer, CharTokenizer, tokenizer_from_metadata
 
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
@@ -135,7 +135,7 @@ def _real_r50k_available() -> bool:
     not _real_r50k_available(), reason="GPT-2 ranks not provided (set TIKTOKEN_CACHE_DIR as .ci/run does)"
 )
 def test_real_gpt2_bpe_on_tiny_shakespeare_matches_nanogpt(tmp_path: Path, corpus_path: Path) -> None:
-    if corpus_path.name != "tinyshakespeare.txt":
+    if file_sha256(corpus_path) != KNOWN_TEXTS[SHAKESPEARE_URL]:  # whatever the file's name (input.txt)
         pytest.skip("tiny Shakespeare not provided (set GPT_TEST_CORPUS as .ci/run does)")
     data = ensure_prepared(DataConfig("shakespeare", "r50k_base", str(corpus_path), None, str(tmp_path), 0.1))
     assert (data.meta["train_tokens"], data.meta["val_tokens"]) == (301_966, 36_059)  # nanoGPT's README

@@ -19,7 +19,7 @@ from common.cli import check_overrides
 from common.config import typed_config
 from common.errors import ConfigError
 from conftest import CONFIGS, REPO, compose_config, run_script, tiny_run_overrides
-from data.config import DataConfig
+from data.config import KNOWN_TEXTS, DataConfig
 from data.prepare import ensure_prepared
 from train import GROUPS
 from training.checkpoint import CKPT_NAME, load_checkpoint
@@ -27,6 +27,7 @@ from training.loop import train
 from training.optim import scheduled_lr
 from training.resume import resumed_config
 from training.schema import EvalConfig, SampleConfig, ServeConfig, TrainRunConfig
+from training.trainer import resume_argument
 
 UNREACHABLE = "http://127.0.0.1:9/input.txt"  # the discard port: a download fails at once, offline or not
 # A run's settings that differ from the schema's defaults, as a preset's would: a resume must keep every one.
@@ -127,6 +128,32 @@ def test_a_resume_refuses_changes_to_what_the_run_trains_unless_asked(
     asked = _resume([f"out_dir={run}", "resume=true", "resume_with_changes=true", "train.max_iters=20"], caplog)
     assert "resume: train.max_iters changed from 10 to 20" in asked
     assert load_checkpoint(run / CKPT_NAME).progress.iter == 20
+    with pytest.raises(ConfigError, match=r"\(train.max_iters 20 -> 30\)"):  # asked once is not asked for good
+        _resume([f"out_dir={run}", "resume=true", "train.max_iters=30"], caplog)
+    charted = _resume([f"out_dir={run}", "resume=true", "wandb.project=elsewhere", "train.log_interval=2"], caplog)
+    assert "resume: wandb.project changed from gpt to elsewhere" in charted  # where it is charted: free
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "runs/cpu",
+        "/tmp/a b/run",
+        "runs/a,b",
+        "runs/it's",
+        "runs/[x]=y",
+        "C:\\Users\\me\\run",
+        "runs/x\\",
+        "runs/$HOME",
+        'runs/q"uote',
+    ],
+)
+def test_the_printed_resume_command_names_any_out_dir_as_the_shell_and_hydra_read_it(path: str) -> None:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    words = shlex.split(resume_argument(Path(path)))
+    assert len(words) == 1
+    assert OverridesParser.create().parse_overrides(words)[0].value() == str(Path(path))
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml")))
@@ -154,7 +181,7 @@ def test_a_decay_set_apart_from_max_iters_is_said_at_start(
 
 
 def test_prepared_data_is_used_offline_without_data_input(
-    tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prepared once with data.input, then every later command (a preset, a resume, a sweep) without it: the
     prepared files are used and no download is tried; with nothing prepared the download is tried, and fails."""
@@ -163,7 +190,13 @@ def test_prepared_data_is_used_offline_without_data_input(
     with caplog.at_level(logging.INFO, logger="data.prepare"):
         again = ensure_prepared(DataConfig(input=None, url=UNREACHABLE, dir=str(data_dir)))
     assert again.meta == made.meta
-    assert f"data: using {data_dir}, prepared from {corpus_path}" in caplog.text
+    assert f"data: {data_dir} holds the text of {corpus_path}, not {UNREACHABLE}; training on it" in caplog.text
+    caplog.clear()
+    monkeypatch.setitem(KNOWN_TEXTS, UNREACHABLE, made.meta["source"]["input_sha256"])  # a copy of the URL's text
+    with caplog.at_level(logging.INFO, logger="data.prepare"):
+        ensure_prepared(DataConfig(input=None, url=UNREACHABLE, dir=str(data_dir)))
+    assert caplog.records[-1].levelname == "INFO"
+    assert caplog.messages[-1] == f"data: using {data_dir}, prepared from {corpus_path}, a copy of {UNREACHABLE}"
 
     with pytest.raises(Exception, match=f"could not download {UNREACHABLE}"):  # another split: not what was made
         ensure_prepared(DataConfig(input=None, url=UNREACHABLE, dir=str(data_dir), val_fraction=0.2))
@@ -182,7 +215,23 @@ def test_prepared_data_is_used_offline_without_data_input(
     ]
     result = run_script("train.py", overrides, tmp_path)
     assert result.returncode == 0, result.stderr
-    assert f"prepared from {corpus_path}" in result.stdout
+    assert f"prepared from {corpus_path}, a copy of {UNREACHABLE}" not in result.stdout  # another process: warned
+    assert f"holds the text of {corpus_path}" in result.stdout + result.stderr
+
+
+def test_data_prepared_from_a_file_since_moved_stands_for_it(
+    tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A resume restores data.input from the run's config; a moved text no longer stops it."""
+    text = tmp_path / "text.txt"
+    text.write_bytes(corpus_path.read_bytes())
+    made = ensure_prepared(DataConfig(input=str(text), dir=str(tmp_path / "data")))
+    text.unlink()
+    with caplog.at_level(logging.WARNING, logger="data.prepare"):
+        assert ensure_prepared(DataConfig(input=str(text), dir=str(tmp_path / "data"))).meta == made.meta
+    assert caplog.messages == [f"data.input={text} is gone; using the data prepared from it in {tmp_path / 'data'}"]
+    with pytest.raises(Exception, match="does not exist"):  # prepared from another path: no stand-in
+        ensure_prepared(DataConfig(input=str(tmp_path / "other.txt"), dir=str(tmp_path / "data")))
 
 
 def _one_line_error(capsys: pytest.CaptureFixture, call) -> str:

@@ -147,7 +147,7 @@ def test_resume_may_change_the_keys_the_weights_do_not_depend_on(tmp_path: Path,
 
 def test_resume_with_a_different_model_shape_names_the_keys(tmp_path: Path, corpus_path: Path) -> None:
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 10})))
-    changed = tiny_run_overrides(tmp_path, corpus_path, resume=True, **{"model.n_layer": 3})
+    changed = tiny_run_overrides(tmp_path, corpus_path, resume=True, resume_with_changes=True, **{"model.n_layer": 3})
     with pytest.raises(CheckpointError, match="n_layer: 2 -> 3"):
         train(compose_config(changed))
 
@@ -295,7 +295,7 @@ def test_resume_refuses_data_tokenized_differently(tmp_path: Path, corpus_path: 
     text = corpus_path.read_text(encoding="utf-8")
     missing = next(c for c in "~^`|@#$%&*" if c not in text)
     other.write_text(text.replace("e", missing), encoding="utf-8")  # as many characters, another mapping
-    other_data = {"data.input": other, "data.dir": tmp_path / "other_data", "train.max_iters": 20}
+    other_data = {"data.input": other, "data.dir": tmp_path / "other_data", "resume_with_changes": True}
     with pytest.raises(CheckpointError, match="tokenized differently"):
         train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, **other_data)))
 

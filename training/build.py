@@ -30,13 +30,12 @@ from training.evaluation import Evaluator, HellaSwagEval
 from training.metrics import MetricsLog, forget_metrics
 from training.mfu import peak_flops
 from training.optim import make_optimizer, scheduled_lr
-from training.resume import check_resume_changes
+from training.resume import FREE_MODEL_KEYS, check_resume_changes
 from training.runtime import Runtime
 from training.schema import OptimConfig, TrainRunConfig
 from training.trainer import Trainer
 
 log = logging.getLogger("train")
-FREE_MODEL_KEYS = ("attn_impl", "dropout", "zero_init_proj")  # may change on resume: only training or init read them
 
 
 def build_trainer(
@@ -53,8 +52,9 @@ def build_trainer(
     config = dataclasses.replace(config, out_dir=broadcast_from_main(config.out_dir, world))
     out_dir = Path(config.out_dir)
     checkpoint = _open_run_dir(out_dir, config.resume, world)
-    if checkpoint is not None:
+    if checkpoint is not None:  # before any data is prepared: a refused resume changes nothing
         _check_same_optimizer(checkpoint.config, config.train.optimizer)
+        check_resume_changes(checkpoint.config, dataclasses.asdict(config), config.resume_with_changes)
     data, model = _data_and_model(config, checkpoint, world)
     opt = config.train
     num_params, flops_per_token = model.num_params(), model.flops_per_token()  # before sharding
@@ -82,6 +82,7 @@ def build_trainer(
         metrics=MetricsLog(out_dir, active=world.is_main, max_iters=opt.max_iters),
         flops_per_token=flops_per_token,
         peak_flops=None if peak is None else peak.flops * world.size,
+        peak_measured=peak is not None and peak.source.startswith("measured"),
         started=started,
         before_step=before_step,
         hellaswag=_hellaswag(opt, tokenizer, model.config.block_size, runtime, world),
@@ -185,8 +186,6 @@ def _data_and_model(config: TrainRunConfig, checkpoint: Checkpoint | None, world
     torch.manual_seed(config.seed)  # the same initial weights on every rank (FSDP2 shards each rank's own)
     data = _prepared_data(config, world)
     model = _build_model(config, checkpoint, data)
-    if checkpoint is not None:
-        check_resume_changes(checkpoint.config, dataclasses.asdict(config), config.resume_with_changes)
     if world.rank:  # then each rank its own dropout masks (nanoGPT's seed offset); rank 0's stream goes on
         torch.manual_seed(config.seed + world.rank)
     _check_data_fits(data, model.config.block_size)

@@ -112,10 +112,18 @@ class LogWindow:
     """The steps since the last log line: their mean loss and, excluding the first step of the process (compiling
     and warming up), training time alone, so tokens/s and MFU leave evaluation and checkpoints out."""
 
-    def __init__(self, first_step: int, tokens_per_iter: int, flops_per_token: float, peak_flops: float | None) -> None:
+    def __init__(
+        self,
+        first_step: int,
+        tokens_per_iter: int,
+        flops_per_token: float,
+        peak_flops: float | None,
+        peak_measured: bool = True,
+    ) -> None:
         self.first_step, self.tokens_per_iter = first_step, tokens_per_iter
-        # peak: all processes together; None where there is none to compare with (MFU left out)
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        # peak: all processes together; None where there is none to compare with (MFU left out). A measured one
+        # (not a datasheet's) is raised to what training reaches, if it ever does: measured on a busy CPU
+        self.flops_per_token, self.peak_flops, self.peak_measured = flops_per_token, peak_flops, peak_measured
         self.loss_sum: torch.Tensor | float = 0.0
         self.steps = 0  # applied steps (a skipped non-finite one doesn't count)
         self.seconds, self.timed = 0.0, 0
@@ -143,7 +151,7 @@ class LogWindow:
             throughput = {"ms_per_iter": 1000 * self.seconds / self.timed, "tokens_per_sec": tokens_per_sec}
             if self.peak_flops is not None:
                 achieved = self.flops_per_token * tokens_per_sec
-                if achieved > self.peak_flops:  # the peak was measured while the CPU was busy: this is the truer
+                if achieved > self.peak_flops and self.peak_measured:  # measured while the CPU was busy
                     log.warning(
                         f"MFU: training reaches {achieved / 1e12:.3g} TFLOP/s, above the {self.peak_flops / 1e12:.3g} "
                         "measured as the peak at start (the machine was busier then); MFU is against it from now on"

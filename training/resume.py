@@ -31,8 +31,6 @@ CHANGEABLE_ON_RESUME = frozenset(
         "model.attn_impl",
         "model.zero_init_proj",
         "data.num_proc",
-        "data.dir",  # where the prepared files are; data.input, the tokenizer and val_fraction say what they hold
-        "data.name",
         *(
             f"train.{key}"
             for key in (
@@ -56,6 +54,18 @@ CHANGEABLE_ON_RESUME = frozenset(
     }
 )
 CONFIG_GROUPS = ("experiment", "model", "data")  # train.py's Hydra groups: their choice is the run's, as recorded
+# model.* keys a checkpoint's weights don't fix (the rest is its shape, never changed: _check_same_shape says so)
+FREE_MODEL_KEYS = ("attn_impl", "dropout", "zero_init_proj")
+
+
+def _never_changeable(key: str) -> bool:
+    """Keys with their own refusal, whatever resume_with_changes says: the model's shape, the optimizer."""
+    return key == "train.optimizer" or (key.startswith("model.") and key.removeprefix("model.") not in FREE_MODEL_KEYS)
+
+
+def changeable_on_resume(key: str) -> bool:
+    """CHANGEABLE_ON_RESUME, and every wandb.* key (where the run is charted)."""
+    return key in CHANGEABLE_ON_RESUME or key.startswith("wandb.")
 
 
 def resumed_config(cfg: DictConfig, overrides: list[str], schema: type) -> DictConfig:
@@ -70,6 +80,7 @@ def resumed_config(cfg: DictConfig, overrides: list[str], schema: type) -> DictC
     if saved is None:
         return cfg
     base = OmegaConf.create(_known_keys(saved, schema))
+    base.resume, base.resume_with_changes = True, False  # asked anew each time, never inherited from a resume
     recorded = _recorded_choices(out_dir)
     for override in OverridesParser.create().parse_overrides(overrides):
         key = override.key_or_group
@@ -83,7 +94,9 @@ def resumed_config(cfg: DictConfig, overrides: list[str], schema: type) -> DictC
                 f"~{key}: resume=true continues the run with its saved settings, so there is nothing to delete; "
                 f"set {key}=VALUE instead"
             )
-        OmegaConf.update(base, key, OmegaConf.select(cfg, key), merge=False, force_add=True)
+        raw = override.value()
+        value = raw if isinstance(raw, str) and "${" in raw else OmegaConf.select(cfg, key)  # ${..}: the run's
+        OmegaConf.update(base, key, value, merge=False, force_add=True)
     return base
 
 
@@ -91,8 +104,8 @@ def check_resume_changes(saved: dict[str, Any], current: dict[str, Any], allowed
     """Every key that differs from the run's saved value, in one line each; a change outside CHANGEABLE_ON_RESUME
     is refused unless allowed (resume_with_changes=true). A key the saved config lacks was added to the schema
     since the run was saved: its default is the old behaviour, so it is no change."""
-    changes = _differences(saved, current)
-    meaningful = [(key, old, new) for key, old, new in changes if key not in CHANGEABLE_ON_RESUME]
+    changes = [change for change in _differences(saved, current) if not _never_changeable(change[0])]
+    meaningful = [(key, old, new) for key, old, new in changes if not changeable_on_resume(key)]
     if meaningful and not allowed:
         listed = ", ".join(f"{key} {_shown(old)} -> {_shown(new)}" for key, old, new in meaningful)
         raise ConfigError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 import shlex
 import signal
 import time
@@ -59,6 +60,18 @@ class TrainResult:
     stopped_by: str | None = None  # the signal that ended the run early, if one did
 
 
+def resume_argument(out_dir: Path) -> str:
+    """out_dir=PATH as the shell and then Hydra read it back: bare when the path is plain, else quoted for Hydra
+    (its own single quotes, backslashes and quotes escaped) and then for the shell."""
+    path = str(out_dir)
+    if re.fullmatch(r"[\w./~:+@%-]+", path):
+        return f"out_dir={path}"
+    # Hydra: a quote is escaped, and so are the backslashes right before a quote or the closing one
+    body = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", path)
+    argument = "out_dir='" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, body) + "'"
+    return f'"{argument}"' if not re.search(r'["$`\\!]', argument) else shlex.quote(argument)
+
+
 @dataclass
 class StepOutcome:
     loss: torch.Tensor | None  # the step's mean loss over all micro-batches and ranks (0-dim); None if skipped
@@ -86,6 +99,7 @@ class Trainer:
     metrics: MetricsLog
     flops_per_token: float  # the whole model's, forward and backward, for MFU
     peak_flops: float | None  # all processes together; None: MFU left out
+    peak_measured: bool  # measured here (a CPU, an unknown GPU), not a datasheet's figure
     started: float  # perf_counter() when this process's part of the run began
     progress: Progress = field(default_factory=Progress)
     elapsed_before: float = 0.0  # the run's wall time before this process (a resumed run's)
@@ -105,7 +119,7 @@ class Trainer:
         if self._target_reached():
             log.info(f"the run already reached val loss {p.val_loss:.4f} <= {opt.target_val_loss} at iter {p.iter}")
             return self._finish(None)
-        window = LogWindow(p.iter, self._tokens_per_iter(), self.flops_per_token, self.peak_flops)
+        window = LogWindow(p.iter, self._tokens_per_iter(), self.flops_per_token, self.peak_flops, self.peak_measured)
         stopped_by = None
         self.model.train()
         with StopRequests(second_quits=not self.world.distributed) as stop:
@@ -383,7 +397,7 @@ class Trainer:
         barrier(self.world)  # none exits before rank 0 has written: torchrun stops the others when one exits
         name = (received or signal.SIGTERM).name  # another rank's signal, forwarded by agree_on_step
         where = f"checkpoint {self.out_dir / CKPT_NAME}" if saved else self._kept()
-        resume = f"python train.py out_dir={shlex.quote(str(self.out_dir))} resume=true"
+        resume = f"python train.py {resume_argument(self.out_dir)} resume=true"
         log.warning(
             f"stopped by {name} at iter {self.progress.iter}; {where}. "
             + (f"Resume with: {resume}" if self.checkpointed_iter is not None else "Nothing to resume")

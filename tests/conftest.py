@@ -61,6 +61,10 @@ _TINY_MERGES = [
 ]
 
 register_schemas()
+# The CPU path lowers torch's threads when other processes are busy (common/cpu_threads.py), and a reduction's last
+# bits depend on the thread count: pinned here (and in every command a test starts), runs that tests compare bit
+# for bit use the same count whatever else the machine is doing. tests/test_busy_machine.py unpins it.
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
 def tiny_encoding() -> tiktoken.Encoding:

@@ -7,12 +7,13 @@ python train.py -m train.learning_rate=1e-3,3e-3       # a sweep: one run direct
 torchrun --standalone --nproc_per_node=8 train.py experiment=gpt2   # 8 GPUs (DDP; train.parallel=fsdp: FSDP2)
 """
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import hydra
@@ -151,17 +152,24 @@ def _remove_unopened_run_dir(out_dir: Path, before: tuple[Path | None, set[str]]
             root.removeHandler(handler)
     missing, present = before
     if missing is None:  # out_dir was there: only what this command added to it goes
-        for name in RUN_DIR_MAKINGS - present:
-            (out_dir / name).unlink(missing_ok=True)
+        with _unless_locked(out_dir) as free:
+            for name in RUN_DIR_MAKINGS - present - {LOCK_NAME} if free else ():
+                (out_dir / name).unlink(missing_ok=True)
+        if free and LOCK_NAME not in present:
+            (out_dir / LOCK_NAME).unlink(missing_ok=True)
         return
     out = out_dir.absolute()
     top = out if missing.name == _TIME else missing.absolute()
     if not (top == out or top in out.parents) or not out.is_dir():
         return
-    if not {path.name for path in out.iterdir()} <= RUN_DIR_MAKINGS or _lock_held(out):
+    if not {path.name for path in out.iterdir()} <= RUN_DIR_MAKINGS:
         return
-    for name in RUN_DIR_MAKINGS:
-        (out / name).unlink(missing_ok=True)
+    with _unless_locked(out) as free:
+        for name in RUN_DIR_MAKINGS - {LOCK_NAME} if free else ():
+            (out / name).unlink(missing_ok=True)
+    if not free:
+        return
+    (out / LOCK_NAME).unlink(missing_ok=True)
     folder = out
     while True:
         try:
@@ -173,17 +181,23 @@ def _remove_unopened_run_dir(out_dir: Path, before: tuple[Path | None, set[str]]
         folder = folder.parent
 
 
-def _lock_held(out_dir: Path) -> bool:
-    """Another process holds out_dir's run lock (started on the same directory): its files are not ours."""
+@contextlib.contextmanager
+def _unless_locked(out_dir: Path) -> Iterator[bool]:
+    """Holds out_dir's run lock while the cleanup runs, so no other process starts on the directory meanwhile;
+    False when another process holds it (started on the same directory): then its files are not ours."""
     if not (out_dir / LOCK_NAME).exists():
-        return False
+        yield True
+        return
     lock = FileLock(out_dir / LOCK_NAME, timeout=0)
     try:
         lock.acquire()
     except Timeout:
-        return True
-    lock.release()
-    return False
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
 
 
 def _quiet_hydra_on_other_ranks(argv: list[str]) -> list[str]:

@@ -244,7 +244,7 @@ def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData
                 f"the text for dataset {config.name!r} is empty; pass a non-empty file with data.input=PATH"
             )
         tokenizer = make_tokenizer(config.tokenizer, text.chars)
-        made_from = {"input": str(path)} if config.input else {}  # for the line _prepared_from_any_text writes
+        made_from = {"input": str(path.absolute())} if config.input else {}  # for _prepared_from_any_text's line
         return write_dataset(text, tokenizer, out_dir, config.val_fraction, {**fingerprint, **made_from})
 
     return _prepared_once(out_dir, fingerprint, prepare, prepare_text)
@@ -274,7 +274,7 @@ def _prepared_from_any_text(out_dir: Path, fingerprint: dict[str, Any], url: str
 def _prepared_from_a_gone_text(out_dir: Path, config: DataConfig) -> PreparedData | None:
     """data.input names a file that is gone (moved, or on a disk not mounted now), and this folder was prepared
     from that very path: its tokens stand for it (a resume restores data.input from the run's config)."""
-    wanted = str(Path(os.path.expanduser(config.input)))
+    wanted = str(Path(os.path.expanduser(config.input)).absolute())
     prepared = _reusable(out_dir, {"tokenizer_spec": config.tokenizer, "val_fraction": config.val_fraction})
     if prepared is None or prepared.meta.get("input") != wanted:
         return None

@@ -33,8 +33,16 @@ def threads_restored():
 
 @pytest.mark.parametrize(
     ("current", "busy", "cores", "expected"),
-    [(2, 1.0, 2, 1), (2, 0.3, 2, 2), (2, 2.0, 2, 1), (8, 3.0, 8, 5), (4, None, 4, 4), (2, 0.6, 2, 1), (8, 4.0, 16, 8),
-     (8, 9.0, 16, 7)],  # threads set below the cores (physical ones of hyper-threaded logical) drop only if needed
+    [
+        (2, 1.0, 2, 1),
+        (2, 0.3, 2, 2),
+        (2, 2.0, 2, 1),
+        (8, 3.0, 8, 5),
+        (4, None, 4, 4),
+        (2, 0.6, 2, 1),
+        (8, 4.0, 16, 8),
+        (8, 9.0, 16, 7),
+    ],  # threads set below the cores (physical ones of hyper-threaded logical) drop only if needed
 )
 def test_threads_are_the_cores_left_free(current: int, busy: float | None, cores: int, expected: int) -> None:
     assert cpu_threads.free_threads(current, busy, cores) == expected
@@ -94,16 +102,22 @@ def test_a_slowdown_mid_run_lowers_the_threads_or_says_what_to_do(
 
 def test_mfu_never_passes_100_percent(caplog: pytest.LogCaptureFixture) -> None:
     """The peak measured at start under load was lower than what training later reached (MFU read 115%)."""
-    window = LogWindow(first_step=0, tokens_per_iter=1000, flops_per_token=1e6, peak_flops=1e9)  # 1 GFLOP/s
-    with caplog.at_level(logging.WARNING, logger="train"):
-        for step in range(3):
+
+    def mfu(peak_measured: bool) -> tuple[float, LogWindow]:
+        window = LogWindow(0, tokens_per_iter=1000, flops_per_token=1e6, peak_flops=1e9, peak_measured=peak_measured)
+        for step in range(3):  # a peak of 1 GFLOP/s
             window.add(torch.tensor(1.0))
             began = time.perf_counter() - 0.1  # 10,000 tokens/s: 10 GFLOP/s
             result = window.end_step(step, began, log_now=step == 2)
-    _, throughput = result
-    assert throughput["mfu"] == pytest.approx(1.0)
-    assert window.peak_flops == pytest.approx(1e10, rel=0.05)
+        return result[1]["mfu"], window
+
+    with caplog.at_level(logging.WARNING, logger="train"):
+        measured, window = mfu(peak_measured=True)
+    assert measured == pytest.approx(1.0) and window.peak_flops == pytest.approx(1e10, rel=0.05)
     assert "above the 0.001 measured as the peak at start" in caplog.text
+    caplog.clear()
+    datasheet, window = mfu(peak_measured=False)  # a datasheet's peak stands: above it, the FLOP count is wrong
+    assert datasheet == pytest.approx(10.0, rel=0.05) and window.peak_flops == 1e9 and caplog.messages == []
 
 
 def test_log_lines_show_the_iteration_of_max_iters_and_an_eta(

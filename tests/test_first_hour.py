@@ -146,6 +146,15 @@ def test_a_resume_refuses_changes_to_what_the_run_trains_unless_asked(
         "runs/x\\",
         "runs/$HOME",
         'runs/q"uote',
+        "runs/café",  # Hydra's bare values are ASCII
+        "runs/~x",
+        "~x",
+        "1e5",  # bare, these would read back as a number, a bool, null
+        "true",
+        "null",
+        "1_000",
+        "-5",
+        "nan",
     ],
 )
 def test_the_printed_resume_command_names_any_out_dir_as_the_shell_and_hydra_read_it(path: str) -> None:
@@ -321,3 +330,21 @@ def test_a_command_that_fails_before_training_leaves_nothing_behind(tmp_path: Pa
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     assert left == ["mine", "outputs", "outputs/older"]
+
+
+def test_the_cleanup_never_touches_a_run_another_process_holds(tmp_path: Path) -> None:
+    """Two commands started together on one directory: the one that fails must not take the other's files."""
+    from filelock import FileLock
+
+    from train import _remove_unopened_run_dir
+
+    for before in ((None, set()), (tmp_path / "run", set())):  # there before this command, or made for it
+        run = tmp_path / "run"
+        run.mkdir(exist_ok=True)
+        for name in ("train.log", ".lock.pid"):
+            (run / name).write_text("the other run's")
+        with FileLock(run / ".lock", timeout=0):  # the other process, holding its run
+            _remove_unopened_run_dir(run, before)
+            assert sorted(p.name for p in run.iterdir()) == [".lock", ".lock.pid", "train.log"]
+    _remove_unopened_run_dir(run, (tmp_path / "run", set()))  # no holder: all of it was this command's
+    assert not run.exists()

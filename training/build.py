@@ -54,6 +54,8 @@ def build_trainer(
     checkpoint = _open_run_dir(out_dir, config.resume, world)
     if checkpoint is not None:  # before any data is prepared: a refused resume changes nothing
         _check_same_optimizer(checkpoint.config, config.train.optimizer)
+        if config.init_from is None:  # the shape the keys ask for, in the checkpoint's vocabulary
+            _check_same_shape(checkpoint.model_config, config.model.gpt_config(checkpoint.model_config.vocab_size))
         check_resume_changes(checkpoint.config, dataclasses.asdict(config), config.resume_with_changes)
     data, model = _data_and_model(config, checkpoint, world)
     opt = config.train

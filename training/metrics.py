@@ -118,7 +118,7 @@ class LogWindow:
         tokens_per_iter: int,
         flops_per_token: float,
         peak_flops: float | None,
-        peak_measured: bool = True,
+        peak_measured: bool = False,
     ) -> None:
         self.first_step, self.tokens_per_iter = first_step, tokens_per_iter
         # peak: all processes together; None where there is none to compare with (MFU left out). A measured one

@@ -62,16 +62,12 @@ def _cores() -> int:
 def use_free_cores() -> str | None:
     """Once per process, on the CPU path: lower torch's threads to the free cores. Returns the one line saying so,
     or None when nothing changed (all free, OMP_NUM_THREADS set, or no way to tell)."""
-    current = torch.get_num_threads()
-    if os.environ.get("OMP_NUM_THREADS") or current <= 1:
+    lowered = _lower_to_free_cores()
+    if lowered is None:
         return None
-    busy = others_busy_cores()
-    threads = free_threads(current, busy, _cores())
-    if threads == current:
-        return None
-    torch.set_num_threads(threads)
+    threads, before, busy = lowered
     return (
-        f"CPU threads: {threads} of {current}: other processes keep {busy:.1f} cores busy, and threads waiting for a "
+        f"CPU threads: {threads} of {before}: other processes keep {busy:.1f} cores busy, and threads waiting for a "
         "busy core slow every step down; set OMP_NUM_THREADS=N to choose"
     )
 
@@ -79,6 +75,15 @@ def use_free_cores() -> str | None:
 def recheck_free_cores() -> str | None:
     """After steps slowed down mid-run (another process started): the free cores again, and the threads lowered
     to them; the line saying so, or None."""
+    lowered = _lower_to_free_cores()
+    if lowered is None:
+        return None
+    threads, before, busy = lowered
+    return f"CPU threads: {threads} of {before} from now on: other processes keep {busy:.1f} cores busy"
+
+
+def _lower_to_free_cores() -> tuple[int, int, float] | None:
+    """(threads now, threads before, cores others keep busy) if the threads were lowered, else None."""
     current = torch.get_num_threads()
     if os.environ.get("OMP_NUM_THREADS") or current <= 1:
         return None
@@ -87,4 +92,4 @@ def recheck_free_cores() -> str | None:
     if threads == current:
         return None
     torch.set_num_threads(threads)
-    return f"CPU threads: {threads} of {current} from now on: other processes keep {busy:.1f} cores busy"
+    return threads, current, busy

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,19 @@ def run_script(script: str, args: list[str], cwd: Path) -> subprocess.CompletedP
     return subprocess.run(
         [sys.executable, str(REPO / script), *args], cwd=cwd, capture_output=True, text=True, timeout=300
     )
+
+
+def start_script(script: str, args: list[str], cwd: Path) -> subprocess.Popen:
+    """A command running in the background, its output captured: for the tests that signal it."""
+    command = [sys.executable, str(REPO / script), *args]
+    return subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_text(path: Path, text: str, timeout: float = 120) -> None:
+    """Until the file holds `text` (a run's metrics.jsonl reaching a kind of record), or the timeout."""
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and text in path.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 @pytest.fixture(scope="session")

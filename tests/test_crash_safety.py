@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REACHES_TARGET, REPO, compose_config, run_script, tiny_run_overrides
+from conftest import REACHES_TARGET, REPO, compose_config, run_script, start_script, tiny_run_overrides, wait_for_text
 from model import GPTConfig
 from training.checkpoint import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
 from training.errors import CheckpointError, TrainingDiverged
@@ -138,17 +138,8 @@ def test_a_muon_checkpoint_from_before_muon_ns_steps_resumes_exactly(tmp_path: P
 
 def test_sigterm_stops_the_script_promptly_and_the_run_resumes(tmp_path: Path, corpus_path: Path) -> None:
     args = tiny_run_overrides(tmp_path, corpus_path, **{**EXACT, "train.max_iters": 100_000})
-    process = subprocess.Popen(
-        [sys.executable, str(REPO / "train.py"), *args],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and '"lr"' in metrics.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    process = start_script("train.py", args, tmp_path)
+    wait_for_text(tmp_path / "run" / "metrics.jsonl", '"lr"')
     signalled = time.monotonic()
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=60)

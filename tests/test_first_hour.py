@@ -8,8 +8,6 @@ import logging
 import shlex
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ from omegaconf import OmegaConf
 from common.cli import check_overrides
 from common.config import typed_config
 from common.errors import ConfigError
-from conftest import CONFIGS, REPO, compose_config, run_script, tiny_run_overrides
+from conftest import CONFIGS, compose_config, run_script, start_script, tiny_run_overrides, wait_for_text
 from data.config import KNOWN_TEXTS, DataConfig
 from data.prepare import ensure_prepared
 from train import GROUPS
@@ -48,16 +46,8 @@ def _evals(run: Path) -> list[int]:
 def _interrupted_run(tmp_path: Path, corpus: Path) -> str:
     """train.py stopped by SIGTERM after its first logged step; returns the resume command it printed."""
     args = tiny_run_overrides(tmp_path, corpus, **STARTED_WITH, **{"train.log_interval": 1})
-    process = subprocess.Popen(
-        [sys.executable, str(REPO / "train.py"), *args],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 120
-    while not (metrics.exists() and '"val_loss"' in metrics.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    process = start_script("train.py", args, tmp_path)
+    wait_for_text(tmp_path / "run" / "metrics.jsonl", '"val_loss"')
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGTERM, stderr

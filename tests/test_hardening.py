@@ -243,7 +243,8 @@ def test_resuming_on_data_with_another_vocabulary_names_the_data_not_overrides(
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **FAST)))
     other = tmp_path / "other.txt"
     other.write_text("abc " * 2000)
-    overrides = tiny_run_overrides(tmp_path, other, **FAST, resume=True, **{"data.dir": tmp_path / "other"})
+    other_data = {"data.dir": tmp_path / "other", "resume_with_changes": True}  # without: refused as a change
+    overrides = tiny_run_overrides(tmp_path, other, **FAST, resume=True, **other_data)
     with pytest.raises(CheckpointError, match="the data's vocabulary has 4 tokens and the checkpoint's model") as info:
         train(compose_config(overrides))
     assert "overrides" not in str(info.value)

@@ -107,7 +107,7 @@ def main(dict_cfg: DictConfig) -> None:
                 changed_to = sampler.tokenizer.decode([(window[report.position] + 1) % config.vocab_size])
                 tokens = decode_each[-len(window) :]
                 print(format_report(report, tokens, changed_to, positions=cfg.check_causal_positions))
-                causality = (report, decode_each[-len(window) :])
+                causality = (report, tokens)
         if cfg.attention_dir:
             from analysis.attention_maps import save_attention_maps
             from analysis.explorer import causality_data, save_explorer

@@ -28,10 +28,9 @@ from training.distributed import world_from_env
 from training.loop import train
 from training.resume import resumed_config
 from training.run_lock import HOLDER_NAME, LOCK_NAME
-from training.schema import TrainRunConfig, register_schemas
+from training.schema import CONFIG_GROUPS, TrainRunConfig, register_schemas
 
 register_schemas()
-GROUPS = ("experiment", "model", "data")  # configs/<group>/NAME.yaml, picked with group=NAME
 
 
 def usage() -> str:
@@ -151,25 +150,23 @@ def _remove_unopened_run_dir(out_dir: Path, before: tuple[Path | None, set[str]]
             handler.close()
             root.removeHandler(handler)
     missing, present = before
-    if missing is None:  # out_dir was there: only what this command added to it goes
-        with _unless_locked(out_dir) as free:
-            for name in RUN_DIR_MAKINGS - present - {LOCK_NAME} if free else ():
-                (out_dir / name).unlink(missing_ok=True)
-        if free and LOCK_NAME not in present:
-            (out_dir / LOCK_NAME).unlink(missing_ok=True)
-        return
     out = out_dir.absolute()
-    top = out if missing.name == _TIME else missing.absolute()
-    if not (top == out or top in out.parents) or not out.is_dir():
-        return
-    if not {path.name for path in out.iterdir()} <= RUN_DIR_MAKINGS:
-        return
+    if missing is not None:  # made for this command: out_dir, and the folders from `top` down to it
+        top = out if missing.name == _TIME else missing.absolute()
+        if not (top == out or top in out.parents) or not out.is_dir():
+            return
+        if not {path.name for path in out.iterdir()} <= RUN_DIR_MAKINGS:
+            return
+    ours = RUN_DIR_MAKINGS - present
     with _unless_locked(out) as free:
-        for name in RUN_DIR_MAKINGS - {LOCK_NAME} if free else ():
+        for name in ours - {LOCK_NAME} if free else ():
             (out / name).unlink(missing_ok=True)
     if not free:
         return
-    (out / LOCK_NAME).unlink(missing_ok=True)
+    if LOCK_NAME in ours:  # once released: a held lock's file can't go everywhere (Windows)
+        (out / LOCK_NAME).unlink(missing_ok=True)
+    if missing is None:  # out_dir was there: only what this command added to it went
+        return
     folder = out
     while True:
         try:
@@ -211,7 +208,7 @@ def _quiet_hydra_on_other_ranks(argv: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     BEFORE_HYDRA = _before_hydra(sys.argv[1:])
-    check_overrides(sys.argv[1:], TrainRunConfig, GROUPS, usage())
+    check_overrides(sys.argv[1:], TrainRunConfig, CONFIG_GROUPS, usage())
     if world_from_env().is_main:  # Hydra makes out_dir first thing: a traceback if it can't
         with exit_on_user_error():
             check_writable(_out_dir_named(sys.argv[1:]) or Path("outputs"), "out_dir")

@@ -49,15 +49,6 @@ def stdout_reader_may_leave() -> Iterator[None]:
         sys.exit(128 + signal.SIGPIPE)
 
 
-# Hydra's own command-line flags (hydra/_internal/utils.py's parser), spelt out: anything else with dashes is a
-# habit from argparse scripts (nanoGPT's --max_iters=100), and argparse would take --experiment for
-# --experimental-rerun.
-HYDRA_FLAGS = frozenset(
-    "--help -h --hydra-help --version --cfg -c --resolve --package -p --run -r --multirun -m --shell-completion -sc "
-    "--config-path -cp --config-name -cn --config-dir -cd --info -i --experimental-rerun".split()
-)
-
-
 def check_overrides(args: list[str], schema: type, groups: tuple[str, ...] = (), help_text: str = "") -> None:
     """Before Hydra composes (and makes out_dir): every `key=value` parses, names a key of the schema and has a
     value of its type and range, and every config group (`groups`: the ones this command takes) names one of its
@@ -125,9 +116,13 @@ def _check_preset(group: str, value: object) -> None:
 
 
 def _refuse_dashed_keys(args: list[str], schema: type, groups: tuple[str, ...]) -> None:
-    """`--max_iters=100` or `--experiment x`, argparse's style: one line with the override to write instead."""
+    """`--max_iters=100` or `--experiment x`, argparse's style: one line with the override to write instead.
+    Only Hydra's own flags, spelt out in full, pass (argparse would take --experiment for --experimental-rerun)."""
+    from hydra._internal.utils import get_args_parser
+
+    hydra_flags = {flag for action in get_args_parser()._actions for flag in action.option_strings}
     for i, arg in enumerate(args):
-        if not arg.startswith("--") or arg in HYDRA_FLAGS or arg.partition("=")[0] in HYDRA_FLAGS:
+        if not arg.startswith("--") or arg in hydra_flags or arg.partition("=")[0] in hydra_flags:
             continue
         name, eq, value = arg[2:].partition("=")
         shown = arg

@@ -221,7 +221,7 @@ def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData
     out_dir = dataset_dir(config.name, config.dir)
     if config.hf_dataset or (config.input and Path(os.path.expanduser(config.input)).is_dir()):
         return _ensure_corpus(out_dir, config, prepare)
-    if config.input and not os.path.exists(os.path.expanduser(config.input)):
+    if config.input and not os.path.exists(config.input):  # DataConfig expanded its ~ already
         prepared = _prepared_from_a_gone_text(out_dir, config)
         if prepared:
             return prepared
@@ -256,9 +256,11 @@ def _prepared_from_any_text(out_dir: Path, fingerprint: dict[str, Any], url: str
     data.input. Its tokenizer and split must be the ones asked for (a folder made from another URL is not used).
     A copy of the URL's own text is said in passing; any other text with a warning, since it is not what the
     preset names."""
-    prepared = _reusable(out_dir, {key: value for key, value in fingerprint.items() if key != "source"})
-    source = prepared.meta.get("source", {}) if prepared is not None else {}
+    source = (_read_meta(out_dir) or {}).get("source")  # first the cheap look: made from a file at all?
     if not isinstance(source, dict) or "input_sha256" not in source:
+        return None
+    prepared = _reusable(out_dir, {key: value for key, value in fingerprint.items() if key != "source"})
+    if prepared is None:
         return None
     made_from = prepared.meta.get("input", "an earlier data.input")
     if source["input_sha256"] == KNOWN_TEXTS.get(url):
@@ -274,9 +276,10 @@ def _prepared_from_any_text(out_dir: Path, fingerprint: dict[str, Any], url: str
 def _prepared_from_a_gone_text(out_dir: Path, config: DataConfig) -> PreparedData | None:
     """data.input names a file that is gone (moved, or on a disk not mounted now), and this folder was prepared
     from that very path: its tokens stand for it (a resume restores data.input from the run's config)."""
-    wanted = str(Path(os.path.expanduser(config.input)).absolute())
+    if (_read_meta(out_dir) or {}).get("input") != str(Path(config.input).absolute()):
+        return None
     prepared = _reusable(out_dir, {"tokenizer_spec": config.tokenizer, "val_fraction": config.val_fraction})
-    if prepared is None or prepared.meta.get("input") != wanted:
+    if prepared is None:
         return None
     log.warning(f"data.input={config.input} is gone; using the data prepared from it in {out_dir}")
     return prepared
@@ -368,12 +371,9 @@ def _reusable(out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData | None
     vocabulary is checked against the tokenizer meta.json names and, for a text, against the largest token id
     (one pass over the tokens): a wrong vocab_size would make a model of the wrong size.
     """
-    try:
-        meta = json.loads((out_dir / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None  # none, or damaged: prepare again
-    if not isinstance(meta, dict) or not all(meta.get(k) == v for k, v in fingerprint.items()):
-        return None
+    meta = _read_meta(out_dir)
+    if meta is None or not all(meta.get(k) == v for k, v in fingerprint.items()):
+        return None  # none, damaged (prepare again), or made otherwise
     data = PreparedData(out_dir, meta)
     try:
         if meta.get("sharded"):
@@ -392,6 +392,15 @@ def _reusable(out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData | None
     if not _vocabulary_agrees(data):
         return None
     return data
+
+
+def _read_meta(out_dir: Path) -> dict[str, Any] | None:
+    """The folder's meta.json, or None where there is none or it is damaged."""
+    try:
+        meta = json.loads((out_dir / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 def _vocabulary_agrees(data: PreparedData) -> bool:

@@ -19,12 +19,11 @@ from common.errors import ConfigError
 from conftest import CONFIGS, compose_config, run_script, start_script, tiny_run_overrides, wait_for_text
 from data.config import KNOWN_TEXTS, DataConfig
 from data.prepare import ensure_prepared
-from train import GROUPS
 from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.loop import train
 from training.optim import scheduled_lr
 from training.resume import resumed_config
-from training.schema import EvalConfig, SampleConfig, ServeConfig, TrainRunConfig
+from training.schema import CONFIG_GROUPS, EvalConfig, SampleConfig, ServeConfig, TrainRunConfig
 from training.trainer import resume_argument
 
 UNREACHABLE = "http://127.0.0.1:9/input.txt"  # the discard port: a download fails at once, offline or not
@@ -270,7 +269,7 @@ def _one_line_error(capsys: pytest.CaptureFixture, call) -> str:
 def test_habits_and_typos_get_one_line_naming_what_to_write(
     capsys: pytest.CaptureFixture, args: list[str], message: str
 ) -> None:
-    err = _one_line_error(capsys, lambda: check_overrides(args, TrainRunConfig, GROUPS))
+    err = _one_line_error(capsys, lambda: check_overrides(args, TrainRunConfig, CONFIG_GROUPS))
     assert err.startswith(message) or (message.startswith("write") and err.endswith(message)), err
 
 

@@ -22,12 +22,11 @@ from data.config import DataConfig
 from data.errors import DataError
 from data.prepare import ensure_prepared
 from inference.sampling import read_prompt
-from train import GROUPS
 from training.checkpoint import CKPT_NAME, CheckpointError, load_checkpoint
 from training.loop import train
 from training.metrics import METRICS_NAME, LogWindow, MetricsLog, drop_records_after, read_records
 from training.runtime import Runtime
-from training.schema import SampleConfig, TrainRunConfig, WandbConfig
+from training.schema import CONFIG_GROUPS, SampleConfig, TrainRunConfig, WandbConfig
 
 FAST = {"train.max_iters": 4, "train.eval_interval": 2, "train.log_interval": 1}
 
@@ -74,7 +73,7 @@ def test_a_command_line_override_is_checked_against_the_schema(key: str, value: 
     ],
 )
 def test_commands_that_hydra_takes_still_pass(args: list[str]) -> None:
-    check_overrides(args, TrainRunConfig, GROUPS)
+    check_overrides(args, TrainRunConfig, CONFIG_GROUPS)
 
 
 def test_a_range_sweep_over_a_misspelt_key_is_one_line(capsys: pytest.CaptureFixture) -> None:

@@ -10,12 +10,11 @@ import pytest
 from common.cli import check_overrides
 from common.config import typed_config
 from conftest import REPO, compose_config
-from train import GROUPS
-from training.schema import EvalConfig, SampleConfig, ServeConfig, TrainRunConfig
+from training.schema import CONFIG_GROUPS, EvalConfig, SampleConfig, ServeConfig, TrainRunConfig
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
 SCHEMAS = {
-    "train.py": (TrainRunConfig, GROUPS, "config"),
+    "train.py": (TrainRunConfig, CONFIG_GROUPS, "config"),
     "sample.py": (SampleConfig, (), "sample"),
     "eval.py": (EvalConfig, (), "eval"),
     "serve.py": (ServeConfig, (), "serve"),

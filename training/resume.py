@@ -8,6 +8,7 @@ the keys that only change how the run is computed, observed or recorded (CHANGEA
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import typing
 from pathlib import Path
@@ -17,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from common.errors import ConfigError
 from training.checkpoint import CKPT_NAME, saved_config
+from training.schema import CONFIG_GROUPS
 
 log = logging.getLogger("train")
 
@@ -25,8 +27,6 @@ log = logging.getLogger("train")
 CHANGEABLE_ON_RESUME = frozenset(
     {
         "out_dir",
-        "resume",
-        "resume_with_changes",
         "device",
         "model.attn_impl",
         "model.zero_init_proj",
@@ -53,7 +53,6 @@ CHANGEABLE_ON_RESUME = frozenset(
         ),
     }
 )
-CONFIG_GROUPS = ("experiment", "model", "data")  # train.py's Hydra groups: their choice is the run's, as recorded
 # model.* keys a checkpoint's weights don't fix (the rest is its shape, never changed: _check_same_shape says so)
 FREE_MODEL_KEYS = ("attn_impl", "dropout", "zero_init_proj")
 
@@ -136,8 +135,6 @@ def _shown(value: Any) -> str:
 
 def _known_keys(saved: dict[str, Any], schema: type) -> dict[str, Any]:
     """The saved config less keys this version's schema no longer has (nothing reads them)."""
-    import dataclasses
-
     hints = typing.get_type_hints(schema)
     kept = {}
     for key, value in saved.items():
@@ -153,7 +150,7 @@ def _recorded_choices(out_dir: Path) -> dict[str, Any]:
     path = out_dir / ".hydra" / "hydra.yaml"
     try:
         choices = OmegaConf.select(OmegaConf.load(path), "hydra.runtime.choices")
-    except (OSError, ValueError, Exception):  # missing, unreadable or not YAML: no record
+    except Exception:  # missing, unreadable or not YAML: no record
         return {}
     return dict(choices) if choices is not None else {}
 

@@ -24,6 +24,7 @@ from training.runtime import DEVICES, DTYPES
 ON_NONFINITE = ("stop", "skip")
 SEED_MAX = 2**63 - 1  # torch's generators take 64 bits; sample i of sample.py draws from seed + i
 PARALLEL = ("ddp", "fsdp")
+CONFIG_GROUPS = ("experiment", "model", "data")  # train.py's Hydra groups: configs/<group>/NAME.yaml, as group=NAME
 # The schema's defaults for the model's shape: the baby model (configs/model/baby.yaml), not GPTConfig's GPT-2.
 # Their order is the keys' order in config.yaml; the other keys follow in GPTConfig's.
 SCHEMA_SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64}

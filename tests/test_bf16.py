@@ -1,15 +1,25 @@
 """train.dtype=bfloat16 on CPU: autocast's bfloat16 matmuls (native on CPUs with AVX512-BF16 or AMX, emulated
 elsewhere) train to float32's loss within a stated tolerance, with AdamW and with Muon, whose Newton-Schulz then
-runs in bfloat16. Exact resume in bfloat16: tests/test_crash_safety.py."""
+runs in bfloat16. Exact resume in bfloat16: tests/test_crash_safety.py. train.dtype=auto on a CPU: bfloat16 where this
+CPU computes it natively and the model's step measures clearly faster in it (training/precision.py)."""
 
 from __future__ import annotations
 
+import logging
+import platform
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import compose_config, tiny_run_overrides
+from model import GPT, GPTConfig
+from training import precision
+from training.checkpoint import CKPT_NAME, load_checkpoint
+from training.distributed import World
 from training.loop import train
+from training.precision import choose_cpu_dtype
+from training.runtime import make_runtime
 
 TOLERANCE = 0.01  # relative, on the val loss after 40 iterations (measured: 1e-5 on this CPU)
 
@@ -22,3 +32,95 @@ def test_bfloat16_trains_to_float32s_val_loss(tmp_path: Path, corpus_path: Path,
         losses[dtype] = train(compose_config(tiny_run_overrides(tmp_path / dtype, corpus_path, **extra))).val_loss
     assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=TOLERANCE)
     assert losses["bfloat16"] != losses["float32"]  # bfloat16 really ran: not the very same numbers
+
+
+def _native_bf16(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    """What torch says of this CPU's bfloat16 arithmetic (Runtime.emulated asks it)."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+
+
+def _timings(monkeypatch: pytest.MonkeyPatch, fp32_s: float, bf16_s: float) -> list[int]:
+    """measure_step_seconds answering given times (the decision is what's tested here; the measurement itself is
+    test_the_measurement_times_both_precisions_and_leaves_no_trace's); the list counts its calls."""
+    calls: list[int] = []
+
+    def measured(model: GPT, batch_size: int) -> dict[torch.dtype, float]:
+        calls.append(batch_size)
+        return {torch.float32: fp32_s, torch.bfloat16: bf16_s}
+
+    monkeypatch.setattr(precision, "measure_step_seconds", measured)
+    return calls
+
+
+def _auto_run(tmp_path: Path, corpus_path: Path, **extra: object) -> list[str]:
+    return tiny_run_overrides(tmp_path, corpus_path, **{"train.dtype": "auto", "train.max_iters": 10, **extra})
+
+
+def test_auto_on_a_native_bf16_cpu_trains_in_the_faster_precision_says_so_and_resumes_in_it(
+    tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="train")
+    _native_bf16(monkeypatch, True)
+    calls = _timings(monkeypatch, fp32_s=0.060, bf16_s=0.041)
+    train(compose_config(_auto_run(tmp_path, corpus_path)))
+    assert calls == [8]  # once, at the run's micro-batch
+    assert load_checkpoint(tmp_path / "run" / CKPT_NAME).dtype == "bfloat16"
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("dtype=auto")]
+    assert said == [
+        "dtype=auto: bfloat16, measured on this CPU: a micro-batch's forward and backward took 41 ms in bfloat16 "
+        "autocast against 60 ms in float32 (train.dtype=float32 to keep full precision)"
+    ]
+    assert any("device cpu, bfloat16" in r.getMessage() for r in caplog.records)
+
+    # Resumed, it keeps the precision it trained in, whatever a new measurement would say: an exact resume.
+    caplog.clear()
+    calls = _timings(monkeypatch, fp32_s=0.030, bf16_s=0.066)
+    train(
+        compose_config(
+            _auto_run(tmp_path, corpus_path, resume=True, resume_with_changes=True, **{"train.max_iters": 20})
+        )
+    )
+    assert calls == []
+    assert load_checkpoint(tmp_path / "run" / CKPT_NAME).dtype == "bfloat16"
+    assert "dtype=auto: bfloat16, the precision this run trained in" in [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize(
+    ("bf16_s", "chosen"), [(0.066, torch.float32), (0.058, torch.float32), (0.056, torch.bfloat16)]
+)
+def test_auto_takes_bf16_only_when_it_is_clearly_faster(
+    monkeypatch: pytest.MonkeyPatch, bf16_s: float, chosen: torch.dtype
+) -> None:
+    _native_bf16(monkeypatch, True)
+    _timings(monkeypatch, fp32_s=0.060, bf16_s=bf16_s)  # 0.058: within BF16_MARGIN of float32, noise
+    model = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    runtime, note = choose_cpu_dtype(model, 4, "auto", make_runtime("cpu", "auto"), World())
+    assert runtime.dtype == chosen
+    assert note is not None and note.startswith(f"dtype=auto: {str(chosen).removeprefix('torch.')}, measured")
+
+
+@pytest.mark.parametrize(("asked", "device_native"), [("auto", False), ("float32", True), ("bfloat16", True)])
+def test_nothing_is_measured_where_there_is_no_choice(
+    monkeypatch: pytest.MonkeyPatch, asked: str, device_native: bool
+) -> None:
+    _native_bf16(monkeypatch, device_native)
+    calls = _timings(monkeypatch, fp32_s=0.060, bf16_s=0.010)
+    model = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    runtime, note = choose_cpu_dtype(model, 4, asked, make_runtime("cpu", asked), World())
+    assert (calls, note) == ([], None)
+    assert runtime.dtype == (torch.float32 if asked == "auto" else getattr(torch, asked))
+
+
+def test_the_measurement_times_both_precisions_and_leaves_no_trace() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.1)).eval()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    seconds = precision.measure_step_seconds(model, 4)
+    assert set(seconds) == {torch.float32, torch.bfloat16} and all(s > 0 for s in seconds.values())
+    assert torch.equal(torch.get_rng_state(), rng)  # dropout drew in a forked stream: the run's masks are its own
+    assert all(p.grad is None for p in model.parameters())
+    assert not model.training
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights[name]), name

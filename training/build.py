@@ -30,6 +30,7 @@ from training.evaluation import Evaluator, HellaSwagEval
 from training.metrics import MetricsLog, forget_metrics
 from training.mfu import peak_flops
 from training.optim import make_optimizer, scheduled_lr
+from training.precision import choose_cpu_dtype
 from training.resume import FREE_MODEL_KEYS, check_resume_changes
 from training.runtime import Runtime
 from training.schema import OptimConfig, TrainRunConfig
@@ -61,12 +62,14 @@ def build_trainer(
     opt = config.train
     num_params, flops_per_token = model.num_params(), model.flops_per_token()  # before sharding
     model.activation_checkpointing = opt.activation_checkpointing
+    if runtime.device.type == "cpu" and not world.distributed and (note := use_free_cores()):
+        log.warning(note)  # before anything is timed: with the threads the run will use
+    trained_in = None if checkpoint is None else checkpoint.dtype
+    runtime, precision_note = choose_cpu_dtype(model, opt.batch_size, opt.dtype, runtime, world, trained_in)
     wrapped = _place(model, opt.parallel, world, runtime)
     use_compile = compile_by_default(runtime) if opt.compile is None else opt.compile
     tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
     byte_lengths = torch.from_numpy(tokenizer.token_byte_lengths()).to(runtime.device, torch.float64)
-    if runtime.device.type == "cpu" and not world.distributed and (note := use_free_cores()):
-        log.warning(note)  # before the peak is measured: with the threads the run will use
     peak = None if runtime.emulated else peak_flops(runtime.device, runtime.dtype)
     trainer = Trainer(
         config=config,
@@ -102,6 +105,8 @@ def build_trainer(
         f"{num_params / 1e6:.2f}M parameters, {data.meta['vocab_size']} tokens in the vocabulary, "
         f"{_machinery(runtime, world, opt.parallel, use_compile)}, out_dir {out_dir}"
     )
+    if precision_note is not None:
+        log.info(precision_note)
     if opt.max_iters and opt.decay_iters != opt.max_iters:
         log.info(_schedule_note(opt))
     if peak is None and world.is_main:

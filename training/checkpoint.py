@@ -1,9 +1,8 @@
 """ckpt.pt, the one owner of its format: what a resumed run and sample.py need, as tensors and plain values.
 
 On disk it is a flat dict, the layout train.py has written since runs resume on the clock: model_config, model,
-optimizer, scaler, the Progress fields (iter, last_eval_iter, val_loss, best_val_loss, elapsed_s), rng, tokenizer
-and config. In memory
-it is a Checkpoint. Every compatibility rule for older files is in this module.
+optimizer, scaler, the Progress fields (iter, last_eval_iter, val_loss, best_val_loss, elapsed_s), rng, tokenizer,
+config and dtype. In memory it is a Checkpoint. Every compatibility rule for older files is in this module.
 """
 
 from __future__ import annotations
@@ -51,6 +50,7 @@ class Checkpoint:
     optimizer: dict[str, Any] | None = None  # keyed by parameter name; None before the first step
     scaler: dict[str, Any] = field(default_factory=dict)  # the GradScaler's; empty unless fp16
     rng: list[dict[str, Any]] = field(default_factory=list)  # each rank's dropout generators, in rank order
+    dtype: str = ""  # the precision the run trained in (float32, bfloat16, float16); "": not recorded
 
     def build_model(self, attn_impl: str | None = None) -> GPT:
         """The trained model; attn_impl may differ from the training run's, since both paths share weights. Weights
@@ -123,6 +123,7 @@ class Checkpoint:
             "elapsed_s": p.elapsed_s,
             "tokenizer": self.tokenizer,
             "config": self.config,
+            "dtype": self.dtype,
         }
 
     @classmethod
@@ -151,6 +152,7 @@ class Checkpoint:
             optimizer=raw.get("optimizer"),
             scaler=raw.get("scaler") or {},
             rng=[rng] if isinstance(rng, dict) else list(rng),
+            dtype=raw.get("dtype", "") if isinstance(raw.get("dtype"), str) else "",
         )
 
 

@@ -349,6 +349,7 @@ class Trainer:
             optimizer=optimizer_state,
             scaler=self.scaler.state_dict(),
             rng=rng,
+            dtype=str(self.runtime.dtype).removeprefix("torch."),
         )
         try:
             if best:

@@ -1,0 +1,70 @@
+"""train.dtype=auto on a CPU: bfloat16 autocast where this CPU computes bfloat16 natively and the model's own
+training step measures faster in it, float32 otherwise. The flags can't decide it: a native-bf16 Xeon ran the CPU
+presets 1.6-2x slower in bfloat16, an AMD machine ran the speedrun faster (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from model import GPT
+from training.distributed import World, broadcast_from_main
+from training.runtime import Runtime
+
+TIMED_STEPS = 2  # per precision, after one warm-up step each; alternating, so a busy moment slows both
+BF16_MARGIN = 0.95  # bfloat16 only when its step takes under 95% of float32's: timing noise isn't worth its rounding
+
+
+def choose_cpu_dtype(
+    model: GPT, batch_size: int, asked: str, runtime: Runtime, world: World, trained_in: str | None = None
+) -> tuple[Runtime, str | None]:
+    """The runtime to train in, and the start-up line that says why (None when there is nothing to say). asked:
+    train.dtype; trained_in: the precision a resumed run's checkpoint trained in, which it keeps (so it resumes
+    exactly). Under torchrun every rank measures and rank 0's choice holds."""
+    bf16 = dataclasses.replace(runtime, dtype=torch.bfloat16)
+    if asked != "auto" or runtime.device.type != "cpu" or bf16.emulated:
+        return runtime, None
+    if trained_in in ("float32", "bfloat16"):
+        kept = dataclasses.replace(runtime, dtype=getattr(torch, trained_in))
+        return kept, f"dtype=auto: {trained_in}, the precision this run trained in"
+    seconds = measure_step_seconds(model, batch_size)
+    seconds = broadcast_from_main(seconds, world)
+    fp32_ms, bf16_ms = (round(seconds[dtype] * 1000) for dtype in (torch.float32, torch.bfloat16))
+    if seconds[torch.bfloat16] < BF16_MARGIN * seconds[torch.float32]:
+        return bf16, (
+            f"dtype=auto: bfloat16, measured on this CPU: a micro-batch's forward and backward took {bf16_ms} ms "
+            f"in bfloat16 autocast against {fp32_ms} ms in float32 (train.dtype=float32 to keep full precision)"
+        )
+    return runtime, (
+        f"dtype=auto: float32, measured on this CPU: a micro-batch's forward and backward took {fp32_ms} ms "
+        f"against {bf16_ms} ms in bfloat16 autocast"
+    )
+
+
+def measure_step_seconds(model: GPT, batch_size: int) -> dict[torch.dtype, float]:
+    """The fastest of TIMED_STEPS forward and backward passes of one micro-batch in each precision, on random
+    tokens. Leaves no trace: the gradients are cleared and the random state (dropout's) restored."""
+    config = model.config
+    tokens = torch.randint(
+        config.vocab_size, (batch_size, config.block_size), generator=torch.Generator().manual_seed(0)
+    )
+    was_training = model.training
+    model.train()
+    times: dict[torch.dtype, list[float]] = {torch.float32: [], torch.bfloat16: []}
+    try:
+        with torch.random.fork_rng(devices=[]):
+            for step in range(1 + TIMED_STEPS):
+                for dtype, timed in times.items():
+                    started = time.perf_counter()
+                    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                        _, loss = model(tokens, tokens)
+                    loss.backward()
+                    if step:  # the first of each: warm-up
+                        timed.append(time.perf_counter() - started)
+    finally:
+        for p in model.parameters():
+            p.grad = None
+        model.train(was_training)
+    return {dtype: min(timed) for dtype, timed in times.items()}

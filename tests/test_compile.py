@@ -1,6 +1,7 @@
 """torch.compile with inductor (code generation, not the eager backend) on CPU: the model compiles as one graph
-(fullgraph), computes what eager computes, and training steps don't recompile; evaluation adds one more graph.
-Each model compiles once per test (about half a minute on 2 cores, cold)."""
+(fullgraph), computes what eager computes, and training steps don't recompile; evaluation adds one more graph; a
+compiled decode step generates eager's tokens. Each model compiles once per test (about half a minute on 2 cores,
+cold). DDP + compile: tests/test_distributed.py."""
 
 from __future__ import annotations
 
@@ -57,8 +58,24 @@ def test_inductor_compiles_one_graph_that_trains_and_evaluates_like_eager(name: 
 
     eager.eval()
     plain.eval()
-    idx = torch.randint(65, (2, 64))
+    idx = torch.randint(65, (4, 64))
     with torch.no_grad():
         for _ in range(2):
             torch.testing.assert_close(compiled(idx)[0], eager(idx)[0], rtol=1e-4, atol=1e-5)
     assert _graphs() == 2  # evaluation: one more graph, then reused
+
+
+def test_generation_with_a_compiled_decode_step_gives_the_eager_tokens() -> None:
+    """The KV-cache step (GPT.prefill) under inductor with dynamic shapes, as docs/gpu.md measured it: the cache's
+    live length grows every token, so the graphs take it as a size, not a constant (one for the empty cache, one
+    for every later step), and greedy decoding draws eager's tokens. One small windowed layer: about 12 s cold."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=1, n_head=2, n_embd=16, attn_window=8)).eval()
+    prompt = torch.randint(65, (2, 3), generator=torch.Generator().manual_seed(1))
+    eager = model.generate(prompt, max_new_tokens=20, temperature=0)
+    model.prefill = torch.compile(model.prefill, dynamic=True)  # the instance's: generate_tokens calls self.prefill
+    compiled = model.generate(prompt, max_new_tokens=20, temperature=0)
+    assert torch.equal(compiled, eager)
+    assert 1 <= _graphs() <= 3  # compiled, and not a graph per token

@@ -236,3 +236,34 @@ def test_closing_frees_an_fsdp_process_group_at_once_not_at_interpreter_exit(tmp
     finally:
         close_process_group()  # never leave the group to later tests
     assert gloo_threads() == before
+
+
+# One micro-batch a process, so DDP syncs every backward (no no_sync variant to trace), and test_compile.py's GPT-2
+# block with a windowed layer at its batch: the graphs it compiled are inductor's cache hits here.
+COMPILED_RUN = {
+    "model.bias": True,
+    "model.block_size": 64,
+    "model.attn_window": 16,
+    "model.window_pattern": "SL",
+    "train.batch_size": 4,
+    "train.grad_accum": 2,
+    "train.max_iters": 6,
+    "train.eval_interval": 6,
+    "train.eval_iters": 2,
+    "train.full_val": False,
+}
+
+
+def test_compiled_ddp_on_two_processes_matches_one_eager_process(tmp_path: Path, corpus_path: Path) -> None:
+    """torch.compile (inductor) of the DDP-wrapped model, traced by each rank, trains what one uncompiled process
+    trains: dynamo's DDP support keeps the gradient reduction in the compiled backward."""
+    train(compose_config(tiny_run_overrides(tmp_path / "one", corpus_path, **COMPILED_RUN)))
+    overrides = tiny_run_overrides(tmp_path / "two", corpus_path, **COMPILED_RUN, **{"train.compile": True})
+    result = torchrun(2, [*overrides, "train.parallel=ddp"], cwd=tmp_path)
+    assert result.returncode == 0, failure(result)
+    assert "compile True, 2 processes (ddp)" in (tmp_path / "two" / "run" / "train.log").read_text()
+    expected, got = evals(tmp_path / "one" / "run"), evals(tmp_path / "two" / "run")
+    assert [e[0] for e in got] == [e[0] for e in expected] == [0, 6]
+    for (_, *want), (_, *have) in zip(expected, got, strict=True):
+        assert have == pytest.approx(want, abs=1e-4)
+    assert got[-1][2] < got[0][2]  # it learned

@@ -128,9 +128,9 @@ class Checkpoint:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], path: Path) -> Checkpoint:
-        """Older layouts: rng as one dict (before torchrun support), no elapsed_s (before timed resumes) or
-        kept_best_val_loss (before train.keep_best), model config keys added since (their defaults), optimizer
-        state by position (optimizer_state_for)."""
+        """Older layouts: rng as one dict (before torchrun support), no elapsed_s (before timed resumes),
+        kept_best_val_loss (before train.keep_best) or dtype (before train.dtype=auto measured), model config keys
+        added since (their defaults), optimizer state by position (optimizer_state_for)."""
         if not isinstance(raw, dict) or "model" not in raw or "model_config" not in raw:
             raise CheckpointError(f"{path} is not a checkpoint written by train.py")
         weights = raw["model"]

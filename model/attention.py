@@ -142,16 +142,22 @@ class CausalSelfAttention(nn.Module):
         self.captured: list[torch.Tensor] | None = None
 
     def forward(
-        self, x: torch.Tensor, shortcuts: Shortcuts, cache: KVCache | BatchKVCache | None = None
-    ) -> torch.Tensor:
+        self,
+        x: torch.Tensor,
+        shortcuts: Shortcuts,
+        first_values: torch.Tensor | None = None,
+        cache: KVCache | BatchKVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: (B, T, C) for T new tokens, after the cache's tokens if a cache is given (a BatchKVCache: each row
-        after its own, with a key mask of its own). shortcuts: what value_embeds and value_residual read (the
-        first layer fills in first_values)."""
+        after its own, with a key mask of its own). shortcuts: what value_embeds reads; first_values: the first
+        layer's values, which value_residual mixes in. Returns the output and, from the first layer of a
+        value_residual model, its values (B, n_head, T, head_dim) for the layers after it (else None)."""
         B, T, C = x.shape
         # (3, B, n_head, T, head_dim): one reshape for queries, keys and values
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
-        v = self._with_shortcuts(v, shortcuts)
+        v = self._with_shortcuts(v, shortcuts, first_values)
+        kept = v if self.first_values_kept else None
         if self.qk_norm:  # scores then measure direction only: they can't grow large, which steadies training
             q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))
         start = 0 if cache is None else cache.position  # an int, or each row's (B, 1) for a BatchKVCache
@@ -183,16 +189,14 @@ class CausalSelfAttention(nn.Module):
             mask = causal_mask(T, k.size(-2), x.device, self.window)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         y = y.transpose(1, 2).reshape(B, T, C)
-        return F.dropout(self.c_proj(y), dropout_p)
+        return F.dropout(self.c_proj(y), dropout_p), kept
 
-    def _with_shortcuts(self, v: torch.Tensor, shortcuts: Shortcuts) -> torch.Tensor:
+    def _with_shortcuts(self, v: torch.Tensor, shortcuts: Shortcuts, first_values: torch.Tensor | None) -> torch.Tensor:
         """The values with this layer's token embedding added (value_embeds), then mixed with the first layer's
         (value_residual); the cache stores them so."""
         if self.value_embed is not None:
             B, n_head, T, head_dim = v.shape
             v = v + self.value_embed(shortcuts.idx).view(B, T, n_head, head_dim).transpose(1, 2)
         if self.value_mix is not None:
-            v = self.value_mix[0] * v + self.value_mix[1] * shortcuts.first_values
-        elif self.first_values_kept:
-            shortcuts.first_values = v
+            v = self.value_mix[0] * v + self.value_mix[1] * first_values
         return v

@@ -58,12 +58,19 @@ class Block(nn.Module):
         self.x0_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if config.x0_mix else None
 
     def forward(
-        self, x: torch.Tensor, shortcuts: Shortcuts, cache: KVCache | BatchKVCache | None = None
-    ) -> torch.Tensor:
+        self,
+        x: torch.Tensor,
+        shortcuts: Shortcuts,
+        first_values: torch.Tensor | None = None,
+        cache: KVCache | BatchKVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The residual stream after this block, and the values value_residual's later layers read (from the
+        first layer of such a model; else None)."""
         if self.x0_mix is not None:
             x = self.x0_mix[0] * x + self.x0_mix[1] * shortcuts.x0
-        x = x + self.attn(self.ln_1(x), shortcuts, cache)
-        return x + self.mlp(self.ln_2(x))
+        attended, values = self.attn(self.ln_1(x), shortcuts, first_values, cache)
+        x = x + attended
+        return x + self.mlp(self.ln_2(x)), values
 
 
 class GPT(nn.Module):
@@ -145,11 +152,13 @@ class GPT(nn.Module):
         x = F.dropout(x, self.config.dropout, self.training)
         shortcuts = Shortcuts(x0=x, idx=idx)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        first_values = None  # value_residual: the first layer returns its values, the later ones mix them in
         for block in self.transformer.h:
-            if recompute:  # non-reentrant: works under compile, DDP and FSDP2, and keeps dropout's random draws
-                x = checkpoint(block, x, shortcuts, cache, use_reentrant=False)
-            else:
-                x = block(x, shortcuts, cache)
+            args = (x, shortcuts, first_values, cache)
+            # non-reentrant recomputation: works under compile, DDP and FSDP2, and keeps dropout's random draws
+            x, values = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
+            if values is not None:
+                first_values = values
         if cache is not None:
             cache.advance(idx)
         return self.transformer.ln_f(x)

@@ -10,14 +10,14 @@ import torch
 from torch import nn
 
 
-@dataclass
+@dataclass(frozen=True)
 class Shortcuts:
+    """Read, never written, by every block. The first layer's values (value_residual) travel apart, as a block's
+    argument and its return: a wrapper that copies the blocks' arguments (FSDP2) would drop a value written into
+    this object, and under torch.compile with activation checkpointing such a write broke the graph."""
+
     x0: torch.Tensor  # the input embeddings (B, T, C), after dropout
     idx: torch.Tensor  # the token ids (B, T)
-    # the first layer's values (B, n_head, T, head_dim): that layer sets them, the later ones read them. A wrapper
-    # that copies the blocks' arguments loses them: FSDP2 does in training (refused with value_residual), and
-    # under torch.compile with train.activation_checkpointing the mutation breaks the graph once per step
-    first_values: torch.Tensor | None = None
 
 
 class BigramEmbedding(nn.Module):

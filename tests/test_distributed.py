@@ -27,13 +27,15 @@ from training.schema import TrainRunConfig
 
 # Four micro-batches a step: one process runs all four, each of two processes two (gradients reduced on the
 # second). eval_iters is odd so the train-split batches don't divide evenly between the ranks; the val split is
-# evaluated whole (full_val). The first layer attends through a sliding window (its fused path: windowed_attention).
+# evaluated whole (full_val). The first layer attends through a sliding window (its fused path: windowed_attention)
+# and hands its values to the second (value_residual: an argument and a return of the blocks, which FSDP2 wraps).
 RUN = {
     "train.grad_accum": 4,
     "train.eval_iters": 5,
     "train.full_val": True,
     "train.max_iters": 12,
     "model.attn_window": 8,
+    "model.value_residual": True,
 }
 
 
@@ -165,16 +167,6 @@ def test_muon_refuses_fsdp_which_would_shard_its_matrices() -> None:
         check_for_world(opt, World(rank=1, size=2))
     opt.parallel = "ddp"
     check_for_world(opt, World(rank=1, size=2))
-
-
-def test_value_residual_refuses_fsdp_which_copies_the_blocks_arguments() -> None:
-    opt = typed_config(compose_config(["train.parallel=fsdp", "train.grad_accum=2"]), TrainRunConfig).train
-    check_for_world(opt, World(size=1), value_residual=True)  # one process: no FSDP
-    with pytest.raises(ConfigError, match="^model.value_residual=true can't run under train.parallel=fsdp"):
-        check_for_world(opt, World(rank=1, size=2), value_residual=True)
-    check_for_world(opt, World(rank=1, size=2), value_residual=False)
-    opt.parallel = "ddp"
-    check_for_world(opt, World(rank=1, size=2), value_residual=True)
 
 
 @pytest.mark.parametrize("batches", [0, 1, 4, 5, 7])

@@ -46,7 +46,7 @@ def train(
     if not world.is_main:
         log.setLevel(logging.WARNING)  # one voice: rank 0's
     config = typed_config(cfg, TrainRunConfig)
-    check_for_world(config.train, world, config.model.value_residual)
+    check_for_world(config.train, world)
     runtime = make_runtime(config.device, config.train.dtype, world.local_rank if world.distributed else None)
     if world.is_main:
         check_writable(Path(config.out_dir), "out_dir")
@@ -79,7 +79,7 @@ def _lock_run(out_dir: Path, world: World, held: contextlib.ExitStack) -> None:
         raise RunLocked(message)
 
 
-def check_for_world(opt: OptimConfig, world: World, value_residual: bool = False) -> None:
+def check_for_world(opt: OptimConfig, world: World) -> None:
     """The checks that need the number of processes."""
     if opt.grad_accum % world.size:
         raise ConfigError(
@@ -90,9 +90,4 @@ def check_for_world(opt: OptimConfig, world: World, value_residual: bool = False
         raise ConfigError(
             "train.optimizer=muon needs each hidden matrix whole, and train.parallel=fsdp shards them; "
             "use train.parallel=ddp (or train.optimizer=adamw)"
-        )
-    if world.distributed and opt.parallel == "fsdp" and value_residual:
-        raise ConfigError(  # the first layer hands its values to the others through the blocks' shared argument
-            "model.value_residual=true can't run under train.parallel=fsdp: FSDP2 copies the blocks' arguments, "
-            "so the first layer's values never reach the others; use train.parallel=ddp"
         )

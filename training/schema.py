@@ -96,8 +96,7 @@ class OptimConfig:
     log_interval: int = option(10, at_least=1)
     compile: bool | None = None  # default: on for CUDA, off elsewhere
     # recompute each block's activations in backward instead of keeping them: far less memory for long contexts
-    # and deep models, for about one more forward pass of compute (bench.py memory; with model.value_residual,
-    # train.compile's graph breaks once a step at the first block)
+    # and deep models, for about one more forward pass of compute (bench.py memory)
     activation_checkpointing: bool = False
     dtype: str = option("auto", choices=DTYPES)
     on_nonfinite: str = option("stop", choices=ON_NONFINITE)  # a NaN/Inf loss: stop (ckpt.pt stays) | skip the step

@@ -90,16 +90,24 @@ def one_process(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> 
 
 
 @pytest.fixture(
-    scope="module", params=[("ddp", "adamw"), ("fsdp", "adamw"), ("ddp", "muon")], ids=["ddp", "fsdp", "ddp-muon"]
+    scope="module",
+    params=[("ddp", "adamw", False), ("fsdp", "adamw", True), ("ddp", "muon", True)],
+    ids=["ddp", "fsdp", "ddp-muon"],
 )
 def two_processes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
     """A 2-process run whose out_dir each rank resolves differently (its ${now:}, here even its rank): all must
-    use rank 0's. Muon under DDP: every rank orthogonalises the same averaged gradients."""
-    parallel, optimizer = request.param
+    use rank 0's. Muon under DDP: every rank orthogonalises the same averaged gradients. The FSDP2 and the Muon
+    run recompute their blocks in backward (train.activation_checkpointing), which changes no number."""
+    parallel, optimizer, recompute = request.param
     tmp = tmp_path_factory.mktemp(f"{parallel}-{optimizer}")
     overrides = [o for o in tiny_run_overrides(tmp, corpus_path, **RUN) if not o.startswith("out_dir=")]
     out_dir = "out_dir=outputs/${now:%Y-%m-%d_%H-%M-%S}/rank${oc.env:RANK}"
-    result = torchrun(2, [*overrides, out_dir, f"train.parallel={parallel}", f"train.optimizer={optimizer}"], cwd=tmp)
+    chosen = [
+        f"train.parallel={parallel}",
+        f"train.optimizer={optimizer}",
+        f"train.activation_checkpointing={recompute}",
+    ]
+    result = torchrun(2, [*overrides, out_dir, *chosen], cwd=tmp)
     assert result.returncode == 0, failure(result)
     assert [p.name for p in tmp.glob("outputs/*/*")] == ["rank0"], "the ranks wrote to different directories"
     return next(tmp.glob("outputs/*/rank0"))

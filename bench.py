@@ -11,7 +11,8 @@ train: tokens/s, ms/iter and MFU of train.py's loop for an experiment, against a
   loop on the same model, data and machine, measured in the same run (warm-up excluded). MFU's peak comes
   from a datasheet for known GPUs, else from a matmul measured here; the table says which.
 attention: the flash path against the math path, forward + backward, time and peak memory (bf16 on CUDA,
-  as training runs there; fp32 on CPU); and the flash path with a sliding window of each --windows size.
+  as training runs there; fp32 on CPU, as it mostly does there); and the flash path with a sliding window of
+  each --windows size.
   time_vs_shortest: the time over the same row's at the shortest length (linear cost: the ratio of lengths).
 sampling: tokens/s of model.generate with and without the KV cache, on both attention paths; with --attn-window,
   also a model windowed in every layer (rope), whose cache rolls on past --block-size.
@@ -67,6 +68,7 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
 
     from common.config import typed_config
     from data.prepare import ensure_prepared
+    from training.checkpoint import CKPT_NAME, load_checkpoint
     from training.loop import train
     from training.mfu import peak_flops
     from training.runtime import make_runtime
@@ -91,10 +93,11 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
     try:
         train(config)  # the first n iterations warm up (and compile); the second n are measured
         ours = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()][-2]
+        trained_in = load_checkpoint(out_dir / CKPT_NAME).dtype  # dtype=auto may have measured bf16 faster
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)  # a throwaway run: its checkpoint is not worth keeping
 
-    runtime = make_runtime(config.device, config.train.dtype)
+    runtime = make_runtime(config.device, trained_in or config.train.dtype)  # the reference in the run's precision
     data = ensure_prepared(config.data)
     model_config = config.model.gpt_config(data.meta["vocab_size"])
     reference_tps = _nanogpt_style_tokens_per_sec(config, model_config, data.train.paths[0], runtime, n)

@@ -1,6 +1,6 @@
 """What a block reads besides the residual stream, for the options that reach past the layer before: the input
-embeddings (x0_mix), the token ids (value_embeds) and the first layer's values (value_residual). And the bigram
-embedding, which makes the input embeddings of (previous token, token) pairs."""
+embeddings (x0_mix) and the token ids (value_embeds); value_residual's first-layer values travel beside them (see
+Shortcuts). And the bigram embedding, which makes the input embeddings of (previous token, token) pairs."""
 
 from __future__ import annotations
 

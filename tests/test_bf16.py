@@ -14,10 +14,11 @@ import torch
 
 from conftest import compose_config, tiny_run_overrides
 from model import GPT, GPTConfig
-from training import precision
+from training import build, precision
 from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
 from training.loop import train
+from training.mfu import Peak
 from training.precision import choose_cpu_dtype
 from training.runtime import make_runtime
 
@@ -57,17 +58,27 @@ def _auto_run(tmp_path: Path, corpus_path: Path, **extra: object) -> list[str]:
     return tiny_run_overrides(tmp_path, corpus_path, **{"train.dtype": "auto", "train.max_iters": 10, **extra})
 
 
+def _no_peak_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MFU's peak from a stand-in: a CPU made to look native here may emulate bf16, and timing its 1024^3
+    matmuls then takes seconds."""
+    monkeypatch.setattr(build, "peak_flops", lambda device, dtype: Peak(1e12, "datasheet stand-in"))
+
+
+def _said(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("dtype=auto")]
+
+
 def test_auto_on_a_native_bf16_cpu_trains_in_the_faster_precision_says_so_and_resumes_in_it(
     tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="train")
     _native_bf16(monkeypatch, True)
+    _no_peak_measured(monkeypatch)
     calls = _timings(monkeypatch, fp32_s=0.060, bf16_s=0.041)
     train(compose_config(_auto_run(tmp_path, corpus_path)))
     assert calls == [8]  # once, at the run's micro-batch
     assert load_checkpoint(tmp_path / "run" / CKPT_NAME).dtype == "bfloat16"
-    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("dtype=auto")]
-    assert said == [
+    assert _said(caplog) == [
         "dtype=auto: bfloat16, measured on this CPU: a micro-batch's forward and backward took 41 ms in bfloat16 "
         "autocast against 60 ms in float32 (train.dtype=float32 to keep full precision)"
     ]
@@ -83,7 +94,52 @@ def test_auto_on_a_native_bf16_cpu_trains_in_the_faster_precision_says_so_and_re
     )
     assert calls == []
     assert load_checkpoint(tmp_path / "run" / CKPT_NAME).dtype == "bfloat16"
-    assert "dtype=auto: bfloat16, the precision this run trained in" in [r.getMessage() for r in caplog.records]
+    assert _said(caplog) == ["dtype=auto: bfloat16, the precision this run trained in"]
+
+    # On a CPU that emulates bfloat16 it can't keep it, and says so.
+    caplog.clear()
+    _native_bf16(monkeypatch, False)
+    longer = {"train.max_iters": 30}
+    train(compose_config(_auto_run(tmp_path, corpus_path, resume=True, resume_with_changes=True, **longer)))
+    assert _said(caplog) == ["dtype=auto: float32 (the run trained in bfloat16): this CPU has no native bfloat16"]
+    assert load_checkpoint(tmp_path / "run" / CKPT_NAME).dtype == "float32"
+
+
+def test_auto_resumes_a_checkpoint_that_predates_the_record_in_float32(
+    tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before ckpt.pt recorded its precision, auto trained in float32 on every CPU: such a run goes on in it."""
+    caplog.set_level(logging.INFO, logger="train")
+    train(compose_config(_auto_run(tmp_path, corpus_path, **{"train.dtype": "float32"})))
+    path = tmp_path / "run" / CKPT_NAME
+    raw = torch.load(path, weights_only=True)
+    del raw["dtype"]
+    torch.save(raw, path)
+    _native_bf16(monkeypatch, True)
+    calls = _timings(monkeypatch, fp32_s=0.060, bf16_s=0.010)
+    longer = {"train.max_iters": 20}
+    train(compose_config(_auto_run(tmp_path, corpus_path, resume=True, resume_with_changes=True, **longer)))
+    assert calls == []
+    assert _said(caplog) == ["dtype=auto: float32, as auto meant on CPUs when this run's checkpoint was written"]
+
+
+def test_a_real_measurement_leaves_the_run_as_float32_would_have_trained_it(
+    tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The measurement runs on the model the run then trains (dropout drawing, blocks recomputed) and must leave
+    nothing behind: with float32 chosen (BF16_MARGIN 0), the run's numbers are float32's bit for bit."""
+    caplog.set_level(logging.INFO, logger="train")
+    _native_bf16(monkeypatch, True)
+    _no_peak_measured(monkeypatch)
+    monkeypatch.setattr(precision, "BF16_MARGIN", 0.0)
+    extra = {"model.dropout": 0.1, "train.activation_checkpointing": True}
+    auto = train(compose_config(_auto_run(tmp_path / "auto", corpus_path, **extra)))
+    plain = train(compose_config(_auto_run(tmp_path / "fp32", corpus_path, **extra, **{"train.dtype": "float32"})))
+    (said,) = _said(caplog)
+    assert said.startswith("dtype=auto: float32, measured on this CPU")
+    assert auto.val_loss == plain.val_loss
+    weights = [load_checkpoint(tmp_path / run / "run" / CKPT_NAME).model for run in ("auto", "fp32")]
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[1])
 
 
 @pytest.mark.parametrize(

@@ -25,8 +25,8 @@ MODELS = {
     "gpt2_windowed": GPTConfig(**SHAPE, attn_window=16, window_pattern="SL"),
     "every_modern_option": GPTConfig(**SHAPE, **MODERN),
 }
-# Compiled with train.activation_checkpointing against plain eager: value_residual's first-layer values cross the
-# recomputed blocks as an argument and a return, and fullgraph proves that breaks no graph.
+# Then three more steps with train.activation_checkpointing (one more graph, against plain eager): value_residual's
+# first-layer values cross the recomputed blocks as an argument and a return, and fullgraph proves nothing breaks.
 RECOMPUTED = {"every_modern_option"}
 
 
@@ -51,23 +51,25 @@ def test_inductor_compiles_one_graph_that_trains_and_evaluates_like_eager(name: 
         for p in eager.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     plain = copy.deepcopy(eager)
-    plain.activation_checkpointing = name in RECOMPUTED
     compiled = torch.compile(plain, fullgraph=True)  # inductor: fullgraph fails on any graph break
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, plain)]
-    for step in range(3):
-        idx, targets = _batch(step)
-        losses = []
-        for model in (eager, compiled):
-            _, loss = model(idx, targets)
-            loss.backward()
-            losses.append(loss.detach())
-        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
-        for (n, a), b in zip(eager.named_parameters(), plain.parameters(), strict=True):
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=n)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    assert _graphs() == 1  # three training steps, new weights each time: no recompilation
+    phases = (False, True) if name in RECOMPUTED else (False,)
+    for graphs, recompute in enumerate(phases, start=1):
+        plain.activation_checkpointing = recompute
+        for step in range(3):
+            idx, targets = _batch(step)
+            losses = []
+            for model in (eager, compiled):
+                _, loss = model(idx, targets)
+                loss.backward()
+                losses.append(loss.detach())
+            torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+            for (n, a), b in zip(eager.named_parameters(), plain.parameters(), strict=True):
+                torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=n)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        assert _graphs() == graphs  # three training steps, new weights each time: no recompilation
 
     eager.eval()
     plain.eval()
@@ -75,7 +77,7 @@ def test_inductor_compiles_one_graph_that_trains_and_evaluates_like_eager(name: 
     with torch.no_grad():
         for _ in range(2):
             torch.testing.assert_close(compiled(idx)[0], eager(idx)[0], rtol=1e-4, atol=1e-5)
-    assert _graphs() == 2  # evaluation: one more graph, then reused
+    assert _graphs() == len(phases) + 1  # evaluation: one more graph, then reused
 
 
 def test_generation_with_a_compiled_decode_step_gives_the_eager_tokens() -> None:

@@ -1,6 +1,6 @@
 """train.dtype=auto on a CPU: bfloat16 autocast where this CPU computes bfloat16 natively and the model's own
 training step measures faster in it, float32 otherwise. The flags can't decide it: a native-bf16 Xeon ran the CPU
-presets 1.6-2x slower in bfloat16, an AMD machine ran the speedrun faster (docs/gpu.md)."""
+presets 1.5-2.7x slower in bfloat16, an AMD machine ran the speedrun faster (docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -21,26 +21,34 @@ def choose_cpu_dtype(
     model: GPT, batch_size: int, asked: str, runtime: Runtime, world: World, trained_in: str | None = None
 ) -> tuple[Runtime, str | None]:
     """The runtime to train in, and the start-up line that says why (None when there is nothing to say). asked:
-    train.dtype; trained_in: the precision a resumed run's checkpoint trained in, which it keeps (so it resumes
-    exactly). Under torchrun every rank measures and rank 0's choice holds."""
-    bf16 = dataclasses.replace(runtime, dtype=torch.bfloat16)
-    if asked != "auto" or runtime.device.type != "cpu" or bf16.emulated:
+    train.dtype; trained_in: a resumed run's Checkpoint.dtype ("" when its checkpoint predates the record), whose
+    precision it keeps, so it resumes exactly. Under torchrun rank 0 decides for every rank (one collective, on
+    every rank alike: their CPUs may differ)."""
+    if asked != "auto" or runtime.device.type != "cpu":
         return runtime, None
-    if trained_in in ("float32", "bfloat16"):
-        kept = dataclasses.replace(runtime, dtype=getattr(torch, trained_in))
-        return kept, f"dtype=auto: {trained_in}, the precision this run trained in"
+    decided = _decide(model, batch_size, runtime, trained_in) if world.is_main else None
+    name, note = broadcast_from_main(decided, world)
+    return dataclasses.replace(runtime, dtype=getattr(torch, name)), note
+
+
+def _decide(model: GPT, batch_size: int, runtime: Runtime, trained_in: str | None) -> tuple[str, str | None]:
+    native = not dataclasses.replace(runtime, dtype=torch.bfloat16).emulated
+    if trained_in == "":  # written before the precision was recorded, when auto meant float32 on every CPU
+        return "float32", "dtype=auto: float32, as auto meant on CPUs when this run's checkpoint was written"
+    if trained_in == "float32" or (trained_in == "bfloat16" and native):
+        return trained_in, f"dtype=auto: {trained_in}, the precision this run trained in"
+    if not native:
+        kept = "" if trained_in is None else f" (the run trained in {trained_in})"
+        return "float32", (f"dtype=auto: float32{kept}: this CPU has no native bfloat16" if kept else None)
     seconds = measure_step_seconds(model, batch_size)
-    seconds = broadcast_from_main(seconds, world)
     fp32_ms, bf16_ms = (round(seconds[dtype] * 1000) for dtype in (torch.float32, torch.bfloat16))
+    measured = "measured on this CPU: a micro-batch's forward and backward took"
     if seconds[torch.bfloat16] < BF16_MARGIN * seconds[torch.float32]:
-        return bf16, (
-            f"dtype=auto: bfloat16, measured on this CPU: a micro-batch's forward and backward took {bf16_ms} ms "
-            f"in bfloat16 autocast against {fp32_ms} ms in float32 (train.dtype=float32 to keep full precision)"
+        return "bfloat16", (
+            f"dtype=auto: bfloat16, {measured} {bf16_ms} ms in bfloat16 autocast against {fp32_ms} ms in float32 "
+            "(train.dtype=float32 to keep full precision)"
         )
-    return runtime, (
-        f"dtype=auto: float32, measured on this CPU: a micro-batch's forward and backward took {fp32_ms} ms "
-        f"against {bf16_ms} ms in bfloat16 autocast"
-    )
+    return "float32", f"dtype=auto: float32, {measured} {fp32_ms} ms against {bf16_ms} ms in bfloat16 autocast"
 
 
 def measure_step_seconds(model: GPT, batch_size: int) -> dict[torch.dtype, float]:

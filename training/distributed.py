@@ -16,13 +16,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 
 @dataclass(frozen=True)
@@ -149,6 +142,10 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, world: World)
     """Unsharded model and optimizer state keyed by parameter name, so a checkpoint written by any number of
     processes, DDP or FSDP2, loads in one (and in sample.py). Collective under FSDP2: every rank must call it;
     rank 0 receives the tensors, on CPU."""
+    # Imported here: torch.distributed.checkpoint brings DTensor and sympy, 0.9 s of every train.py start,
+    # which a command stopped by a mistake in its config never needs.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=world.distributed)
     model_state = get_model_state_dict(model, options=options)
     # Before the first step the optimizer has no state, and asking for it would take a step with zero gradients.
@@ -160,6 +157,8 @@ def load_full_state(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict, optimizer_state: dict | None
 ) -> None:
     """The inverse of full_state, on every rank (each shards what it reads); the optimizer state keyed by name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_state, options=options)
     if optimizer is not None and optimizer_state is not None:

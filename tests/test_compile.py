@@ -1,7 +1,7 @@
 """torch.compile with inductor (code generation, not the eager backend) on CPU: the model compiles as one graph
 (fullgraph), computes what eager computes, and training steps don't recompile; evaluation adds one more graph; a
-compiled decode step generates eager's tokens. Each model compiles once per test (about half a minute on 2 cores,
-cold). DDP + compile: tests/test_distributed.py."""
+compiled decode step generates eager's tokens. A test's graphs take up to half a minute each on 2 cores, cold.
+DDP + compile: tests/test_distributed.py."""
 
 from __future__ import annotations
 

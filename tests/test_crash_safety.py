@@ -411,7 +411,7 @@ def test_a_checkpoint_in_the_layout_before_the_trainer_resumes_exactly_and_sampl
             "tokenizer": raw["tokenizer"],
             "config": raw["config"],
         }
-        # train.keep_best's (missing: none kept) and the precision trained in (missing: dtype=auto measures again)
+        # train.keep_best's (missing: none kept) and the precision trained in (missing: auto resumes in float32)
         added_since = {"kept_best_val_loss", "dtype"}
         assert list(legacy) == [k for k in raw if k not in added_since]  # the layout today's writer keeps
         return legacy

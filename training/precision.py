@@ -1,6 +1,6 @@
 """train.dtype=auto on a CPU: bfloat16 autocast where this CPU computes bfloat16 natively and the model's own
-training step measures faster in it, float32 otherwise. The flags can't decide it: a native-bf16 Xeon ran the CPU
-presets 1.5-2.7x slower in bfloat16, an AMD machine ran the speedrun faster (docs/gpu.md)."""
+training step measures faster in it, float32 otherwise. The flags can't decide it: on a native-bf16 Xeon the CPU
+presets' steps took 1.6-2.4x as long in bfloat16, an AMD machine ran the speedrun faster (docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import torch
 
 from model import GPT
-from training.distributed import World, broadcast_from_main
+from training.distributed import World, all_gather_objects, broadcast_from_main
 from training.runtime import Runtime
 
 TIMED_STEPS = 2  # per precision, after one warm-up step each; alternating, so a busy moment slows both
@@ -22,24 +22,24 @@ def choose_cpu_dtype(
 ) -> tuple[Runtime, str | None]:
     """The runtime to train in, and the start-up line that says why (None when there is nothing to say). asked:
     train.dtype; trained_in: a resumed run's Checkpoint.dtype ("" when its checkpoint predates the record), whose
-    precision it keeps, so it resumes exactly. Under torchrun rank 0 decides for every rank (one collective, on
-    every rank alike: their CPUs may differ)."""
+    precision it keeps where this CPU can, so it resumes exactly. Under torchrun bfloat16 is an option only if
+    every rank's CPU computes it natively, and rank 0 decides for all (two collectives, on every rank alike)."""
     if asked != "auto" or runtime.device.type != "cpu":
         return runtime, None
-    decided = _decide(model, batch_size, runtime, trained_in) if world.is_main else None
+    native = all(all_gather_objects(not dataclasses.replace(runtime, dtype=torch.bfloat16).emulated, world))
+    decided = _decide(model, batch_size, native, trained_in) if world.is_main else None
     name, note = broadcast_from_main(decided, world)
     return dataclasses.replace(runtime, dtype=getattr(torch, name)), note
 
 
-def _decide(model: GPT, batch_size: int, runtime: Runtime, trained_in: str | None) -> tuple[str, str | None]:
-    native = not dataclasses.replace(runtime, dtype=torch.bfloat16).emulated
+def _decide(model: GPT, batch_size: int, native: bool, trained_in: str | None) -> tuple[str, str | None]:
+    if not native:  # float32, as on every CPU before auto measured; said only when the run trained otherwise
+        changed = trained_in not in (None, "", "float32")
+        return "float32", (f"dtype=auto: float32 on this CPU (the run trained in {trained_in})" if changed else None)
     if trained_in == "":  # written before the precision was recorded, when auto meant float32 on every CPU
         return "float32", "dtype=auto: float32, as auto meant on CPUs when this run's checkpoint was written"
-    if trained_in == "float32" or (trained_in == "bfloat16" and native):
+    if trained_in in ("float32", "bfloat16"):
         return trained_in, f"dtype=auto: {trained_in}, the precision this run trained in"
-    if not native:
-        kept = "" if trained_in is None else f" (the run trained in {trained_in})"
-        return "float32", (f"dtype=auto: float32{kept}: this CPU has no native bfloat16" if kept else None)
     seconds = measure_step_seconds(model, batch_size)
     fp32_ms, bf16_ms = (round(seconds[dtype] * 1000) for dtype in (torch.float32, torch.bfloat16))
     measured = "measured on this CPU: a micro-batch's forward and backward took"

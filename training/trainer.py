@@ -58,6 +58,7 @@ class TrainResult:
     best_val_loss: float
     elapsed_s: float
     stopped_by: str | None = None  # the signal that ended the run early, if one did
+    dtype: str = "float32"  # the precision it trained in (train.dtype=auto decides it at start)
 
 
 def resume_argument(out_dir: Path) -> str:
@@ -426,7 +427,8 @@ class Trainer:
                 f"done: {p.iter} iters, val loss {p.val_loss:.4f} (best {p.best_val_loss:.4f}), "
                 f"{self.elapsed():.1f} s; {where}"
             )
-        return TrainResult(self.out_dir, p.iter, p.val_loss, p.best_val_loss, self.elapsed(), stopped_by)
+        dtype = str(self.runtime.dtype).removeprefix("torch.")
+        return TrainResult(self.out_dir, p.iter, p.val_loss, p.best_val_loss, self.elapsed(), stopped_by, dtype)
 
     def _samples(self, count: int = 3, tokens: int = 200) -> list[list[str]]:
         """Continuations of the val split's first token, with sample.py's default temperature and top_k; drawn

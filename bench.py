@@ -336,32 +336,13 @@ def bench_serve(args: argparse.Namespace) -> list[dict]:
         decoding = Decoding(**NANOGPT_SAMPLING)
         sampler.generate(prompt, 1, 4, decoding)  # warm-up
         alone = min(_timed(lambda: sampler.generate(prompt, 1, tokens, decoding), args.device) for _ in range(5))
-        rows = [
-            {
-                "section": "serve",
-                "way": "sample.py, one sample",
-                "clients": 1,
-                "tokens_per_sec": tokens / alone,
-                "aggregate_tokens_per_sec": tokens / alone,
-                "p50_ms": 1000 * alone,
-                "p99_ms": 1000 * alone,
-            }
-        ]
+        rows = [{"section": "serve", "way": "sample.py, one sample", "clients": 1, "tokens_per_sec": tokens / alone,
+                 "aggregate_tokens_per_sec": tokens / alone, "p50_ms": 1000 * alone, "p99_ms": 1000 * alone}]
         rows += _engine_alone(sampler, prompt, tokens, decoding, args.serve_clients)
         server = subprocess.Popen(
-            [
-                sys.executable,
-                str(REPO / "serve.py"),
-                f"out_dir={run}",
-                "port=0",
-                f"device={args.device}",
-                f"max_batch={max(args.serve_clients)}",
-                f"max_tokens={tokens}",
-                *args.serve_override,
-            ],
-            cwd=tmp,
-            stderr=subprocess.PIPE,
-            text=True,
+            [sys.executable, str(REPO / "serve.py"), f"out_dir={run}", "port=0", f"device={args.device}",
+             f"max_batch={max(args.serve_clients)}", f"max_tokens={tokens}", *args.serve_override],
+            cwd=tmp, stderr=subprocess.PIPE, text=True,
         )
         try:
             line = server.stderr.readline()
@@ -369,27 +350,18 @@ def bench_serve(args: argparse.Namespace) -> list[dict]:
             if url is None:
                 raise RuntimeError(f"serve.py didn't start: {line}{server.stderr.read()}")
             usage = {"include_usage": True}  # the last chunk counts the tokens (a chunk may hold several)
-            body = {
-                "prompt": SERVE_PROMPT,
-                "max_tokens": tokens,
-                "stream": True,
-                "stream_options": usage,
-                **NANOGPT_SAMPLING,
-            }
+            body = {"prompt": SERVE_PROMPT, "max_tokens": tokens, "stream": True, "stream_options": usage,
+                    **NANOGPT_SAMPLING}
             for clients in args.serve_clients:
                 result = asyncio.run(_load(url, body, clients, args.serve_requests))
                 latencies = np.array(result["latencies"])
-                rows.append(
-                    {
-                        "section": "serve",
-                        "way": "serve.py, streaming clients",
-                        "clients": clients,
-                        "tokens_per_sec": tokens / float(np.median(latencies)),
-                        "aggregate_tokens_per_sec": result["tokens"] / result["seconds"],
-                        "p50_ms": 1000 * float(np.percentile(latencies, 50)),
-                        "p99_ms": 1000 * float(np.percentile(latencies, 99)),
-                    }
-                )
+                rows.append({
+                    "section": "serve", "way": "serve.py, streaming clients", "clients": clients,
+                    "tokens_per_sec": tokens / float(np.median(latencies)),
+                    "aggregate_tokens_per_sec": result["tokens"] / result["seconds"],
+                    "p50_ms": 1000 * float(np.percentile(latencies, 50)),
+                    "p99_ms": 1000 * float(np.percentile(latencies, 99)),
+                })
         finally:
             server.terminate()
             server.wait(timeout=30)
@@ -424,17 +396,9 @@ def _engine_alone(
                 while engine.active or engine.waiting:
                     engine.run_once()
                 best = min(best, time.perf_counter() - began)
-            rows.append(
-                {
-                    "section": "serve",
-                    "way": "the engine alone, in-process",
-                    "clients": count,
-                    "tokens_per_sec": tokens / best,
-                    "aggregate_tokens_per_sec": count * tokens / best,
-                    "p50_ms": 1000 * best,
-                    "p99_ms": 1000 * best,
-                }
-            )
+            rows.append({"section": "serve", "way": "the engine alone, in-process", "clients": count,
+                         "tokens_per_sec": tokens / best, "aggregate_tokens_per_sec": count * tokens / best,
+                         "p50_ms": 1000 * best, "p99_ms": 1000 * best})
     finally:
         torch.set_num_threads(threads)
     return rows
@@ -485,40 +449,20 @@ async def _load(url: str, body: dict, clients: int, requests: int) -> dict:
     return {"latencies": latencies, "tokens": tokens, "seconds": seconds}
 
 
-MEMORY_PRESETS = [
-    "shakespeare_char_cpu",
-    "speedrun_cpu",
-    "window_cpu",
-    "shakespeare",
-    "speedrun_gpu",
-    "finetune_shakespeare",
-    "gpt2",
-    "gpt2_speedrun",
-]
-GPT2_SHAPES = {
-    "gpt2": (12, 12, 768),
-    "gpt2-medium": (24, 16, 1024),
-    "gpt2-large": (36, 20, 1280),
-    "gpt2-xl": (48, 25, 1600),
-}
+MEMORY_PRESETS = ["shakespeare_char_cpu", "speedrun_cpu", "window_cpu", "shakespeare", "speedrun_gpu",
+                  "finetune_shakespeare", "gpt2", "gpt2_speedrun"]
+GPT2_SHAPES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280),
+               "gpt2-xl": (48, 25, 1600)}
 GPU_GIB = (24, 40, 80, 141)  # a 4090 or 3090, an A100 40GB, an A100/H100 80GB, an H200
 GPU_USABLE = 0.9  # of a GPU's memory for tensors: the CUDA context and the allocator's fragmentation take the rest
 STEP_TOKENS = 491_520  # nanoGPT's GPT-2 step (12 x 1024 x 40): grad_accum reaches it from the largest batch
 # (n_layer, n_embd, block_size, batch_size, activation_checkpointing): shapes this CPU can measure in seconds
 # (n_layer, n_embd, block_size, batch_size, activation_checkpointing, vocab_size, bf16): shapes this CPU can
 # measure in seconds; GPT-2's vocabulary too, where the head dominates
-MEMORY_PROBES = [
-    (6, 384, 256, 16, 0, 65, 0),
-    (6, 384, 256, 16, 1, 65, 0),
-    (8, 128, 512, 16, 0, 65, 0),
-    (8, 128, 512, 16, 1, 65, 0),
-    (12, 256, 512, 8, 1, 65, 0),
-    (4, 256, 256, 32, 0, 65, 0),
-    (2, 128, 256, 8, 0, 50257, 0),
-    (2, 128, 256, 8, 0, 50257, 1),
-    (2, 128, 256, 8, 1, 50257, 1),
-    (4, 256, 256, 16, 0, 65, 1),
-]
+MEMORY_PROBES = [(6, 384, 256, 16, 0, 65, 0), (6, 384, 256, 16, 1, 65, 0), (8, 128, 512, 16, 0, 65, 0),
+                 (8, 128, 512, 16, 1, 65, 0), (12, 256, 512, 8, 1, 65, 0), (4, 256, 256, 32, 0, 65, 0),
+                 (2, 128, 256, 8, 0, 50257, 0), (2, 128, 256, 8, 0, 50257, 1), (2, 128, 256, 8, 1, 50257, 1),
+                 (4, 256, 256, 16, 0, 65, 1)]
 
 
 def bench_memory(args: argparse.Namespace) -> list[dict]:
@@ -541,22 +485,12 @@ def bench_memory(args: argparse.Namespace) -> list[dict]:
             opt = config.train
             estimates = {
                 name: training_memory(model, opt.batch_size, bf16, opt.optimizer, ck).total / GIB
-                for name, bf16, ck in (
-                    ("fp32_gib", False, False),
-                    ("bf16_gib", True, False),
-                    ("bf16_checkpointed_gib", True, True),
-                )
+                for name, bf16, ck in (("fp32_gib", False, False), ("bf16_gib", True, False),
+                                       ("bf16_checkpointed_gib", True, True))
             }
-            rows.append(
-                {
-                    "section": "memory: presets",
-                    "preset": preset,
-                    "params_m": training_memory(model, 0, False).params / 4e6,
-                    "batch_size": opt.batch_size,
-                    "block_size": model.block_size,
-                    **estimates,
-                }
-            )
+            rows.append({"section": "memory: presets", "preset": preset,
+                         "params_m": training_memory(model, 0, False).params / 4e6, "batch_size": opt.batch_size,
+                         "block_size": model.block_size, **estimates})
     for name, (n_layer, n_head, n_embd) in GPT2_SHAPES.items():
         model = GPTConfig(vocab_size=50257, block_size=1024, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
         for gib in GPU_GIB:
@@ -573,17 +507,11 @@ def bench_memory(args: argparse.Namespace) -> list[dict]:
         n_layer, n_embd, block_size, batch_size, ck, vocab, bf16 = probe
         model = GPTConfig(vocab_size=vocab, block_size=block_size, n_layer=n_layer, n_head=4, n_embd=n_embd, bias=False)
         predicted = training_memory(model, batch_size, bool(bf16), checkpointing=bool(ck)).total
-        rows.append(
-            {
-                "section": "memory: predicted against measured (CPU)",
-                "shape": f"{n_layer}x{n_embd}, vocab {vocab}, block {block_size}, batch {batch_size}",
-                "dtype": "bfloat16" if bf16 else "float32",
-                "checkpointing": bool(ck),
-                "measured_mib": measured / 2**20,
-                "predicted_mib": predicted / 2**20,
-                "predicted_over_measured": predicted / measured,
-            }
-        )
+        rows.append({"section": "memory: predicted against measured (CPU)",
+                     "shape": f"{n_layer}x{n_embd}, vocab {vocab}, block {block_size}, batch {batch_size}",
+                     "dtype": "bfloat16" if bf16 else "float32", "checkpointing": bool(ck),
+                     "measured_mib": measured / 2**20, "predicted_mib": predicted / 2**20,
+                     "predicted_over_measured": predicted / measured})
     return rows
 
 

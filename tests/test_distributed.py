@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -39,10 +40,23 @@ RUN = {
 }
 
 
-def torchrun(processes: int, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def torchrun_env(processes: int, threads: int | None = None) -> dict[str, str]:
+    """The cores shared out between the processes (threads: each one's, if given): conftest pins OMP_NUM_THREADS
+    to all of them, and two processes with every core's thread each ran 3.5x slower on 2 cores (these runs compare
+    within 1e-4, not bit for bit)."""
+    threads = threads or max(1, torch.get_num_threads() // processes)
+    return {**os.environ, "OMP_NUM_THREADS": str(threads)}
+
+
+def torchrun(processes: int, args: list[str], cwd: Path, threads: int | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     return subprocess.run(
-        [*command, str(REPO / "train.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=300
+        [*command, str(REPO / "train.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=torchrun_env(processes, threads),
     )
 
 
@@ -194,7 +208,9 @@ def test_fsdp_run_stopped_by_sigterm_to_torchrun_saves_once_and_resumes_on_two_p
     run = tmp_path / "run"
     args = [*tiny_run_overrides(tmp_path, corpus_path, **{**RUN, "train.max_iters": 100_000}), "train.parallel=fsdp"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    process = subprocess.Popen([*command, str(REPO / "train.py"), *args], cwd=tmp_path, stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        [*command, str(REPO / "train.py"), *args], cwd=tmp_path, stderr=subprocess.PIPE, env=torchrun_env(2)
+    )
     deadline = time.monotonic() + 120
     while _last_iter_logged(run) < 10:
         assert process.poll() is None and time.monotonic() < deadline, "the run did not get going"
@@ -259,7 +275,8 @@ def test_compiled_ddp_on_two_processes_matches_one_eager_process(tmp_path: Path,
     trains: dynamo's DDP support keeps the gradient reduction in the compiled backward."""
     train(compose_config(tiny_run_overrides(tmp_path / "one", corpus_path, **COMPILED_RUN)))
     overrides = tiny_run_overrides(tmp_path / "two", corpus_path, **COMPILED_RUN, **{"train.compile": True})
-    result = torchrun(2, [*overrides, "train.parallel=ddp"], cwd=tmp_path)
+    # test_compile's thread count too: inductor compiles it into its CPU kernels (and into its cache's keys)
+    result = torchrun(2, [*overrides, "train.parallel=ddp"], cwd=tmp_path, threads=torch.get_num_threads())
     assert result.returncode == 0, failure(result)
     assert "compile True, 2 processes (ddp)" in (tmp_path / "two" / "run" / "train.log").read_text()
     expected, got = evals(tmp_path / "one" / "run"), evals(tmp_path / "two" / "run")

@@ -61,9 +61,9 @@ def picture_path(out: Path) -> Path:
     if not out.parent.is_dir():
         fail(f"-o {out}: no directory {out.parent}; create it first")
     try:
-        check_writable(out.parent, "-o")
+        check_writable(out.parent, "-o", shown=f"-o {out}: {out.parent}")
     except UserError as err:
-        fail(f"{err}".replace(f"-o={out.parent}", f"-o {out}: {out.parent}", 1))
+        fail(str(err))
     return out
 
 

@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 
-def check_writable(directory: Path, key: str) -> None:
+def check_writable(directory: Path, key: str, shown: str | None = None) -> None:
     """Before any work: a file can be created in `directory`, or in its nearest existing ancestor when it is yet to
     be made (by trying: permission bits say nothing to root, an ACL or a read-only mount). A UserError naming the
-    key otherwise, rather than a traceback once the work is done."""
+    setting (as `shown`, by default key=directory) otherwise, rather than a traceback once the work is done."""
     from common.errors import UserError
 
     existing = next((p for p in (directory, *directory.parents) if p.exists()), Path("."))
@@ -26,7 +26,8 @@ def check_writable(directory: Path, key: str) -> None:
     except OSError as err:
         where = "" if existing == directory else f" (its folder {existing} can't hold it)"
         raise UserError(
-            f"{key}={directory} is not writable{where}: {err.strerror or err}; name a directory you can write to"
+            f"{shown or f'{key}={directory}'} is not writable{where}: {err.strerror or err}; name a directory you can "
+            "write to"
         ) from None
 
 

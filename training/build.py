@@ -87,7 +87,7 @@ def build_trainer(
         metrics=MetricsLog(out_dir, active=world.is_main, max_iters=opt.max_iters),
         flops_per_token=flops_per_token,
         peak_flops=None if peak is None else peak.flops * world.size,
-        peak_measured=peak is not None and peak.source.startswith("measured"),
+        peak_measured=peak is not None and peak.measured,
         started=started,
         before_step=before_step,
         hellaswag=_hellaswag(opt, tokenizer, model.config.block_size, runtime, world),
@@ -110,7 +110,7 @@ def build_trainer(
     if opt.max_iters and opt.decay_iters != opt.max_iters:
         log.info(_schedule_note(opt))
     if peak is None and world.is_main:
-        name = str(runtime.dtype).removeprefix("torch.")
+        name = runtime.dtype_name
         log.warning(
             f"dtype={name}: this CPU has no {name} arithmetic, so torch emulates it, many times slower than "
             "float32 (and MFU is left out); use dtype=float32"
@@ -161,7 +161,7 @@ def compile_by_default(runtime: Runtime) -> bool:
 
 def _machinery(runtime: Runtime, world: World, parallel: str, use_compile: bool) -> str:
     processes = f", {world.size} processes ({parallel})" if world.distributed else ""
-    return f"device {runtime.device}, {str(runtime.dtype).removeprefix('torch.')}, compile {use_compile}{processes}"
+    return f"device {runtime.device}, {runtime.dtype_name}, compile {use_compile}{processes}"
 
 
 def _place(model: GPT, parallel: str, world: World, runtime: Runtime) -> torch.nn.Module:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from training.runtime import synchronize
+from training.runtime import dtype_name, synchronize
 
 # Dense (no sparsity) tensor-core peaks in FLOP/s: (bf16/fp16, tf32), from NVIDIA's datasheets. Matched against
 # torch.cuda.get_device_name(), as whole words, most specific first; others get a measured peak.
@@ -34,6 +34,11 @@ class Peak:
     flops: float
     source: str  # what the figure is: "datasheet H100 bf16" or "measured fp32 matmul"
 
+    @property
+    def measured(self) -> bool:
+        """Measured here (a CPU, an unknown GPU), not a datasheet's figure."""
+        return self.source.startswith("measured")
+
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> Peak:
     if device.type == "cuda":
@@ -41,9 +46,9 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> Peak:
         for key, half, tf32 in GPU_PEAKS:
             if re.search(rf"\b{key}\b", name):
                 if dtype in (torch.bfloat16, torch.float16):
-                    return Peak(half, f"datasheet {key} {str(dtype).removeprefix('torch.')}")
+                    return Peak(half, f"datasheet {key} {dtype_name(dtype)}")
                 return Peak(tf32, f"datasheet {key} tf32")
-    return Peak(measure_matmul_flops(device, dtype), f"measured {str(dtype).removeprefix('torch.')} matmul")
+    return Peak(measure_matmul_flops(device, dtype), f"measured {dtype_name(dtype)} matmul")
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 5) -> float:

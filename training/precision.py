@@ -26,7 +26,7 @@ def choose_cpu_dtype(
     every rank's CPU computes it natively, and rank 0 decides for all (two collectives, on every rank alike)."""
     if asked != "auto" or runtime.device.type != "cpu":
         return runtime, None
-    native = all(all_gather_objects(not dataclasses.replace(runtime, dtype=torch.bfloat16).emulated, world))
+    native = all(all_gather_objects(not runtime.emulates(torch.bfloat16), world))
     decided = _decide(model, batch_size, native, trained_in) if world.is_main else None
     name, note = broadcast_from_main(decided, world)
     return dataclasses.replace(runtime, dtype=getattr(torch, name)), note

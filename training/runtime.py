@@ -27,14 +27,22 @@ class Runtime:
         return self.device.type == "cuda"
 
     @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+    @property
     def emulated(self) -> bool:
         """Half precision that this CPU computes in software: far slower than float32, with no peak to compare
         with (a matmul measured in it is no ceiling for the run's own, so MFU could pass 100%)."""
+        return self.emulates(self.dtype)
+
+    def emulates(self, dtype: torch.dtype) -> bool:
+        """Whether this device computes `dtype` in software (see emulated)."""
         if self.device.type != "cpu" or platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
             return False  # ARM CPUs (Apple silicon, Graviton) mostly compute half precision natively
-        if self.dtype == torch.float16:
+        if dtype == torch.float16:
             return not getattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)()
-        if self.dtype == torch.bfloat16:
+        if dtype == torch.bfloat16:
             return not getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
         return False
 
@@ -45,6 +53,11 @@ class Runtime:
         if self.dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """float32, bfloat16, float16: the dtype keys' names."""
+    return str(dtype).removeprefix("torch.")
 
 
 def synchronize(device: torch.device) -> None:

@@ -350,7 +350,7 @@ class Trainer:
             optimizer=optimizer_state,
             scaler=self.scaler.state_dict(),
             rng=rng,
-            dtype=str(self.runtime.dtype).removeprefix("torch."),
+            dtype=self.runtime.dtype_name,
         )
         try:
             if best:
@@ -427,7 +427,7 @@ class Trainer:
                 f"done: {p.iter} iters, val loss {p.val_loss:.4f} (best {p.best_val_loss:.4f}), "
                 f"{self.elapsed():.1f} s; {where}"
             )
-        dtype = str(self.runtime.dtype).removeprefix("torch.")
+        dtype = self.runtime.dtype_name
         return TrainResult(self.out_dir, p.iter, p.val_loss, p.best_val_loss, self.elapsed(), stopped_by, dtype)
 
     def _samples(self, count: int = 3, tokens: int = 200) -> list[list[str]]:

@@ -13,12 +13,11 @@ HellaSwag picks the likeliest ending by summed (acc) and mean (acc_norm) log-lik
 
 import json
 import math
-import sys
 
 import hydra
 from omegaconf import DictConfig
 
-from common.cli import check_overrides, exit_on_user_error, stdout_reader_may_leave
+from common.cli import exit_on_user_error, run_hydra, stdout_reader_may_leave
 from common.config import typed_config
 from inference.eval_run import readable, run_eval
 from training.schema import EvalConfig, register_schemas
@@ -52,5 +51,4 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    check_overrides(sys.argv[1:], EvalConfig, help_text=USAGE)
-    main()
+    run_hydra(main, EvalConfig, usage=USAGE)

@@ -30,7 +30,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from common.cli import check_overrides, exit_on_user_error, literal_text, stdout_reader_may_leave
+from common.cli import exit_on_user_error, literal_text, run_hydra, stdout_reader_may_leave
 from common.config import typed_config
 from inference.sample_text import SEPARATOR, stop_strings
 from inference.sampling import load_sampler, warn
@@ -129,5 +129,4 @@ def main(dict_cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     sys.argv[1:] = literal_text(sys.argv[1:], TEXT_KEYS)
-    check_overrides(sys.argv[1:], SampleConfig, help_text=USAGE)
-    main()
+    run_hydra(main, SampleConfig, usage=USAGE)

@@ -10,12 +10,11 @@ Any OpenAI client works: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="KE
 temperature=0, and a request's seed S gives choice i the draws of sample.py's sample i with seed=S.
 """
 
-import sys
 
 import hydra
 from omegaconf import DictConfig
 
-from common.cli import check_overrides, exit_on_user_error
+from common.cli import exit_on_user_error, run_hydra
 from common.config import typed_config
 from training.schema import ServeConfig, register_schemas
 
@@ -45,5 +44,4 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    check_overrides(sys.argv[1:], ServeConfig, help_text=USAGE)
-    main()
+    run_hydra(main, ServeConfig, usage=USAGE)

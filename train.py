@@ -7,27 +7,20 @@ python train.py -m train.learning_rate=1e-3,3e-3       # a sweep: one run direct
 torchrun --standalone --nproc_per_node=8 train.py experiment=gpt2   # 8 GPUs (DDP; train.parallel=fsdp: FSDP2)
 """
 
-import contextlib
-import logging
-import os
 import signal
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
-from filelock import FileLock, Timeout
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from common.cli import check_overrides, exit_on_user_error, presets
-from common.files import check_writable, write_text_atomically
-from training.distributed import world_from_env
+from common.cli import exit_on_user_error, presets, run_hydra
+from common.files import write_text_atomically
 from training.loop import train
 from training.resume import resumed_config
-from training.run_lock import HOLDER_NAME, LOCK_NAME
 from training.schema import CONFIG_GROUPS, TrainRunConfig, register_schemas
 
 register_schemas()
@@ -75,30 +68,17 @@ def main(cfg: DictConfig) -> None:
         job = f"job {hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)})"
         if not any(o.lstrip("+").startswith("out_dir=") for o in hydra_cfg.overrides.task):
             cfg.out_dir = hydra_cfg.runtime.output_dir  # one run directory per job, under the sweep directory
-    opened: list[Path] = []
-    save_hydra_files = _hydra_files(cfg, hydra_cfg)
-
-    def on_run_opened(out_dir: Path) -> None:
-        opened.append(out_dir)
-        save_hydra_files(out_dir)
-
-    try:
-        with exit_on_user_error(job):
-            if cfg.resume:
-                cfg = resumed_config(cfg, list(hydra_cfg.overrides.task), TrainRunConfig)
-            result = train(cfg, on_run_opened=on_run_opened)
-    except BaseException:  # a user's error (SystemExit 2 by now), Ctrl-C, a bug
-        if not opened and job is None and world_from_env().is_main:  # failed before the run was opened
-            _remove_unopened_run_dir(Path(cfg.out_dir), BEFORE_HYDRA)
-        raise
+    with exit_on_user_error(job):
+        if cfg.resume:
+            cfg = resumed_config(cfg, list(hydra_cfg.overrides.task), TrainRunConfig)
+        result = train(cfg, on_run_opened=_hydra_files(cfg, hydra_cfg))
     if result.stopped_by is not None:
         sys.exit(128 + signal.Signals[result.stopped_by].value)  # the shell's convention for "killed by"
 
 
 def _hydra_files(cfg: DictConfig, hydra_cfg: DictConfig) -> Callable[[Path], None]:
     """Hydra's record of the command (.hydra/: config.yaml, hydra.yaml, overrides.yaml), written once this
-    process holds the run and the run accepted the command. Hydra would write it before train.py could check
-    either, so the config turns Hydra's own writing off (hydra.output_subdir: null)."""
+    process holds the run and the run accepted the command (configs/config.yaml keeps Hydra from writing)."""
     records = {
         "config.yaml": OmegaConf.create(OmegaConf.to_container(cfg)),  # as composed, interpolations unresolved
         "hydra.yaml": OmegaConf.create({"hydra": hydra_cfg}),
@@ -115,102 +95,5 @@ def _hydra_files(cfg: DictConfig, hydra_cfg: DictConfig) -> Callable[[Path], Non
     return save
 
 
-RUN_DIR_MAKINGS = {"train.log", LOCK_NAME, HOLDER_NAME}  # what Hydra and the run lock put in a run directory
-# Before Hydra made it: the outermost folder of out_dir that didn't exist, and which of RUN_DIR_MAKINGS an
-# existing out_dir already held (those stay)
-BEFORE_HYDRA: tuple[Path | None, set[str]] = (None, set())
-_TIME = "<TIME>"  # stands for the default out_dir's last folder (outputs/DATE/TIME), named once Hydra runs
-
-
-def _out_dir_named(args: list[str]) -> Path | None:
-    named = [a.partition("=")[2] for a in args if a.lstrip("+").startswith("out_dir=")]
-    return Path(os.path.expanduser(named[-1])) if named else None
-
-
-def _before_hydra(args: list[str]) -> tuple[Path | None, set[str]]:
-    """What making the run directory will create, as seen before Hydra makes it: the outermost missing folder of
-    out_dir=..., or of the default outputs/DATE/TIME; and the run directory's makings already there."""
-    path = _out_dir_named(args) or Path("outputs", time.strftime("%Y-%m-%d"), _TIME)
-    missing = None
-    for folder in (path, *path.parents):
-        if folder.exists():
-            break
-        missing = folder
-    present = {name for name in RUN_DIR_MAKINGS if (path / name).exists()}
-    return missing, present
-
-
-def _remove_unopened_run_dir(out_dir: Path, before: tuple[Path | None, set[str]]) -> None:
-    """A command that failed before training started (a typo, a missing file) takes back the run directory that
-    Hydra (train.log) and the lock (.lock) made for it, and the folders above it that this command created. A
-    folder that was there before, or holds anything else, stays."""
-    root = logging.getLogger()
-    for handler in root.handlers[:]:  # Hydra's train.log, open until the process ends
-        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == out_dir.absolute():
-            handler.close()
-            root.removeHandler(handler)
-    missing, present = before
-    out = out_dir.absolute()
-    if missing is not None:  # made for this command: out_dir, and the folders from `top` down to it
-        top = out if missing.name == _TIME else missing.absolute()
-        if not (top == out or top in out.parents) or not out.is_dir():
-            return
-        if not {path.name for path in out.iterdir()} <= RUN_DIR_MAKINGS:
-            return
-    ours = RUN_DIR_MAKINGS - present
-    with _unless_locked(out) as free:
-        for name in ours - {LOCK_NAME} if free else ():
-            (out / name).unlink(missing_ok=True)
-    if not free:
-        return
-    if LOCK_NAME in ours:  # once released: a held lock's file can't go everywhere (Windows)
-        (out / LOCK_NAME).unlink(missing_ok=True)
-    if missing is None:  # out_dir was there: only what this command added to it went
-        return
-    folder = out
-    while True:
-        try:
-            folder.rmdir()
-        except OSError:  # not empty: something else lives there
-            return
-        if folder == top:
-            return
-        folder = folder.parent
-
-
-@contextlib.contextmanager
-def _unless_locked(out_dir: Path) -> Iterator[bool]:
-    """Holds out_dir's run lock while the cleanup runs, so no other process starts on the directory meanwhile;
-    False when another process holds it (started on the same directory): then its files are not ours."""
-    if not (out_dir / LOCK_NAME).exists():
-        yield True
-        return
-    lock = FileLock(out_dir / LOCK_NAME, timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        lock.release()
-
-
-def _quiet_hydra_on_other_ranks(argv: list[str]) -> list[str]:
-    """Under torchrun only rank 0 writes Hydra's files (train.py writes .hydra/ on rank 0; Hydra train.log); the
-    others log to the console and stay in the current directory, since their ${now:} may differ from rank 0's
-    (the run dir is rank 0's)."""
-    if world_from_env().is_main:
-        return argv
-    return [*argv, "hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
-
-
 if __name__ == "__main__":
-    BEFORE_HYDRA = _before_hydra(sys.argv[1:])
-    check_overrides(sys.argv[1:], TrainRunConfig, CONFIG_GROUPS, usage())
-    if world_from_env().is_main:  # Hydra makes out_dir first thing: a traceback if it can't
-        with exit_on_user_error():
-            check_writable(_out_dir_named(sys.argv[1:]) or Path("outputs"), "out_dir")
-    sys.argv = _quiet_hydra_on_other_ranks(sys.argv)
-    main()
+    run_hydra(main, TrainRunConfig, CONFIG_GROUPS, usage)

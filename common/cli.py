@@ -12,7 +12,7 @@ import re
 import signal
 import sys
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hydra.core.override_parser.types import ChoiceSweep, Override
@@ -47,6 +47,27 @@ def stdout_reader_may_leave() -> Iterator[None]:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush doesn't fail again
         sys.exit(128 + signal.SIGPIPE)
+
+
+def run_hydra(
+    main: Callable[[], None], schema: type, groups: tuple[str, ...] = (), usage: str | Callable[[], str] = ""
+) -> None:
+    """Runs a script's @hydra.main. The command's overrides are checked only when Hydra refuses them (its reports
+    are several lines, and tell a misspelt key to add itself with `+`): then check_overrides says why in one line.
+    Dashed arguments (argparse's own report), `hydra.job.chdir` and sweeps (every job's values before the first
+    runs) are checked first."""
+    args = sys.argv[1:]
+    if "-h" in args or "--help" in args:
+        print((usage() if callable(usage) else usage).strip())
+        sys.exit(0)
+    if any(arg.startswith(("-", "hydra.job.chdir")) for arg in args):
+        check_overrides(args, schema, groups)
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises instead of printing and exiting
+    try:
+        main()
+    except Exception:
+        check_overrides(args, schema, groups)  # exits with the one line when the command is at fault
+        raise
 
 
 def check_overrides(args: list[str], schema: type, groups: tuple[str, ...] = (), help_text: str = "") -> None:

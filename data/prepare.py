@@ -425,12 +425,11 @@ def _largest_token(path: Path) -> int:
 
 
 if __name__ == "__main__":
-    import sys
 
     import hydra
     from omegaconf import DictConfig
 
-    from common.cli import check_overrides, exit_on_user_error, presets
+    from common.cli import exit_on_user_error, presets, run_hydra
     from common.config import typed_config
     from data.config import PrepareConfig, register_prepare_schema
 
@@ -455,5 +454,4 @@ if __name__ == "__main__":
         "Examples:\n  python -m data.prepare data=shakespeare\n"
         "  python -m data.prepare data.input=my_text.txt data.name=mine\n"
     )
-    check_overrides(sys.argv[1:], PrepareConfig, ("data",), usage)
-    main()
+    run_hydra(main, PrepareConfig, ("data",), usage)

@@ -325,7 +325,7 @@ def test_the_cleanup_never_touches_a_run_another_process_holds(tmp_path: Path) -
     """Two commands started together on one directory: the one that fails must not take the other's files."""
     from filelock import FileLock
 
-    from train import _remove_unopened_run_dir
+    from training.run_lock import remove_unopened_run_dir as _remove_unopened_run_dir
 
     for before in ((None, set()), (tmp_path / "run", set())):  # there before this command, or made for it
         run = tmp_path / "run"

@@ -25,7 +25,7 @@ from training.distributed import (
     world_from_env,
 )
 from training.errors import RunLocked
-from training.run_lock import run_lock
+from training.run_lock import before_opening, log_to_run_dir, remove_unopened_run_dir, run_lock
 from training.runtime import make_runtime
 from training.schema import OptimConfig, TrainRunConfig
 from training.trainer import TrainResult
@@ -41,22 +41,31 @@ def train(
     """cfg: Hydra's config (typed and checked here, before anything runs) or a TrainRunConfig.
     before_step: called with the iteration before each optimizer step (a seam for tests).
     on_run_opened: called on rank 0 with out_dir once it holds the run and every check passed, just before the
-    run's config.yaml is written (train.py writes Hydra's files then)."""
+    run's config.yaml is written (train.py writes Hydra's files then). A start that fails before then takes back
+    what it made."""
     world = world_from_env()
     if not world.is_main:
         log.setLevel(logging.WARNING)  # one voice: rank 0's
     config = typed_config(cfg, TrainRunConfig)
     check_for_world(config.train, world)
     runtime = make_runtime(config.device, config.train.dtype, world.local_rank if world.distributed else None)
+    out_dir = Path(config.out_dir)
     if world.is_main:
-        check_writable(Path(config.out_dir), "out_dir")
+        check_writable(out_dir, "out_dir")
+    before, opened = before_opening(out_dir), False
     init_process_group(world, runtime.device)
     try:
         with contextlib.ExitStack() as held:
-            _lock_run(Path(config.out_dir), world, held)
-            result = build_trainer(config, world, runtime, before_step, on_run_opened).fit()
+            _lock_run(out_dir, world, held)
+            trainer = build_trainer(config, world, runtime, before_step, on_run_opened)
+            opened = True
+            result = trainer.fit()
             barrier(world)  # leave together: none tears its process group down while rank 0 still writes
         return result
+    except BaseException:  # a user's error, Ctrl-C, a bug
+        if not opened and world.is_main:
+            remove_unopened_run_dir(out_dir, before)
+        raise
     finally:
         close_process_group()
 
@@ -68,6 +77,7 @@ def _lock_run(out_dir: Path, world: World, held: contextlib.ExitStack) -> None:
     if world.is_main:
         try:
             held.enter_context(run_lock(out_dir))
+            held.enter_context(log_to_run_dir(out_dir))
             for name in (CKPT_NAME, BEST_NAME):
                 discard_temporaries(out_dir / name)
         except Exception as err:

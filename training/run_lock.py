@@ -12,6 +12,7 @@ locked, and stops with one line if not.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +22,22 @@ from filelock import FileLock, Timeout
 from common.files import discard_temporaries, write_text_atomically
 from training.errors import RunLocked
 
+LOG_NAME = "train.log"  # the run's console output, appended to by each resume
 LOCK_NAME = ".lock"  # in the run directory; the lock goes with its holder (the file stays, except on Windows)
 HOLDER_NAME = ".lock.pid"  # the holder's PID, for the message a second writer gets
 _HELD: dict[Path, tuple[int, int]] = {}  # this process's locked run directories -> their lock file's identity
+RUN_DIR_MAKINGS = {LOG_NAME, LOCK_NAME, HOLDER_NAME}  # what opening a run directory puts in it
+Before = tuple[Path | None, set[str]]  # the outermost folder of out_dir yet to be made; the makings already there
+
+
+def before_opening(out_dir: Path) -> Before:
+    """What opening out_dir will create, so that a start that fails can take back exactly that."""
+    missing = None
+    for folder in (out_dir, *out_dir.parents):
+        if folder.exists():
+            break
+        missing = folder
+    return missing, {name for name in RUN_DIR_MAKINGS if (out_dir / name).exists()}
 
 
 @contextlib.contextmanager
@@ -83,3 +97,68 @@ def _holder(out_dir: Path) -> str:
         return (out_dir / HOLDER_NAME).read_text().strip() or "unknown"
     except OSError:
         return "unknown"
+
+
+@contextlib.contextmanager
+def log_to_run_dir(out_dir: Path) -> Iterator[None]:
+    """Everything the run logs also goes to out_dir/train.log, while the run holds the directory."""
+    handler = logging.FileHandler(out_dir / LOG_NAME, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger().addHandler(handler)
+    try:
+        yield
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+
+
+def remove_unopened_run_dir(out_dir: Path, before: Before) -> None:
+    """A start that failed before training (a typo, a missing file) takes back what opening the run directory made
+    (train.log, .lock) and the folders above it that this command created. A folder that was there before, or
+    holds anything else, stays; so does everything while another process holds the lock."""
+    missing, present = before
+    out = out_dir.absolute()
+    if missing is not None:  # made for this command: out_dir, and the folders from `top` down to it
+        top = missing.absolute()
+        if not (top == out or top in out.parents) or not out.is_dir():
+            return
+        if not {path.name for path in out.iterdir()} <= RUN_DIR_MAKINGS:
+            return
+    ours = RUN_DIR_MAKINGS - present
+    with _unless_locked(out) as free:
+        for name in ours - {LOCK_NAME} if free else ():
+            (out / name).unlink(missing_ok=True)
+    if not free:
+        return
+    if LOCK_NAME in ours:  # once released: a held lock's file can't go everywhere (Windows)
+        (out / LOCK_NAME).unlink(missing_ok=True)
+    if missing is None:  # out_dir was there: only what this command added to it went
+        return
+    folder = out
+    while True:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty: something else lives there
+            return
+        if folder == top:
+            return
+        folder = folder.parent
+
+
+@contextlib.contextmanager
+def _unless_locked(out_dir: Path) -> Iterator[bool]:
+    """Holds out_dir's run lock while the cleanup runs, so no other process starts on the directory meanwhile;
+    False when another process holds it (started on the same directory): then its files are not ours."""
+    if not (out_dir / LOCK_NAME).exists():
+        yield True
+        return
+    lock = FileLock(out_dir / LOCK_NAME, timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()

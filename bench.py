@@ -69,7 +69,7 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
     from common.config import typed_config
     from data.prepare import ensure_prepared
     from training.loop import train
-    from training.mfu import peak_flops
+    from training.machine import peak_flops
     from training.runtime import make_runtime
     from training.schema import TrainRunConfig, register_schemas
 

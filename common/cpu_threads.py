@@ -6,21 +6,44 @@ actually free, measured from /proc/stat (Linux); OMP_NUM_THREADS, when set, is t
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
 import os
 import time
 
 import torch
 
-log = logging.getLogger("train")
-_SAMPLE_S = 0.1  # how long the other processes' CPU time is measured for (10 clock ticks a core)
+
+def use_free_cores(mid_run: bool = False) -> str | None:
+    """Lowers torch's threads to the cores other processes leave free (at start, and again when steps slowed down
+    mid-run). Returns the one line saying so, or None when nothing changed (all free, OMP_NUM_THREADS set, or no
+    way to tell)."""
+    current = torch.get_num_threads()
+    if os.environ.get("OMP_NUM_THREADS") or current <= 1:
+        return None
+    busy = others_busy_cores()
+    threads = free_threads(current, busy, len(os.sched_getaffinity(0)) if busy is not None else current)
+    if threads == current:
+        return None
+    torch.set_num_threads(threads)
+    if mid_run:
+        return f"CPU threads: {threads} of {current} from now on: other processes keep {busy:.1f} cores busy"
+    return (
+        f"CPU threads: {threads} of {current}: other processes keep {busy:.1f} cores busy, and threads waiting for a "
+        "busy core slow every step down; set OMP_NUM_THREADS=N to choose"
+    )
 
 
-def others_busy_cores(sample_s: float = _SAMPLE_S) -> float | None:
-    """How many of this process's cores (its affinity) other processes kept busy over sample_s, while this one
-    sleeps; None where /proc/stat can't say (not Linux)."""
+def free_threads(current: int, busy: float | None, cores: int) -> int:
+    """The threads to use: no more than now, nor than this process's cores less those others keep busy (a core
+    busy more than half the time counts as taken), at least one."""
+    if busy is None:
+        return current
+    return max(1, min(current, cores - math.ceil(busy - 0.5)))
+
+
+def others_busy_cores(sample_s: float = 0.1) -> float | None:
+    """How many of this process's cores (its affinity) other processes kept busy over sample_s (10 clock ticks a
+    core), while this one sleeps; None where /proc/stat can't say (not Linux)."""
     try:
         cores = os.sched_getaffinity(0)
         before, own_before = _busy_ticks(cores), os.times()
@@ -34,62 +57,11 @@ def others_busy_cores(sample_s: float = _SAMPLE_S) -> float | None:
 
 
 def _busy_ticks(cores: set[int]) -> int:
-    """Clock ticks the given cores spent busy since boot, from their lines of /proc/stat (cpuN user nice system
-    idle iowait irq softirq steal ...)."""
+    """Clock ticks the given cores spent busy since boot, from /proc/stat's lines `cpuN user nice system idle
+    iowait irq softirq steal ...`: all but idle and iowait."""
     busy = 0
     with open("/proc/stat") as f:
-        for line in f:
-            name, *fields = line.split()
-            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
-                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
-                busy += user + nice + system + irq + softirq + steal
+        for name, *fields in map(str.split, f):
+            if name[3:].isdigit() and name.startswith("cpu") and int(name[3:]) in cores:
+                busy += sum(map(int, fields[:8])) - int(fields[3]) - int(fields[4])
     return busy
-
-
-def free_threads(current: int, busy: float | None, cores: int) -> int:
-    """The threads to use: no more than now, nor than this process's cores less those others keep busy (a core
-    busy more than half the time counts as taken), at least one."""
-    if busy is None:
-        return current
-    return max(1, min(current, cores - math.ceil(busy - 0.5)))
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-@functools.cache
-def use_free_cores() -> str | None:
-    """Once per process, on the CPU path: lower torch's threads to the free cores. Returns the one line saying so,
-    or None when nothing changed (all free, OMP_NUM_THREADS set, or no way to tell)."""
-    lowered = _lower_to_free_cores()
-    if lowered is None:
-        return None
-    threads, before, busy = lowered
-    return (
-        f"CPU threads: {threads} of {before}: other processes keep {busy:.1f} cores busy, and threads waiting for a "
-        "busy core slow every step down; set OMP_NUM_THREADS=N to choose"
-    )
-
-
-def recheck_free_cores() -> str | None:
-    """After steps slowed down mid-run (another process started): the free cores again, and the threads lowered
-    to them; the line saying so, or None."""
-    lowered = _lower_to_free_cores()
-    if lowered is None:
-        return None
-    threads, before, busy = lowered
-    return f"CPU threads: {threads} of {before} from now on: other processes keep {busy:.1f} cores busy"
-
-
-def _lower_to_free_cores() -> tuple[int, int, float] | None:
-    """(threads now, threads before, cores others keep busy) if the threads were lowered, else None."""
-    current = torch.get_num_threads()
-    if os.environ.get("OMP_NUM_THREADS") or current <= 1:
-        return None
-    busy = others_busy_cores()
-    threads = free_threads(current, busy, _cores())
-    if threads == current:
-        return None
-    torch.set_num_threads(threads)
-    return threads, current, busy

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,6 +67,8 @@ register_schemas()
 # bits depend on the thread count: pinned here (and in every command a test starts), runs that tests compare bit
 # for bit use the same count whatever else the machine is doing. tests/test_busy_machine.py unpins it.
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+# What runs measure of the machine (training/machine.py) is remembered for this session only, not in ~/.cache.
+os.environ["GPT_LAB_MACHINE_CACHE"] = str(Path(tempfile.mkdtemp(prefix="gpt-lab-machine-")) / "machine.json")
 
 
 def tiny_encoding() -> tiktoken.Encoding:
@@ -170,7 +173,7 @@ def tiny_run_overrides(tmp_path: Path, corpus: Path, **extra: object) -> list[st
         "train.eval_iters": 4,
         "train.log_interval": 5,
         "train.warmup_iters": 2,
-        # auto may measure bfloat16 faster on a native-bf16 CPU (training/precision.py): runs compared number for
+        # auto may measure bfloat16 faster on a native-bf16 CPU (training/machine.py): runs compared number for
         # number say their precision
         "train.dtype": "float32",
     }

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import training.mfu as mfu
+import training.machine as mfu
 from conftest import REPO, run_script
 
 

@@ -1,11 +1,13 @@
 """train.dtype=bfloat16 on CPU: autocast's bfloat16 matmuls (native on CPUs with AVX512-BF16 or AMX, emulated
 elsewhere) train to float32's loss within a stated tolerance, with AdamW and with Muon, whose Newton-Schulz then
 runs in bfloat16. Exact resume in bfloat16: tests/test_crash_safety.py. train.dtype=auto on a CPU: bfloat16 where this
-CPU computes it natively and the model's step measures clearly faster in it (training/precision.py)."""
+CPU computes it natively and the model's step measures clearly faster in it (training/machine.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import platform
 from pathlib import Path
 
@@ -14,12 +16,12 @@ import torch
 
 from conftest import compose_config, tiny_run_overrides
 from model import GPT, GPTConfig
-from training import build, precision
+from training import build
+from training import machine as precision
 from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
 from training.loop import train
-from training.mfu import Peak
-from training.precision import choose_cpu_dtype
+from training.machine import Peak, choose_cpu_dtype
 from training.runtime import make_runtime
 
 TOLERANCE = 0.01  # relative, on the val loss after 40 iterations (measured: 1e-5 on this CPU)
@@ -35,6 +37,12 @@ def test_bfloat16_trains_to_float32s_val_loss(tmp_path: Path, corpus_path: Path,
     assert losses["bfloat16"] != losses["float32"]  # bfloat16 really ran: not the very same numbers
 
 
+@pytest.fixture(autouse=True)
+def _nothing_remembered(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test measures (or stands in for a measurement) afresh."""
+    monkeypatch.setenv(precision.CACHE_ENV, str(tmp_path_factory.mktemp("machine") / "machine.json"))
+
+
 def _native_bf16(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
     """What torch says of this CPU's bfloat16 arithmetic (Runtime.emulated asks it)."""
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
@@ -46,9 +54,9 @@ def _timings(monkeypatch: pytest.MonkeyPatch, fp32_s: float, bf16_s: float) -> l
     test_the_measurement_times_both_precisions_and_leaves_no_trace's); the list counts its calls."""
     calls: list[int] = []
 
-    def measured(model: GPT, batch_size: int) -> dict[torch.dtype, float]:
+    def measured(model: GPT, batch_size: int) -> dict[str, float]:
         calls.append(batch_size)
-        return {torch.float32: fp32_s, torch.bfloat16: bf16_s}
+        return {"float32": fp32_s, "bfloat16": bf16_s}
 
     monkeypatch.setattr(precision, "measure_step_seconds", measured)
     return calls
@@ -175,9 +183,39 @@ def test_the_measurement_times_both_precisions_and_leaves_no_trace() -> None:
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
     seconds = precision.measure_step_seconds(model, 4)
-    assert set(seconds) == {torch.float32, torch.bfloat16} and all(s > 0 for s in seconds.values())
+    assert set(seconds) == {"float32", "bfloat16"} and all(s > 0 for s in seconds.values())
     assert torch.equal(torch.get_rng_state(), rng)  # dropout drew in a forked stream: the run's masks are its own
     assert all(p.grad is None for p in model.parameters())
     assert not model.training
     for name, value in model.state_dict().items():
         assert torch.equal(value, weights[name]), name
+
+
+def test_a_measurement_is_remembered_for_this_machine_and_shape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing times the machine at every start: a shape measured once is read back, another is measured, and a
+    damaged cache is measured again."""
+    _native_bf16(monkeypatch, True)
+    calls = _timings(monkeypatch, fp32_s=0.060, bf16_s=0.030)
+    model = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    for _ in range(2):
+        runtime, note = choose_cpu_dtype(model, 4, "auto", make_runtime("cpu", "auto"), World())
+        assert runtime.dtype == torch.bfloat16 and "30 ms in bfloat16 autocast against 60 ms" in note
+    assert calls == [4]
+    choose_cpu_dtype(model, 8, "auto", make_runtime("cpu", "auto"), World())  # another micro-batch
+    assert calls == [4, 8]
+    cache = Path(os.environ[precision.CACHE_ENV])
+    assert len(json.loads(cache.read_text())) == 2
+    cache.write_text("{not json")
+    choose_cpu_dtype(model, 4, "auto", make_runtime("cpu", "auto"), World())
+    assert calls == [4, 8, 4] and len(json.loads(cache.read_text())) == 1
+
+
+def test_the_matmul_peak_is_measured_once_per_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[torch.dtype] = []
+    monkeypatch.setattr(precision, "measure_matmul_flops", lambda device, dtype: calls.append(dtype) or 2e12)
+    for _ in range(2):
+        peak = precision.peak_flops(torch.device("cpu"), torch.float32)
+        assert (peak.flops, peak.source, peak.measured) == (2e12, "measured float32 matmul", True)
+    assert calls == [torch.float32]

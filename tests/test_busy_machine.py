@@ -25,10 +25,8 @@ from training.trainer import Trainer
 @pytest.fixture
 def threads_restored():
     before = torch.get_num_threads()
-    cpu_threads.use_free_cores.cache_clear()
     yield
     torch.set_num_threads(before)
-    cpu_threads.use_free_cores.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -66,14 +64,13 @@ def test_the_threads_drop_to_the_free_cores_unless_omp_num_threads_is_set(
 ) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(cpu_threads, "others_busy_cores", lambda: 1.0)
-    monkeypatch.setattr(cpu_threads, "_cores", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     torch.set_num_threads(2)
     note = cpu_threads.use_free_cores()
     assert torch.get_num_threads() == 1
     assert note.startswith("CPU threads: 1 of 2: other processes keep 1.0 cores busy")
     assert "OMP_NUM_THREADS=N" in note
 
-    cpu_threads.use_free_cores.cache_clear()
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     torch.set_num_threads(2)
     assert cpu_threads.use_free_cores() is None and torch.get_num_threads() == 2  # the user's choice stays
@@ -86,7 +83,7 @@ def test_a_slowdown_mid_run_lowers_the_threads_or_says_what_to_do(
         fastest_ms=10.0, runtime=SimpleNamespace(device=torch.device("cpu")), world=SimpleNamespace(distributed=False)
     )
     notes = iter(["CPU threads: 1 of 2 from now on: other processes keep 1.0 cores busy", None])
-    monkeypatch.setattr("training.trainer.recheck_free_cores", lambda: next(notes))
+    monkeypatch.setattr("training.trainer.use_free_cores", lambda mid_run: next(notes))
     with caplog.at_level(logging.WARNING, logger="train"):
         Trainer._notice_slowdown(trainer, 20.0)  # 2x: noise, not a collapse
         assert caplog.messages == []

@@ -27,10 +27,9 @@ from training.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoin
 from training.distributed import World, barrier, broadcast_from_main, wrap_model
 from training.errors import CheckpointError
 from training.evaluation import Evaluator, HellaSwagEval
+from training.machine import choose_cpu_dtype, peak_flops
 from training.metrics import MetricsLog, forget_metrics
-from training.mfu import peak_flops
 from training.optim import make_optimizer, scheduled_lr
-from training.precision import choose_cpu_dtype
 from training.resume import FREE_MODEL_KEYS, check_resume_changes
 from training.runtime import Runtime
 from training.schema import OptimConfig, TrainRunConfig

@@ -13,7 +13,7 @@ from common.errors import ConfigError
 DEVICES = ("auto", "cpu", "cuda", "mps")  # the `device` key's values; auto: cuda > mps > cpu
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the `dtype` keys' values; auto: bf16 autocast on GPUs that support it, fp16 on older ones, fp32 elsewhere (a
-# training run on a CPU may then measure bf16 faster: training/precision.py)
+# training run on a CPU may then measure bf16 faster: training/machine.py)
 DTYPES = ("auto", *_TORCH_DTYPES)
 
 

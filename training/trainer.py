@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.cpu_threads import recheck_free_cores
+from common.cpu_threads import use_free_cores
 from data.batches import TRAIN_WINDOWS, batch_generator, every_window, get_batch
 from data.prepare import PreparedData
 from data.tokenizers import Tokenizer
@@ -313,7 +313,7 @@ class Trainer:
         if slower < 2.5 or self.runtime.device.type != "cpu" or self.world.distributed:
             return
         self.fastest_ms = ms_per_iter  # once per slowdown
-        note = recheck_free_cores()
+        note = use_free_cores(mid_run=True)
         log.warning(
             note
             or f"steps take {slower:.1f}x as long as earlier in this run: if another process is using the CPU, "

@@ -1,0 +1,195 @@
+"""What a run needs to know of the machine, measured once and remembered, never at every start: the precision that
+trains a model shape faster on this CPU (train.dtype=auto) and the matmul peak that MFU is measured against where
+no datasheet has one. The flags can't decide the precision: bf16 autocast was 9% faster end to end on a Zen 4
+CPU and 15% slower per step on an Intel Xeon with AMX (docs/gpu.md).
+
+The figures live in ~/.cache/gpt-lab/machine.json ($GPT_LAB_MACHINE_CACHE names another file; delete it to
+measure again), keyed by what they depend on: the processor, torch's version, the threads and, for a step's time,
+the model's shape and the micro-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.files import write_text_atomically
+from model import GPT
+from training.distributed import World, all_gather_objects, broadcast_from_main
+from training.runtime import Runtime, dtype_name, synchronize
+
+CACHE_ENV = "GPT_LAB_MACHINE_CACHE"
+TIMED_STEPS = 2  # per precision, after one warm-up step each; alternating, so a busy moment slows both
+BF16_MARGIN = 0.95  # bfloat16 only when its step takes under 95% of float32's: timing noise isn't worth its rounding
+# Dense (no sparsity) tensor-core peaks in FLOP/s: (bf16/fp16, tf32), from NVIDIA's datasheets. Matched against
+# torch.cuda.get_device_name(), as whole words, most specific first; others get a measured peak.
+GPU_PEAKS: tuple[tuple[str, float, float], ...] = (
+    ("H200 NVL", 835e12, 417.5e12),
+    ("H200", 989e12, 494.5e12),
+    ("H100 PCIe", 756e12, 378e12),
+    ("H100 NVL", 835e12, 418e12),
+    ("H100", 989e12, 494.5e12),
+    ("A100", 312e12, 156e12),
+    ("L40S", 362e12, 183e12),
+    ("L40", 181e12, 90.5e12),
+    ("L4", 121e12, 60e12),
+    ("RTX 4090", 165e12, 82.6e12),
+)
+
+
+@dataclass(frozen=True)
+class Peak:
+    flops: float
+    source: str  # what the figure is: "datasheet H100 bf16" or "measured fp32 matmul"
+
+    @property
+    def measured(self) -> bool:
+        """Measured here (a CPU, an unknown GPU), not a datasheet's figure."""
+        return self.source.startswith("measured")
+
+
+def remembered(what: str, device: torch.device, measure: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """measure()'s figures for `what` on this machine: from the cache, or measured now and kept there."""
+    key = f"{_processor(device)}; torch {torch.__version__}; {torch.get_num_threads()} threads; {what}"
+    path = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "gpt-lab" / "machine.json")
+    known = _read_cache(path)
+    if key not in known:
+        known[key] = measure()
+        with contextlib.suppress(OSError):  # a read-only home measures again next time, nothing worse
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomically(path, json.dumps(known, indent=1, sort_keys=True))
+    return known[key]
+
+
+def choose_cpu_dtype(
+    model: GPT, batch_size: int, asked: str, runtime: Runtime, world: World, trained_in: str | None = None
+) -> tuple[Runtime, str | None]:
+    """The runtime to train in, and the start-up line that says why (None when there is nothing to say). asked:
+    train.dtype; trained_in: a resumed run's Checkpoint.dtype ("" when its checkpoint predates the record), whose
+    precision it keeps where this CPU can, so it resumes exactly. Under torchrun bfloat16 is an option only if
+    every rank's CPU computes it natively, and rank 0 decides for all (two collectives, on every rank alike)."""
+    if asked != "auto" or runtime.device.type != "cpu":
+        return runtime, None
+    native = all(all_gather_objects(not runtime.emulates(torch.bfloat16), world))
+    decided = _decide(model, batch_size, native, trained_in) if world.is_main else None
+    name, note = broadcast_from_main(decided, world)
+    return dataclasses.replace(runtime, dtype=getattr(torch, name)), note
+
+
+def _decide(model: GPT, batch_size: int, native: bool, trained_in: str | None) -> tuple[str, str | None]:
+    if not native:  # float32, as on every CPU before auto measured; said only when the run trained otherwise
+        changed = trained_in not in (None, "", "float32")
+        return "float32", (f"dtype=auto: float32 on this CPU (the run trained in {trained_in})" if changed else None)
+    if trained_in == "":  # written before the precision was recorded, when auto meant float32 on every CPU
+        return "float32", "dtype=auto: float32, as auto meant on CPUs when this run's checkpoint was written"
+    if trained_in in ("float32", "bfloat16"):
+        return trained_in, f"dtype=auto: {trained_in}, the precision this run trained in"
+    shape = {
+        **dataclasses.asdict(model.config),
+        "batch_size": batch_size,
+        "checkpointing": model.activation_checkpointing,
+    }
+    seconds = remembered(
+        f"a step of {json.dumps(shape, sort_keys=True)}",
+        torch.device("cpu"),
+        lambda: measure_step_seconds(model, batch_size),
+    )
+    fp32_ms, bf16_ms = (round(seconds[name] * 1000) for name in ("float32", "bfloat16"))
+    measured = "measured on this CPU: a micro-batch's forward and backward took"
+    if seconds["bfloat16"] < BF16_MARGIN * seconds["float32"]:
+        return "bfloat16", (
+            f"dtype=auto: bfloat16, {measured} {bf16_ms} ms in bfloat16 autocast against {fp32_ms} ms in float32 "
+            "(train.dtype=float32 to keep full precision)"
+        )
+    return "float32", f"dtype=auto: float32, {measured} {fp32_ms} ms against {bf16_ms} ms in bfloat16 autocast"
+
+
+def measure_step_seconds(model: GPT, batch_size: int) -> dict[str, float]:
+    """The fastest of TIMED_STEPS forward and backward passes of one micro-batch in each precision, on random
+    tokens. Leaves no trace: the gradients are cleared and the random state (dropout's) restored."""
+    config = model.config
+    tokens = torch.randint(
+        config.vocab_size, (batch_size, config.block_size), generator=torch.Generator().manual_seed(0)
+    )
+    was_training = model.training
+    model.train()
+    times: dict[torch.dtype, list[float]] = {torch.float32: [], torch.bfloat16: []}
+    try:
+        with torch.random.fork_rng(devices=[]):
+            for step in range(1 + TIMED_STEPS):
+                for dtype, timed in times.items():
+                    started = time.perf_counter()
+                    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                        _, loss = model(tokens, tokens)
+                    loss.backward()
+                    if step:  # the first of each: warm-up
+                        timed.append(time.perf_counter() - started)
+    finally:
+        for p in model.parameters():
+            p.grad = None
+        model.train(was_training)
+    return {dtype_name(dtype): min(timed) for dtype, timed in times.items()}
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> Peak:
+    """A datasheet's peak for known GPUs, else this machine's measured (and remembered) matmul peak."""
+    name = dtype_name(dtype)
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+        for key, half, tf32 in GPU_PEAKS:
+            if re.search(rf"\b{key}\b", gpu):
+                return (
+                    Peak(half, f"datasheet {key} {name}")
+                    if dtype != torch.float32
+                    else Peak(tf32, f"datasheet {key} tf32")
+                )
+    measured = remembered(f"{name} matmul", device, lambda: {"flops": measure_matmul_flops(device, dtype)})
+    return Peak(measured["flops"], f"measured {name} matmul")
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 5) -> float:
+    """The best of a few n×n matmuls: a practical peak for CPUs and GPUs without a datasheet entry.
+
+    On a GPU a single matmul is over before a launch and a sync are, so each timing covers ten."""
+    per_timing = 10 if device.type != "cpu" else 1
+    n = n or (4096 if device.type != "cpu" else 1024)
+    a = torch.ones(n, n, device=device, dtype=dtype)  # values don't matter; the global RNG stays untouched
+    b = torch.ones(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first one warms up
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(per_timing):
+            a @ b
+        synchronize(device)
+        best = min(best, (time.perf_counter() - start) / per_timing)
+    return 2 * n**3 / best
+
+
+def _read_cache(path: Path) -> dict[str, dict[str, float]]:
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none yet, or damaged: measured again
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _processor(device: torch.device) -> str:
+    """The processor's model name (a GPU's, or the CPU's from /proc/cpuinfo where Linux has one)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine()

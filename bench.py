@@ -68,8 +68,8 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
 
     from common.config import typed_config
     from data.prepare import ensure_prepared
-    from training.loop import train
     from training.machine import peak_flops
+    from training.run import train
     from training.runtime import make_runtime
     from training.schema import TrainRunConfig, register_schemas
 

@@ -19,8 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from common.cli import exit_on_user_error, presets, run_hydra
 from common.files import write_text_atomically
-from training.loop import train
 from training.resume import resumed_config
+from training.run import train
 from training.schema import CONFIG_GROUPS, TrainRunConfig, register_schemas
 
 register_schemas()

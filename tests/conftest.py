@@ -217,7 +217,7 @@ def browser():
 @pytest.fixture(scope="session")
 def served_run(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
     """A tiny char-level run with room for a prompt and a few dozen tokens (block_size 96), for serve.py."""
-    from training.loop import train
+    from training.run import train
 
     tmp = tmp_path_factory.mktemp("served")
     extra = {"model.block_size": 96, "train.max_iters": 60, "train.eval_interval": 60, "train.learning_rate": 3e-3}

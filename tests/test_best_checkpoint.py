@@ -14,7 +14,7 @@ from inference.sampling import load_sampler
 from training.checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint
 from training.errors import CheckpointError
 from training.evaluation import Losses
-from training.loop import train
+from training.run import train
 from training.schema import SampleConfig
 from training.trainer import Trainer
 

@@ -16,12 +16,12 @@ import torch
 
 from conftest import compose_config, tiny_run_overrides
 from model import GPT, GPTConfig
-from training import build
 from training import machine as precision
+from training import run
 from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
-from training.loop import train
 from training.machine import Peak, choose_cpu_dtype
+from training.run import train
 from training.runtime import make_runtime
 
 TOLERANCE = 0.01  # relative, on the val loss after 40 iterations (measured: 1e-5 on this CPU)
@@ -69,7 +69,7 @@ def _auto_run(tmp_path: Path, corpus_path: Path, **extra: object) -> list[str]:
 def _no_peak_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     """MFU's peak from a stand-in: a CPU made to look native here may emulate bf16, and timing its 1024^3
     matmuls then takes seconds."""
-    monkeypatch.setattr(build, "peak_flops", lambda device, dtype: Peak(1e12, "datasheet stand-in"))
+    monkeypatch.setattr(run, "peak_flops", lambda device, dtype: Peak(1e12, "datasheet stand-in"))
 
 
 def _said(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -17,8 +17,8 @@ import torch
 
 from common import cpu_threads
 from conftest import compose_config, tiny_run_overrides
-from training.loop import train
 from training.metrics import LogWindow
+from training.run import train
 from training.trainer import Trainer
 
 

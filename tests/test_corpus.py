@@ -428,7 +428,7 @@ def test_val_bits_per_byte_is_the_text_tokens_nats_over_their_bytes(
     """Trained on the shards; bits per byte leaves <|endoftext|> (0 bytes) out of both sums, as nanochat."""
     from conftest import tiny_run_overrides
     from training.checkpoint import CKPT_NAME, load_checkpoint
-    from training.loop import train
+    from training.run import train
 
     root, _ = docs_dir
     extra = {"data.tokenizer": TINY_BPE, "data.shard_tokens": SHARD, "data.num_proc": 1, "train.full_val": True}

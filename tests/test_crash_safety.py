@@ -19,8 +19,8 @@ from conftest import REACHES_TARGET, REPO, compose_config, run_script, start_scr
 from model import GPTConfig
 from training.checkpoint import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
 from training.errors import CheckpointError, TrainingDiverged
-from training.loop import train
 from training.metrics import read_records
+from training.run import train
 
 # Dropout on, so the restored random state matters; 40 iterations, evaluated every 10.
 EXACT = {"model.dropout": 0.1, "train.max_iters": 40, "train.eval_interval": 10, "train.log_interval": 1}

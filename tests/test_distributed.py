@@ -23,7 +23,7 @@ from conftest import REPO, compose_config, run_script, tiny_run_overrides
 from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
 from training.evaluation import share_of
-from training.loop import check_for_world, train
+from training.run import check_for_world, train
 from training.schema import TrainRunConfig
 
 # Four micro-batches a step: one process runs all four, each of two processes two (gradients reduced on the

@@ -29,7 +29,7 @@ from model import GPT, GPTConfig
 from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
 from training.evaluation import Evaluator, share_of
-from training.loop import train
+from training.run import train
 from training.runtime import make_runtime
 from training.schema import EvalConfig, OptimConfig, TrainRunConfig
 

@@ -20,9 +20,9 @@ from conftest import CONFIGS, compose_config, run_script, start_script, tiny_run
 from data.config import KNOWN_TEXTS, DataConfig
 from data.prepare import ensure_prepared
 from training.checkpoint import CKPT_NAME, load_checkpoint
-from training.loop import train
 from training.optim import scheduled_lr
 from training.resume import resumed_config
+from training.run import train
 from training.schema import CONFIG_GROUPS, EvalConfig, SampleConfig, ServeConfig, TrainRunConfig
 from training.trainer import resume_argument
 

@@ -23,8 +23,8 @@ from data.errors import DataError
 from data.prepare import ensure_prepared
 from inference.sampling import read_prompt
 from training.checkpoint import CKPT_NAME, CheckpointError, load_checkpoint
-from training.loop import train
 from training.metrics import METRICS_NAME, LogWindow, MetricsLog, drop_records_after, read_records
+from training.run import train
 from training.runtime import Runtime
 from training.schema import CONFIG_GROUPS, SampleConfig, TrainRunConfig, WandbConfig
 

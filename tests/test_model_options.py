@@ -20,7 +20,7 @@ from model.config import BIGRAM_ROWS
 from model.hf_gpt2 import PretrainedError, hf_from_gpt
 from model.kv_cache import KVCache
 from training.checkpoint import CKPT_NAME, load_checkpoint
-from training.loop import train
+from training.run import train
 
 SMALL = dict(vocab_size=50, block_size=16, n_layer=3, n_head=4, n_embd=32)
 EACH = [

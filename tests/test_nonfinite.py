@@ -14,11 +14,10 @@ import torch
 from common.config import typed_config
 from conftest import compose_config, run_script, tiny_run_overrides
 from model import GPTConfig
-from training.build import build_trainer
 from training.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint, save_checkpoint
 from training.distributed import World
 from training.errors import CheckpointError, NonFiniteState, TrainingDiverged
-from training.loop import train
+from training.run import build_trainer, train
 from training.runtime import make_runtime
 from training.schema import TrainRunConfig
 from training.trainer import Trainer

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 import common.files
-import training.build
 import training.checkpoint
+import training.run
 from conftest import REPO, compose_config, run_script, tiny_run_overrides
 from model import GPT, GPTConfig
 from training.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
-from training.loop import train
+from training.run import train
 from training.run_lock import run_lock
 from training.runtime import Runtime, make_runtime
 
@@ -244,10 +244,10 @@ def test_no_token_file_stays_open_or_mapped_after_a_run(tmp_path: Path, corpus_p
 def test_compile_is_on_by_default_only_where_it_can_run(
     monkeypatch: pytest.MonkeyPatch, platform: str, triton: bool, cuda: bool, expected: bool
 ) -> None:
-    monkeypatch.setattr(training.build.sys, "platform", platform)
-    monkeypatch.setattr(training.build.importlib.util, "find_spec", lambda name: object() if triton else None)
+    monkeypatch.setattr(training.run.sys, "platform", platform)
+    monkeypatch.setattr(training.run.importlib.util, "find_spec", lambda name: object() if triton else None)
     runtime = Runtime(torch.device("cuda" if cuda else "mps"), torch.float32)
-    assert training.build.compile_by_default(runtime) is expected
+    assert training.run.compile_by_default(runtime) is expected
 
 
 @pytest.mark.parametrize(

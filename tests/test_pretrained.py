@@ -21,7 +21,7 @@ from model import GPT, GPTConfig
 from model.hf_gpt2 import PRETRAINED, PretrainedError, gpt_from_hf, hf_from_gpt, load_pretrained
 from training.checkpoint import CKPT_NAME, Checkpoint, load_checkpoint, save_checkpoint
 from training.errors import CheckpointError
-from training.loop import train
+from training.run import train
 
 SHAPE = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=97)
 N_POSITIONS = 64

@@ -25,7 +25,7 @@ from model.kv_cache import ROLL_SLACK, KVCache
 from model.rotary import Rotary
 from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.errors import CheckpointError
-from training.loop import train
+from training.run import train
 
 SMALL = dict(vocab_size=40, block_size=32, n_layer=3, n_head=2, n_embd=16)
 

@@ -12,8 +12,8 @@ from common.errors import ConfigError
 from conftest import CONFIGS, REACHES_TARGET, TINY_BPE, compose_config, tiny_run_overrides
 from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.errors import CheckpointError
-from training.loop import train
 from training.optim import lr_at
+from training.run import train
 
 
 def _records(run: Path) -> list[dict]:

@@ -13,12 +13,11 @@ import torch
 from common.config import typed_config
 from conftest import compose_config, tiny_run_overrides
 from data.batches import TRAIN_WINDOWS, get_batch
-from training.build import build_trainer
 from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
 from training.errors import TrainingDiverged
-from training.loop import train
 from training.optim import lr_at
+from training.run import build_trainer, train
 from training.runtime import make_runtime
 from training.schema import TrainRunConfig
 from training.trainer import Trainer

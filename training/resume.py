@@ -17,7 +17,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from common.errors import ConfigError
-from training.checkpoint import CKPT_NAME, saved_config
+from model import GPTConfig
+from training.checkpoint import CKPT_NAME, Checkpoint, saved_config
+from training.errors import CheckpointError
 from training.schema import CONFIG_GROUPS
 
 log = logging.getLogger("train")
@@ -100,6 +102,16 @@ def resumed_config(cfg: DictConfig, overrides: list[str], schema: type) -> DictC
     return base
 
 
+def check_resume(checkpoint: Checkpoint, config: Any) -> None:
+    """Before any data is prepared, so a refused resume changes nothing: the checkpoint's optimizer, its model's
+    shape (in its own vocabulary; a finetune's is the pretrained model's, checked once it is loaded) and the
+    changes this command makes to what the run trains."""
+    _check_same_optimizer(checkpoint.config, config.train.optimizer)
+    if config.init_from is None:
+        check_same_shape(checkpoint.model_config, config.model.gpt_config(checkpoint.model_config.vocab_size))
+    check_resume_changes(checkpoint.config, dataclasses.asdict(config), config.resume_with_changes)
+
+
 def check_resume_changes(saved: dict[str, Any], current: dict[str, Any], allowed: bool) -> None:
     """Every key that differs from the run's saved value, in one line each; a change outside CHANGEABLE_ON_RESUME
     is refused unless allowed (resume_with_changes=true). A key the saved config lacks was added to the schema
@@ -167,3 +179,28 @@ def _check_group(group: str, value: Any, recorded: dict[str, Any], out_dir: Path
         f"{group}={_shown(value)}: resume=true continues {out_dir} with the settings it was started with, and "
         f"{was}; drop {group}={_shown(value)} (set the keys you mean to change, with resume_with_changes=true)"
     )
+
+
+def check_same_shape(saved: GPTConfig, current: GPTConfig) -> None:
+    old, new = dataclasses.asdict(saved), dataclasses.asdict(current)
+    changed = [k for k in new if k not in FREE_MODEL_KEYS and old[k] != new[k]]
+    if "vocab_size" in changed:  # the data's, not an override
+        raise CheckpointError(
+            f"resume=true, but the data's vocabulary has {new['vocab_size']} tokens and the checkpoint's model "
+            f"{old['vocab_size']}: resume with the data.* the run was trained on, or start a new run"
+        )
+    if changed:
+        diffs = ", ".join(f"{k}: {old[k]} -> {new[k]}" for k in changed)
+        raise CheckpointError(
+            f"resume=true with a model that differs from the checkpoint's ({diffs}); drop those overrides"
+        )
+
+
+def _check_same_optimizer(saved: dict[str, Any], optimizer: str) -> None:
+    """One optimizer's state is no start for another's (checkpoints from before train.optimizer: AdamW's)."""
+    before = saved.get("train", {}).get("optimizer", "adamw")
+    if before != optimizer:
+        raise CheckpointError(
+            f"resume=true with train.optimizer={optimizer}, but the checkpoint's run was trained with {before}; "
+            f"resume with train.optimizer={before}, or start a new run"
+        )

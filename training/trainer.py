@@ -1,5 +1,5 @@
-"""One training run: its state (model, optimizer, Progress) and its loop, fit(). training/build.py makes a Trainer
-from the config; training/loop.py's train() is the entry point."""
+"""One training run: its state (model, optimizer, Progress) and its loop, fit(). training/run.py's train() makes a
+Trainer from the config and runs it."""
 
 from __future__ import annotations
 
@@ -177,42 +177,46 @@ class Trainer:
 
     def _apply_gradients(self, loss: torch.Tensor, it: int) -> bool:
         """Checked before the step, so a non-finite loss never reaches the weights; False when the step was
-        skipped. A finite loss can still step the weights to NaN or inf: then every later loss is non-finite, and
-        skipping can't help, so the run stops, as it does after train.max_consecutive_skips skips in a row."""
-        opt = self.config.train
-        if torch.isfinite(loss):
-            self.skipped_in_a_row = 0
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            diverged = not self._weights_finite()
-            weights = " and the weights hold NaN or inf (the step before made them so)" if diverged else ""
-            fix = "Lower train.learning_rate (or keep train.grad_clip on)"
-            if opt.on_nonfinite == "stop":
-                raise TrainingDiverged(
-                    f"the loss is {loss.item()} at iter {it}{weights}; {self._kept()}. {fix}, or set "
-                    "train.on_nonfinite=skip to drop such steps"
-                )
-            self.skipped_in_a_row += 1
-            if diverged:
-                raise TrainingDiverged(
-                    f"the loss is {loss.item()} at iter {it}{weights}: skipping steps can't undo "
-                    f"that; {self._kept()}. {fix}"
-                )
-            if self.skipped_in_a_row >= opt.max_consecutive_skips:
-                first = it - self.skipped_in_a_row + 1
-                raise TrainingDiverged(
-                    f"the loss is {loss.item()} at iter {it}, {self.skipped_in_a_row} steps skipped in a row since "
-                    f"iter {first} (train.max_consecutive_skips={opt.max_consecutive_skips}); {self._kept()}. {fix}"
-                )
-            log.warning(f"skipped iter {it}: the loss is {loss.item()}")
+        skipped (_refuse_nonfinite)."""
+        if not torch.isfinite(loss):
+            self._refuse_nonfinite(loss, it)
             return False
-        if opt.grad_clip > 0:
+        self.skipped_in_a_row = 0
+        if self.config.train.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), opt.grad_clip)  # global norm, also sharded
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)  # also sharded
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return True
+
+    def _refuse_nonfinite(self, loss: torch.Tensor, it: int) -> None:
+        """train.on_nonfinite: stop, or skip the step. A finite loss can still step the weights to NaN or inf: then
+        every later loss is non-finite, and skipping can't help, so the run stops, as it does after
+        train.max_consecutive_skips skips in a row."""
+        opt = self.config.train
+        self.optimizer.zero_grad(set_to_none=True)
+        diverged = not self._weights_finite()
+        weights = " and the weights hold NaN or inf (the step before made them so)" if diverged else ""
+        fix = "Lower train.learning_rate (or keep train.grad_clip on)"
+        if opt.on_nonfinite == "stop":
+            raise TrainingDiverged(
+                f"the loss is {loss.item()} at iter {it}{weights}; {self._kept()}. {fix}, or set "
+                "train.on_nonfinite=skip to drop such steps"
+            )
+        self.skipped_in_a_row += 1
+        if diverged:
+            raise TrainingDiverged(
+                f"the loss is {loss.item()} at iter {it}{weights}: skipping steps can't undo that; "
+                f"{self._kept()}. {fix}"
+            )
+        if self.skipped_in_a_row >= opt.max_consecutive_skips:
+            first = it - self.skipped_in_a_row + 1
+            raise TrainingDiverged(
+                f"the loss is {loss.item()} at iter {it}, {self.skipped_in_a_row} steps skipped in a row since "
+                f"iter {first} (train.max_consecutive_skips={opt.max_consecutive_skips}); {self._kept()}. {fix}"
+            )
+        log.warning(f"skipped iter {it}: the loss is {loss.item()}")
 
     def _weights_finite(self) -> bool:
         """On every rank alike (one reduction; each FSDP2 rank checks its shards)."""

@@ -1,7 +1,7 @@
 """torchrun's processes: the process group, which rank does what, and the model wrapped for DDP or FSDP2.
 
-One process (plain `python train.py`) is the world of size 1: every function here is then a no-op, so the
-training loop has one code path.
+One process (plain `python train.py`) is the World of size 1, whose collectives are the identity, so the
+training loop has one code path; torchrun's processes are a Torchrun World.
 """
 
 from __future__ import annotations
@@ -17,9 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+_TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+
 
 @dataclass(frozen=True)
 class World:
+    """One process (plain `python train.py`): every collective is then the identity, so the training loop has one
+    code path. torchrun's processes are a Torchrun world (world_from_env)."""
+
     rank: int = 0
     local_rank: int = 0
     size: int = 1
@@ -33,22 +38,96 @@ class World:
     def distributed(self) -> bool:
         return self.size > 1
 
+    def open(self, device: torch.device) -> None:
+        """Join the other processes (Torchrun)."""
+
+    def close(self) -> None:
+        """Leave them (Torchrun)."""
+
+    def wrap(self, model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
+        """The model as the steps call it: replicated by DDP or sharded by FSDP2 under torchrun."""
+        return model
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's value on every rank, e.g. the run directory each rank's Hydra derived from its own clock."""
+        return value
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's value, in rank order, on every rank."""
+        return [value]
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def agree_on_step(self, step_loss: torch.Tensor, stop_requested: bool) -> tuple[torch.Tensor, bool]:
+        """The step's loss averaged over the ranks, and whether any rank was asked to stop: every rank then skips
+        a non-finite step, or stops, at the same step."""
+        return step_loss, stop_requested
+
+
+class Torchrun(World):
+    """One of torchrun's processes: the collectives are torch.distributed's."""
+
+    def open(self, device: torch.device) -> None:
+        """NCCL between GPUs, gloo between CPU processes; each GPU process on the GPU of its local rank."""
+        if dist.is_initialized():
+            return
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if cuda else "gloo", device_id=device if cuda else None)
+
+    def close(self) -> None:
+        close_process_group()
+
+    def wrap(self, model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
+        """DDP replicates the model and averages gradients; FSDP2 shards parameters, gradients and optimizer
+        state across the processes (for models that don't fit one GPU). fully_shard works in place: the
+        returned module is `model` itself, now holding DTensor shards."""
+        if parallel == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(device.type, (self.size,))
+            for block in model.transformer.h:  # one all-gather per block, freed after use
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)  # the rest: embeddings (tied to the head) and the final norm
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def broadcast(self, value: Any) -> Any:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather(self, value: Any) -> list[Any]:
+        values: list[Any] = [None] * self.size
+        dist.all_gather_object(values, value)
+        return values
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def agree_on_step(self, step_loss: torch.Tensor, stop_requested: bool) -> tuple[torch.Tensor, bool]:
+        """In one reduction."""
+        both = torch.stack((step_loss, torch.tensor(float(stop_requested), device=step_loss.device)))
+        dist.all_reduce(both, op=dist.ReduceOp.SUM)
+        return both[0] / self.size, bool(both[1] > 0)
+
 
 def world_from_env() -> World:
     """The rank and world size torchrun sets in each process's environment (none: a single process)."""
-    return World(
-        int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    )
-
-
-def init_process_group(world: World, device: torch.device) -> None:
-    """NCCL between GPUs, gloo between CPU processes; each GPU process on the GPU of its local rank."""
-    if not world.distributed or dist.is_initialized():
-        return
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    cuda = device.type == "cuda"
-    dist.init_process_group(backend="nccl" if cuda else "gloo", device_id=device if cuda else None)
+    rank, local_rank, size = (int(os.environ.get(name, 1 if name == "WORLD_SIZE" else 0)) for name in _TORCHRUN_ENV)
+    return (Torchrun if size > 1 else World)(rank, local_rank, size)
 
 
 def close_process_group() -> None:
@@ -66,26 +145,6 @@ def close_process_group() -> None:
     gc.collect()  # the trainer's reference cycles hold the sharded model, and with it the group
 
 
-def wrap_model(model: nn.Module, parallel: str, world: World, device: torch.device) -> nn.Module:
-    """DDP replicates the model and averages gradients; FSDP2 shards parameters, gradients and optimizer
-    state across the processes (for models that don't fit one GPU). fully_shard works in place: the
-    returned module is `model` itself, now holding DTensor shards."""
-    if not world.distributed:
-        return model
-    if parallel == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh(device.type, (world.size,))
-        for block in model.transformer.h:  # one all-gather per block, freed after use
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)  # the rest: embeddings (tied to the head) and the final norm
-        return model
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-
 @contextlib.contextmanager
 def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
     """Reduce gradients across processes only on the last micro-batch of a step: the others accumulate locally."""
@@ -97,45 +156,6 @@ def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
     if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
         module.set_requires_gradient_sync(enabled)
     yield
-
-
-def all_reduce_sum(tensor: torch.Tensor, world: World) -> torch.Tensor:
-    if world.distributed:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
-def agree_on_step(step_loss: torch.Tensor, stop_requested: bool, world: World) -> tuple[torch.Tensor, bool]:
-    """The step's loss averaged over the ranks, and whether any rank was asked to stop, in one reduction: every
-    rank then skips a non-finite step, or stops, at the same step."""
-    if not world.distributed:
-        return step_loss, stop_requested
-    both = torch.stack((step_loss, torch.tensor(float(stop_requested), device=step_loss.device)))
-    dist.all_reduce(both, op=dist.ReduceOp.SUM)
-    return both[0] / world.size, bool(both[1] > 0)
-
-
-def broadcast_from_main(value: Any, world: World) -> Any:
-    """Rank 0's value on every rank, e.g. the run directory each rank's Hydra derived from its own clock."""
-    if not world.distributed:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def all_gather_objects(value: Any, world: World) -> list[Any]:
-    """Every rank's value, in rank order, on every rank."""
-    if not world.distributed:
-        return [value]
-    values: list[Any] = [None] * world.size
-    dist.all_gather_object(values, value)
-    return values
-
-
-def barrier(world: World) -> None:
-    if world.distributed:
-        dist.barrier()
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> tuple[dict, dict]:

@@ -13,7 +13,7 @@ from data.batches import EVAL_WINDOWS, TokenFiles, batch_generator, every_window
 from data.prepare import PreparedData
 from evals.hellaswag import Example, hellaswag_sums
 from evals.perplexity import TextScore, token_sums
-from training.distributed import World, all_reduce_sum
+from training.distributed import World
 from training.runtime import Runtime
 from training.schema import OptimConfig
 
@@ -69,7 +69,7 @@ class Evaluator:
                 logits, _ = model(x.to(self.runtime.device))
             if counted:
                 sums += token_sums(logits, y.to(self.runtime.device), self.byte_lengths)
-        return all_reduce_sum(sums, self.world).tolist()
+        return self.world.all_reduce_sum(sums).tolist()
 
 
 def share_of(
@@ -108,5 +108,5 @@ class HellaSwagEval:
         shares = share_of(((example,) for example in self.examples), self.world)
         sums = hellaswag_sums(model, shares, self.block_size, self.runtime.device, self.runtime.autocast)
         model.train()
-        correct, correct_norm, count = all_reduce_sum(sums.to(self.runtime.device), self.world).tolist()
+        correct, correct_norm, count = self.world.all_reduce_sum(sums.to(self.runtime.device)).tolist()
         return {"hellaswag_acc": correct / count, "hellaswag_acc_norm": correct_norm / count}

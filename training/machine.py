@@ -25,7 +25,7 @@ import torch
 
 from common.files import write_text_atomically
 from model import GPT
-from training.distributed import World, all_gather_objects, broadcast_from_main
+from training.distributed import World
 from training.runtime import Runtime, dtype_name, synchronize
 
 CACHE_ENV = "GPT_LAB_MACHINE_CACHE"
@@ -80,9 +80,9 @@ def choose_cpu_dtype(
     every rank's CPU computes it natively, and rank 0 decides for all (two collectives, on every rank alike)."""
     if asked != "auto" or runtime.device.type != "cpu":
         return runtime, None
-    native = all(all_gather_objects(not runtime.emulates(torch.bfloat16), world))
+    native = all(world.all_gather(not runtime.emulates(torch.bfloat16)))
     decided = _decide(model, batch_size, native, trained_in) if world.is_main else None
-    name, note = broadcast_from_main(decided, world)
+    name, note = world.broadcast(decided)
     return dataclasses.replace(runtime, dtype=getattr(torch, name)), note
 
 

@@ -30,12 +30,7 @@ from model.hf_gpt2 import load_pretrained
 from training.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
 from training.distributed import (
     World,
-    barrier,
-    broadcast_from_main,
-    close_process_group,
-    init_process_group,
     world_from_env,
-    wrap_model,
 )
 from training.errors import CheckpointError, RunLocked
 from training.evaluation import Evaluator, HellaSwagEval
@@ -71,7 +66,7 @@ def train(
     if world.is_main:
         check_writable(out_dir, "out_dir")
     before, opened = before_opening(out_dir), False
-    init_process_group(world, runtime.device)
+    world.open(runtime.device)
     try:
         with contextlib.ExitStack() as held:
             _lock_run(out_dir, world, held)
@@ -83,14 +78,14 @@ def train(
             opened = True
             trainer.metrics.start_wandb(config.wandb, trainer.resolved)
             result = trainer.fit()
-            barrier(world)  # leave together: none tears its process group down while rank 0 still writes
+            world.barrier()  # leave together: none tears its process group down while rank 0 still writes
         return result
     except BaseException:  # a user's error, Ctrl-C, a bug
         if not opened and world.is_main:
             remove_unopened_run_dir(out_dir, before)
         raise
     finally:
-        close_process_group()
+        world.close()
 
 
 def build_trainer(
@@ -99,7 +94,7 @@ def build_trainer(
     """Everything the run needs, restored from ckpt.pt when config.resume. The run's clock starts here."""
     started = time.perf_counter()
     # Each rank's Hydra resolved ${now:} on its own clock: all write to rank 0's directory.
-    config = dataclasses.replace(config, out_dir=broadcast_from_main(config.out_dir, world))
+    config = dataclasses.replace(config, out_dir=world.broadcast(config.out_dir))
     out_dir, opt = Path(config.out_dir), config.train
     checkpoint = _open_run_dir(out_dir, config.resume, world)
     if checkpoint is not None:
@@ -187,7 +182,7 @@ def _lock_run(out_dir: Path, world: World, held: contextlib.ExitStack) -> None:
                 discard_temporaries(out_dir / name)
         except Exception as err:
             error = err
-    message = broadcast_from_main(None if error is None else str(error), world)
+    message = world.broadcast(None if error is None else str(error))
     if error is not None:
         raise error
     if message is not None:  # the other ranks
@@ -202,7 +197,7 @@ def _open_run_dir(out_dir: Path, resume: bool, world: World) -> Checkpoint | Non
         raise ConfigError(f"out_dir={out_dir} already holds a run; pass resume=true to continue it, or another out_dir")
     else:
         checkpoint = None
-    barrier(world)  # every rank has looked for a checkpoint before rank 0 writes anything
+    world.barrier()  # every rank has looked for a checkpoint before rank 0 writes anything
     if world.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         if checkpoint is None:
@@ -215,7 +210,7 @@ def _prepared_data(config: TrainRunConfig, world: World) -> PreparedData:
     """Rank 0 tokenizes; the others then only read the prepared files."""
     if world.is_main:
         data = ensure_prepared(config.data)
-    barrier(world)
+    world.barrier()
     if not world.is_main:
         data = ensure_prepared(config.data, prepare=False)
     return data
@@ -275,7 +270,7 @@ def _place(model: GPT, parallel: str, world: World, runtime: Runtime) -> torch.n
     itself (no GPU ever holds the whole model)."""
     if not (world.distributed and parallel == "fsdp"):
         model.to(runtime.device)
-    return wrap_model(model, parallel, world, runtime.device)
+    return world.wrap(model, parallel, runtime.device)
 
 
 def compile_by_default(runtime: Runtime) -> bool:
@@ -298,7 +293,7 @@ def _hellaswag(
         return None
     if world.is_main:
         path = hellaswag_path(opt.hellaswag_file, "train.hellaswag_file")
-    barrier(world)
+    world.barrier()
     if not world.is_main:
         path = hellaswag_path(opt.hellaswag_file, "train.hellaswag_file")
     examples = load_examples(path, tokenizer)

@@ -29,11 +29,6 @@ from model.decoding import Decoding
 from training.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, Progress, save_checkpoint
 from training.distributed import (
     World,
-    agree_on_step,
-    all_gather_objects,
-    all_reduce_sum,
-    barrier,
-    broadcast_from_main,
     full_state,
     gradient_sync,
     load_full_state,
@@ -153,7 +148,7 @@ class Trainer:
         lr = set_hyperparameters(self.optimizer, self.config.train, it)
         local_loss = self._accumulate_gradients(it)
         asked = stop_requested is not None and stop_requested()
-        loss, stop = agree_on_step(local_loss, asked, self.world)
+        loss, stop = self.world.agree_on_step(local_loss, asked)
         applied = self._apply_gradients(loss, it)
         self.progress.iter += 1
         return StepOutcome(loss if applied else None, lr, stop)
@@ -222,7 +217,7 @@ class Trainer:
         """On every rank alike (one reduction; each FSDP2 rank checks its shards)."""
         local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
         bad = sum(int(not t.isfinite().all()) for t in local)
-        return all_reduce_sum(torch.tensor(float(bad), device=self.runtime.device), self.world).item() == 0
+        return self.world.all_reduce_sum(torch.tensor(float(bad), device=self.runtime.device)).item() == 0
 
     def _kept(self) -> str:
         """What the run directory holds now: the words of every message about the last good state."""
@@ -338,9 +333,9 @@ class Trainer:
         written (False on every rank, with a warning): the files keep the last good one. Collective (every rank
         gathers under FSDP2, and hears rank 0's answer); rank 0 writes."""
         model_state, optimizer_state = full_state(self.model, self.optimizer, self.world)
-        rng = all_gather_objects(self._rng_state(), self.world)  # each rank's dropout stream
+        rng = self.world.all_gather(self._rng_state())  # each rank's dropout stream
         saved = self._write(model_state, optimizer_state, rng, latest, best) if self.world.is_main else True
-        return broadcast_from_main(saved, self.world)
+        return self.world.broadcast(saved)
 
     def _write(self, model_state: dict, optimizer_state: dict | None, rng: list, latest: bool, best: bool) -> bool:
         still_held(self.out_dir)
@@ -403,8 +398,8 @@ class Trainer:
 
     def _stop(self, received: signal.Signals | None) -> str:
         saved = self.save()
-        barrier(self.world)  # none exits before rank 0 has written: torchrun stops the others when one exits
-        name = (received or signal.SIGTERM).name  # another rank's signal, forwarded by agree_on_step
+        self.world.barrier()  # none exits before rank 0 has written: torchrun stops the others when one exits
+        name = (received or signal.SIGTERM).name  # another rank's signal, forwarded by World.agree_on_step
         where = f"checkpoint {self.out_dir / CKPT_NAME}" if saved else self._kept()
         resume = f"python train.py {resume_argument(self.out_dir)} resume=true"
         log.warning(

@@ -236,18 +236,17 @@ def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData
         if prepared:
             return prepared
 
-    def prepare_text() -> PreparedData:
-        path = text_file(config.input, out_dir / "input.txt", config.url)
-        text = TextFile.survey(path, chars=config.tokenizer == "char")
-        if not text.length:
-            raise DataError(
-                f"the text for dataset {config.name!r} is empty; pass a non-empty file with data.input=PATH"
-            )
-        tokenizer = make_tokenizer(config.tokenizer, text.chars)
-        made_from = {"input": str(path.absolute())} if config.input else {}  # for _prepared_from_any_text's line
-        return write_dataset(text, tokenizer, out_dir, config.val_fraction, {**fingerprint, **made_from})
+    return _prepared_once(out_dir, fingerprint, prepare, lambda: _prepare_text(config, out_dir, fingerprint))
 
-    return _prepared_once(out_dir, fingerprint, prepare, prepare_text)
+
+def _prepare_text(config: DataConfig, out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData:
+    path = text_file(config.input, out_dir / "input.txt", config.url)
+    text = TextFile.survey(path, chars=config.tokenizer == "char")
+    if not text.length:
+        raise DataError(f"the text for dataset {config.name!r} is empty; pass a non-empty file with data.input=PATH")
+    tokenizer = make_tokenizer(config.tokenizer, text.chars)
+    made_from = {"input": str(path.absolute())} if config.input else {}  # for _prepared_from_any_text's line
+    return write_dataset(text, tokenizer, out_dir, config.val_fraction, {**fingerprint, **made_from})
 
 
 def _prepared_from_any_text(out_dir: Path, fingerprint: dict[str, Any], url: str | None) -> PreparedData | None:
@@ -425,7 +424,6 @@ def _largest_token(path: Path) -> int:
 
 
 if __name__ == "__main__":
-
     import hydra
     from omegaconf import DictConfig
 

@@ -55,9 +55,9 @@ from model import ATTN_IMPLS, GPT, GPTConfig, causal_mask, masked_attention
 from model.attention import windowed_attention
 
 if TYPE_CHECKING:  # imported where used: the attention and sampling sections need no training code
+    from common.runtime import Runtime
     from inference.sampling import Sampler
     from model.decoding import Decoding
-    from training.runtime import Runtime
     from training.schema import TrainRunConfig
 
 REPO = Path(__file__).resolve().parent
@@ -67,10 +67,10 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
     from hydra import compose, initialize_config_dir
 
     from common.config import typed_config
+    from common.runtime import make_runtime
     from data.prepare import ensure_prepared
     from training.machine import peak_flops
     from training.run import train
-    from training.runtime import make_runtime
     from training.schema import TrainRunConfig, register_schemas
 
     register_schemas()
@@ -261,10 +261,10 @@ NANOGPT_SAMPLING = dict(temperature=0.8, top_k=200)  # nanoGPT's sample.py defau
 def bench_batched_sampling(args: argparse.Namespace) -> list[dict]:
     """sample.py's way (--num-samples drawn side by side as one batch, KV cache) against the same samples one at a
     time, and against nanoGPT's sample.py loop: one sample at a time, the cropped window recomputed every step."""
+    from common.runtime import make_runtime
     from data.tokenizers import CharTokenizer
     from inference.sampling import Sampler
     from model.decoding import Decoding
-    from training.runtime import make_runtime
 
     torch.manual_seed(0)
     shape = dict(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
@@ -322,10 +322,10 @@ def bench_serve(args: argparse.Namespace) -> list[dict]:
     own generation of one sample of the same length, timed in this process. The model: --serve-run's checkpoint,
     else the CPU preset's shape (4x4x128, block 64) with random weights, which time the same. The clients run
     here, on the same CPU as the server: their share of it is in the figures."""
+    from common.runtime import make_runtime
     from inference.load import load_model
     from inference.sampling import Sampler
     from model.decoding import Decoding
-    from training.runtime import make_runtime
 
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(args.serve_run) if args.serve_run else _random_run(Path(tmp) / "run")
@@ -406,8 +406,8 @@ def _engine_alone(
 
 def _random_run(run: Path) -> Path:
     """A run directory whose ckpt.pt holds the CPU preset's shape with random weights, for timing only."""
+    from common.checkpoint import CKPT_NAME, Checkpoint, save_checkpoint
     from data.tokenizers import CharTokenizer
-    from training.checkpoint import CKPT_NAME, Checkpoint, save_checkpoint
 
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=65, n_layer=4, n_head=4, n_embd=128, block_size=64, bias=False)
@@ -595,7 +595,7 @@ def _call_repeatedly(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
 
 
 def _timed(fn: Callable[[], object], device: str) -> float:
-    from training.runtime import synchronize
+    from common.runtime import synchronize
 
     synchronize(torch.device(device))
     start = time.perf_counter()

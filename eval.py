@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from common.cli import exit_on_user_error, run_hydra, stdout_reader_may_leave
 from common.config import typed_config
 from inference.eval_run import readable, run_eval
-from training.schema import EvalConfig, register_schemas
+from inference.schema import EvalConfig, register_schemas
 
 register_schemas()
 USAGE = """Score a model: loss, perplexity and bits per byte of a text, and HellaSwag. Settings are key=value.

@@ -34,8 +34,8 @@ from common.cli import exit_on_user_error, literal_text, run_hydra, stdout_reade
 from common.config import typed_config
 from inference.sample_text import SEPARATOR, stop_strings
 from inference.sampling import load_sampler, warn
+from inference.schema import SampleConfig, register_schemas
 from model.decoding import Decoding
-from training.schema import SampleConfig, register_schemas
 
 register_schemas()
 TEXT_KEYS = ("start", "stop")  # taken literally: a prompt's ${...} is text, not an interpolation

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from common.cli import exit_on_user_error, run_hydra
 from common.config import typed_config
-from training.schema import ServeConfig, register_schemas
+from inference.schema import ServeConfig, register_schemas
 
 register_schemas()
 USAGE = """Serve a model through OpenAI's completions API, with a live page at /. Settings are key=value.

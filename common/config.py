@@ -25,6 +25,7 @@ from omegaconf.errors import ValidationError
 from common.errors import ConfigError
 
 Config = TypeVar("Config")
+SEED_MAX = 2**63 - 1  # torch's generators take 64 bits; sample i of sample.py draws from seed + i
 
 
 def option(

@@ -11,3 +11,11 @@ class UserError(ValueError):
 
 class ConfigError(UserError):
     """A config value that can't work."""
+
+
+class CheckpointError(UserError):
+    """A missing, unreadable or mismatched checkpoint."""
+
+
+class NonFiniteState(CheckpointError):
+    """A state to checkpoint holds NaN or inf: it is not written, so the file on disk stays the last good one."""

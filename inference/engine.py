@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
+from common.runtime import Runtime
 from data.tokenizers import Tokenizer
 from inference.sample_text import SampleText
 from model import GPT
 from model.batch_cache import BatchKVCache
 from model.decoding import Decoding
 from model.kv_cache import KVCache
-from training.runtime import Runtime
 
 log = logging.getLogger("serve")
 

@@ -12,7 +12,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from common.checkpoint import Checkpoint
 from common.errors import ConfigError
+from common.runtime import make_runtime
 from data.config import DataConfig
 from data.errors import DataError
 from data.prepare import dataset_dir, ensure_prepared
@@ -21,9 +23,7 @@ from data.tokenizers import Tokenizer
 from evals.hellaswag import hellaswag_examples, hellaswag_sums
 from evals.perplexity import score_sequences
 from inference.load import LoadedModel, load_model
-from training.checkpoint import Checkpoint
-from training.runtime import make_runtime
-from training.schema import EvalConfig
+from inference.schema import EvalConfig
 
 
 def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:

@@ -12,15 +12,15 @@ from typing import TextIO
 import torch
 
 from common.errors import ConfigError
+from common.runtime import Runtime, make_runtime
 from data.errors import DataError
 from data.source import read_utf8, why_not_a_file
 from data.tokenizers import Tokenizer
 from inference.load import load_model
 from inference.sample_text import InOrder, SampleText
+from inference.schema import SampleConfig
 from model import GPT
 from model.decoding import Decoding, row_generators
-from training.runtime import Runtime, make_runtime
-from training.schema import SampleConfig
 
 
 def read_prompt(start: str) -> str:

@@ -13,11 +13,11 @@ import torch
 import uvicorn
 
 from common.errors import ConfigError
+from common.runtime import make_runtime
 from inference.engine import Engine
 from inference.load import load_model
+from inference.schema import ServeConfig
 from inference.server import Service, create_app
-from training.runtime import make_runtime
-from training.schema import ServeConfig
 
 GIL_SWITCH_INTERVAL_S = 0.02
 API_KEY_ENV = "GPT_LAB_API_KEY"  # the api_key when the config leaves it null, so it needn't be on a command line

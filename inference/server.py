@@ -36,12 +36,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from analysis.causality import check_causality, verdict
 from analysis.diagnostics import induction_scores
 from analysis.explorer import live_page
+from common.config import SEED_MAX
 from common.errors import UserError
 from data.tokenizers import Tokenizer
 from inference.engine import Completion, Engine
 from inference.sample_text import SampleText
+from inference.schema import ServeConfig
 from model.decoding import Decoding, row_generators
-from training.schema import SEED_MAX, ServeConfig
 
 log = logging.getLogger("serve")
 PAGE = Path(__file__).with_name("serve_page.html")

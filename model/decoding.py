@@ -12,6 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+DEFAULT_TEMPERATURE = 0.8  # sample.py's and the wandb sample table's draws (serving follows OpenAI's defaults)
+DEFAULT_TOP_K = 200
+
 
 def row_generators(seed: int | None, count: int, device: torch.device | str = "cpu") -> list[torch.Generator] | None:
     """Random streams for `count` rows drawn from seed: row i's is seeded with seed + i. sample.py's sample i and

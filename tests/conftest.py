@@ -24,7 +24,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 from tiktoken_ext.openai_public import r50k_pat_str
 
-from training.schema import register_schemas
+import inference.schema
+import training.schema
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
@@ -62,7 +63,8 @@ _TINY_MERGES = [
     b" and",
 ]
 
-register_schemas()
+training.schema.register_schemas()
+inference.schema.register_schemas()
 # The CPU path lowers torch's threads when other processes are busy (common/cpu_threads.py), and a reduction's last
 # bits depend on the thread count: pinned here (and in every command a test starts), runs that tests compare bit
 # for bit use the same count whatever else the machine is doing. tests/test_busy_machine.py unpins it.

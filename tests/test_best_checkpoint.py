@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint
 from common.config import typed_config
+from common.errors import CheckpointError
 from conftest import compose_config, tiny_run_overrides
 from inference.sampling import load_sampler
-from training.checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint
-from training.errors import CheckpointError
+from inference.schema import SampleConfig
 from training.evaluation import Losses
 from training.run import train
-from training.schema import SampleConfig
 from training.trainer import Trainer
 
 SCRIPTED_VAL = {0: 3.0, 2: 2.0, 4: 2.5, 6: 2.2, 8: 2.6, 10: 2.7}  # iteration -> val loss: the best is at 2

@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.checkpoint import CKPT_NAME, load_checkpoint
+from common.runtime import make_runtime
 from conftest import compose_config, tiny_run_overrides
 from model import GPT, GPTConfig
 from training import machine as precision
 from training import run
-from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
 from training.machine import Peak, choose_cpu_dtype
 from training.run import train
-from training.runtime import make_runtime
 
 TOLERANCE = 0.01  # relative, on the val loss after 40 iterations (measured: 1e-5 on this CPU)
 

@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 from common.config import typed_config
 from common.errors import ConfigError
 from conftest import compose_config, run_script
-from training.schema import SampleConfig, TrainRunConfig
+from inference.schema import SampleConfig
+from training.schema import TrainRunConfig
 
 
 @pytest.mark.parametrize(

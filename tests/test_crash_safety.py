@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.checkpoint import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
+from common.errors import CheckpointError
 from conftest import REACHES_TARGET, REPO, compose_config, run_script, start_script, tiny_run_overrides, wait_for_text
 from model import GPTConfig
-from training.checkpoint import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
-from training.errors import CheckpointError, TrainingDiverged
+from training.errors import TrainingDiverged
 from training.metrics import read_records
 from training.run import train
 
@@ -193,7 +194,7 @@ import sys, torch
 sys.path.insert(0, {repo!r})
 from pathlib import Path
 from model import GPTConfig
-from training.checkpoint import Checkpoint, Progress, save_checkpoint
+from common.checkpoint import Checkpoint, Progress, save_checkpoint
 path = Path({path!r})
 weights = [{{"w": torch.full((4_000_000,), float(i))}} for i in (1, 2)]
 states = [Checkpoint(GPTConfig(), w, {{}}, progress=Progress(iter=i)) for i, w in zip((1, 2), weights)]
@@ -293,7 +294,7 @@ def test_truncated_or_foreign_checkpoints_are_one_line_errors(tmp_path: Path, co
 def test_sampling_refuses_a_checkpoint_without_a_tokenizer(tmp_path: Path) -> None:
     from common.config import typed_config
     from inference.sampling import load_sampler
-    from training.schema import SampleConfig
+    from inference.schema import SampleConfig
 
     save_checkpoint(tmp_path / CKPT_NAME, Checkpoint(GPTConfig(n_layer=1, n_embd=12, n_head=2), {}, tokenizer={}))
     with pytest.raises(CheckpointError, match=f"{tmp_path / CKPT_NAME} holds no tokenizer"):
@@ -370,9 +371,9 @@ def test_a_checkpoint_from_before_torchrun_support_resumes_exactly(
     half_run: tuple[Path, Path], tmp_path: Path, corpus_path: Path
 ) -> None:
     """Earlier checkpoints keyed the optimizer state by position and held one random state, not one per rank."""
+    from common.runtime import Runtime
     from training.distributed import load_full_state
     from training.optim import make_optimizer
-    from training.runtime import Runtime
     from training.schema import OptimConfig
 
     def old_layout(raw: dict, path: Path) -> dict:
@@ -390,11 +391,11 @@ def test_a_checkpoint_from_before_torchrun_support_resumes_exactly(
 def test_a_checkpoint_in_the_layout_before_the_trainer_resumes_exactly_and_samples(
     half_run: tuple[Path, Path], tmp_path: Path, corpus_path: Path
 ) -> None:
-    """The dict the training loop wrote by hand before training.checkpoint owned the format, key by key."""
+    """The dict the training loop wrote by hand before common.checkpoint owned the format, key by key."""
     from common.config import typed_config
     from inference.sampling import load_sampler
+    from inference.schema import SampleConfig
     from model.decoding import Decoding
-    from training.schema import SampleConfig
 
     def before_the_trainer(raw: dict, path: Path) -> dict:
         legacy = {

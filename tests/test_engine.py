@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.runtime import make_runtime
 from conftest import MODERN
 from inference.engine import Completion, Engine
 from inference.sample_text import SampleText
 from model import GPT, GPTConfig
 from model.decoding import Decoding, row_generators
-from training.runtime import make_runtime
 
 SMALL = dict(vocab_size=50, n_layer=2, n_head=2, n_embd=32)
 CONFIGS = {

@@ -14,9 +14,11 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from common.checkpoint import CKPT_NAME, load_checkpoint
 from common.cli import check_overrides
 from common.config import typed_config
 from common.errors import ConfigError, UserError
+from common.runtime import make_runtime
 from conftest import REPO, TINY_BPE, compose_config, run_script, tiny_encoding, tiny_run_overrides
 from data.config import DataConfig
 from data.errors import DataError
@@ -25,13 +27,12 @@ from data.tokenizers import BpeTokenizer
 from evals.hellaswag import Example, ending_scores, hellaswag_path, hellaswag_sums, load_examples
 from evals.perplexity import count_windows, score_sequences, windows
 from inference.eval_run import run_eval
+from inference.schema import EvalConfig
 from model import GPT, GPTConfig
-from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
 from training.evaluation import Evaluator, share_of
 from training.run import train
-from training.runtime import make_runtime
-from training.schema import EvalConfig, OptimConfig, TrainRunConfig
+from training.schema import OptimConfig, TrainRunConfig
 
 HELLASWAG = [
     ("The chef cracks two eggs into a bowl and", ["whisks them.", "sings a song.", "paints the wall.", "the end."], 0),

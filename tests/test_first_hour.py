@@ -13,17 +13,18 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from common.checkpoint import CKPT_NAME, load_checkpoint
 from common.cli import check_overrides
 from common.config import typed_config
 from common.errors import ConfigError
 from conftest import CONFIGS, compose_config, run_script, start_script, tiny_run_overrides, wait_for_text
 from data.config import KNOWN_TEXTS, DataConfig
 from data.prepare import ensure_prepared
-from training.checkpoint import CKPT_NAME, load_checkpoint
+from inference.schema import EvalConfig, SampleConfig, ServeConfig
 from training.optim import scheduled_lr
 from training.resume import resumed_config
 from training.run import train
-from training.schema import CONFIG_GROUPS, EvalConfig, SampleConfig, ServeConfig, TrainRunConfig
+from training.schema import CONFIG_GROUPS, TrainRunConfig
 from training.trainer import resume_argument
 
 UNREACHABLE = "http://127.0.0.1:9/input.txt"  # the discard port: a download fails at once, offline or not

@@ -14,19 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.checkpoint import CKPT_NAME, CheckpointError, load_checkpoint
 from common.cli import check_overrides
 from common.config import check_override
 from common.errors import ConfigError, UserError
+from common.runtime import Runtime
 from conftest import compose_config, run_script, tiny_run_overrides
 from data.config import DataConfig
 from data.errors import DataError
 from data.prepare import ensure_prepared
 from inference.sampling import read_prompt
-from training.checkpoint import CKPT_NAME, CheckpointError, load_checkpoint
+from inference.schema import SampleConfig
 from training.metrics import METRICS_NAME, LogWindow, MetricsLog, drop_records_after, read_records
 from training.run import train
-from training.runtime import Runtime
-from training.schema import CONFIG_GROUPS, SampleConfig, TrainRunConfig, WandbConfig
+from training.schema import CONFIG_GROUPS, TrainRunConfig, WandbConfig
 
 FAST = {"train.max_iters": 4, "train.eval_interval": 2, "train.log_interval": 1}
 
@@ -351,7 +352,7 @@ def test_every_path_key_expands_the_home_directory_once_for_checks_and_use(monke
     """`~` (quoted for Hydra, or left by the shell) in out_dir and attention_dir made a literal ./~/ directory while
     data.input was expanded: one rule now, applied when the config is built."""
     from common.config import typed_config
-    from training.schema import EvalConfig
+    from inference.schema import EvalConfig
 
     home = Path.home()
     train_config = typed_config(

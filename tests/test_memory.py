@@ -13,7 +13,8 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from conftest import MODERN, REPO
 from model import GPT, GPTConfig
-from training.memory import activation_bytes, largest_batch, parameter_count, training_memory
+from model.config import parameter_count
+from training.memory import activation_bytes, largest_batch, training_memory
 
 
 @pytest.mark.parametrize("options", [{}, {"bias": False}, MODERN, {**MODERN, "bias": False}, {"norm": "rmsnorm"}])

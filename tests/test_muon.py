@@ -8,10 +8,10 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+from common.runtime import Runtime
 from model import GPT, GPTConfig
 from training.muon import MuonAdamW, newton_schulz
 from training.optim import FROM_CONFIG, lr_at, make_optimizer, set_hyperparameters
-from training.runtime import Runtime
 from training.schema import OptimConfig
 
 CPU = Runtime(torch.device("cpu"), torch.float32)

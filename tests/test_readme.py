@@ -10,7 +10,8 @@ import pytest
 from common.cli import check_overrides
 from common.config import typed_config
 from conftest import REPO, compose_config
-from training.schema import CONFIG_GROUPS, EvalConfig, SampleConfig, ServeConfig, TrainRunConfig
+from inference.schema import EvalConfig, SampleConfig, ServeConfig
+from training.schema import CONFIG_GROUPS, TrainRunConfig
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
 SCHEMAS = {

@@ -16,15 +16,14 @@ import torch.nn.functional as F
 import model.attention
 from analysis.attention_maps import save_attention_maps
 from analysis.causality import check_causality, format_report
-from common.errors import ConfigError
+from common.checkpoint import CKPT_NAME, load_checkpoint
+from common.errors import CheckpointError, ConfigError
 from conftest import compose_config, run_script, tiny_run_overrides
 from model import GPT, GPTConfig, causal_mask, masked_attention
 from model.attention import _cached_band_block_mask, flex_windowed_attention, windowed_attention
 from model.hf_gpt2 import PretrainedError, hf_from_gpt
 from model.kv_cache import ROLL_SLACK, KVCache
 from model.rotary import Rotary
-from training.checkpoint import CKPT_NAME, load_checkpoint
-from training.errors import CheckpointError
 from training.run import train
 
 SMALL = dict(vocab_size=40, block_size=32, n_layer=3, n_head=2, n_embd=16)

@@ -8,10 +8,9 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from common.errors import ConfigError
+from common.checkpoint import CKPT_NAME, load_checkpoint
+from common.errors import CheckpointError, ConfigError
 from conftest import CONFIGS, REACHES_TARGET, TINY_BPE, compose_config, tiny_run_overrides
-from training.checkpoint import CKPT_NAME, load_checkpoint
-from training.errors import CheckpointError
 from training.optim import lr_at
 from training.run import train
 
@@ -194,8 +193,8 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path: Path, corpus_pat
 def test_bpe_run_trains_and_samples(tmp_path: Path, corpus_path: Path) -> None:
     from common.config import typed_config
     from inference.sampling import load_sampler
+    from inference.schema import SampleConfig
     from model.decoding import Decoding
-    from training.schema import SampleConfig
 
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"data.tokenizer": TINY_BPE})))
     ckpt = load_checkpoint(tmp_path / "run" / CKPT_NAME)

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.checkpoint import CKPT_NAME, load_checkpoint
 from common.config import typed_config
+from common.runtime import make_runtime
 from conftest import compose_config, tiny_run_overrides
 from data.batches import TRAIN_WINDOWS, get_batch
-from training.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
 from training.errors import TrainingDiverged
 from training.optim import lr_at
 from training.run import build_trainer, train
-from training.runtime import make_runtime
 from training.schema import TrainRunConfig
 from training.trainer import Trainer
 
@@ -142,3 +142,13 @@ def test_eval_from_skips_the_early_evaluations_but_never_the_last(tmp_path: Path
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **keys)))
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iter"] for r in records if "val_loss" in r] == [9, 12, 13]
+
+
+def test_the_wandb_sample_table_continues_the_val_splits_first_token(tmp_path: Path, corpus_path: Path) -> None:
+    trainer = _trainer(tmp_path, corpus_path)
+    torch.manual_seed(0)
+    rows = trainer._samples(count=2, tokens=12)
+    prompt = trainer.tokenizer.decode([int(trainer.data.val.open(0)[0])])
+    assert len(rows) == 2 and all(row[0] == prompt and row[1].startswith(prompt) for row in rows)
+    assert all(len(row[1]) == 1 + 12 for row in rows)  # characters: the prompt's one and twelve drawn
+    assert trainer.model.training  # back to training after drawing

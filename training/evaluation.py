@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
+from common.runtime import Runtime
 from data.batches import EVAL_WINDOWS, TokenFiles, batch_generator, every_window, get_batch
 from data.prepare import PreparedData
 from evals.hellaswag import Example, hellaswag_sums
 from evals.perplexity import TextScore, token_sums
 from training.distributed import World
-from training.runtime import Runtime
 from training.schema import OptimConfig
 
 SPLIT_KEYS = {"train": 0, "val": 1}  # batch_generator's key for each split's own evaluation windows

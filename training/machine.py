@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from common.files import write_text_atomically
+from common.runtime import Runtime, dtype_name, synchronize
 from model import GPT
 from training.distributed import World
-from training.runtime import Runtime, dtype_name, synchronize
 
 CACHE_ENV = "GPT_LAB_MACHINE_CACHE"
 TIMED_STEPS = 2  # per precision, after one warm-up step each; alternating, so a busy moment slows both

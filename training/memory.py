@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from model import GPTConfig
+from model.config import parameter_count
 
 GIB = 2**30
 
@@ -46,21 +47,6 @@ class MemoryEstimate:
         """The peak: at backward's start (every activation kept, no gradient yet), or after it (every gradient,
         the activations freed), whichever is larger; measured on CPU, the first but for tiny batches."""
         return self.params + self.optimizer + max(self.activations + self.transient, self.grads)
-
-
-def parameter_count(config: GPTConfig) -> int:
-    """The parameters GPT(config) holds, without building it."""
-    C, V, L = config.n_embd, config.vocab_size, config.n_layer
-    bias = config.bias
-    norm = C * (2 if config.norm == "layernorm" and bias else 1)
-    block = 2 * norm + 3 * C * C + 3 * C * bias + C * C + C * bias + 8 * C * C + 5 * C * bias
-    block += 2 * config.x0_mix + (V * C if config.value_embeds else 0)
-    total = L * block + V * C + norm  # blocks, the token table (tied to the head), the final norm
-    total += (L - 1) * 2 * config.value_residual  # each later layer's value mix
-    total += config.block_size * C if config.pos_emb == "learned" else 0
-    total += V * C if config.untied_head else 0
-    total += config.bigram_rows * C if config.bigram_embed else 0
-    return total
 
 
 def activation_bytes(config: GPTConfig, batch_size: int, bf16: bool, checkpointing: bool) -> tuple[int, int]:

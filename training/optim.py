@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from common.runtime import Runtime
 from training.muon import ADAMW_KEYS, MUON_KEYS, MuonAdamW
-from training.runtime import Runtime
 
 if TYPE_CHECKING:  # training.schema imports this module's choices
     from training.schema import OptimConfig

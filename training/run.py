@@ -17,29 +17,29 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from common.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
 from common.config import typed_config
 from common.cpu_threads import use_free_cores
-from common.errors import ConfigError
+from common.errors import CheckpointError, ConfigError
 from common.files import check_writable, discard_temporaries
+from common.runtime import Runtime, make_runtime
 from data.prepare import PreparedData, ensure_prepared
 from data.tokenizers import Tokenizer, tokenizer_from_metadata
 from evals.hellaswag import hellaswag_path, load_examples
 from model import GPT
 from model.hf_gpt2 import SETTINGS as PRETRAINED_SETTINGS
 from model.hf_gpt2 import load_pretrained
-from training.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
 from training.distributed import (
     World,
     world_from_env,
 )
-from training.errors import CheckpointError, RunLocked
+from training.errors import RunLocked
 from training.evaluation import Evaluator, HellaSwagEval
 from training.machine import choose_cpu_dtype, peak_flops
 from training.metrics import MetricsLog, forget_metrics
 from training.optim import make_optimizer, scheduled_lr
 from training.resume import check_resume, check_same_shape
 from training.run_lock import before_opening, log_to_run_dir, remove_unopened_run_dir, run_lock
-from training.runtime import Runtime, make_runtime
 from training.schema import OptimConfig, TrainRunConfig
 from training.trainer import Trainer, TrainResult
 

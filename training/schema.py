@@ -2,7 +2,8 @@
 
 Each key's allowed values are declared once, beside it (common.config.option); common.config.typed_config turns
 Hydra's DictConfig into these dataclasses, and building them checks every value: one ConfigError naming the key.
-The `model.*` keys come from model/config.py, the `data.*` keys from data/config.py.
+The `model.*` keys come from model/config.py, the `data.*` keys from data/config.py; sample.py's, eval.py's and
+serve.py's schemas live with them, in inference/schema.py.
 """
 
 from __future__ import annotations
@@ -14,15 +15,14 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from common.config import check_fields, option
+from common.config import SEED_MAX, check_fields, option
 from common.errors import ConfigError
+from common.runtime import DEVICES, DTYPES
 from data.config import DataConfig, register_prepare_schema
-from model.config import ATTN_IMPLS, GPTConfig
+from model.config import GPTConfig
 from training.optim import LR_SCHEDULES, OPTIMIZERS
-from training.runtime import DEVICES, DTYPES
 
 ON_NONFINITE = ("stop", "skip")
-SEED_MAX = 2**63 - 1  # torch's generators take 64 bits; sample i of sample.py draws from seed + i
 PARALLEL = ("ddp", "fsdp")
 CONFIG_GROUPS = ("experiment", "model", "data")  # train.py's Hydra groups: configs/<group>/NAME.yaml, as group=NAME
 # The schema's defaults for the model's shape: the baby model (configs/model/baby.yaml), not GPTConfig's GPT-2.
@@ -166,104 +166,7 @@ class TrainRunConfig:
             )
 
 
-@dataclass
-class ModelChoice:
-    """The keys that pick the model sample.py and eval.py run."""
-
-    out_dir: str | None = option(None, path=True)  # a train.py run directory holding ckpt.pt (or init_from)
-    # instead of out_dir: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 dir
-    init_from: str | None = option(None, path=True)
-    ckpt: str = option("latest", choices=("latest", "best"))  # the run's ckpt.pt, or its best.pt (train.keep_best)
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-        if self.out_dir is None and self.init_from is None:
-            raise ConfigError(
-                "out_dir is required: pass out_dir=RUN, a directory written by train.py (or init_from=gpt2)"
-            )
-
-
-@dataclass
-class SampleConfig(ModelChoice):
-    start: str = "\n"  # the prompt, or FILE:path to read it from a file
-    num_samples: int = option(3, at_least=1)
-    max_new_tokens: int = option(500, at_least=1)
-    temperature: float = option(0.8, at_least=0.0, hint="0 means greedy decoding (the most likely token)")
-    top_k: int | None = option(200, at_least=1, hint="null means no cut-off")  # the k most likely tokens
-    top_p: float | None = option(None, above=0.0, at_most=1.0, hint="null means no cut-off")  # nucleus: mass p
-    min_p: float | None = option(None, above=0.0, at_most=1.0, hint="null means no cut-off")  # p >= min_p * top
-    seed: int = option(1337, at_least=0, at_most=SEED_MAX)
-    device: str = option("auto", choices=DEVICES)
-    dtype: str = option("auto", choices=DTYPES)
-    attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
-    use_cache: bool = True  # KV cache: run the prompt once, then one token per step
-    # a sample ends before the first of these strings (\n, \t: newline, tab); a BPE model's <|endoftext|> too, but
-    # with stop=[]
-    stop: list[str] | None = None
-    stream: bool | None = None  # print each sample as it is generated; null: when stdout is a terminal
-    attention_dir: str | None = option(None, directory=True)  # write attention.npz and one PNG per layer here
-    check_causal: bool = False  # print the causality demonstration after the samples: a summary by range
-    check_causal_positions: bool = False  # with check_causal: one line per position instead of the summary
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.stop is not None and "" in self.stop:
-            raise ConfigError(f"stop={self.stop} has an empty string, which would stop at once; remove it")
-
-
-@dataclass
-class EvalConfig(ModelChoice):
-    # a UTF-8 text file to score; null: the run's own val split (init_from needs a file)
-    input: str | None = option(None, path=True)
-    # tokens of context a window holds; null: the model's block_size
-    context: int | None = option(None, at_least=1, hint="null means the model's block_size")
-    # tokens each window advances (and scores, but the first); null: context // 2. stride=context: disjoint windows
-    stride: int | None = option(None, at_least=1, hint="null means half the context")
-    # windows per forward pass; null: 4096 tokens' worth (as train.full_val), at least 1
-    batch_size: int | None = option(None, at_least=1, hint="null means 4096 // context windows")
-    hellaswag: bool = False  # also score HellaSwag's validation set (BPE models)
-    # a local hellaswag_val.jsonl; null: data/cache/hellaswag's, downloaded once
-    hellaswag_file: str | None = option(None, path=True)
-    device: str = option("auto", choices=DEVICES)
-    dtype: str = option("auto", choices=DTYPES)
-    attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.out_dir is None and self.input is None and not self.hellaswag:
-            raise ConfigError(
-                f"init_from={self.init_from} has no val split to score: pass input=FILE (a text file) or hellaswag=true"
-            )
-        if self.hellaswag_file is not None and not self.hellaswag:
-            raise ConfigError(f"hellaswag_file={self.hellaswag_file} is read only with hellaswag=true; add it")
-
-
-@dataclass
-class ServeConfig(ModelChoice):
-    """serve.py's keys (configs/serve.yaml): where it listens, the model's device, and the limits of its work."""
-
-    host: str = "127.0.0.1"  # loopback: only this machine; 0.0.0.0 listens on every interface
-    port: int = option(8000, at_least=0, at_most=65535)  # 0: any free port (printed when ready)
-    device: str = option("auto", choices=DEVICES)
-    dtype: str = option("auto", choices=DTYPES)
-    attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
-    api_key: str | None = None  # every request then needs Authorization: Bearer KEY; null: $GPT_LAB_API_KEY, if set
-    model_id: str | None = None  # the id /v1/models lists and requests name; null: the run directory's name
-    max_batch: int = option(64, at_least=1)  # sequences decoded together, one forward pass a step
-    max_queue: int = option(256, at_least=0)  # choices waiting for a place in the batch; past it: 503, Retry-After
-    max_tokens: int = option(1024, at_least=1)  # the largest max_tokens a request may ask for
-    max_choices: int = option(16, at_least=1)  # prompts x n in one request
-    max_prompt_tokens: int = option(8192, at_least=1)  # a rolling model's prompt; others: block_size with max_tokens
-    timeout_s: float = option(300.0, above=0.0)  # a request running longer is cancelled: 504
-    max_body_bytes: int = option(1_000_000, at_least=1)  # a larger request body: 413
-    # torch's CPU threads for the model; null: one less than the cores (at least 1), leaving one to the HTTP side
-    threads: int | None = option(None, at_least=1)
-
-
 def register_schemas() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainRunConfig)
-    cs.store(name="sample_schema", node=SampleConfig)
-    cs.store(name="eval_schema", node=EvalConfig)
-    cs.store(name="serve_schema", node=ServeConfig)
     register_prepare_schema()

@@ -18,29 +18,28 @@ from typing import Any
 import torch
 from torch import nn
 
+from common.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, Progress, save_checkpoint
 from common.cpu_threads import use_free_cores
+from common.errors import NonFiniteState
+from common.runtime import Runtime
 from data.batches import TRAIN_WINDOWS, batch_generator, every_window, get_batch
 from data.prepare import PreparedData
 from data.tokenizers import Tokenizer
-from inference.sample_text import stop_strings
-from inference.sampling import Sampler
 from model import GPT
-from model.decoding import Decoding
-from training.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, Progress, save_checkpoint
+from model.decoding import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from training.distributed import (
     World,
     full_state,
     gradient_sync,
     load_full_state,
 )
-from training.errors import NonFiniteState, TrainingDiverged
+from training.errors import TrainingDiverged
 from training.evaluation import Evaluator, HellaSwagEval, Losses
 from training.metrics import LogWindow, MetricsLog, drop_records_after
 from training.optim import group_hyperparameters, set_hyperparameters
 from training.preemption import StopRequests
 from training.run_lock import still_held
-from training.runtime import Runtime
-from training.schema import SampleConfig, TrainRunConfig
+from training.schema import TrainRunConfig
 
 log = logging.getLogger("train")
 
@@ -430,14 +429,14 @@ class Trainer:
         return TrainResult(self.out_dir, p.iter, p.val_loss, p.best_val_loss, self.elapsed(), stopped_by, dtype)
 
     def _samples(self, count: int = 3, tokens: int = 200) -> list[list[str]]:
-        """Continuations of the val split's first token, with sample.py's default temperature and top_k; drawn
-        after the last checkpoint, whose random state is already saved."""
+        """Continuations of the val split's first token, with sample.py's default temperature and top_k, each cut
+        at the tokenizer's end of text; drawn after the last checkpoint, whose random state is already saved."""
         first = int(next(every_window(self.data.val, 1, 1))[0][0, 0])
-        sampler = Sampler(self.model, self.tokenizer, self.runtime)
+        idx = torch.full((count, 1), first, dtype=torch.long, device=self.runtime.device)
         self.model.eval()
-        decoding = Decoding(SampleConfig.temperature, SampleConfig.top_k)
-        samples = sampler.generate([first], count, tokens, decoding, stop=stop_strings(None, self.tokenizer))
-        texts = [sample.text for sample in samples]
+        with self.runtime.autocast():
+            rows = self.model.generate(idx, tokens, DEFAULT_TEMPERATURE, DEFAULT_TOP_K)
         self.model.train()
-        prompt = self.tokenizer.decode([first])
-        return [[prompt, text] for text in texts]
+        prompt, end = self.tokenizer.decode([first]), self.tokenizer.end_of_text
+        texts = [self.tokenizer.decode(row[1:].tolist()) for row in rows]
+        return [[prompt, prompt + (text.split(end)[0] if end else text)] for text in texts]

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.errors import ConfigError
+from common.errors import CheckpointError, ConfigError, NonFiniteState
 from common.files import fsync_directory, replace_file, temporary_beside
 from model import GPT, GPTConfig
-from training.errors import CheckpointError, NonFiniteState
+from model.config import parameter_count
 
 CKPT_NAME = "ckpt.pt"  # the latest state, to resume from
 BEST_NAME = "best.pt"  # with train.keep_best: the state of the lowest val loss so far
@@ -159,8 +159,6 @@ class Checkpoint:
 def _check_buildable(config: GPTConfig, path: Path) -> None:
     """Before anything is allocated: a model_config whose float32 weights alone outgrow this machine's memory
     (a damaged or crafted file) is refused instead of building it."""
-    from training.memory import parameter_count
-
     need = 4 * parameter_count(config)
     memory = _physical_memory()
     if memory is not None and need > memory:

@@ -406,8 +406,8 @@ def _engine_alone(
 
 def _random_run(run: Path) -> Path:
     """A run directory whose ckpt.pt holds the CPU preset's shape with random weights, for timing only."""
-    from common.checkpoint import CKPT_NAME, Checkpoint, save_checkpoint
     from data.tokenizers import CharTokenizer
+    from model.checkpoint import CKPT_NAME, Checkpoint, save_checkpoint
 
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=65, n_layer=4, n_head=4, n_embd=128, block_size=64, bias=False)

@@ -23,7 +23,11 @@ from inference.eval_run import readable, run_eval
 from inference.schema import EvalConfig, register_schemas
 
 register_schemas()
-USAGE = """Score a model: loss, perplexity and bits per byte of a text, and HellaSwag. Settings are key=value.
+
+
+def usage() -> str:
+    """`python eval.py --help`: the keys set most; every key: docs/reference.md."""
+    return """Score a model: loss, perplexity and bits per byte of a text, and HellaSwag. Settings are key=value.
 
 Keys set most:
   out_dir=RUN             a train.py run directory (or init_from=gpt2 for OpenAI's GPT-2)
@@ -51,4 +55,4 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    run_hydra(main, EvalConfig, usage=USAGE)
+    run_hydra(main, EvalConfig, usage=usage)

@@ -2,26 +2,9 @@
 
 Only the samples, and the causality report when asked for, go to stdout: as they are generated when it is a
 terminal (stream=true), one after another; the num_samples samples are drawn side by side as one batch.
-
-    python sample.py out_dir=RUN start="ROMEO:" num_samples=3 max_new_tokens=500
-    python sample.py out_dir=RUN start="ROMEO:" "stop=['\n\n']"   # each sample ends before its first blank line
-    python sample.py out_dir=RUN start=FILE:prompt.txt
-    python sample.py out_dir=RUN start="'To be, or not'"   # quote prompts with commas, spaces or symbols
-    python sample.py out_dir=RUN start="ROMEO:" max_new_tokens=60 attention_dir=DIR   # attention maps
-    python sample.py out_dir=RUN start="ROMEO:" check_causal=true   # prove the causal mask holds
-    python sample.py init_from=gpt2 start="The meaning of life is"   # OpenAI's GPT-2 (pip install ".[hf]")
-
-attention_dir=DIR runs the prompt and the first sample's continuation through the math path of the same
-weights and writes DIR/attention.npz (weights: (n_layer, n_head, T, T), mask: (n_layer, T, T), tokens, head
-diagnostics), one PNG per layer and DIR/index.html, an offline page to explore them, with the KV-cache decode
-steps' own weights (and the causality chart with check_causal=true; docs/attention_explorer.md). In each heat
-map row i is a query position and column j a key position; each row is a softmax over the keys the mask allows,
-so it sums to 1; masked cells (above the diagonal, and outside a sliding window's band) are grey.
-
-check_causal=true changes one token of that sequence (the middle one; with a sliding window in every layer, the
-one that centres its receptive field) and prints, position by position, the largest change of the logits on
-both attention paths: zero before the change, non-zero from it on (and, with a window in every layer, zero
-again past the receptive field).
+attention_dir=DIR writes the attention maps of the first sample and an offline page to explore them
+(docs/attention_explorer.md); check_causal=true changes one token and shows that no earlier position's logits
+move. `python sample.py --help` lists the keys set most, with examples.
 """
 
 import sys
@@ -33,32 +16,12 @@ from omegaconf import DictConfig
 from common.cli import exit_on_user_error, literal_text, run_hydra, stdout_reader_may_leave
 from common.config import typed_config
 from inference.sample_text import SEPARATOR, stop_strings
-from inference.sampling import load_sampler, warn
+from inference.sampling import Sampler, load_sampler, warn
 from inference.schema import SampleConfig, register_schemas
 from model.decoding import Decoding
 
 register_schemas()
 TEXT_KEYS = ("start", "stop")  # taken literally: a prompt's ${...} is text, not an interpolation
-USAGE = """Generate text from a trained run. Settings are key=value, no dashes.
-
-Keys set most:
-  out_dir=RUN             a train.py run directory (or init_from=gpt2 for OpenAI's GPT-2)
-  start=TEXT              the prompt; start=FILE:prompt.txt reads it from a file
-  num_samples=N           samples drawn side by side (default 3)
-  max_new_tokens=N        tokens per sample (default 500)
-  temperature=X           0 is greedy; default 0.8 (and top_k=200, top_p=, min_p=)
-  seed=N                  the same seed, the same samples
-  stop=[...]              end each sample before the first of these strings
-  ckpt=best               the run's best.pt instead of its latest ckpt.pt
-  attention_dir=DIR       write attention maps and an offline page to explore them
-  check_causal=true       show that the causal mask holds (check_causal_positions=true: position by position)
-
-Examples:
-  python sample.py out_dir=runs/cpu start="ROMEO:" num_samples=2 max_new_tokens=200
-  python sample.py out_dir=runs/cpu start="'To be, or not'" temperature=0   # quote text with commas twice
-  python sample.py out_dir=runs/cpu start="ROMEO:" max_new_tokens=60 attention_dir=maps
-
-Every key: docs/reference.md. Hydra's own flags: --hydra-help."""
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="sample")
@@ -86,47 +49,74 @@ def main(dict_cfg: DictConfig) -> None:
         )
         if not stream:
             sys.stdout.write("".join(sample.text + SEPARATOR for sample in samples))
-        if not (cfg.attention_dir or cfg.check_causal):
-            return
-        first = samples[0].ids
-        decode_each = [sampler.tokenizer.decode([i]) for i in first]
-        causality = None
-        if cfg.check_causal:
-            from analysis.causality import check_causality, format_report
+        if cfg.attention_dir or cfg.check_causal:
+            look_inside(cfg, sampler, samples[0].ids, len(prompt))
 
-            # A rolling model runs any length in one pass: enough that its receptive field's far edge shows.
-            config = sampler.model.config
-            span = max(config.block_size, 2 * config.receptive_field) if config.rolls else None
-            window = sampler.last_window(first, "causality check", span)
-            if len(window) < 2:
-                warn("causality check: needs at least 2 tokens; raise max_new_tokens")
-            elif config.vocab_size < 2:
-                warn("causality check: could not run: a one-token vocabulary has no other token to change to")
-            else:
-                report = check_causality(sampler.model, window)
-                changed_to = sampler.tokenizer.decode([(window[report.position] + 1) % config.vocab_size])
-                tokens = decode_each[-len(window) :]
-                print(format_report(report, tokens, changed_to, positions=cfg.check_causal_positions))
-                causality = (report, tokens)
-        if cfg.attention_dir:
-            from analysis.attention_maps import save_attention_maps
-            from analysis.explorer import causality_data, save_explorer
 
-            out_dir = Path(cfg.attention_dir)
-            window = sampler.last_window(first, "attention maps")
-            paths = save_attention_maps(sampler.model, window, decode_each[-len(window) :], out_dir)
-            page = save_explorer(
-                sampler.model,
-                first,
-                len(prompt),
-                out_dir,
-                f"{cfg.init_from if cfg.out_dir is None else cfg.out_dir}: {cfg.start!r}",
-                None if causality is None else causality_data(*causality),
-                use_cache=cfg.use_cache,
-            )
-            print(f"wrote {out_dir / 'attention.npz'}, {len(paths)} PNGs and {page}", file=sys.stderr)
+def look_inside(cfg: SampleConfig, sampler: Sampler, first: list[int], prompt_length: int) -> None:
+    """check_causal and attention_dir, on the first sample (its prompt and continuation)."""
+    decode_each = [sampler.tokenizer.decode([i]) for i in first]
+    causality = None
+    if cfg.check_causal:
+        from analysis.causality import check_causality, format_report
+
+        # A rolling model runs any length in one pass: enough that its receptive field's far edge shows.
+        config = sampler.model.config
+        span = max(config.block_size, 2 * config.receptive_field) if config.rolls else None
+        window = sampler.last_window(first, "causality check", span)
+        if len(window) < 2:
+            warn("causality check: needs at least 2 tokens; raise max_new_tokens")
+        elif config.vocab_size < 2:
+            warn("causality check: could not run: a one-token vocabulary has no other token to change to")
+        else:
+            report = check_causality(sampler.model, window)
+            changed_to = sampler.tokenizer.decode([(window[report.position] + 1) % config.vocab_size])
+            tokens = decode_each[-len(window) :]
+            print(format_report(report, tokens, changed_to, positions=cfg.check_causal_positions))
+            causality = (report, tokens)
+    if cfg.attention_dir:
+        from analysis.attention_maps import save_attention_maps
+        from analysis.explorer import causality_data, save_explorer
+
+        out_dir = Path(cfg.attention_dir)
+        window = sampler.last_window(first, "attention maps")
+        paths = save_attention_maps(sampler.model, window, decode_each[-len(window) :], out_dir)
+        page = save_explorer(
+            sampler.model,
+            first,
+            prompt_length,
+            out_dir,
+            f"{cfg.init_from if cfg.out_dir is None else cfg.out_dir}: {cfg.start!r}",
+            None if causality is None else causality_data(*causality),
+            use_cache=cfg.use_cache,
+        )
+        print(f"wrote {out_dir / 'attention.npz'}, {len(paths)} PNGs and {page}", file=sys.stderr)
+
+
+def usage() -> str:
+    """`python sample.py --help`: the keys set most; every key: docs/reference.md."""
+    return """Generate text from a trained run. Settings are key=value, no dashes.
+
+Keys set most:
+  out_dir=RUN             a train.py run directory (or init_from=gpt2 for OpenAI's GPT-2)
+  start=TEXT              the prompt; start=FILE:prompt.txt reads it from a file
+  num_samples=N           samples drawn side by side (default 3)
+  max_new_tokens=N        tokens per sample (default 500)
+  temperature=X           0 is greedy; default 0.8 (and top_k=200, top_p=, min_p=)
+  seed=N                  the same seed, the same samples
+  stop=[...]              end each sample before the first of these strings
+  ckpt=best               the run's best.pt instead of its latest ckpt.pt
+  attention_dir=DIR       write attention maps and an offline page to explore them
+  check_causal=true       show that the causal mask holds (check_causal_positions=true: position by position)
+
+Examples:
+  python sample.py out_dir=runs/cpu start="ROMEO:" num_samples=2 max_new_tokens=200
+  python sample.py out_dir=runs/cpu start="'To be, or not'" temperature=0   # quote text with commas twice
+  python sample.py out_dir=runs/cpu start="ROMEO:" max_new_tokens=60 attention_dir=maps
+
+Every key: docs/reference.md. Hydra's own flags: --hydra-help."""
 
 
 if __name__ == "__main__":
     sys.argv[1:] = literal_text(sys.argv[1:], TEXT_KEYS)
-    run_hydra(main, SampleConfig, usage=USAGE)
+    run_hydra(main, SampleConfig, usage=usage)

@@ -10,7 +10,6 @@ Any OpenAI client works: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="KE
 temperature=0, and a request's seed S gives choice i the draws of sample.py's sample i with seed=S.
 """
 
-
 import hydra
 from omegaconf import DictConfig
 
@@ -19,7 +18,11 @@ from common.config import typed_config
 from inference.schema import ServeConfig, register_schemas
 
 register_schemas()
-USAGE = """Serve a model through OpenAI's completions API, with a live page at /. Settings are key=value.
+
+
+def usage() -> str:
+    """`python serve.py --help`: the keys set most; every key: docs/reference.md."""
+    return """Serve a model through OpenAI's completions API, with a live page at /. Settings are key=value.
 
 Keys set most:
   out_dir=RUN             a train.py run directory (or init_from=gpt2 for OpenAI's GPT-2)
@@ -44,4 +47,4 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    run_hydra(main, ServeConfig, usage=USAGE)
+    run_hydra(main, ServeConfig, usage=usage)

@@ -50,7 +50,7 @@ def stdout_reader_may_leave() -> Iterator[None]:
 
 
 def run_hydra(
-    main: Callable[[], None], schema: type, groups: tuple[str, ...] = (), usage: str | Callable[[], str] = ""
+    main: Callable[[], None], schema: type, groups: tuple[str, ...] = (), usage: Callable[[], str] = str
 ) -> None:
     """Runs a script's @hydra.main. The command's overrides are checked only when Hydra refuses them (its reports
     are several lines, and tell a misspelt key to add itself with `+`): then check_overrides says why in one line.
@@ -58,7 +58,8 @@ def run_hydra(
     runs) are checked first."""
     args = sys.argv[1:]
     if "-h" in args or "--help" in args:
-        print((usage() if callable(usage) else usage).strip())
+        with stdout_reader_may_leave():
+            print(usage().strip())
         sys.exit(0)
     if any(arg.startswith(("-", "hydra.job.chdir")) for arg in args):
         check_overrides(args, schema, groups)
@@ -70,17 +71,13 @@ def run_hydra(
         raise
 
 
-def check_overrides(args: list[str], schema: type, groups: tuple[str, ...] = (), help_text: str = "") -> None:
-    """Before Hydra composes (and makes out_dir): every `key=value` parses, names a key of the schema and has a
+def check_overrides(args: list[str], schema: type, groups: tuple[str, ...] = ()) -> None:
+    """Why Hydra refused the command (run_hydra): every `key=value` parses, names a key of the schema and has a
     value of its type and range, and every config group (`groups`: the ones this command takes) names one of its
-    presets, or the command ends here with one line and status 2. Hydra's own reports are several lines, and tell
-    a misspelt key to add itself with `+`. hydra.* is Hydra's to judge, and so are the values of range() and
-    interval() sweeps (each job checks its own). `-h`/`--help` prints help_text (Hydra's own: --hydra-help)."""
+    presets, or the command ends here with one line and status 2. hydra.* is Hydra's to judge, and so are the
+    values of range() and interval() sweeps (each job checks its own)."""
     from hydra._internal.utils import get_args_parser
 
-    if help_text and ("-h" in args or "--help" in args):
-        print(help_text.strip())
-        sys.exit(0)
     if get_args_parser().parse_known_args(args)[0].shell_completion:
         return  # `-sc install=bash` and its queries are not overrides
     _refuse_dashed_keys(args, schema, groups)

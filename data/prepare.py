@@ -309,12 +309,16 @@ def _ensure_corpus(out_dir: Path, config: DataConfig, prepare: bool) -> Prepared
 def _prepared_once(
     out_dir: Path, fingerprint: dict[str, Any], prepare: bool, make: Callable[[], PreparedData]
 ) -> PreparedData:
-    """The folder's dataset, made by `make` unless it is already there. One process prepares a folder at a time
-    (an OS file lock, released if it dies): another one on the same data waits, then reuses what it made. Holding
-    the lock, what killed preparations left (their temporaries) goes."""
-    prepared = _reusable(out_dir, fingerprint)
-    if prepared:
-        return prepared
+    """The folder's dataset, made by `make` unless it is already there."""
+    return _reusable(out_dir, fingerprint) or _prepare_once(out_dir, fingerprint, prepare, make)
+
+
+def _prepare_once(
+    out_dir: Path, fingerprint: dict[str, Any], prepare: bool, make: Callable[[], PreparedData]
+) -> PreparedData:
+    """One process prepares a folder at a time (an OS file lock, released if it dies): another one on the same
+    data waits, then reuses what it made. Holding the lock, what killed preparations left (their temporaries)
+    goes."""
     _refuse_unless(prepare, out_dir)
     _refuse_foreign(out_dir)
     check_writable(out_dir, "data.dir")
@@ -452,4 +456,4 @@ if __name__ == "__main__":
         "Examples:\n  python -m data.prepare data=shakespeare\n"
         "  python -m data.prepare data.input=my_text.txt data.name=mine\n"
     )
-    run_hydra(main, PrepareConfig, ("data",), usage)
+    run_hydra(main, PrepareConfig, ("data",), lambda: usage)

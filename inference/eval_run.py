@@ -12,7 +12,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common.checkpoint import Checkpoint
 from common.errors import ConfigError
 from common.runtime import make_runtime
 from data.config import DataConfig
@@ -24,6 +23,7 @@ from evals.hellaswag import hellaswag_examples, hellaswag_sums
 from evals.perplexity import score_sequences
 from inference.load import LoadedModel, load_model
 from inference.schema import EvalConfig
+from model.checkpoint import Checkpoint
 
 
 def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
 from common.errors import CheckpointError
 from data.tokenizers import BpeTokenizer, Tokenizer, tokenizer_from_metadata
 from model import GPT
+from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
 from model.hf_gpt2 import load_pretrained
 
 GPT2_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's BPE

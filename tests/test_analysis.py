@@ -10,8 +10,8 @@ import torch
 import model.attention
 from analysis.attention_maps import save_attention_maps
 from analysis.causality import check_causality, format_report
-from common.checkpoint import CKPT_NAME, load_checkpoint
 from conftest import run_script
+from model.checkpoint import CKPT_NAME, load_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint
 from common.config import typed_config
 from common.errors import CheckpointError
 from conftest import compose_config, tiny_run_overrides
 from inference.sampling import load_sampler
 from inference.schema import SampleConfig
+from model.checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint
 from training.evaluation import Losses
 from training.run import train
 from training.trainer import Trainer

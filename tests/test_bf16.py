@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import CKPT_NAME, load_checkpoint
 from common.runtime import make_runtime
 from conftest import compose_config, tiny_run_overrides
 from model import GPT, GPTConfig
+from model.checkpoint import CKPT_NAME, load_checkpoint
 from training import machine as precision
 from training import run
 from training.distributed import World

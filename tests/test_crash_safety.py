@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
 from common.errors import CheckpointError
 from conftest import REACHES_TARGET, REPO, compose_config, run_script, start_script, tiny_run_overrides, wait_for_text
 from model import GPTConfig
+from model.checkpoint import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
 from training.errors import TrainingDiverged
 from training.metrics import read_records
 from training.run import train
@@ -194,7 +194,7 @@ import sys, torch
 sys.path.insert(0, {repo!r})
 from pathlib import Path
 from model import GPTConfig
-from common.checkpoint import Checkpoint, Progress, save_checkpoint
+from model.checkpoint import Checkpoint, Progress, save_checkpoint
 path = Path({path!r})
 weights = [{{"w": torch.full((4_000_000,), float(i))}} for i in (1, 2)]
 states = [Checkpoint(GPTConfig(), w, {{}}, progress=Progress(iter=i)) for i, w in zip((1, 2), weights)]
@@ -391,7 +391,7 @@ def test_a_checkpoint_from_before_torchrun_support_resumes_exactly(
 def test_a_checkpoint_in_the_layout_before_the_trainer_resumes_exactly_and_samples(
     half_run: tuple[Path, Path], tmp_path: Path, corpus_path: Path
 ) -> None:
-    """The dict the training loop wrote by hand before common.checkpoint owned the format, key by key."""
+    """The dict the training loop wrote by hand before model.checkpoint owned the format, key by key."""
     from common.config import typed_config
     from inference.sampling import load_sampler
     from inference.schema import SampleConfig

@@ -17,10 +17,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from common.checkpoint import CKPT_NAME, load_checkpoint
 from common.config import typed_config
 from common.errors import ConfigError
 from conftest import REPO, compose_config, run_script, tiny_run_overrides
+from model.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
 from training.evaluation import share_of
 from training.run import check_for_world, train

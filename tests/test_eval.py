@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from common.checkpoint import CKPT_NAME, load_checkpoint
 from common.cli import check_overrides
 from common.config import typed_config
 from common.errors import ConfigError, UserError
@@ -29,6 +28,7 @@ from evals.perplexity import count_windows, score_sequences, windows
 from inference.eval_run import run_eval
 from inference.schema import EvalConfig
 from model import GPT, GPTConfig
+from model.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
 from training.evaluation import Evaluator, share_of
 from training.run import train

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from common.checkpoint import CKPT_NAME, load_checkpoint
 from common.cli import check_overrides
 from common.config import typed_config
 from common.errors import ConfigError
 from conftest import CONFIGS, compose_config, run_script, start_script, tiny_run_overrides, wait_for_text
 from data.config import KNOWN_TEXTS, DataConfig
 from data.prepare import ensure_prepared
-from inference.schema import EvalConfig, SampleConfig, ServeConfig
+from inference.schema import SampleConfig
+from model.checkpoint import CKPT_NAME, load_checkpoint
 from training.optim import scheduled_lr
 from training.resume import resumed_config
 from training.run import train
@@ -283,23 +283,12 @@ def test_sample_takes_no_presets_and_suggests_out_dir(capsys: pytest.CaptureFixt
     )
 
 
-def test_help_lists_the_keys_set_most_with_examples(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    import eval as eval_script
-    import sample
-    import serve
-
-    result = run_script("train.py", ["--help"], tmp_path)
-    assert result.returncode == 0 and list(tmp_path.iterdir()) == []  # nothing made, Hydra never started
-    texts = {"train.py": result.stdout}
-    for script, module, schema in (
-        ("sample.py", sample, SampleConfig),
-        ("eval.py", eval_script, EvalConfig),
-        ("serve.py", serve, ServeConfig),
-    ):
-        with pytest.raises(SystemExit) as stopped:
-            check_overrides(["-h"], schema, help_text=module.USAGE)
-        assert stopped.value.code == 0
-        texts[script] = capsys.readouterr().out
+def test_help_lists_the_keys_set_most_with_examples(tmp_path: Path) -> None:
+    texts = {}
+    for script in ("train.py", "sample.py", "eval.py", "serve.py"):
+        result = run_script(script, ["--help"], tmp_path)
+        assert result.returncode == 0 and list(tmp_path.iterdir()) == []  # nothing made, Hydra never started
+        texts[script] = result.stdout
     for script, text in texts.items():
         assert "Keys set most:" in text and "Examples:" in text and "docs/reference.md" in text
         examples = [line.strip() for line in text.splitlines() if line.strip().startswith(f"python {script}")]

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import CKPT_NAME, CheckpointError, load_checkpoint
 from common.cli import check_overrides
 from common.config import check_override
 from common.errors import ConfigError, UserError
@@ -25,6 +24,7 @@ from data.errors import DataError
 from data.prepare import ensure_prepared
 from inference.sampling import read_prompt
 from inference.schema import SampleConfig
+from model.checkpoint import CKPT_NAME, CheckpointError, load_checkpoint
 from training.metrics import METRICS_NAME, LogWindow, MetricsLog, drop_records_after, read_records
 from training.run import train
 from training.schema import CONFIG_GROUPS, TrainRunConfig, WandbConfig

@@ -36,3 +36,10 @@ def test_lower_layers_import_nothing_from_higher_ones(package: str) -> None:
     for path in files:
         stray = _imported_packages(path) - ALLOWED[package]
         assert not stray, f"{path.relative_to(REPO)} imports {sorted(stray)}"
+
+
+def test_training_and_inference_import_nothing_of_each_other() -> None:
+    """What both need (the checkpoint format, the runtime, the configs' building blocks) lives below them."""
+    for package, other in (("training", "inference"), ("inference", "training")):
+        for path in sorted((REPO / package).glob("*.py")):
+            assert other not in _imported_packages(path), f"{path.relative_to(REPO)} imports {other}"

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from analysis.causality import check_causality
-from common.checkpoint import CKPT_NAME, load_checkpoint
 from common.errors import ConfigError
 from conftest import MODERN, assert_same_logits_and_gradients, compose_config, tiny_run_overrides
 from model import GPT, GPTConfig
+from model.checkpoint import CKPT_NAME, load_checkpoint
 from model.config import BIGRAM_ROWS
 from model.hf_gpt2 import PretrainedError, hf_from_gpt
 from model.kv_cache import KVCache

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint, save_checkpoint
 from common.config import typed_config
 from common.errors import CheckpointError, NonFiniteState
 from common.runtime import make_runtime
 from conftest import compose_config, run_script, tiny_run_overrides
 from model import GPTConfig
+from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint, save_checkpoint
 from training.distributed import World
 from training.errors import TrainingDiverged
 from training.run import build_trainer, train

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import common.checkpoint
 import common.files
+import model.checkpoint
 import training.run
-from common.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
 from common.runtime import Runtime, make_runtime
 from conftest import REPO, compose_config, run_script, tiny_run_overrides
 from model import GPT, GPTConfig
+from model.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
 from training.run import train
 from training.run_lock import run_lock
 
@@ -38,7 +38,7 @@ def _windows_directories(monkeypatch: pytest.MonkeyPatch) -> None:
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr(common.checkpoint.os, "open", refusing)
+    monkeypatch.setattr(model.checkpoint.os, "open", refusing)
 
 
 def _val_losses(run: Path) -> list[float]:
@@ -70,7 +70,7 @@ def test_a_filesystem_that_refuses_to_fsync_a_directory_still_gets_the_checkpoin
             raise OSError(22, "Invalid argument")
         real_fsync(fd)
 
-    monkeypatch.setattr(common.checkpoint.os, "fsync", refusing)
+    monkeypatch.setattr(model.checkpoint.os, "fsync", refusing)
     checkpoint = _checkpoint()
     save_checkpoint(tmp_path / CKPT_NAME, checkpoint)
     assert load_checkpoint(tmp_path / CKPT_NAME).model.keys() == checkpoint.model.keys()
@@ -86,7 +86,7 @@ def test_a_directory_is_fsynced_where_it_can_be_and_an_io_error_is_not_swallowed
         synced.append(os.path.isdir(f"/proc/self/fd/{fd}"))
         real_fsync(fd)
 
-    monkeypatch.setattr(common.checkpoint.os, "fsync", spying)
+    monkeypatch.setattr(model.checkpoint.os, "fsync", spying)
     save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
     assert synced == [False, True]  # the file, then the directory holding the rename
 
@@ -95,7 +95,7 @@ def test_a_directory_is_fsynced_where_it_can_be_and_an_io_error_is_not_swallowed
             raise OSError(errno.EIO, "Input/output error")
         real_fsync(fd)
 
-    monkeypatch.setattr(common.checkpoint.os, "fsync", failing)
+    monkeypatch.setattr(model.checkpoint.os, "fsync", failing)
     with pytest.raises(OSError, match="Input/output error"):
         save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
 
@@ -111,7 +111,7 @@ def test_a_replace_that_meets_a_reader_on_windows_is_tried_again(
             raise PermissionError(13, "The process cannot access the file", str(dst))
         real_replace(src, dst)
 
-    monkeypatch.setattr(common.checkpoint.os, "replace", windows_replace)
+    monkeypatch.setattr(model.checkpoint.os, "replace", windows_replace)
     monkeypatch.setattr(common.files.sys, "platform", "win32")
     save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
     assert load_checkpoint(tmp_path / CKPT_NAME).model_config.n_embd == 4
@@ -129,14 +129,14 @@ def test_each_writer_writes_its_own_temporary_file(monkeypatch: pytest.MonkeyPat
     renamed: list[str] = []
     real_replace = os.replace
     monkeypatch.setattr(
-        common.checkpoint.os, "replace", lambda src, dst: (renamed.append(Path(src).name), real_replace(src, dst))
+        model.checkpoint.os, "replace", lambda src, dst: (renamed.append(Path(src).name), real_replace(src, dst))
     )
     save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
     assert renamed == [f"{CKPT_NAME}.{os.getpid()}.tmp"]
 
 
-def _checkpoint() -> common.checkpoint.Checkpoint:
-    from common.checkpoint import Checkpoint, Progress
+def _checkpoint() -> model.checkpoint.Checkpoint:
+    from model.checkpoint import Checkpoint, Progress
 
     config = GPTConfig(vocab_size=10, block_size=4, n_layer=1, n_head=1, n_embd=4)
     return Checkpoint(

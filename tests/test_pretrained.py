@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from common.checkpoint import CKPT_NAME, Checkpoint, load_checkpoint, save_checkpoint
 from common.errors import CheckpointError, ConfigError, UserError
 from conftest import REPO, TINY_BPE, compose_config, run_script, tiny_encoding, tiny_run_overrides
 from model import GPT, GPTConfig
+from model.checkpoint import CKPT_NAME, Checkpoint, load_checkpoint, save_checkpoint
 from model.hf_gpt2 import PRETRAINED, PretrainedError, gpt_from_hf, hf_from_gpt, load_pretrained
 from training.run import train
 

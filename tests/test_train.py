@@ -8,9 +8,9 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from common.checkpoint import CKPT_NAME, load_checkpoint
 from common.errors import CheckpointError, ConfigError
 from conftest import CONFIGS, REACHES_TARGET, TINY_BPE, compose_config, tiny_run_overrides
+from model.checkpoint import CKPT_NAME, load_checkpoint
 from training.optim import lr_at
 from training.run import train
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from common.checkpoint import CKPT_NAME, Checkpoint, saved_config
 from common.errors import CheckpointError, ConfigError
 from model import GPTConfig
+from model.checkpoint import CKPT_NAME, Checkpoint, saved_config
 from training.schema import CONFIG_GROUPS
 
 log = logging.getLogger("train")

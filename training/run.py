@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from common.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
 from common.config import typed_config
 from common.cpu_threads import use_free_cores
 from common.errors import CheckpointError, ConfigError
@@ -27,6 +26,7 @@ from data.prepare import PreparedData, ensure_prepared
 from data.tokenizers import Tokenizer, tokenizer_from_metadata
 from evals.hellaswag import hellaswag_path, load_examples
 from model import GPT
+from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
 from model.hf_gpt2 import SETTINGS as PRETRAINED_SETTINGS
 from model.hf_gpt2 import load_pretrained
 from training.distributed import (

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, Progress, save_checkpoint
 from common.cpu_threads import use_free_cores
 from common.errors import NonFiniteState
 from common.runtime import Runtime
@@ -26,6 +25,7 @@ from data.batches import TRAIN_WINDOWS, batch_generator, every_window, get_batch
 from data.prepare import PreparedData
 from data.tokenizers import Tokenizer
 from model import GPT
+from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, Progress, save_checkpoint
 from model.decoding import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from training.distributed import (
     World,

@@ -21,8 +21,8 @@ from torch import nn
 
 from common.errors import CheckpointError, ConfigError, NonFiniteState
 from common.files import fsync_directory, replace_file, temporary_beside
-from model import GPT, GPTConfig
-from model.config import parameter_count
+from model.config import GPTConfig, parameter_count
+from model.gpt import GPT
 
 CKPT_NAME = "ckpt.pt"  # the latest state, to resume from
 BEST_NAME = "best.pt"  # with train.keep_best: the state of the lowest val loss so far
@@ -227,20 +227,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointError(f"no checkpoint at {path}; pass out_dir=RUN, a directory written by train.py")
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        if "global" not in str(err).lower():  # no class or function to build: bytes that are no pickle
-            detail = str(err).partition("WeightsUnpickler error:")[2].strip() or str(err)
-            raise CheckpointError(
-                f"{path} is not a readable checkpoint: damaged, or not a checkpoint ({_first_line(detail)})"
-            ) from None
-        raise CheckpointError(  # weights_only refused to build an object: a class or a function
-            f"{path} is not a readable checkpoint: it holds objects other than tensors and plain values, "
-            "and unpickling those could run code"
-        ) from None
     except Exception as err:  # truncated or foreign: torch raises whatever its format readers hit
-        raise CheckpointError(
-            f"{path} is not a readable checkpoint ({type(err).__name__}: {_first_line(err)})"
-        ) from None
+        raise _unreadable(path, err) from None
     checkpoint = Checkpoint.from_dict(raw, path)
     bad = checkpoint.nonfinite()
     if bad:
@@ -249,6 +237,21 @@ def load_checkpoint(path: Path) -> Checkpoint:
             "train again with a lower train.learning_rate"
         )
     return checkpoint
+
+
+def _unreadable(path: Path, err: Exception) -> CheckpointError:
+    """Why torch.load refused `path`, in one line."""
+    if not isinstance(err, pickle.UnpicklingError):
+        return CheckpointError(f"{path} is not a readable checkpoint ({type(err).__name__}: {_first_line(err)})")
+    if "global" not in str(err).lower():  # no class or function to build: bytes that are no pickle
+        detail = str(err).partition("WeightsUnpickler error:")[2].strip() or str(err)
+        return CheckpointError(
+            f"{path} is not a readable checkpoint: damaged, or not a checkpoint ({_first_line(detail)})"
+        )
+    return CheckpointError(  # weights_only refused to build an object: a class or a function
+        f"{path} is not a readable checkpoint: it holds objects other than tensors and plain values, "
+        "and unpickling those could run code"
+    )
 
 
 def saved_config(path: Path) -> dict[str, Any] | None:

@@ -33,6 +33,25 @@ def use_free_cores(mid_run: bool = False) -> str | None:
     )
 
 
+class SlowdownWatch:
+    """Steps 2.5x slower than this process's fastest: on a CPU, most likely another process took cores that
+    torch's threads wait for. Lowers the threads to the free cores, or says what to do, once per slowdown."""
+
+    def __init__(self) -> None:
+        self.fastest_ms = math.inf
+
+    def notice(self, ms_per_iter: float) -> str | None:
+        slower = ms_per_iter / self.fastest_ms
+        self.fastest_ms = min(self.fastest_ms, ms_per_iter)
+        if slower < 2.5:
+            return None
+        self.fastest_ms = ms_per_iter
+        return use_free_cores(mid_run=True) or (
+            f"steps take {slower:.1f}x as long as earlier in this run: if another process is using the CPU, "
+            "OMP_NUM_THREADS=1 (or stopping it) may help"
+        )
+
+
 def free_threads(current: int, busy: float | None, cores: int) -> int:
     """The threads to use: no more than now, nor than this process's cores less those others keep busy (a core
     busy more than half the time counts as taken), at least one."""

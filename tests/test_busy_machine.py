@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ from common import cpu_threads
 from conftest import compose_config, tiny_run_overrides
 from training.metrics import LogWindow
 from training.run import train
-from training.trainer import Trainer
 
 
 @pytest.fixture
@@ -76,22 +74,16 @@ def test_the_threads_drop_to_the_free_cores_unless_omp_num_threads_is_set(
     assert cpu_threads.use_free_cores() is None and torch.get_num_threads() == 2  # the user's choice stays
 
 
-def test_a_slowdown_mid_run_lowers_the_threads_or_says_what_to_do(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    trainer = SimpleNamespace(
-        fastest_ms=10.0, runtime=SimpleNamespace(device=torch.device("cpu")), world=SimpleNamespace(distributed=False)
-    )
+def test_a_slowdown_mid_run_lowers_the_threads_or_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
     notes = iter(["CPU threads: 1 of 2 from now on: other processes keep 1.0 cores busy", None])
-    monkeypatch.setattr("training.trainer.use_free_cores", lambda mid_run: next(notes))
-    with caplog.at_level(logging.WARNING, logger="train"):
-        Trainer._notice_slowdown(trainer, 20.0)  # 2x: noise, not a collapse
-        assert caplog.messages == []
-        Trainer._notice_slowdown(trainer, 40.0)
-        Trainer._notice_slowdown(trainer, 41.0)  # the same slowdown: said once
-        Trainer._notice_slowdown(trainer, 120.0)  # worse again, and no threads left to drop
-    assert caplog.messages == [
+    monkeypatch.setattr(cpu_threads, "use_free_cores", lambda mid_run: next(notes))
+    watch = cpu_threads.SlowdownWatch()
+    said = [watch.notice(ms) for ms in (10.0, 20.0, 40.0, 41.0, 120.0)]  # 2x: noise; 41: the same slowdown
+    assert said == [
+        None,
+        None,
         "CPU threads: 1 of 2 from now on: other processes keep 1.0 cores busy",
+        None,
         "steps take 3.0x as long as earlier in this run: if another process is using the CPU, OMP_NUM_THREADS=1 "
         "(or stopping it) may help",
     ]

@@ -22,10 +22,9 @@ from data.prepare import ensure_prepared
 from inference.schema import SampleConfig
 from model.checkpoint import CKPT_NAME, load_checkpoint
 from training.optim import scheduled_lr
-from training.resume import resumed_config
+from training.resume import resume_argument, resumed_config
 from training.run import train
 from training.schema import CONFIG_GROUPS, TrainRunConfig
-from training.trainer import resume_argument
 
 UNREACHABLE = "http://127.0.0.1:9/input.txt"  # the discard port: a download fails at once, offline or not
 # A run's settings that differ from the schema's defaults, as a preset's would: a resume must keep every one.

@@ -17,6 +17,7 @@ from data.batches import TRAIN_WINDOWS, get_batch
 from model.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
 from training.errors import TrainingDiverged
+from training.metrics import sample_table
 from training.optim import lr_at
 from training.run import build_trainer, train
 from training.schema import TrainRunConfig
@@ -147,8 +148,9 @@ def test_eval_from_skips_the_early_evaluations_but_never_the_last(tmp_path: Path
 def test_the_wandb_sample_table_continues_the_val_splits_first_token(tmp_path: Path, corpus_path: Path) -> None:
     trainer = _trainer(tmp_path, corpus_path)
     torch.manual_seed(0)
-    rows = trainer._samples(count=2, tokens=12)
-    prompt = trainer.tokenizer.decode([int(trainer.data.val.open(0)[0])])
+    first = int(trainer.data.val.open(0)[0])
+    rows = sample_table(trainer.model, trainer.tokenizer, first, trainer.runtime, count=2, tokens=12)
+    prompt = trainer.tokenizer.decode([first])
     assert len(rows) == 2 and all(row[0] == prompt and row[1].startswith(prompt) for row in rows)
     assert all(len(row[1]) == 1 + 12 for row in rows)  # characters: the prompt's one and twelve drawn
     assert trainer.model.training  # back to training after drawing

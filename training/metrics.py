@@ -12,6 +12,10 @@ from typing import Any
 
 import torch
 
+from common.runtime import Runtime
+from data.tokenizers import Tokenizer
+from model import GPT
+from model.decoding import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from training.run_lock import still_held
 from training.schema import WandbConfig
 
@@ -27,9 +31,8 @@ class MetricsLog:
         self.wandb_run: Any = None
 
     def start_wandb(self, config: WandbConfig, run_config: dict[str, Any]) -> None:
-        """A wandb run beside the metrics when wandb.enabled (wandb isn't even imported otherwise: it is slow)."""
-        if not (self.active and config.enabled):
-            return
+        """A wandb run beside the metrics, on rank 0 when wandb.enabled (wandb isn't even imported otherwise: it is
+        slow)."""
         import wandb
 
         try:
@@ -67,6 +70,21 @@ class MetricsLog:
     def close(self) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def sample_table(
+    model: GPT, tokenizer: Tokenizer, first: int, runtime: Runtime, count: int = 3, tokens: int = 200
+) -> list[list[str]]:
+    """log_samples' rows: continuations of the token `first`, with sample.py's default temperature and top_k, each
+    cut at the tokenizer's end of text; drawn after the last checkpoint, whose random state is already saved."""
+    idx = torch.full((count, 1), first, dtype=torch.long, device=runtime.device)
+    model.eval()
+    with runtime.autocast():
+        rows = model.generate(idx, tokens, DEFAULT_TEMPERATURE, DEFAULT_TOP_K)
+    model.train()
+    prompt, end = tokenizer.decode([first]), tokenizer.end_of_text
+    texts = [tokenizer.decode(row[1:].tolist()) for row in rows]
+    return [[prompt, prompt + (text.split(end)[0] if end else text)] for text in texts]
 
 
 def forget_metrics(out_dir: Path) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
+import shlex
 import typing
 from pathlib import Path
 from typing import Any
@@ -203,3 +205,18 @@ def _check_same_optimizer(saved: dict[str, Any], optimizer: str) -> None:
             f"resume=true with train.optimizer={optimizer}, but the checkpoint's run was trained with {before}; "
             f"resume with train.optimizer={before}, or start a new run"
         )
+
+
+def resume_argument(out_dir: Path) -> str:
+    """out_dir=PATH as the shell and then Hydra read it back: bare when the path is plain, else quoted for Hydra
+    (its own single quotes, backslashes and quotes escaped) and then for the shell."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    path = str(out_dir)
+    if re.fullmatch(r"[A-Za-z0-9_./:+@%-]+", path):  # and read back as this text, not a number or a bool
+        if OverridesParser.create().parse_overrides([f"out_dir={path}"])[0].value() == path:
+            return f"out_dir={path}"
+    # Hydra: a quote is escaped, and so are the backslashes right before a quote or the closing one
+    body = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", path)
+    argument = "out_dir='" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, body) + "'"
+    return f'"{argument}"' if not re.search(r'["$`\\!]', argument) else shlex.quote(argument)

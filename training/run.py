@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from common.config import typed_config
-from common.cpu_threads import use_free_cores
+from common.cpu_threads import SlowdownWatch, use_free_cores
 from common.errors import CheckpointError, ConfigError
 from common.files import check_writable, discard_temporaries
 from common.runtime import Runtime, make_runtime
@@ -76,7 +76,8 @@ def train(
                     on_run_opened(trainer.out_dir)
                 (trainer.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(trainer.resolved))
             opened = True
-            trainer.metrics.start_wandb(config.wandb, trainer.resolved)
+            if config.wandb.enabled and world.is_main:
+                trainer.metrics.start_wandb(config.wandb, trainer.resolved)
             result = trainer.fit()
             world.barrier()  # leave together: none tears its process group down while rank 0 still writes
         return result
@@ -129,13 +130,14 @@ def build_trainer(
         optimizer=make_optimizer(model, opt, runtime),
         scaler=torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16),
         evaluator=Evaluator(data, opt, config.seed, model.config.block_size, byte_lengths, runtime, world),
-        hellaswag=_hellaswag(opt, tokenizer, model.config.block_size, runtime, world),
+        hellaswag=_hellaswag(opt, tokenizer, model.config.block_size, runtime, world) if opt.hellaswag_every else None,
         metrics=MetricsLog(out_dir, active=world.is_main, max_iters=opt.max_iters),
         flops_per_token=flops_per_token,
         peak_flops=None if peak is None else peak.flops * world.size,
         peak_measured=peak is not None and peak.measured,
         started=started,
         before_step=before_step,
+        slowdown=SlowdownWatch() if runtime.device.type == "cpu" and not world.distributed else None,
     )
     if checkpoint is not None:
         trainer.restore(checkpoint)
@@ -286,11 +288,9 @@ def compile_by_default(runtime: Runtime) -> bool:
 
 def _hellaswag(
     opt: OptimConfig, tokenizer: Tokenizer, block_size: int, runtime: Runtime, world: World
-) -> HellaSwagEval | None:
+) -> HellaSwagEval:
     """train.hellaswag_every's examples, read at start so a missing file stops the run before it trains. Rank 0
     downloads them (once, into the cache) while the others wait, then read its copy."""
-    if not opt.hellaswag_every:
-        return None
     if world.is_main:
         path = hellaswag_path(opt.hellaswag_file, "train.hellaswag_file")
     world.barrier()

@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import re
-import shlex
 import signal
 import time
 from collections.abc import Callable
@@ -18,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.cpu_threads import use_free_cores
+from common.cpu_threads import SlowdownWatch
 from common.errors import NonFiniteState
 from common.runtime import Runtime
 from data.batches import TRAIN_WINDOWS, batch_generator, every_window, get_batch
@@ -26,7 +24,6 @@ from data.prepare import PreparedData
 from data.tokenizers import Tokenizer
 from model import GPT
 from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, Progress, save_checkpoint
-from model.decoding import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from training.distributed import (
     World,
     full_state,
@@ -35,9 +32,10 @@ from training.distributed import (
 )
 from training.errors import TrainingDiverged
 from training.evaluation import Evaluator, HellaSwagEval, Losses
-from training.metrics import LogWindow, MetricsLog, drop_records_after
+from training.metrics import LogWindow, MetricsLog, drop_records_after, sample_table
 from training.optim import group_hyperparameters, set_hyperparameters
 from training.preemption import StopRequests
+from training.resume import resume_argument
 from training.run_lock import still_held
 from training.schema import TrainRunConfig
 
@@ -53,21 +51,6 @@ class TrainResult:
     elapsed_s: float
     stopped_by: str | None = None  # the signal that ended the run early, if one did
     dtype: str = "float32"  # the precision it trained in (train.dtype=auto decides it at start)
-
-
-def resume_argument(out_dir: Path) -> str:
-    """out_dir=PATH as the shell and then Hydra read it back: bare when the path is plain, else quoted for Hydra
-    (its own single quotes, backslashes and quotes escaped) and then for the shell."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    path = str(out_dir)
-    if re.fullmatch(r"[A-Za-z0-9_./:+@%-]+", path):  # and read back as this text, not a number or a bool
-        if OverridesParser.create().parse_overrides([f"out_dir={path}"])[0].value() == path:
-            return f"out_dir={path}"
-    # Hydra: a quote is escaped, and so are the backslashes right before a quote or the closing one
-    body = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", path)
-    argument = "out_dir='" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, body) + "'"
-    return f'"{argument}"' if not re.search(r'["$`\\!]', argument) else shlex.quote(argument)
 
 
 @dataclass
@@ -107,7 +90,7 @@ class Trainer:
     # steps skipped in a row by train.on_nonfinite=skip in this process
     checkpointed_iter: int | None = None
     skipped_in_a_row: int = 0
-    fastest_ms: float = math.inf  # this process's fastest log window, to notice steps slowing down
+    slowdown: SlowdownWatch | None = None  # on one CPU process: steps slowing down as another takes the cores
     paced_from: tuple[float, int] | None = None  # perf_counter() and iter at the first timed log line: the ETA's
 
     def fit(self) -> TrainResult:
@@ -290,7 +273,8 @@ class Trainer:
             record = {"iter": self.progress.iter, "train_loss": train_loss, "lr": lr, "elapsed_s": self.elapsed()}
             if "ms_per_iter" in throughput:
                 record["eta_s"] = self._eta(throughput["ms_per_iter"])
-                self._notice_slowdown(throughput["ms_per_iter"])
+                if self.slowdown is not None and (note := self.slowdown.notice(throughput["ms_per_iter"])):
+                    log.warning(note)
             self.metrics.write({**record, **throughput})
 
     def _eta(self, ms_per_iter: float) -> float:
@@ -302,21 +286,6 @@ class Trainer:
             return round(left * ms_per_iter / 1000, 1)
         began, first = self.paced_from
         return round((now - began) / max(1, self.progress.iter - first) * left, 1)
-
-    def _notice_slowdown(self, ms_per_iter: float) -> None:
-        """Steps 2.5x slower than this process's fastest: on a CPU, most likely another process took cores that
-        torch's threads wait for. Lower the threads to the free cores, or say what to do."""
-        slower = ms_per_iter / self.fastest_ms
-        self.fastest_ms = min(self.fastest_ms, ms_per_iter)
-        if slower < 2.5 or self.runtime.device.type != "cpu" or self.world.distributed:
-            return
-        self.fastest_ms = ms_per_iter  # once per slowdown
-        note = use_free_cores(mid_run=True)
-        log.warning(
-            note
-            or f"steps take {slower:.1f}x as long as earlier in this run: if another process is using the CPU, "
-            "OMP_NUM_THREADS=1 (or stopping it) may help"
-        )
 
     def elapsed(self) -> float:
         """The run's wall time, its earlier processes included."""
@@ -412,7 +381,8 @@ class Trainer:
         sharded = self.world.distributed and self.config.train.parallel == "fsdp"
         # generate() can't run on one rank's shards, and a preempted run has no time to spare
         if self.metrics.wandb_run is not None and stopped_by is None and not sharded:
-            self.metrics.log_samples(p.iter, self._samples())
+            first = int(next(every_window(self.data.val, 1, 1))[0][0, 0])  # the val split's first token
+            self.metrics.log_samples(p.iter, sample_table(self.model, self.tokenizer, first, self.runtime))
         self.metrics.close()
         if stopped_by is None:
             if self.checkpointed_iter is None:
@@ -427,16 +397,3 @@ class Trainer:
             )
         dtype = self.runtime.dtype_name
         return TrainResult(self.out_dir, p.iter, p.val_loss, p.best_val_loss, self.elapsed(), stopped_by, dtype)
-
-    def _samples(self, count: int = 3, tokens: int = 200) -> list[list[str]]:
-        """Continuations of the val split's first token, with sample.py's default temperature and top_k, each cut
-        at the tokenizer's end of text; drawn after the last checkpoint, whose random state is already saved."""
-        first = int(next(every_window(self.data.val, 1, 1))[0][0, 0])
-        idx = torch.full((count, 1), first, dtype=torch.long, device=self.runtime.device)
-        self.model.eval()
-        with self.runtime.autocast():
-            rows = self.model.generate(idx, tokens, DEFAULT_TEMPERATURE, DEFAULT_TOP_K)
-        self.model.train()
-        prompt, end = self.tokenizer.decode([first]), self.tokenizer.end_of_text
-        texts = [self.tokenizer.decode(row[1:].tolist()) for row in rows]
-        return [[prompt, prompt + (text.split(end)[0] if end else text)] for text in texts]

@@ -1,47 +1,35 @@
-"""Turn a text into train.bin / val.bin (uint16 token streams), or a corpus into shards (data.corpus), and meta.json.
+"""A dataset folder, prepared once and reused: train.bin / val.bin (uint16 token streams) from a text
+(data.text_tokens), or shards from a corpus (data.corpus), and meta.json, which says what they were made from.
 
 Runs on first use from train.py; on its own: `python -m data.prepare data=shakespeare`.
-
-A text is streamed, in bounded memory whatever its size: one pass counts its characters (the split falls at a number
-of them) and collects a char tokenizer's vocabulary, a second encodes it piece by piece, appending each piece's ids
-to the token file. The files are those encoding the whole text at once would give.
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import json
 import logging
 import os
-import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import regex
 from filelock import FileLock, Timeout
-from tqdm import tqdm
 
-from common.files import check_writable, discard_temporaries, replace_file, temporary_beside, write_text_atomically
+from common.files import check_writable, discard_temporaries
 from data import corpus
 from data.batches import TokenFiles
 from data.config import KNOWN_TEXTS, DataConfig
 from data.errors import DataError
 from data.source import TextFile, file_sha256, input_file, text_file
-from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer, tokenizer_from_metadata
+from data.text_tokens import make_tokenizer, write_dataset
+from data.tokenizers import tokenizer_from_metadata
 
 log = logging.getLogger(__name__)
 PREPARE_LOCK = ".prepare.lock"  # held by the one process preparing a data folder
 DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
-_CHUNK_CHARS = 1 << 20  # BPE: encode pieces of at least this many characters, cut where it is safe
-_GIANT_WORD_CHARS = _CHUNK_CHARS  # a run with no safe cut is cut here anyway (_safely_cut)
-# A lone newline between two non-space characters: GPT-2's pre-tokenizer always splits after it,
-# so cutting there gives the same tokens as encoding the whole text at once.
-_SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
 
 
 @dataclass(frozen=True)
@@ -73,143 +61,6 @@ def source_fingerprint(input_path: str | None, url: str | None) -> dict[str, str
     if input_path:
         return {"input_sha256": file_sha256(input_file(input_path))}
     return {"url": url}
-
-
-def make_tokenizer(spec: str, chars: Iterable[str]) -> Tokenizer:
-    return CharTokenizer(sorted(set(chars))) if spec == "char" else BpeTokenizer.from_name(spec)
-
-
-def write_dataset(
-    text: TextFile, tokenizer: Tokenizer, out_dir: Path, val_fraction: float, extra_meta: dict
-) -> PreparedData:
-    """Split the text (first part train, last part val), encode each part and write the streams."""
-    if tokenizer.vocab_size > np.iinfo(np.uint16).max + 1:
-        raise DataError(f"vocabulary of {tokenizer.vocab_size} tokens does not fit in uint16 token files")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "meta.json").unlink(missing_ok=True)  # no meta.json: the folder is not a finished dataset
-    train, val = _split(text.pieces(), int(text.length * (1 - val_fraction)))
-    counts = {}
-    with tqdm(
-        total=text.length, unit="char", unit_scale=True, desc="tokenizing", disable=text.length < 4 * _CHUNK_CHARS
-    ) as bar:
-        try:
-            for name, part in (("train", train), ("val", val)):
-                # characters encode one by one: any cut will do; BPE needs safe cuts
-                cut = part if isinstance(tokenizer, CharTokenizer) else _safely_cut(part, tokenizer.pretokenizer())
-                counts[f"{name}_tokens"] = _write_tokens(out_dir / f"{name}.bin", cut, tokenizer, bar)
-        except DataError:  # "not in the vocabulary": a character added since the survey, say so
-            text.check_unchanged()
-            raise
-    text.check_unchanged()  # the text encoded is the text surveyed: its split and its vocabulary
-    meta = {"tokenizer": tokenizer.metadata(), "vocab_size": tokenizer.vocab_size, **counts, **extra_meta}
-    write_text_atomically(out_dir / "meta.json", json.dumps(meta, ensure_ascii=False))  # last: now they count
-    return PreparedData(out_dir, meta)
-
-
-def _split(pieces: Iterator[str], at: int) -> tuple[Iterator[str], Iterator[str]]:
-    """The first `at` characters of the pieces, then the rest: take the second only once the first is used up."""
-    rest: list[str] = []  # the far side of the piece the split falls in
-
-    def first() -> Iterator[str]:
-        left = at
-        for piece in pieces:
-            if len(piece) >= left:
-                yield piece[:left]
-                rest.append(piece[left:])
-                return
-            left -= len(piece)
-            yield piece
-
-    return first(), itertools.chain(rest, pieces)  # chain reads `rest` only when it gets to it
-
-
-def _write_tokens(path: Path, pieces: Iterable[str], tokenizer: Tokenizer, bar: tqdm) -> int:
-    """Encode piece by piece, appending the ids to a temporary that replaces `path` once whole; the token count."""
-    tmp = temporary_beside(path)
-    count = 0
-    try:
-        with tmp.open("wb") as f:
-            for piece in pieces:
-                ids = np.asarray(tokenizer.encode(piece), dtype=np.uint16)
-                ids.tofile(f)
-                count += len(ids)
-                bar.update(len(piece))
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # an error or Ctrl-C: leave no partial file behind
-        raise
-    replace_file(tmp, path)
-    return count
-
-
-def _safely_cut(pieces: Iterable[str], pretokenizer: regex.Pattern) -> Iterator[str]:
-    """The pieces cut again at safe cuts only, so encoding them one by one with BPE gives the ids of the whole
-    text: what follows the last safe cut is held and put before the next piece.
-
-    A lone newline between words is the cheap safe cut (_chunks). A text without one (a paragraph a line, blank
-    lines between) is cut where the encoding's own pre-tokenizer splits it whether or not the text goes on
-    (_pretoken_chunks), once more than 2 * _CHUNK_CHARS characters are held: memory stays bounded either way.
-    A giant word (a run of letters or spaces with no cut at all) is cut every _GIANT_WORD_CHARS characters: its
-    tokens at each such cut may differ from encoding it whole (20 MB of one letter, held whole, peaked at 1.2 GB).
-    A piece is joined to the held text only when it brings a cut, so a long stretch is joined once, not per piece.
-
-    Both rules are proven (and fuzzed) for GPT-2's pre-tokenizer pattern, which r50k_base and p50k_base use: the
-    encodings whose vocabularies fit the uint16 token files. cl100k's and o200k's patterns join words differently
-    across newlines and are not covered.
-    """
-    held: list[str] = []
-    held_chars = 0
-    for piece in pieces:
-        context = held[-1][-2:] if held else ""  # a newline cut looks at the two characters before it
-        held.append(piece)
-        held_chars += len(piece)
-        if len(held) > 1 and _SAFE_CUT.search(context + piece) is None and held_chars <= 2 * _CHUNK_CHARS:
-            continue
-        *whole, tail = _chunks("".join(held))
-        if not whole and len(tail) > 2 * _CHUNK_CHARS:
-            *whole, tail = _pretoken_chunks(tail, pretokenizer)
-        yield from whole
-        while len(tail) > _GIANT_WORD_CHARS:  # no safe cut anywhere: cut anyway, memory before exactness
-            yield tail[:_GIANT_WORD_CHARS]
-            tail = tail[_GIANT_WORD_CHARS:]
-        held, held_chars = [tail], len(tail)
-    yield "".join(held)
-
-
-def _chunks(text: str) -> Iterator[str]:
-    """Pieces of at least _CHUNK_CHARS characters, each ending at a safe cut, then the rest."""
-    start = 0
-    while len(text) - start > _CHUNK_CHARS:
-        cut = _SAFE_CUT.search(text, start + _CHUNK_CHARS)
-        if cut is None:
-            break
-        yield text[start : cut.start()]
-        start = cut.start()
-    yield text[start:]
-
-
-def _pretoken_chunks(text: str, pretokenizer: regex.Pattern, check: int = 4) -> Iterator[str]:
-    """Pieces of about _CHUNK_CHARS characters of a text that starts at a safe cut, each ending where the
-    pre-tokenizer (the regex that splits text into words before BPE merges) splits the text, checked: the last
-    `check` words before the cut come out the same when the text ends there (a trailing space or newline may
-    otherwise join them differently). The last piece keeps what follows the last cut, at least 1,024 characters.
-    The words are found in one findall (C, not a Python loop per word): they tile the text, so their lengths give
-    where each ends."""
-    ends = [0, *itertools.accumulate(map(len, pretokenizer.findall(text)))]
-    if ends[-1] != len(text):  # a pattern that skips characters: no telling where words end
-        yield text
-        return
-    start, word = 0, check  # ends[word] is where the word-th word ends
-    while True:
-        word = max(word, bisect.bisect_left(ends, start + _CHUNK_CHARS))
-        cut = ends[word] if word < len(ends) else len(text)
-        if cut > len(text) - 1024:  # the words near the end may change with the text that follows
-            break
-        words = list(zip(ends[word - check : word], ends[word - check + 1 : word + 1], strict=True))
-        if [m.span() for m in pretokenizer.finditer(text, words[0][0], cut)] == words:  # as if the text ended there
-            yield text[start:cut]
-            start = cut
-        word += 1
-    yield text[start:]
 
 
 def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData:
@@ -246,7 +97,9 @@ def _prepare_text(config: DataConfig, out_dir: Path, fingerprint: dict[str, Any]
         raise DataError(f"the text for dataset {config.name!r} is empty; pass a non-empty file with data.input=PATH")
     tokenizer = make_tokenizer(config.tokenizer, text.chars)
     made_from = {"input": str(path.absolute())} if config.input else {}  # for _prepared_from_any_text's line
-    return write_dataset(text, tokenizer, out_dir, config.val_fraction, {**fingerprint, **made_from})
+    return PreparedData(
+        out_dir, write_dataset(text, tokenizer, out_dir, config.val_fraction, {**fingerprint, **made_from})
+    )
 
 
 def _prepared_from_any_text(out_dir: Path, fingerprint: dict[str, Any], url: str | None) -> PreparedData | None:

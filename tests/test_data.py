@@ -8,20 +8,21 @@ import numpy as np
 import pytest
 import torch
 
-import data.prepare as prepare
+import data.text_tokens as prepare
 from conftest import TINY_BPE, tiny_encoding
 from data.batches import TokenFiles, get_batch
 from data.config import KNOWN_TEXTS, SHAKESPEARE_URL, DataConfig
 from data.errors import DataError
-from data.prepare import ensure_prepared, write_dataset
+from data.prepare import PreparedData, ensure_prepared
 from data.source import file_sha256, read_utf8, text_file
+from data.text_tokens import write_dataset
 from data.tokenizers import BpeTokenizer, CharTokenizer, tokenizer_from_metadata
 
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 20
 
 
-def _prepare(tmp_path: Path, input: Path, tokenizer: str = "char") -> prepare.PreparedData:
+def _prepare(tmp_path: Path, input: Path, tokenizer: str = "char") -> PreparedData:
     return ensure_prepared(DataConfig("test", tokenizer, str(input), None, str(tmp_path / "data"), 0.1))
 
 
@@ -158,8 +159,8 @@ def test_real_char_level_tiny_shakespeare_matches_nanogpt(tmp_path: Path) -> Non
 def test_a_text_that_changes_during_preparation_is_named_as_such(tmp_path: Path, added: str) -> None:
     """It was "character 'Ω' is not in the model's vocabulary ...; remove it from the text" for a character the
     survey never saw, and silently a split and counts from another text otherwise."""
-    from data.prepare import make_tokenizer, write_dataset
     from data.source import TextFile
+    from data.text_tokens import make_tokenizer, write_dataset
 
     path = tmp_path / "input.txt"
     path.write_text("To be, or not to be, that is the question.\n" * 50)

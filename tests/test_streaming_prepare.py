@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import data.prepare as prepare
 import data.source as source
+import data.text_tokens as prepare
 from conftest import TINY_BPE
 from data.config import DataConfig
 from data.errors import DataError

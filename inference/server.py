@@ -16,10 +16,8 @@ import functools
 import json
 import logging
 import secrets
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -27,11 +25,8 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from fastapi.sse import EventSourceResponse, format_sse_event
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
-from starlette.datastructures import Headers
+from fastapi.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from analysis.causality import check_causality, verdict
 from analysis.diagnostics import induction_scores
@@ -39,120 +34,17 @@ from analysis.explorer import live_page
 from common.config import SEED_MAX
 from common.errors import UserError
 from data.tokenizers import Tokenizer
+from inference.api import UNSUPPORTED, ApiError, BodyLimit, CompletionRequest, PageChange, PageText
 from inference.engine import Completion, Engine
 from inference.sample_text import SampleText
 from inference.schema import ServeConfig
+from inference.streaming import Choice, Mailbox, Update, stream_events, updates_of, usage
 from model.decoding import Decoding, row_generators
 
 log = logging.getLogger("serve")
 PAGE = Path(__file__).with_name("serve_page.html")
-FLUSH_INTERVAL_S = 0.01  # the engine hands text on to the HTTP side at most this often (Mailbox)...
-FLUSH_ROWS = 4  # ...per this many completions running
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI takes up to 4; each is searched for after every token
-Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a JSON number, not "0.5"
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]
-
-
-class ApiError(Exception):
-    """A request the server refuses: its status and OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
-
-
-class CompletionRequest(BaseModel):
-    """OpenAI's /v1/completions fields this server honours (top_k and min_p are extras, as vLLM takes them).
-    Other OpenAI fields are accepted at their defaults and refused otherwise (RequestChecks.unsupported)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    prompt: str | list[str]
-    max_tokens: StrictInt = 16
-    temperature: Number = 1.0
-    top_p: Number = 1.0
-    top_k: StrictInt | None = None
-    min_p: Number | None = None
-    stop: str | list[str] | None = None
-    n: StrictInt = 1
-    seed: StrictInt | None = None
-    stream: StrictBool = False
-    stream_options: dict[str, Any] | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompts(cls, prompt: str | list[str]) -> str | list[str]:
-        if isinstance(prompt, list) and not prompt:
-            raise ValueError("prompt is an empty list; give a string or a list of strings")
-        return prompt
-
-
-class PageText(BaseModel):
-    """The live page's text: the prompt and what was generated after it (its first prompt_chars characters)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    text: str
-    prompt_chars: StrictInt = 0
-
-
-class PageChange(PageText):
-    """Replace the text's token `position` (of its last block_size) with `replacement`, one token's text."""
-
-    position: StrictInt
-    replacement: str
-
-
-# Fields OpenAI defines that this server doesn't implement: allowed only at their no-op values.
-UNSUPPORTED = {"echo": (None, False), "logprobs": (None, 0), "best_of": (None, 1), "suffix": (None, ""),
-               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {})}
-
-
-class BodyLimit:
-    """413 with OpenAI's error object for a body over max_bytes: by its Content-Length before reading, or as
-    its chunks add up past it (starlette's own limit answers in plain text)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        too_large = ApiError(413, f"the body is larger than {self.max_bytes} bytes (max_body_bytes)")
-        length = Headers(scope=scope).get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await too_large.response()(scope, receive, send)
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise too_large  # the app answers 400 for a body it couldn't read: ours replaces that below
-            return message
-
-        async def answer(message: Message) -> None:
-            if seen <= self.max_bytes:
-                await send(message)
-            elif message["type"] == "http.response.start":
-                await too_large.response()(scope, receive, send)
-
-        await self.app(scope, counted, answer)
-
-
-@dataclass
-class Choice:
-    index: int
-    completion: Completion
-    prompt_tokens: int
 
 
 class Service:
@@ -325,12 +217,6 @@ def _requested_stops(request: CompletionRequest) -> list[str]:
     return [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
 
 
-def usage(choices: list[Choice], n: int) -> dict[str, int]:
-    prompt = sum(c.prompt_tokens for c in choices[::n])  # each prompt once, however many choices it has
-    completion = sum(len(c.completion.tokens) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
 def create_app(service: Service, api_key: str | None = None, on_ready: Callable[[], None] | None = None) -> FastAPI:
     """The ASGI app; the engine's thread is started and closed with it (lifespan)."""
 
@@ -353,6 +239,53 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
         if credentials is None or not secrets.compare_digest(given, api_key.encode("utf-8")):  # bytes: any text
             raise ApiError(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
                            code="invalid_api_key")
+
+    _answer_errors(app)
+    _add_page(app, service, authorised)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        running, waiting = service.engine.load
+        engine = service.engine
+        body = {"status": "failed" if engine.failed else "ok", "model": service.model_id, "running": running,
+                "waiting": waiting, "steps": engine.steps, "finished": dict(engine.finished)}
+        return JSONResponse(body, status_code=503 if engine.failed else 200)
+
+    @app.get("/v1/models", dependencies=[Depends(authorised)])
+    async def models() -> dict[str, Any]:
+        model = {"id": service.model_id, "object": "model", "created": service.created, "owned_by": "gpt-lab"}
+        return {"object": "list", "data": [model]}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorised)])
+    async def completions(request: CompletionRequest, http: Request):
+        prompts = service.check(request)
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[Update] = asyncio.Queue()
+        mailbox = service.mailbox(loop)
+        choices = service.submit(request, prompts, lambda *update: mailbox.put(updates, update))
+        answer_id = (f"cmpl-{secrets.token_hex(12)}", int(time.time()))
+        deadline = loop.time() + service.limits.timeout_s
+        if request.stream:
+            include_usage = bool((request.stream_options or {}).get("include_usage"))
+            answer = functools.partial(service.answer, answer_id)
+            return EventSourceResponse(stream_events(answer, choices, updates, deadline, request.n, include_usage))
+        texts = ["" for _ in choices]
+        try:
+            async for batch in updates_of(choices, updates, deadline, http):
+                for index, piece, _ in batch:
+                    texts[index] += piece
+        finally:
+            for choice in choices:
+                choice.completion.cancelled = True  # no-op for finished ones
+        body = [{"text": text, "index": c.index, "logprobs": None, "finish_reason": c.completion.finish_reason}
+                for text, c in zip(texts, choices, strict=True)]
+        return service.answer(answer_id, body, usage(choices, request.n))
+
+    return app
+
+def _answer_errors(app: FastAPI) -> None:
+    """Every error as OpenAI's error object: a refused request (ApiError), a body pydantic refused, an unknown
+    endpoint, and a bug (whose traceback goes to the log only)."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
@@ -380,18 +313,9 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
         message = {404: f"no such endpoint: {request.url.path}"}.get(err.status_code, str(err.detail))
         return ApiError(err.status_code, message, None).response()
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        running, waiting = service.engine.load
-        engine = service.engine
-        body = {"status": "failed" if engine.failed else "ok", "model": service.model_id, "running": running,
-                "waiting": waiting, "steps": engine.steps, "finished": dict(engine.finished)}
-        return JSONResponse(body, status_code=503 if engine.failed else 200)
 
-    @app.get("/v1/models", dependencies=[Depends(authorised)])
-    async def models() -> dict[str, Any]:
-        model = {"id": service.model_id, "object": "model", "created": service.created, "owned_by": "gpt-lab"}
-        return {"object": "list", "data": [model]}
+def _add_page(app: FastAPI, service: Service, authorised: Callable[..., Any]) -> None:
+    """The live page at / and its endpoints under /page/: tokens, the attention explorer, causality."""
 
     @app.get("/", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
@@ -431,130 +355,3 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
             "mask_held": report.mask_held,
             "verdict": verdict(report),
         }
-
-    @app.post("/v1/completions", dependencies=[Depends(authorised)])
-    async def completions(request: CompletionRequest, http: Request):
-        prompts = service.check(request)
-        loop = asyncio.get_running_loop()
-        updates: asyncio.Queue[Update] = asyncio.Queue()
-        mailbox = service.mailbox(loop)
-        choices = service.submit(request, prompts, lambda *update: mailbox.put(updates, update))
-        answer_id = (f"cmpl-{secrets.token_hex(12)}", int(time.time()))
-        deadline = loop.time() + service.limits.timeout_s
-        if request.stream:
-            include_usage = bool((request.stream_options or {}).get("include_usage"))
-            return EventSourceResponse(_stream(service, choices, updates, answer_id, deadline, request.n,
-                                               include_usage))
-        texts = ["" for _ in choices]
-        try:
-            async for batch in _updates(choices, updates, deadline, http):
-                for index, piece, _ in batch:
-                    texts[index] += piece
-        finally:
-            for choice in choices:
-                choice.completion.cancelled = True  # no-op for finished ones
-        body = [{"text": text, "index": c.index, "logprobs": None, "finish_reason": c.completion.finish_reason}
-                for text, c in zip(texts, choices, strict=True)]
-        return service.answer(answer_id, body, usage(choices, request.n))
-
-    return app
-
-
-Update = tuple[int, str, bool]  # a choice's index, a piece of its text, whether it is done
-
-
-class Mailbox:
-    """Hands the engine thread's updates to the event loop at most once per FLUSH_INTERVAL_S, longer under load
-    (FLUSH_INTERVAL_S per FLUSH_ROWS completions running), and whenever the engine runs out of work; not once
-    per token. Waking the loop costs the engine a GIL hand-off, and every chunk costs the HTTP side: woken per
-    token, one client's tokens came 1.4x slower on 2 CPU cores (bench.py serve). A step slower than the interval
-    (a large model) flushes every step; a client reading slower than the engine gets a chunk per flush."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.items: list[tuple[asyncio.Queue[Update], Update]] = []
-        self.lock = threading.Lock()
-        self.scheduled = False
-        self.last = 0.0
-
-    def put(self, queue: asyncio.Queue[Update], update: Update) -> None:  # the engine's thread
-        with self.lock:
-            self.items.append((queue, update))
-
-    def flush(self, running: int) -> None:  # the engine's thread, after each step
-        now = time.perf_counter()
-        interval = FLUSH_INTERVAL_S * max(1.0, running / FLUSH_ROWS)
-        with self.lock:
-            if not self.items or self.scheduled or (running and now - self.last < interval):
-                return
-            self.scheduled, self.last = True, now
-        self.loop.call_soon_threadsafe(self._deliver)
-
-    def _deliver(self) -> None:  # the loop's thread
-        with self.lock:
-            items, self.items, self.scheduled = self.items, [], False
-        for queue, update in items:
-            queue.put_nowait(update)
-
-
-async def _updates(choices: list[Choice], updates: asyncio.Queue[Update], deadline: float,
-                   http: Request | None = None) -> AsyncIterator[list[Update]]:
-    """The choices' pieces of text as the engine makes them, all that have arrived at once, until every choice is
-    done; ApiError 504 past the deadline. With `http` (a whole answer), a client that left cancels them (a stream
-    notices by itself)."""
-    pending = len(choices)
-    loop = asyncio.get_running_loop()
-    checked = loop.time()
-    while pending:
-        left = deadline - loop.time()
-        if left <= 0:
-            raise ApiError(504, "the request took longer than the server's timeout_s; ask for fewer tokens",
-                           kind="timeout")
-        batch = []
-        if updates.empty():
-            try:
-                async with asyncio.timeout(min(left, 0.5)):
-                    batch.append(await updates.get())
-            except TimeoutError:
-                pass
-        while not updates.empty():
-            batch.append(updates.get_nowait())
-        if http is not None and loop.time() - checked > 0.5:
-            checked = loop.time()
-            if await http.is_disconnected():
-                return
-        pending -= sum(done for _, _, done in batch)
-        if any(done and choices[index].completion.finish_reason == "error" for index, _, done in batch):
-            raise ApiError(500, "the engine failed; see the server's log", kind="server_error")
-        if batch:
-            yield batch
-
-
-async def _stream(service: Service, choices: list[Choice], updates: asyncio.Queue[Update], answer_id: tuple[str, int],
-                  deadline: float, n: int, include_usage: bool) -> AsyncIterator[bytes]:
-    """OpenAI's chunk objects as server-sent events, then `data: [DONE]`; the pieces add up to the whole text.
-    A choice's pieces that arrived together (a client reading slower than the engine writes) go as one chunk.
-    With include_usage, each chunk has "usage": null and a last one, with no choices, the usage."""
-    no_usage = None if include_usage else ...
-    try:
-        try:
-            async for batch in _updates(choices, updates, deadline):
-                merged: dict[int, list] = {}
-                for index, piece, done in batch:
-                    text_done = merged.setdefault(index, ["", False])
-                    text_done[0] += piece
-                    text_done[1] = text_done[1] or done
-                for index, (text, done) in merged.items():
-                    reason = choices[index].completion.finish_reason if done else None
-                    choice = {"text": text, "index": index, "logprobs": None, "finish_reason": reason}
-                    yield format_sse_event(data_str=json.dumps(service.answer(answer_id, [choice], no_usage)))
-        except ApiError as err:
-            error = {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}
-            yield format_sse_event(data_str=json.dumps({"error": error}))
-        if include_usage:
-            yield format_sse_event(data_str=json.dumps(service.answer(answer_id, [], usage(choices, n))))
-        yield format_sse_event(data_str="[DONE]")
-    finally:  # a client that left: its rows leave at the next step
-        for choice in choices:
-            choice.completion.cancelled = True
-

@@ -224,10 +224,11 @@ def test_a_client_that_leaves_mid_stream_frees_its_row(served_run: Path) -> None
 def test_the_queue_holds_max_queue_choices_beyond_the_free_rows(served_run: Path) -> None:
     """In-process, the engine's thread not started: every choice submitted waits."""
     from common.runtime import make_runtime
+    from inference.api import ApiError, CompletionRequest
     from inference.engine import Engine
     from inference.load import load_model
     from inference.schema import ServeConfig
-    from inference.server import ApiError, CompletionRequest, Service
+    from inference.server import Service
 
     loaded = load_model(str(served_run), None, "latest", None)
     engine = Engine(loaded.model.eval(), loaded.tokenizer, make_runtime("cpu", "float32"), max_batch=2)

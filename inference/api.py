@@ -1,0 +1,108 @@
+"""The serving API's wire format: OpenAI's error object (ApiError), the bodies /v1/completions and the live page's
+endpoints take (checked by pydantic before any handler runs), and the body size limit."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a JSON number, not "0.5"
+
+
+class ApiError(Exception):
+    """A request the server refuses: its status and OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI's /v1/completions fields this server honours (top_k and min_p are extras, as vLLM takes them).
+    Other OpenAI fields are accepted at their defaults and refused otherwise (RequestChecks.unsupported)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | list[str]
+    max_tokens: StrictInt = 16
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    stop: str | list[str] | None = None
+    n: StrictInt = 1
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, prompt: str | list[str]) -> str | list[str]:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt is an empty list; give a string or a list of strings")
+        return prompt
+
+
+class PageText(BaseModel):
+    """The live page's text: the prompt and what was generated after it (its first prompt_chars characters)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str
+    prompt_chars: StrictInt = 0
+
+
+class PageChange(PageText):
+    """Replace the text's token `position` (of its last block_size) with `replacement`, one token's text."""
+
+    position: StrictInt
+    replacement: str
+
+
+# Fields OpenAI defines that this server doesn't implement: allowed only at their no-op values.
+UNSUPPORTED = {"echo": (None, False), "logprobs": (None, 0), "best_of": (None, 1), "suffix": (None, ""),
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {})}
+
+
+class BodyLimit:
+    """413 with OpenAI's error object for a body over max_bytes: by its Content-Length before reading, or as
+    its chunks add up past it (starlette's own limit answers in plain text)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = ApiError(413, f"the body is larger than {self.max_bytes} bytes (max_body_bytes)")
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await too_large.response()(scope, receive, send)
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise too_large  # the app answers 400 for a body it couldn't read: ours replaces that below
+            return message
+
+        async def answer(message: Message) -> None:
+            if seen <= self.max_bytes:
+                await send(message)
+            elif message["type"] == "http.response.start":
+                await too_large.response()(scope, receive, send)
+
+        await self.app(scope, counted, answer)

@@ -1,0 +1,133 @@
+"""A completion's text from the engine's thread to its HTTP client: the engine's updates handed to the event loop
+in batches (Mailbox), read until every choice is done (updates_of), and sent as OpenAI's server-sent events
+(stream_events)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.sse import format_sse_event
+
+from inference.api import ApiError
+from inference.engine import Completion
+
+FLUSH_INTERVAL_S = 0.01  # the engine hands text on to the HTTP side at most this often (Mailbox)...
+FLUSH_ROWS = 4  # ...per this many completions running
+
+
+@dataclass
+class Choice:
+    index: int
+    completion: Completion
+    prompt_tokens: int
+
+
+def usage(choices: list[Choice], n: int) -> dict[str, int]:
+    prompt = sum(c.prompt_tokens for c in choices[::n])  # each prompt once, however many choices it has
+    completion = sum(len(c.completion.tokens) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+Update = tuple[int, str, bool]  # a choice's index, a piece of its text, whether it is done
+
+
+class Mailbox:
+    """Hands the engine thread's updates to the event loop at most once per FLUSH_INTERVAL_S, longer under load
+    (FLUSH_INTERVAL_S per FLUSH_ROWS completions running), and whenever the engine runs out of work; not once
+    per token. Waking the loop costs the engine a GIL hand-off, and every chunk costs the HTTP side: woken per
+    token, one client's tokens came 1.4x slower on 2 CPU cores (bench.py serve). A step slower than the interval
+    (a large model) flushes every step; a client reading slower than the engine gets a chunk per flush."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: list[tuple[asyncio.Queue[Update], Update]] = []
+        self.lock = threading.Lock()
+        self.scheduled = False
+        self.last = 0.0
+
+    def put(self, queue: asyncio.Queue[Update], update: Update) -> None:  # the engine's thread
+        with self.lock:
+            self.items.append((queue, update))
+
+    def flush(self, running: int) -> None:  # the engine's thread, after each step
+        now = time.perf_counter()
+        interval = FLUSH_INTERVAL_S * max(1.0, running / FLUSH_ROWS)
+        with self.lock:
+            if not self.items or self.scheduled or (running and now - self.last < interval):
+                return
+            self.scheduled, self.last = True, now
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:  # the loop's thread
+        with self.lock:
+            items, self.items, self.scheduled = self.items, [], False
+        for queue, update in items:
+            queue.put_nowait(update)
+
+
+async def updates_of(choices: list[Choice], updates: asyncio.Queue[Update], deadline: float,
+                   http: Request | None = None) -> AsyncIterator[list[Update]]:
+    """The choices' pieces of text as the engine makes them, all that have arrived at once, until every choice is
+    done; ApiError 504 past the deadline. With `http` (a whole answer), a client that left cancels them (a stream
+    notices by itself)."""
+    pending = len(choices)
+    loop = asyncio.get_running_loop()
+    checked = loop.time()
+    while pending:
+        left = deadline - loop.time()
+        if left <= 0:
+            raise ApiError(504, "the request took longer than the server's timeout_s; ask for fewer tokens",
+                           kind="timeout")
+        batch = []
+        if updates.empty():
+            try:
+                async with asyncio.timeout(min(left, 0.5)):
+                    batch.append(await updates.get())
+            except TimeoutError:
+                pass
+        while not updates.empty():
+            batch.append(updates.get_nowait())
+        if http is not None and loop.time() - checked > 0.5:
+            checked = loop.time()
+            if await http.is_disconnected():
+                return
+        pending -= sum(done for _, _, done in batch)
+        if any(done and choices[index].completion.finish_reason == "error" for index, _, done in batch):
+            raise ApiError(500, "the engine failed; see the server's log", kind="server_error")
+        if batch:
+            yield batch
+
+
+async def stream_events(answer: Callable[..., dict], choices: list[Choice], updates: asyncio.Queue[Update],
+                        deadline: float, n: int, include_usage: bool) -> AsyncIterator[bytes]:
+    """OpenAI's chunk objects as server-sent events, then `data: [DONE]`; the pieces add up to the whole text.
+    A choice's pieces that arrived together (a client reading slower than the engine writes) go as one chunk.
+    With include_usage, each chunk has "usage": null and a last one, with no choices, the usage."""
+    no_usage = None if include_usage else ...
+    try:
+        try:
+            async for batch in updates_of(choices, updates, deadline):
+                merged: dict[int, list] = {}
+                for index, piece, done in batch:
+                    text_done = merged.setdefault(index, ["", False])
+                    text_done[0] += piece
+                    text_done[1] = text_done[1] or done
+                for index, (text, done) in merged.items():
+                    reason = choices[index].completion.finish_reason if done else None
+                    choice = {"text": text, "index": index, "logprobs": None, "finish_reason": reason}
+                    yield format_sse_event(data_str=json.dumps(answer([choice], no_usage)))
+        except ApiError as err:
+            error = {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}
+            yield format_sse_event(data_str=json.dumps({"error": error}))
+        if include_usage:
+            yield format_sse_event(data_str=json.dumps(answer([], usage(choices, n))))
+        yield format_sse_event(data_str="[DONE]")
+    finally:  # a client that left: its rows leave at the next step
+        for choice in choices:
+            choice.completion.cancelled = True

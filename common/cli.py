@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hydra.core.override_parser.types import ChoiceSweep, Override
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
 
 from common.config import check_key, check_override
 from common.errors import ConfigError, UserError
@@ -53,22 +55,33 @@ def run_hydra(
     main: Callable[[], None], schema: type, groups: tuple[str, ...] = (), usage: Callable[[], str] = str
 ) -> None:
     """Runs a script's @hydra.main. The command's overrides are checked only when Hydra refuses them (its reports
-    are several lines, and tell a misspelt key to add itself with `+`): then check_overrides says why in one line.
-    Dashed arguments (argparse's own report), `hydra.job.chdir` and sweeps (every job's values before the first
-    runs) are checked first."""
+    are several lines, and tell a misspelt key to add itself with `+`): then check_overrides says why in one line,
+    or Hydra's own reason is that line. Dashed arguments (argparse's own report), `hydra.job.chdir` and sweeps
+    (every job's values before the first runs) are checked first. A bug keeps its traceback."""
     args = sys.argv[1:]
     if "-h" in args or "--help" in args:
         with stdout_reader_may_leave():
             print(usage().strip())
         sys.exit(0)
-    if any(arg.startswith(("-", "hydra.job.chdir")) for arg in args):
+    if any(arg.startswith(("-", "hydra.job.chdir", "hydra.mode")) for arg in args):
         check_overrides(args, schema, groups)
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises instead of printing and exiting
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting
     try:
         main()
-    except Exception:
+    except Exception as err:
         check_overrides(args, schema, groups)  # exits with the one line when the command is at fault
+        if isinstance(err, HydraException | OmegaConfBaseException):
+            _refused_by_hydra(err)
         raise
+
+
+def _refused_by_hydra(err: Exception) -> None:
+    """A command Hydra refuses for a reason check_overrides doesn't know (a sweep without -m, `+key` for a key that
+    is there): Hydra's reason, on one line, status 2."""
+    cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else None
+    lines = [line.strip() for text in (str(err), str(cause or "")) for line in text.splitlines() if line.strip()]
+    print(f"error: {' '.join(lines) or type(err).__name__}", file=sys.stderr)
+    sys.exit(2)
 
 
 def check_overrides(args: list[str], schema: type, groups: tuple[str, ...] = ()) -> None:

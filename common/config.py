@@ -95,8 +95,8 @@ def check_key(schema: type, key: str) -> tuple[type, str, Any]:
 
 
 def check_override(schema: type, key: str, value: Any) -> None:
-    """A command-line `key=value`, before Hydra composes: the key must exist, the value must have the key's type
-    and pass its rules. One ConfigError naming the key, not Hydra's report (whose advice is `+key`)."""
+    """A command-line `key=value` (common.cli.check_overrides): the key must exist, the value must have the key's
+    type and pass its rules. One ConfigError naming the key, not Hydra's report (whose advice is `+key`)."""
     owner, name, hint = check_key(schema, key)
     if isinstance(value, str) and "${" in value:
         return  # an interpolation: judged once resolved

@@ -219,3 +219,10 @@ def test_the_matmul_peak_is_measured_once_per_machine(monkeypatch: pytest.Monkey
         peak = precision.peak_flops(torch.device("cpu"), torch.float32)
         assert (peak.flops, peak.source, peak.measured) == (2e12, "measured float32 matmul", True)
     assert calls == [torch.float32]
+    precision.remember_higher_peak(torch.device("cpu"), torch.float32, 3e12)  # training passed it (a busy start)
+    assert precision.peak_flops(torch.device("cpu"), torch.float32).flops == 3e12 and calls == [torch.float32]
+    cache = Path(os.environ[precision.CACHE_ENV])
+    entries = json.loads(cache.read_text())
+    assert all(key.startswith("cpu: ") for key in entries)  # the device type: an MPS peak is no CPU's
+    cache.write_text(json.dumps({key: {"flops": "fast"} for key in entries}))  # edited by hand: not a figure
+    assert precision.peak_flops(torch.device("cpu"), torch.float32).flops == 2e12 and len(calls) == 2

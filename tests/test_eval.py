@@ -322,7 +322,7 @@ def test_a_char_model_is_refused_before_any_download(monkeypatch: pytest.MonkeyP
 
 def test_eval_mistakes_are_one_line(trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        check_overrides(["stride=0"], EvalConfig)  # eval.py's first step
+        check_overrides(["stride=0"], EvalConfig)  # why eval.py's Hydra refuses it
     assert (
         exit_info.value.code == 2
         and capsys.readouterr().err == "error: stride=0 must be >= 1; null means half the context\n"

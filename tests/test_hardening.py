@@ -91,6 +91,39 @@ def test_a_quoted_number_is_judged_as_the_number_it_becomes() -> None:
         check_override(TrainRunConfig, "train.learning_rate", "-1e-3")
 
 
+@pytest.mark.parametrize(
+    ("arg", "says"),
+    [
+        ("train.learning_rate=1e-3,3e-3", "error: Ambiguous value for argument 'train.learning_rate=1e-3,3e-3' "),
+        ("+train.max_iters=5", "error: Could not append to config. An item is already at 'train.max_iters'."),
+    ],
+)
+def test_what_hydra_alone_refuses_is_one_line_too(tmp_path: Path, arg: str, says: str) -> None:
+    """Overrides are checked only once Hydra refuses them: its reason, when no check of ours names one."""
+    result = run_script("train.py", [arg], cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.startswith(says) and result.stderr.count("\n") == 1, result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hydra_writes_nothing_of_its_own_even_for_an_out_dir_under_home(
+    tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """out_dir='~/runs/x' (quoted for Hydra, as zsh users pass it) once ran in $HOME/runs/x while Hydra's train.log
+    went to a literal ./~/runs/x/ in the current directory: now the run writes all of its files, in one place."""
+    home, here = tmp_path / "home", tmp_path / "here"
+    home.mkdir()
+    here.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    args = [*tiny_run_overrides(tmp_path, corpus_path, **FAST), "out_dir='~/runs/x'"]
+    result = run_script("train.py", args, cwd=here)
+    assert result.returncode == 0, result.stderr
+    assert list(here.iterdir()) == []
+    run = home / "runs" / "x"
+    assert {".hydra", "ckpt.pt", "config.yaml", "metrics.jsonl", "train.log"} <= {p.name for p in run.iterdir()}
+    log = (run / "train.log").read_text()
+    assert "step 4:" in log and log.rstrip().splitlines()[-1].startswith("done: 4 iters")
+
+
 def test_train_py_refuses_an_out_dir_that_is_a_file_before_hydra_makes_it(tmp_path: Path) -> None:
     file = tmp_path / "notes.txt"
     file.write_text("mine")

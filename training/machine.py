@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import platform
 import re
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,6 +32,7 @@ from training.distributed import World
 
 CACHE_ENV = "GPT_LAB_MACHINE_CACHE"
 TIMED_STEPS = 2  # per precision, after one warm-up step each; alternating, so a busy moment slows both
+PRECISIONS = ("float32", "bfloat16")  # what dtype=auto chooses between on a CPU
 BF16_MARGIN = 0.95  # bfloat16 only when its step takes under 95% of float32's: timing noise isn't worth its rounding
 # Dense (no sparsity) tensor-core peaks in FLOP/s: (bf16/fp16, tf32), from NVIDIA's datasheets. Matched against
 # torch.cuda.get_device_name(), as whole words, most specific first; others get a measured peak.
@@ -58,17 +61,26 @@ class Peak:
         return self.source.startswith("measured")
 
 
-def remembered(what: str, device: torch.device, measure: Callable[[], dict[str, float]]) -> dict[str, float]:
-    """measure()'s figures for `what` on this machine: from the cache, or measured now and kept there."""
-    key = f"{_processor(device)}; torch {torch.__version__}; {torch.get_num_threads()} threads; {what}"
-    path = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "gpt-lab" / "machine.json")
-    known = _read_cache(path)
-    if key not in known:
-        known[key] = measure()
-        with contextlib.suppress(OSError):  # a read-only home measures again next time, nothing worse
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomically(path, json.dumps(known, indent=1, sort_keys=True))
-    return known[key]
+def remembered(
+    what: str, device: torch.device, measure: Callable[[], dict[str, float]], names: tuple[str, ...]
+) -> dict[str, float]:
+    """measure()'s figures (`names`) for `what` on this machine: from the cache, or measured now and kept there. An
+    entry that isn't those figures as positive numbers (damaged, edited) is measured again."""
+    key = _key(what, device)
+    known = _read_cache()
+    figures = known.get(key)
+    if not (isinstance(figures, dict) and all(_positive(figures.get(name)) for name in names)):
+        figures = known[key] = measure()
+        _write_cache(known)
+    return figures
+
+
+def remember_higher_peak(device: torch.device, dtype: torch.dtype, flops: float) -> None:
+    """Training reached more than the remembered matmul peak (measured while the machine was busy): keep the
+    higher figure, so later runs measure MFU against it."""
+    known = _read_cache()
+    known[_key(f"{dtype_name(dtype)} matmul", device)] = {"flops": flops}
+    _write_cache(known)
 
 
 def choose_cpu_dtype(
@@ -99,12 +111,9 @@ def _decide(model: GPT, batch_size: int, native: bool, trained_in: str | None) -
         "batch_size": batch_size,
         "checkpointing": model.activation_checkpointing,
     }
-    seconds = remembered(
-        f"a step of {json.dumps(shape, sort_keys=True)}",
-        torch.device("cpu"),
-        lambda: measure_step_seconds(model, batch_size),
-    )
-    fp32_ms, bf16_ms = (round(seconds[name] * 1000) for name in ("float32", "bfloat16"))
+    what = f"a step of {json.dumps(shape, sort_keys=True)}"
+    seconds = remembered(what, torch.device("cpu"), lambda: measure_step_seconds(model, batch_size), PRECISIONS)
+    fp32_ms, bf16_ms = (round(seconds[name] * 1000) for name in PRECISIONS)
     measured = "measured on this CPU: a micro-batch's forward and backward took"
     if seconds["bfloat16"] < BF16_MARGIN * seconds["float32"]:
         return "bfloat16", (
@@ -153,7 +162,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> Peak:
                     if dtype != torch.float32
                     else Peak(tf32, f"datasheet {key} tf32")
                 )
-    measured = remembered(f"{name} matmul", device, lambda: {"flops": measure_matmul_flops(device, dtype)})
+    measured = remembered(f"{name} matmul", device, lambda: {"flops": measure_matmul_flops(device, dtype)}, ("flops",))
     return Peak(measured["flops"], f"measured {name} matmul")
 
 
@@ -176,12 +185,33 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int | None
     return 2 * n**3 / best
 
 
-def _read_cache(path: Path) -> dict[str, dict[str, float]]:
+def _key(what: str, device: torch.device) -> str:
+    return f"{device.type}: {_processor(device)}; torch {torch.__version__}; {torch.get_num_threads()} threads; {what}"
+
+
+def _cache_path() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "gpt-lab" / "machine.json")
+
+
+def _read_cache() -> dict[str, Any]:
     try:
-        known = json.loads(path.read_text(encoding="utf-8"))
+        known = json.loads(_cache_path().read_text(encoding="utf-8"))
     except (OSError, ValueError):  # none yet, or damaged: measured again
         return {}
     return known if isinstance(known, dict) else {}
+
+
+def _write_cache(known: dict[str, Any]) -> None:
+    """Whole or not at all; a read-only home measures again next time, nothing worse. Two runs writing at once
+    lose one's entry at worst, measured again."""
+    path = _cache_path()
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomically(path, json.dumps(known, indent=1, sort_keys=True))
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _processor(device: torch.device) -> str:

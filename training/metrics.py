@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,12 +137,12 @@ class LogWindow:
         tokens_per_iter: int,
         flops_per_token: float,
         peak_flops: float | None,
-        peak_measured: bool = False,
+        remember_peak: Callable[[float], None] | None = None,
     ) -> None:
         self.first_step, self.tokens_per_iter = first_step, tokens_per_iter
-        # peak: all processes together; None where there is none to compare with (MFU left out). A measured one
-        # (not a datasheet's) is raised to what training reaches, if it ever does: measured on a busy CPU
-        self.flops_per_token, self.peak_flops, self.peak_measured = flops_per_token, peak_flops, peak_measured
+        # peak: all processes together; None where there is none to compare with (MFU left out). remember_peak: a
+        # measured one's (not a datasheet's), called with what training reaches if it ever passes the peak
+        self.flops_per_token, self.peak_flops, self.remember_peak = flops_per_token, peak_flops, remember_peak
         self.loss_sum: torch.Tensor | float = 0.0
         self.steps = 0  # applied steps (a skipped non-finite one doesn't count)
         self.seconds, self.timed = 0.0, 0
@@ -169,12 +170,13 @@ class LogWindow:
             throughput = {"ms_per_iter": 1000 * self.seconds / self.timed, "tokens_per_sec": tokens_per_sec}
             if self.peak_flops is not None:
                 achieved = self.flops_per_token * tokens_per_sec
-                if achieved > self.peak_flops and self.peak_measured:  # measured while the CPU was busy
+                if achieved > self.peak_flops and self.remember_peak is not None:  # measured on a busy CPU
                     log.warning(
                         f"MFU: training reaches {achieved / 1e12:.3g} TFLOP/s, above the {self.peak_flops / 1e12:.3g} "
-                        "measured as the peak at start (the machine was busier then); MFU is against it from now on"
+                        "measured as this machine's peak (it was busier then); MFU is against it from now on"
                     )
                     self.peak_flops = achieved
+                    self.remember_peak(achieved)
                 throughput["mfu"] = achieved / self.peak_flops
         self.loss_sum, self.steps, self.seconds, self.timed = 0.0, 0, 0.0, 0
         return train_loss, throughput

@@ -99,7 +99,7 @@ def resumed_config(cfg: DictConfig, overrides: list[str], schema: type) -> DictC
         raw = override.value()
         value = raw if isinstance(raw, str) and "${" in raw else OmegaConf.select(cfg, key)  # ${..}: the run's
         OmegaConf.update(base, key, value, merge=False, force_add=True)
-    base.out_dir = str(out_dir)  # the directory whose checkpoint was read (and where Hydra's train.log went)
+    base.out_dir = str(out_dir)  # the directory whose checkpoint was read (where the run writes train.log)
     return base
 
 

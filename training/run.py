@@ -35,7 +35,7 @@ from training.distributed import (
 )
 from training.errors import RunLocked
 from training.evaluation import Evaluator, HellaSwagEval
-from training.machine import choose_cpu_dtype, peak_flops
+from training.machine import Peak, choose_cpu_dtype, peak_flops, remember_higher_peak
 from training.metrics import MetricsLog, forget_metrics
 from training.optim import make_optimizer, scheduled_lr
 from training.resume import check_resume, check_same_shape
@@ -134,7 +134,7 @@ def build_trainer(
         metrics=MetricsLog(out_dir, active=world.is_main, max_iters=opt.max_iters),
         flops_per_token=flops_per_token,
         peak_flops=None if peak is None else peak.flops * world.size,
-        peak_measured=peak is not None and peak.measured,
+        remember_peak=_peak_keeper(peak, runtime, world),
         started=started,
         before_step=before_step,
         slowdown=SlowdownWatch() if runtime.device.type == "cpu" and not world.distributed else None,
@@ -299,6 +299,16 @@ def _hellaswag(
     examples = load_examples(path, tokenizer)
     log.info(f"HellaSwag: {len(examples):,} examples from {path}, every {opt.hellaswag_every} iterations")
     return HellaSwagEval(examples, opt.hellaswag_every, block_size, runtime, world)
+
+
+def _peak_keeper(peak: Peak | None, runtime: Runtime, world: World) -> Callable[[float], None] | None:
+    """A measured peak that training passes is raised to what it reached, and remembered by rank 0 (per process);
+    a datasheet's stands."""
+    if peak is None or not peak.measured:
+        return None
+    return lambda flops: (
+        remember_higher_peak(runtime.device, runtime.dtype, flops / world.size) if world.is_main else None
+    )
 
 
 def _machinery(runtime: Runtime, world: World, parallel: str, use_compile: bool) -> str:

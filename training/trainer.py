@@ -80,7 +80,7 @@ class Trainer:
     metrics: MetricsLog
     flops_per_token: float  # the whole model's, forward and backward, for MFU
     peak_flops: float | None  # all processes together; None: MFU left out
-    peak_measured: bool  # measured here (a CPU, an unknown GPU), not a datasheet's figure
+    remember_peak: Callable[[float], None] | None  # for a measured peak (LogWindow); None: a datasheet's
     started: float  # perf_counter() when this process's part of the run began
     progress: Progress = field(default_factory=Progress)
     elapsed_before: float = 0.0  # the run's wall time before this process (a resumed run's)
@@ -100,7 +100,7 @@ class Trainer:
         if self._target_reached():
             log.info(f"the run already reached val loss {p.val_loss:.4f} <= {opt.target_val_loss} at iter {p.iter}")
             return self._finish(None)
-        window = LogWindow(p.iter, self._tokens_per_iter(), self.flops_per_token, self.peak_flops, self.peak_measured)
+        window = LogWindow(p.iter, self._tokens_per_iter(), self.flops_per_token, self.peak_flops, self.remember_peak)
         stopped_by = None
         self.model.train()
         with StopRequests(second_quits=not self.world.distributed) as stop:

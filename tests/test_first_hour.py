@@ -8,12 +8,13 @@ import logging
 import shlex
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from common.cli import check_overrides
+from common.cli import check_overrides, run_hydra
 from common.config import typed_config
 from common.errors import ConfigError
 from conftest import CONFIGS, compose_config, run_script, start_script, tiny_run_overrides, wait_for_text
@@ -282,12 +283,22 @@ def test_sample_takes_no_presets_and_suggests_out_dir(capsys: pytest.CaptureFixt
     )
 
 
-def test_help_lists_the_keys_set_most_with_examples(tmp_path: Path) -> None:
-    texts = {}
-    for script in ("train.py", "sample.py", "eval.py", "serve.py"):
-        result = run_script(script, ["--help"], tmp_path)
-        assert result.returncode == 0 and list(tmp_path.iterdir()) == []  # nothing made, Hydra never started
-        texts[script] = result.stdout
+def test_help_lists_the_keys_set_most_with_examples(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import eval as eval_script
+    import sample
+    import serve
+
+    result = run_script("train.py", ["--help"], tmp_path)
+    assert result.returncode == 0 and list(tmp_path.iterdir()) == []  # nothing made, Hydra never started
+    texts = {"train.py": result.stdout}
+    for script, module in (("sample.py", sample), ("eval.py", eval_script), ("serve.py", serve)):
+        monkeypatch.setattr(sys, "argv", [script, "--help"])
+        with pytest.raises(SystemExit) as stopped:
+            run_hydra(lambda: pytest.fail("Hydra started"), object, usage=module.usage)  # as the script's __main__
+        assert stopped.value.code == 0
+        texts[script] = capsys.readouterr().out
     for script, text in texts.items():
         assert "Keys set most:" in text and "Examples:" in text and "docs/reference.md" in text
         examples = [line.strip() for line in text.splitlines() if line.strip().startswith(f"python {script}")]

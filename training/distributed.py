@@ -17,8 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-_TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
-
 
 @dataclass(frozen=True)
 class World:
@@ -126,8 +124,8 @@ class Torchrun(World):
 
 def world_from_env() -> World:
     """The rank and world size torchrun sets in each process's environment (none: a single process)."""
-    rank, local_rank, size = (int(os.environ.get(name, 1 if name == "WORLD_SIZE" else 0)) for name in _TORCHRUN_ENV)
-    return (Torchrun if size > 1 else World)(rank, local_rank, size)
+    size = int(os.environ.get("WORLD_SIZE", 1))
+    return (Torchrun if size > 1 else World)(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), size)
 
 
 def close_process_group() -> None:

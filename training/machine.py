@@ -4,14 +4,15 @@ no datasheet has one. The flags can't decide the precision: bf16 autocast was 9%
 CPU and 15% slower per step on an Intel Xeon with AMX (docs/gpu.md).
 
 The figures live in ~/.cache/gpt-lab/machine.json ($GPT_LAB_MACHINE_CACHE names another file; delete it to
-measure again), keyed by what they depend on: the processor, torch's version, the threads and, for a step's time,
-the model's shape and the micro-batch.
+measure again), keyed by what they depend on: the device type and processor, torch's version, the threads and,
+for a step's time, the model's shape and the micro-batch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -79,7 +80,7 @@ def remember_higher_peak(device: torch.device, dtype: torch.dtype, flops: float)
     """Training reached more than the remembered matmul peak (measured while the machine was busy): keep the
     higher figure, so later runs measure MFU against it."""
     known = _read_cache()
-    known[_key(f"{dtype_name(dtype)} matmul", device)] = {"flops": flops}
+    known[_key(_matmul(dtype), device)] = {"flops": flops}
     _write_cache(known)
 
 
@@ -162,7 +163,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> Peak:
                     if dtype != torch.float32
                     else Peak(tf32, f"datasheet {key} tf32")
                 )
-    measured = remembered(f"{name} matmul", device, lambda: {"flops": measure_matmul_flops(device, dtype)}, ("flops",))
+    measured = remembered(_matmul(dtype), device, lambda: {"flops": measure_matmul_flops(device, dtype)}, ("flops",))
     return Peak(measured["flops"], f"measured {name} matmul")
 
 
@@ -214,6 +215,12 @@ def _positive(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
+def _matmul(dtype: torch.dtype) -> str:
+    """What the matmul peak is remembered as (peak_flops reads it, remember_higher_peak raises it)."""
+    return f"{dtype_name(dtype)} matmul"
+
+
+@functools.cache
 def _processor(device: torch.device) -> str:
     """The processor's model name (a GPU's, or the CPU's from /proc/cpuinfo where Linux has one)."""
     if device.type == "cuda":

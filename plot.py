@@ -1,9 +1,13 @@
-"""Compare runs: loss curves in one picture, and a summary table on stdout.
+"""Compare runs: loss curves in one picture, a summary table on stdout and, for runs repeated over seeds, whether
+each difference is bigger than seed noise.
 
     python plot.py RUN_DIR [RUN_DIR ...] -o loss.png            # runs, or sweep directories holding runs
     python plot.py multirun/2026-11-29/10-00-00 --x time        # x axis: iter (default), time or tokens
+    python plot.py multirun/DATE/TIME --baseline model.qk_norm=true --json ab.json   # groups of seeds, A/B tests
 
-The legend names each run by the config keys that differ between the runs; the best val loss is marked.
+The legend names each run by the config keys that differ between the runs; the best val loss is marked. Runs that
+differ only by seed form a group (analysis/stats.py): its mean curve with the runs' min-max band, its metric's mean
+and 95 % interval, and each group against the baseline by Welch's t-test.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import textwrap
 from collections import Counter
@@ -19,6 +24,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from analysis.stats import Comparison, Group, compare, find_baseline, group_runs, run_value
 from common.errors import UserError
 from common.files import check_writable
 from training.metrics import METRICS_NAME, read_records
@@ -67,7 +73,12 @@ def picture_path(out: Path) -> Path:
     return out
 
 
-def flat_config(run: Path) -> dict[str, Any]:
+def load_run(run: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The run's flat config (key.sub: value) with what it resolved at start in place of what was typed
+    (train.dtype=auto: the precision it trained in), and its metrics records."""
+    records, damaged = read_records(run)
+    if damaged:
+        print(f"warning: {run / METRICS_NAME}: left out {damaged} damaged line(s)", file=sys.stderr)
     config = OmegaConf.to_container(OmegaConf.load(run / "config.yaml")) if (run / "config.yaml").is_file() else {}
 
     def walk(node: Any, prefix: str) -> dict[str, Any]:
@@ -75,7 +86,8 @@ def flat_config(run: Path) -> dict[str, Any]:
             return {k: v for key, value in node.items() for k, v in walk(value, f"{prefix}{key}.").items()}
         return {prefix[:-1]: node}
 
-    return walk(config, "")
+    settings = [r["settings"] for r in records if isinstance(r.get("settings"), dict)]
+    return {**walk(config, ""), **(settings[-1] if settings else {})}, records
 
 
 def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
@@ -83,10 +95,7 @@ def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
     return [k for k in keys if len({json.dumps(c.get(k)) for c in configs}) > 1]
 
 
-def summarize(run: Path, config: dict[str, Any], keys: list[str]) -> dict[str, Any]:
-    records, damaged = read_records(run)
-    if damaged:
-        print(f"warning: {run / METRICS_NAME}: left out {damaged} damaged line(s)", file=sys.stderr)
+def summarize(run: Path, config: dict[str, Any], records: list[dict[str, Any]], keys: list[str]) -> dict[str, Any]:
     evals = [r for r in records if "val_loss" in r]
     logs = [r for r in records if "tokens_per_sec" in r]
     finite = [r for r in evals if math.isfinite(r["val_loss"])]
@@ -140,7 +149,79 @@ def print_table(summaries: list[dict[str, Any]]) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
 
 
-def plot(summaries: list[dict[str, Any]], x_axis: str, out: Path) -> None:
+def replicate_groups(
+    runs: list[Path], configs: list[dict[str, Any]], records: list[list[dict[str, Any]]], args: argparse.Namespace
+) -> list[Group] | None:
+    """The groups of runs repeated over seeds, with the metric's values, the baseline first; None when every run is
+    a group of its own and no statistics were asked for (--metric, --baseline, --json)."""
+    asked = bool(args.baseline or args.json or args.metric != "val_loss")
+    values = [run_value(r, args.metric) for r in records]
+    missing = [run for run, value in zip(runs, values, strict=True) if value is None]
+    if missing:
+        message = (
+            f"--metric {args.metric}: {len(missing)} of {len(runs)} runs recorded none ({missing[0]}"
+            f"{', ...' if len(missing) > 1 else ''}); pass runs that all recorded it, or another --metric"
+        )
+        if asked:
+            fail(message)
+        print(f"warning: {message}; no statistics", file=sys.stderr)
+        return None
+    groups = group_runs(runs, configs, values)
+    if not asked and all(g.n == 1 for g in groups):
+        return None
+    try:
+        baseline = find_baseline(groups, args.baseline) if args.baseline else groups[0]
+    except ValueError as err:
+        fail(str(err))
+    for g in groups:
+        if g.n == 1:
+            print(f"warning: {g.label} has one run: no interval and no test; repeat it over seeds", file=sys.stderr)
+    return [baseline, *(g for g in groups if g is not baseline)]
+
+
+def print_statistics(groups: list[Group], comparisons: list[Comparison], metric: str) -> None:
+    """The groups' table (baseline first), then one verdict per comparison with the baseline."""
+    rows = [["group", "n", f"{metric} mean", "std", "95% CI of the mean"]]
+    for i, g in enumerate(groups):
+        rows.append(
+            [
+                g.label + (" (baseline)" if i == 0 and len(groups) > 1 else ""),
+                str(g.n),
+                _value(g.mean),
+                "-" if g.std is None else _value(g.std),
+                "- (one run)" if g.ci95 is None else f"[{_value(g.ci95[0])}, {_value(g.ci95[1])}]",
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    print()
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    if comparisons:
+        print()
+    for c in comparisons:
+        print(c.verdict)
+
+
+def write_json(path: Path, metric: str, groups: list[Group], comparisons: list[Comparison]) -> None:
+    document = {
+        "metric": metric,
+        "groups": [g.to_dict() for g in groups],
+        "comparisons": [c.to_dict() for c in comparisons],
+    }
+    try:
+        path.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+    except OSError as err:
+        fail(f"--json {path}: can't write it ({err.strerror or err})")
+
+
+def _value(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4f}"
+
+
+def plot(
+    summaries: list[dict[str, Any]], x_axis: str, out: Path, groups: list[Group] | None = None, metric: str = ""
+) -> None:
+    """Every run's curves; for groups of replicates, each group's mean val curve with its runs' min-max band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -154,7 +235,30 @@ def plot(summaries: list[dict[str, Any]], x_axis: str, out: Path) -> None:
             return record["iter"] * s["tokens_per_iter"]
         return record["iter"]
 
-    fig, ax = plt.subplots(figsize=(9, 5 + 0.4 * len(summaries)), layout="constrained")
+    lines = len(groups) if groups else len(summaries)
+    fig, ax = plt.subplots(figsize=(9, 5 + 0.4 * lines), layout="constrained")
+    if groups:
+        _draw_groups(ax, groups, {s["run"]: s for s in summaries}, x_of, metric)
+        title = f"{len(groups)} group{'s' if len(groups) > 1 else ''} of {len(summaries)} runs"
+        ax.set_ylabel("loss: each group's mean (faint: train, dots: val; bands: its runs' min-max)")
+    else:
+        _draw_runs(ax, summaries, x_of)
+        title = f"{len(summaries)} run{'s' if len(summaries) > 1 else ''}"
+        ax.set_ylabel("loss (faint: train, dots: val, star: best val)")
+    ax.set_yscale("log")  # loss curves flatten out; a log scale keeps the late differences visible
+    low, high = ax.get_ylim()
+    digits = 1 if high > 1.5 * low else 2 if high > 1.05 * low else 3  # ticks that read apart
+    ax.yaxis.set_major_formatter(FormatStrFormatter(f"%.{digits}f"))
+    ax.yaxis.set_minor_formatter(FormatStrFormatter(f"%.{digits}f"))
+    ax.set_xlabel({"iter": "iteration", "time": "wall time (s)", "tokens": "training tokens"}[x_axis])
+    ax.set_title(f"{title}: loss against {x_axis}")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.legend(loc="outside lower center", fontsize=7)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _draw_runs(ax: Any, summaries: list[dict[str, Any]], x_of: Any) -> None:
     for i, s in enumerate(summaries):
         color = f"C{i % 10}"
         train = [r for r in s["records"] if "lr" in r]
@@ -174,16 +278,35 @@ def plot(summaries: list[dict[str, Any]], x_axis: str, out: Path) -> None:
         if s["best_val"] is not None:
             best = next(r for r in evals if r["val_loss"] == s["best_val"])
             ax.plot([x_of(best, s)], [best["val_loss"]], color=color, marker="*", ms=12, mec="black")
-    ax.set_yscale("log")  # loss curves flatten out; a log scale keeps the late differences visible
-    ax.yaxis.set_major_formatter(FormatStrFormatter("%.1f"))
-    ax.yaxis.set_minor_formatter(FormatStrFormatter("%.1f"))
-    ax.set_xlabel({"iter": "iteration", "time": "wall time (s)", "tokens": "training tokens"}[x_axis])
-    ax.set_ylabel("loss (faint: train, dots: val, star: best val)")
-    ax.set_title(f"{len(summaries)} run{'s' if len(summaries) > 1 else ''}: loss against {x_axis}")
-    ax.grid(True, which="both", alpha=0.3)
-    fig.legend(loc="outside lower center", fontsize=7)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+
+
+def _draw_groups(ax: Any, groups: list[Group], by_run: dict[Path, dict[str, Any]], x_of: Any, metric: str) -> None:
+    """Faint: the mean train loss; dots: the mean val loss with its runs' min-max as a band and a bar. At the
+    iterations every run of the group recorded; x is the runs' mean (wall times differ)."""
+    for i, g in enumerate(groups):
+        color = f"C{i % 10}"
+        runs = [by_run[run] for run in g.runs]
+        interval = "" if g.ci95 is None else f" ± {_value((g.ci95[1] - g.ci95[0]) / 2)}"
+        baseline = " (baseline)" if i == 0 and len(groups) > 1 else ""
+        label = textwrap.fill(f"{g.label}{baseline}: n={g.n}, {metric} {_value(g.mean)}{interval}", 2 * KEYS_WIDTH)
+        for key, kind in (("lr", "train_loss"), ("val_loss", "val_loss")):
+            xs, ys = _across_runs(runs, key, kind, x_of)
+            mean, low, high = [statistics.fmean(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
+            if kind == "train_loss":
+                ax.plot(xs, mean, color=color, alpha=0.35, lw=1)
+                ax.fill_between(xs, low, high, color=color, alpha=0.1, lw=0)
+                continue
+            bars = [[m - lo for m, lo in zip(mean, low, strict=True)], [h - m for m, h in zip(mean, high, strict=True)]]
+            ax.errorbar(xs, mean, yerr=bars, color=color, marker="o", ms=3, capsize=3, label=label)
+            ax.fill_between(xs, low, high, color=color, alpha=0.2, lw=0)
+
+
+def _across_runs(runs: list[dict[str, Any]], key: str, value: str, x_of: Any) -> tuple[list[float], list[list[float]]]:
+    """The records holding `key` at the iterations all runs share: the mean x and each run's value."""
+    by_iter = [{r["iter"]: r for r in s["records"] if key in r and math.isfinite(r[value])} for s in runs]
+    iters = sorted(set.intersection(*(set(b) for b in by_iter)))
+    xs = [statistics.fmean(x_of(b[it], s) for b, s in zip(by_iter, runs, strict=True)) for it in iters]
+    return xs, [[b[it][value] for b in by_iter] for it in iters]
 
 
 def main() -> None:
@@ -191,16 +314,41 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=Path, help="run directories, or directories holding runs")
     parser.add_argument("-o", "--out", type=Path, default=Path("loss.png"))
     parser.add_argument("--x", choices=["iter", "time", "tokens"], default="iter", help="the x axis")
+    parser.add_argument(
+        "--metric",
+        default="val_loss",
+        help="what the groups compare: val_loss (the last evaluation's), best_val_loss, time_to_target_s, "
+        "tokens_per_sec (the median log line's), or any other key of metrics.jsonl (its last value)",
+    )
+    parser.add_argument(
+        "--baseline",
+        nargs="+",
+        action="extend",
+        metavar="KEY=VALUE",
+        help="the group the others are compared with (default: the first group)",
+    )
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the groups and comparisons as JSON")
     args = parser.parse_args()
     out = picture_path(args.out)
+    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
+        fail(f"--json {args.json}: name a file in an existing directory")
     runs = find_runs(args.runs)
-    configs = [flat_config(run) for run in runs]
+    loaded = [load_run(run) for run in runs]
+    configs, records = [c for c, _ in loaded], [r for _, r in loaded]
     keys = differing_keys(configs)
-    summaries = [summarize(run, config, keys) for run, config in zip(runs, configs, strict=True)]
+    summaries = [summarize(run, c, r, keys) for run, c, r in zip(runs, configs, records, strict=True)]
     distinct_labels(summaries)
     print_table(summaries)
+    groups = replicate_groups(runs, configs, records, args)
+    if groups is not None:
+        baseline, *others = groups
+        comparisons = [compare(g, baseline, args.metric) for g in others if g.n > 1 and baseline.n > 1]
+        print_statistics(groups, comparisons, args.metric)
+        if args.json is not None:
+            write_json(args.json, args.metric, groups, comparisons)
+            print(f"wrote {args.json}", file=sys.stderr)
     try:
-        plot(summaries, args.x, out)
+        plot(summaries, args.x, out, groups if groups and any(g.n > 1 for g in groups) else None, args.metric)
     except OSError as err:  # a read-only directory, a full disk
         fail(f"-o {out}: can't write it ({err.strerror or err})")
     print(f"wrote {out}", file=sys.stderr)

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import platform
+import threading
 from pathlib import Path
 
 import pytest
@@ -226,3 +227,33 @@ def test_the_matmul_peak_is_measured_once_per_machine(monkeypatch: pytest.Monkey
     assert all(key.startswith("cpu: ") for key in entries)  # the device type: an MPS peak is no CPU's
     cache.write_text(json.dumps({key: {"flops": "fast"} for key in entries}))  # edited by hand: not a figure
     assert precision.peak_flops(torch.device("cpu"), torch.float32).flops == 2e12 and len(calls) == 2
+
+
+def test_processes_starting_together_measure_once_and_choose_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep's jobs side by side once measured at the same moment and chose different precisions for one shape.
+    Measuring takes turns: a process that waited for another's measurement reads its figures instead of timing a
+    machine the other just loaded."""
+    import filelock
+
+    cache = Path(os.environ[precision.CACHE_ENV])
+    key = precision._key("a step of x", torch.device("cpu"))
+    calls: list[str] = []
+    result: dict[str, float] = {}
+    other = filelock.FileLock(f"{cache}.lock")
+    other.acquire()  # another process is measuring
+
+    def measure() -> dict[str, float]:
+        calls.append("measured")
+        return {"a": 1.0}
+
+    def start() -> None:
+        result.update(precision.remembered("a step of x", torch.device("cpu"), measure, ("a",)))
+
+    waiting = threading.Thread(target=start)
+    waiting.start()
+    waiting.join(timeout=1.0)
+    assert waiting.is_alive() and not calls  # it waits for the lock rather than measuring too
+    cache.write_text(json.dumps({key: {"a": 2.0}}))  # the other's figures
+    other.release()
+    waiting.join(timeout=30)
+    assert result == {"a": 2.0} and calls == []

@@ -1,6 +1,7 @@
 """Sweeps with Hydra's basic sweeper, and plot.py comparing their runs."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,19 @@ def test_a_sweep_writes_one_complete_run_per_job(two_run_sweep: Path) -> None:
         evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["iter"] for r in evals if "val_loss" in r] == [0, 5, 10]
     assert not (two_run_sweep.parent / "outputs").exists()
+
+
+def test_joblibs_launcher_runs_jobs_side_by_side_with_a_thread_each(tmp_path: Path, corpus_path: Path) -> None:
+    """hydra/launcher=joblib: loky's workers each get the cores divided by n_jobs (one here, on two cores), and
+    each job is a complete run that records its threads."""
+    result = sweep(tmp_path, corpus_path, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "seed=1,2")
+    assert result.returncode == 0, result.stderr
+    for job in ("0", "1"):
+        records = [json.loads(line) for line in (tmp_path / "sweep" / job / "metrics.jsonl").read_text().splitlines()]
+        assert [r["iter"] for r in records if "val_loss" in r] == [0, 5, 10]
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        assert 1 <= records[0]["settings"]["threads"] <= max(1, cores // 2)  # the two jobs don't share a core
+        assert (tmp_path / "sweep" / job / "ckpt.pt").is_file()
 
 
 def test_a_failing_job_is_named_and_fails_the_sweep(tmp_path: Path, corpus_path: Path) -> None:
@@ -145,8 +159,10 @@ def test_plot_py_tells_repeats_apart_wraps_long_keys_and_reports_wall_time(tmp_p
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     result = run_script("plot.py", [str(tmp_path), "-o", str(tmp_path / "loss.png")], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    header, *rows = result.stdout.splitlines()
+    runs_table, statistics = result.stdout.split("\n\n", 1)  # seed_a and seed_b: a group of two, tested after
+    header, *rows = runs_table.splitlines()
     assert header.split()[-2:] == ["wall", "time"]
+    assert statistics.splitlines()[0].split()[:2] == ["group", "n"]
     labelled = {row.split()[0]: row for row in rows if row.strip() and not row.startswith(" ")}
     assert set(labelled) == {str(tmp_path / n) for n in ("seed_a", "seed_b", "wide")}
     assert "seed_a: key_number_0=None" in labelled[str(tmp_path / "seed_a")]  # distinct from seed_b's

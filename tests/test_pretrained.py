@@ -238,7 +238,8 @@ def test_pretrained_init_from_trains_from_the_hf_weights_and_resumes(tmp_path: P
     hf_dir = _saved_hf_model(tmp_path, tiny_encoding().n_vocab)
     extra = {"data.tokenizer": TINY_BPE, "init_from": hf_dir, "train.full_val": True, "train.max_iters": 4}
     result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)))
-    first_val = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["val_loss"]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    first_val = next(r["val_loss"] for r in map(json.loads, lines) if "val_loss" in r)
     hf_model = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
     losses, count = 0.0, 0
     with torch.no_grad():

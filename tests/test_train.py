@@ -111,7 +111,11 @@ def test_short_real_run_learns_and_writes_its_run_directory(tmp_path: Path, corp
     run = tmp_path / "run"
     records = _records(run)
     evals = [r for r in records if "val_loss" in r]
-    logs = [r for r in records if "val_loss" not in r]
+    logs = [r for r in records if "lr" in r]
+    threads = torch.get_num_threads()
+    settings = {"device": "cpu", "train.dtype": "float32", "train.compile": False, "threads": threads}
+    assert records[0] == {"iter": 0, "settings": settings}  # what the run resolved, first
+    assert len(records) == 1 + len(evals) + len(logs)
     assert [r["iter"] for r in evals] == [0, 50, 100, 150]
     assert evals[-1]["val_loss"] == pytest.approx(result.val_loss)
     assert evals[0]["val_loss"] == pytest.approx(math.log(vocab), abs=0.3)
@@ -311,7 +315,7 @@ def test_resume_drops_records_written_after_the_checkpoint(tmp_path: Path, corpu
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, resume_with_changes=True)))
     records = _records(tmp_path / "run")
     assert not any(r.get("train_loss") == 9.0 for r in records)
-    iters = [r["iter"] for r in records if "val_loss" not in r]
+    iters = [r["iter"] for r in records if "lr" in r]  # the log lines
     assert iters == sorted(iters) and len(iters) == len(set(iters))
     assert records[-1]["elapsed_s"] > saved_elapsed  # wall time continues across the resume
 

@@ -5,7 +5,8 @@ CPU and 15% slower per step on an Intel Xeon with AMX (docs/gpu.md).
 
 The figures live in ~/.cache/gpt-lab/machine.json ($GPT_LAB_MACHINE_CACHE names another file; delete it to
 measure again), keyed by what they depend on: the device type and processor, torch's version, the threads and,
-for a step's time, the model's shape and the micro-batch.
+for a step's time, the model's shape and the micro-batch. Processes that start together (a sweep's jobs side by
+side) take turns measuring, through machine.json.lock beside it, so they choose alike.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import os
 import platform
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import filelock
 import torch
 
 from common.files import write_text_atomically
@@ -68,12 +70,30 @@ def remembered(
     """measure()'s figures (`names`) for `what` on this machine: from the cache, or measured now and kept there. An
     entry that isn't those figures as positive numbers (damaged, edited) is measured again."""
     key = _key(what, device)
-    known = _read_cache()
-    figures = known.get(key)
-    if not (isinstance(figures, dict) and all(_positive(figures.get(name)) for name in names)):
-        figures = known[key] = measure()
-        _write_cache(known)
+    figures = _read_cache().get(key)
+    if not _whole(figures, names):
+        with _one_at_a_time():  # a sweep's jobs side by side: the first measures, the others then read its figures
+            known = _read_cache()
+            figures = known.get(key)
+            if not _whole(figures, names):
+                figures = known[key] = measure()
+                _write_cache(known)
     return figures
+
+
+@contextlib.contextmanager
+def _one_at_a_time() -> Iterator[None]:
+    """Processes that measure take turns (a file lock beside the cache), so the waiting ones neither slow the
+    measurement down nor choose otherwise. Without a lock (a read-only home, a minute's wait) it measures anyway."""
+    lock = filelock.FileLock(f"{_cache_path()}.lock", timeout=60)
+    with contextlib.suppress(OSError, filelock.Timeout):
+        _cache_path().parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        if lock.is_locked:
+            lock.release()
 
 
 def remember_higher_peak(device: torch.device, dtype: torch.dtype, flops: float) -> None:
@@ -209,6 +229,11 @@ def _write_cache(known: dict[str, Any]) -> None:
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomically(path, json.dumps(known, indent=1, sort_keys=True))
+
+
+def _whole(figures: Any, names: tuple[str, ...]) -> bool:
+    """A cache entry holding every figure as a positive number (not damaged, not edited by hand)."""
+    return isinstance(figures, dict) and all(_positive(figures.get(name)) for name in names)
 
 
 def _positive(value: Any) -> bool:

@@ -62,6 +62,13 @@ class MetricsLog:
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
+    def write_settings(self, iter: int, settings: dict[str, Any]) -> None:
+        """What the run resolved at start that its config leaves open (Trainer.settings), for plot.py's groups: to
+        the file only."""
+        if self.active:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"iter": iter, "settings": settings}) + "\n")
+
     def log_samples(self, step: int, samples: list[list[str]]) -> None:
         """A few (prompt, text) pairs as a wandb table, to see what the numbers mean."""
         import wandb

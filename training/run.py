@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -75,6 +76,7 @@ def train(
                 if on_run_opened is not None:
                     on_run_opened(trainer.out_dir)
                 (trainer.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(trainer.resolved))
+                trainer.metrics.write_settings(trainer.progress.iter, resolved_settings(trainer))
             opened = True
             if config.wandb.enabled and world.is_main:
                 trainer.metrics.start_wandb(config.wandb, trainer.resolved)
@@ -156,6 +158,17 @@ def build_trainer(
     elif world.is_main:
         log.warning(_emulated_note(runtime))
     return trainer
+
+
+def resolved_settings(trainer: Trainer) -> dict[str, Any]:
+    """What the config leaves to the machine, as this process resolved it: train.dtype=auto's precision,
+    train.compile=null's choice, the device's type and the CPU threads (which change float sums' order)."""
+    return {
+        "device": trainer.runtime.device.type,
+        "train.dtype": trainer.runtime.dtype_name,
+        "train.compile": trainer.step_model is not trainer.wrapped,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def check_for_world(opt: OptimConfig, world: World) -> None:

@@ -1,0 +1,258 @@
+"""Runs as replicates: is a difference between configs bigger than seed noise?
+
+Runs whose configs differ only by `seed` (and keys that change nothing trained: NEUTRAL_KEYS) form a group, named
+by the keys that differ between groups. Each group's metric gets its mean, standard deviation and a Student-t 95 %
+confidence interval; each other group is compared with a baseline group by Welch's t-test (unequal variances),
+with the difference's 95 % interval and, when nothing is detected, the seeds per arm a power calculation says the
+observed effect would need. plot.py prints, draws and writes (--json) what this computes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scipy import stats
+
+# Keys that never change what is trained or measured: runs that differ only in these are replicates.
+NEUTRAL_KEYS = ("seed", "out_dir", "resume", "resume_with_changes", "data.dir", "train.log_interval", "train.keep_best")
+NEUTRAL_PREFIXES = ("wandb.",)
+HIGHER_IS_BETTER = ("tokens_per_sec", "mfu", "hellaswag_acc")  # every other metric (losses, times): lower is better
+ALPHA = 0.05  # a difference with p below this is called real
+POWER = 0.8  # the chance of detecting an effect that the seeds-per-arm estimate asks for
+MAX_SEEDS = 10_000
+
+
+@dataclass
+class Group:
+    config: dict[str, Any]  # the keys that differ between the groups, with this group's values
+    runs: list[Path]
+    values: list[float]  # the metric, one per run
+    trained: dict[str, Any] = field(default_factory=dict, repr=False)  # the runs' whole training_config
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.values)
+
+    @property
+    def std(self) -> float | None:
+        """The sample standard deviation; None for one run, which has no spread."""
+        return statistics.stdev(self.values) if self.n > 1 else None
+
+    @property
+    def ci95(self) -> tuple[float, float] | None:
+        if self.std is None:
+            return None
+        half = float(stats.t.ppf(0.975, self.n - 1)) * self.std / math.sqrt(self.n)
+        return (self.mean - half, self.mean + half)
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{key}={shown(value)}" for key, value in self.config.items()) or "all runs"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "n": self.n,
+            "runs": [str(run) for run in self.runs],
+            "values": self.values,
+            "mean": self.mean,
+            "std": self.std,
+            "ci95": None if self.ci95 is None else list(self.ci95),
+        }
+
+
+@dataclass
+class Comparison:
+    group: Group
+    baseline: Group
+    metric: str
+    diff: float  # group's mean less the baseline's
+    ci95: tuple[float, float]
+    p_value: float  # Welch's two-sided t-test
+    seeds_needed: int | None = field(default=None)  # per arm, to detect |diff| at this spread (None: detected)
+
+    @property
+    def verdict(self) -> str:
+        g, b = self.group.n, self.baseline.n
+        at = f"{g}" if g == b else f"{g} and {b}"
+        seeds = f"{at} seeds each" if g == b else f"{at} seeds"
+        head = (
+            f"{self.group.label} vs {self.baseline.label}: {_signed(self.diff)} {self.metric} "
+            f"[{_signed(self.ci95[0])}, {_signed(self.ci95[1])}], {_p(self.p_value)}, {seeds}"
+        )
+        if self.p_value < ALPHA:
+            better = (self.diff > 0) == self.metric.startswith(HIGHER_IS_BETTER)
+            return f"{head}: {'better' if better else 'worse'}"
+        if self.diff == 0:
+            return f"{head}: no difference at all"
+        need = f"about {self.seeds_needed:,}" if self.seeds_needed else f"more than {MAX_SEEDS:,}"
+        return (
+            f"{head}: no difference detected at {at} seeds; an effect of "
+            f"{_number(abs(self.diff))} would need {need} seeds per arm at this spread"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "group": self.group.config,
+            "baseline": self.baseline.config,
+            "diff": self.diff,
+            "ci95": list(self.ci95),
+            "p_value": self.p_value,
+            "seeds_needed": self.seeds_needed,
+            "verdict": self.verdict,
+        }
+
+
+def training_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A run's flat config less the keys that don't change what it trains."""
+    return {k: v for k, v in config.items() if k not in NEUTRAL_KEYS and not k.startswith(NEUTRAL_PREFIXES)}
+
+
+def group_runs(runs: list[Path], configs: list[dict[str, Any]], values: list[float]) -> list[Group]:
+    """Replicates together, in the order their first runs come."""
+    by_config: dict[str, tuple[dict[str, Any], list[Path], list[float]]] = {}
+    for run, config, value in zip(runs, configs, values, strict=True):
+        trained = training_config(config)
+        entry = by_config.setdefault(json.dumps(trained, sort_keys=True, default=str), (trained, [], []))
+        entry[1].append(run)
+        entry[2].append(value)
+    configs_seen = [trained for trained, _, _ in by_config.values()]
+    keys = [k for k in sorted({k for c in configs_seen for k in c}) if len({_key(c.get(k)) for c in configs_seen}) > 1]
+    return [Group({k: c.get(k) for k in keys}, runs, vals, c) for c, runs, vals in by_config.values()]
+
+
+def compare(group: Group, baseline: Group, metric: str) -> Comparison:
+    """Welch's t-test and the Welch-Satterthwaite interval of the difference; both groups need two runs."""
+    a, b = group.values, baseline.values
+    diff = group.mean - baseline.mean
+    va, vb = group.std**2 / group.n, baseline.std**2 / baseline.n  # type: ignore[operator]
+    if va + vb == 0:  # no spread at all: equal means are the same, others differ for certain
+        return Comparison(group, baseline, metric, diff, (diff, diff), 1.0 if diff == 0 else 0.0)
+    df = (va + vb) ** 2 / (va**2 / (group.n - 1) + vb**2 / (baseline.n - 1))
+    half = float(stats.t.ppf(0.975, df)) * math.sqrt(va + vb)
+    p_value = float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+    comparison = Comparison(group, baseline, metric, diff, (diff - half, diff + half), p_value)
+    if p_value >= ALPHA and diff != 0:
+        spread = math.sqrt((group.std**2 + baseline.std**2) / 2)  # type: ignore[operator]
+        comparison.seeds_needed = seeds_per_arm(abs(diff) / spread)
+    return comparison
+
+
+def seeds_per_arm(effect_size: float, alpha: float = ALPHA, power: float = POWER) -> int | None:
+    """The fewest runs per arm for which a two-sided two-sample t-test at `alpha` detects a difference of
+    `effect_size` standard deviations with probability `power` (the noncentral t); None past MAX_SEEDS."""
+
+    def reached(n: int) -> bool:
+        df, shift = 2 * n - 2, effect_size * math.sqrt(n / 2)
+        critical = stats.t.ppf(1 - alpha / 2, df)
+        return stats.nct.sf(critical, df, shift) + stats.nct.cdf(-critical, df, shift) >= power
+
+    high = 2
+    while not reached(high):  # doubling first: the noncentral t gives NaN far past the answer for large effects
+        if high >= MAX_SEEDS:
+            return None
+        high = min(2 * high, MAX_SEEDS)
+    low = max(2, high // 2)
+    while low < high:  # the first n that reaches the power
+        mid = (low + high) // 2
+        low, high = (low, mid) if reached(mid) else (mid + 1, high)
+    return low
+
+
+def find_baseline(groups: list[Group], wanted: list[str]) -> Group:
+    """The one group whose config holds every KEY=VALUE of `wanted` (values compared as the config holds them:
+    1e-3 matches 0.001); a ValueError naming what matched otherwise."""
+    pairs = []
+    for item in wanted:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--baseline {item}: write it as KEY=VALUE, e.g. --baseline model.qk_norm=true")
+        if key not in training_config({key: None}):
+            raise ValueError(f"--baseline {item}: runs that differ only in {key} are replicates of one group")
+        if not any(key in group.trained for group in groups):
+            raise ValueError(f"--baseline {item}: no run has the key {key}")
+        pairs.append((key, parse_value(value)))
+    matches = [g for g in groups if all(key in g.trained and _equal(g.trained[key], v) for key, v in pairs)]
+    asked = " ".join(wanted)
+    if not matches:
+        raise ValueError(f"--baseline {asked} matches no group; the groups: {'; '.join(g.label for g in groups)}")
+    if len(matches) > 1:
+        raise ValueError(
+            f"--baseline {asked} matches {len(matches)} groups ({'; '.join(g.label for g in matches)}); "
+            "add KEY=VALUE to pick one"
+        )
+    return matches[0]
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value as Hydra reads one: true, false, null, a number, or text."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("null", "none", "~"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def shown(value: Any) -> str:
+    """A value as the command line writes it: true, null, 0.001."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, list | dict):
+        return json.dumps(value, separators=(",", ":"))
+    return str(value)
+
+
+def _equal(held: Any, wanted: Any) -> bool:
+    if isinstance(held, bool) or isinstance(wanted, bool) or held is None or wanted is None:
+        return held is wanted or held == wanted and type(held) is type(wanted)
+    if isinstance(held, int | float) and isinstance(wanted, int | float):
+        return math.isclose(held, wanted, rel_tol=1e-9, abs_tol=0.0)
+    return str(held) == str(wanted)
+
+
+def _key(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _number(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def _signed(x: float) -> str:
+    return ("+" if x > 0 else "") + _number(x)
+
+
+def _p(p: float) -> str:
+    return "p < 0.0001" if p < 1e-4 else f"p = {p:.2g}"
+
+
+def run_value(records: list[dict[str, Any]], metric: str) -> float | None:
+    """One run's metric from its metrics.jsonl records: best_val_loss is the lowest val_loss, tokens_per_sec the
+    median of the log lines', any other key its last finite value (val_loss: the final evaluation's); None if the
+    run recorded none."""
+    if metric == "best_val_loss":
+        values = [r["val_loss"] for r in records if _finite(r.get("val_loss"))]
+        return min(values) if values else None
+    values = [r[metric] for r in records if _finite(r.get(metric))]
+    if not values:
+        return None
+    return statistics.median(values) if metric == "tokens_per_sec" else values[-1]
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

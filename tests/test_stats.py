@@ -1,0 +1,245 @@
+"""Seeds as replicates: plot.py's groups, intervals and Welch tests (analysis/stats.py), on real small runs and on
+hand-made run directories."""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from scipy import stats as scipy_stats
+from test_experiments import sweep
+
+from analysis.stats import Group, compare, find_baseline, group_runs, run_value, seeds_per_arm
+from conftest import run_script
+
+
+@pytest.fixture(scope="module")
+def seed_sweeps(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
+    """Two real sweeps: lr 1e-4 and 3e-3 (30x) over seeds 1-3; and lr 1e-4 again over seeds 4-6 with a key set
+    that changes nothing computed (train.max_consecutive_skips only acts on a non-finite loss)."""
+    tmp = tmp_path_factory.mktemp("seeds")
+    (tmp / "a").mkdir(), (tmp / "b").mkdir()
+    longer = ["train.max_iters=30", "train.eval_interval=30", "train.eval_iters=8"]  # clear of the early noise
+    first = sweep(tmp / "a", corpus_path, *longer, "train.learning_rate=1e-4,3e-3", "seed=1,2,3")
+    assert first.returncode == 0, first.stderr
+    second = sweep(
+        tmp / "b", corpus_path, *longer, "train.learning_rate=1e-4", "train.max_consecutive_skips=6", "seed=4,5,6"
+    )
+    assert second.returncode == 0, second.stderr
+    return tmp
+
+
+def test_a_30x_learning_rate_is_found_and_a_key_that_changes_nothing_is_not(seed_sweeps: Path) -> None:
+    out = seed_sweeps / "ab.json"
+    args = [str(seed_sweeps / "a" / "sweep"), str(seed_sweeps / "b" / "sweep"), "-o", str(seed_sweeps / "ab.png")]
+    baseline = ["--baseline", "train.learning_rate=1e-4", "train.max_consecutive_skips=10"]
+    result = run_script("plot.py", [*args, *baseline, "--json", str(out)], cwd=seed_sweeps)
+    assert result.returncode == 0, result.stderr
+    document = json.loads(out.read_text())
+    assert document["metric"] == "val_loss"
+    groups = document["groups"]
+    assert [g["config"] for g in groups] == [  # baseline first, each named by the keys that differ between groups
+        {"train.learning_rate": 1e-4, "train.max_consecutive_skips": 10},
+        {"train.learning_rate": 3e-3, "train.max_consecutive_skips": 10},
+        {"train.learning_rate": 1e-4, "train.max_consecutive_skips": 6},
+    ]
+    assert [g["n"] for g in groups] == [3, 3, 3]
+    for g in groups:  # each run's own final val loss, and the group's statistics from them
+        finals = [_final_val(Path(run)) for run in g["runs"]]
+        assert g["values"] == finals and g["mean"] == pytest.approx(sum(finals) / 3)
+        assert g["ci95"][0] < g["mean"] < g["ci95"][1]
+    strong, null = document["comparisons"]
+    assert strong["group"] == groups[1]["config"] and strong["baseline"] == groups[0]["config"]
+    assert strong["p_value"] < 0.01 and strong["diff"] < 0 and strong["ci95"][1] < 0  # the CI excludes 0
+    assert strong["verdict"].startswith("train.learning_rate=0.003 train.max_consecutive_skips=10 vs ")
+    assert strong["verdict"].endswith(", 3 seeds each: better")
+    assert null["p_value"] >= 0.05 and null["ci95"][0] < 0 < null["ci95"][1]
+    assert "no difference detected at 3 seeds; an effect of" in null["verdict"]
+    assert f"about {null['seeds_needed']:,} seeds per arm" in null["verdict"] and null["seeds_needed"] > 3
+    assert strong["verdict"] in result.stdout and null["verdict"] in result.stdout
+    assert (seed_sweeps / "ab.png").is_file()
+
+
+def test_each_run_records_what_it_resolved_at_start(seed_sweeps: Path) -> None:
+    """train.dtype=auto and train.compile=null are resolved at start: metrics.jsonl says to what, once."""
+    run = seed_sweeps / "a" / "sweep" / "0"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    settings = [r for r in records if "settings" in r]
+    assert len(settings) == 1 and settings[0]["iter"] == 0
+    assert settings[0]["settings"]["device"] == "cpu" and settings[0]["settings"]["train.compile"] is False
+    assert settings[0]["settings"]["train.dtype"] in ("float32", "bfloat16") and settings[0]["settings"]["threads"] >= 1
+
+
+def _final_val(run: Path) -> float:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["val_loss"] for r in records if "val_loss" in r][-1]
+
+
+def _fake_run(path: Path, config: dict, val_losses: list[float], settings: dict | None = None) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+    records = [{"iter": 0, "settings": settings}] if settings else []
+    records += [{"iter": 5 * i, "train_loss": v, "val_loss": v, "elapsed_s": 1.0 + i} for i, v in enumerate(val_losses)]
+    records.append({"iter": 10, "train_loss": 1.0, "lr": 1e-3, "elapsed_s": 3.0, "tokens_per_sec": 100.0})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _values_sweep(tmp_path: Path, arms: dict[str, tuple[dict, list[float]]]) -> Path:
+    """One run per final val loss of each arm, seeds 1, 2, ..."""
+    for name, (config, finals) in arms.items():
+        for seed, final in enumerate(finals, 1):
+            _fake_run(tmp_path / "sweep" / f"{name}_{seed}", {**config, "seed": seed, "out_dir": name}, [3.0, final])
+    return tmp_path / "sweep"
+
+
+def _plot(tmp_path: Path, *args: str):
+    return run_script("plot.py", [*args, "-o", str(tmp_path / "loss.png")], cwd=tmp_path)
+
+
+def test_welch_difference_interval_and_p_value_follow_the_formulas() -> None:
+    a = Group({"k": 1}, [Path("a1"), Path("a2"), Path("a3"), Path("a4")], [1.0, 1.2, 0.9, 1.1])
+    b = Group({"k": 2}, [Path("b1"), Path("b2"), Path("b3")], [1.5, 1.9, 1.6])
+    comparison = compare(b, a, "val_loss")
+    va, vb = 0.0166667 / 4, 0.0433333 / 3  # the sample variances over n
+    df = (va + vb) ** 2 / (va**2 / 3 + vb**2 / 2)
+    t = (5.0 / 3 - 1.05) / math.sqrt(va + vb)
+    assert comparison.diff == pytest.approx(5.0 / 3 - 1.05)
+    assert comparison.p_value == pytest.approx(2 * scipy_stats.t.sf(t, df), rel=1e-4)
+    half = scipy_stats.t.ppf(0.975, df) * math.sqrt(va + vb)
+    assert comparison.ci95 == pytest.approx((comparison.diff - half, comparison.diff + half), rel=1e-4)
+    assert a.std == pytest.approx(math.sqrt(0.0166667), rel=1e-5)
+    assert a.ci95 == pytest.approx((1.05 - 3.182446 * a.std / 2, 1.05 + 3.182446 * a.std / 2), rel=1e-5)
+    assert comparison.verdict.endswith("p = 0.018, 3 and 4 seeds: worse")
+
+
+def test_seeds_per_arm_is_the_noncentral_t_power_calculation() -> None:
+    """The textbook figures for a two-sided two-sample t-test at alpha 0.05 and power 0.8."""
+    assert seeds_per_arm(1.0) == 17
+    assert seeds_per_arm(0.5) == 64
+    assert seeds_per_arm(2.0) == 6
+    assert seeds_per_arm(1e-3) is None  # past 10,000 seeds per arm
+
+
+def test_one_run_has_no_interval_and_no_spread_is_certain() -> None:
+    single = Group({}, [Path("x")], [1.0])
+    assert single.std is None and single.ci95 is None
+    same = compare(Group({}, [Path("a"), Path("b")], [2.0, 2.0]), Group({}, [Path("c"), Path("d")], [2.0, 2.0]), "m")
+    assert same.p_value == 1.0 and same.diff == 0 and same.verdict.endswith("no difference at all")
+    apart = compare(Group({}, [Path("a"), Path("b")], [3.0, 3.0]), Group({}, [Path("c"), Path("d")], [2.0, 2.0]), "m")
+    assert apart.p_value == 0.0 and apart.verdict.endswith("worse")
+
+
+def test_groups_form_on_the_training_config_and_what_the_runs_resolved(tmp_path: Path) -> None:
+    """Seeds, out_dir, wandb and logging keys don't split a group; a dtype=auto that resolved differently does,
+    as does every other key (a multirun over two keys gives four groups)."""
+    runs, configs = [], []
+    for i, (lr, layers, dtype) in enumerate(
+        [(1e-3, 1, "float32"), (1e-3, 1, "float32"), (3e-3, 1, "float32"), (1e-3, 2, "float32"), (3e-3, 2, "x")]
+        + [(1e-3, 1, "bfloat16")]
+    ):
+        runs.append(Path(f"run{i}"))
+        configs.append(
+            {"seed": i, "out_dir": f"d{i}", "wandb.run_name": f"r{i}", "train.log_interval": i + 1}
+            | {"train.learning_rate": lr, "model.n_layer": layers, "train.dtype": dtype}
+        )
+    groups = group_runs(runs, configs, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    assert [(g.config, g.values) for g in groups] == [
+        ({"model.n_layer": 1, "train.dtype": "float32", "train.learning_rate": 1e-3}, [1.0, 2.0]),
+        ({"model.n_layer": 1, "train.dtype": "float32", "train.learning_rate": 3e-3}, [3.0]),
+        ({"model.n_layer": 2, "train.dtype": "float32", "train.learning_rate": 1e-3}, [4.0]),
+        ({"model.n_layer": 2, "train.dtype": "x", "train.learning_rate": 3e-3}, [5.0]),
+        ({"model.n_layer": 1, "train.dtype": "bfloat16", "train.learning_rate": 1e-3}, [6.0]),
+    ]
+    assert groups[0].runs == [Path("run0"), Path("run1")]
+    assert groups[0].label == "model.n_layer=1 train.dtype=float32 train.learning_rate=0.001"
+
+
+def test_plot_py_groups_on_the_recorded_precision_not_the_typed_auto(tmp_path: Path) -> None:
+    for seed, dtype in enumerate(["float32", "float32", "bfloat16", "bfloat16"]):
+        settings = {"device": "cpu", "train.dtype": dtype, "train.compile": False, "threads": 2}
+        _fake_run(tmp_path / "sweep" / str(seed), {"seed": seed, "train": {"dtype": "auto"}}, [3.0, 2 + seed], settings)
+    result = _plot(tmp_path, str(tmp_path / "sweep"))
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^train.dtype=float32 \(baseline\) +2 ", result.stdout, re.M)
+    assert re.search(r"^train.dtype=bfloat16 +2 ", result.stdout, re.M)
+    assert "train.dtype=bfloat16 vs train.dtype=float32: +2 val_loss" in result.stdout
+
+
+def test_baseline_values_match_as_the_config_holds_them() -> None:
+    configs = [
+        {"train.learning_rate": 0.001, "model.qk_norm": True},
+        {"train.learning_rate": 0.003, "model.qk_norm": True},
+    ]
+    configs += [{"train.learning_rate": 0.001, "model.qk_norm": False}]
+    groups = group_runs([Path("a"), Path("b"), Path("c")], configs, [1.0, 2.0, 3.0])
+    assert find_baseline(groups, ["train.learning_rate=1e-3", "model.qk_norm=false"]) is groups[2]
+    assert find_baseline(groups, ["train.learning_rate=3E-3"]) is groups[1]
+    with pytest.raises(ValueError, match=r"matches 2 groups .*; add KEY=VALUE to pick one"):
+        find_baseline(groups, ["model.qk_norm=true"])
+    with pytest.raises(ValueError, match="matches no group; the groups: "):
+        find_baseline(groups, ["train.learning_rate=0.01"])
+    with pytest.raises(ValueError, match="no run has the key train.lr"):
+        find_baseline(groups, ["train.lr=0.01"])
+    with pytest.raises(ValueError, match="differ only in seed are replicates"):
+        find_baseline(groups, ["seed=1"])
+    with pytest.raises(ValueError, match="write it as KEY=VALUE"):
+        find_baseline(groups, ["model.qk_norm"])
+
+
+def test_run_value_picks_each_metric() -> None:
+    records = [
+        {"iter": 0, "val_loss": 3.0, "elapsed_s": 1.0},
+        {"iter": 5, "lr": 1.0, "train_loss": 2.0, "tokens_per_sec": 10.0},
+        {"iter": 5, "lr": 1.0, "train_loss": 2.0, "tokens_per_sec": 30.0},
+        {"iter": 5, "lr": 1.0, "train_loss": 2.0, "tokens_per_sec": 20.0},
+        {"iter": 10, "val_loss": 2.0, "time_to_target_s": 7.5},
+        {"iter": 15, "val_loss": 2.5},
+        {"iter": 20, "val_loss": math.nan},
+    ]
+    assert run_value(records, "val_loss") == 2.5  # the last finite evaluation
+    assert run_value(records, "best_val_loss") == 2.0
+    assert run_value(records, "tokens_per_sec") == 20.0  # the median
+    assert run_value(records, "time_to_target_s") == 7.5
+    assert run_value(records, "hellaswag_acc") is None
+
+
+def test_plot_py_refuses_what_it_cannot_test_in_one_line(tmp_path: Path) -> None:
+    sweep_dir = _values_sweep(tmp_path, {"a": ({"k": 1}, [1.0, 1.1]), "b": ({"k": 2}, [1.2, 1.3])})
+    for args, message in [
+        (["--baseline", "k=3"], "error: --baseline k=3 matches no group; the groups: k=1; k=2"),
+        (["--baseline", "j=3"], "error: --baseline j=3: no run has the key j"),
+        (["--metric", "time_to_target_s"], "error: --metric time_to_target_s: 4 of 4 runs recorded none ("),
+        (["--json", str(tmp_path / "missing" / "x.json")], "error: --json "),
+    ]:
+        result = _plot(tmp_path, str(sweep_dir), *args)
+        assert result.returncode == 2 and result.stderr.startswith(message), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_plot_py_warns_for_groups_of_one_and_compares_the_rest(tmp_path: Path) -> None:
+    arms = {"a": ({"k": 1}, [1.0, 1.1, 1.05]), "b": ({"k": 2}, [1.5, 1.6, 1.55]), "c": ({"k": 3}, [1.0])}
+    out = tmp_path / "ab.json"
+    result = _plot(tmp_path, str(_values_sweep(tmp_path, arms)), "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "warning: k=3 has one run: no interval and no test; repeat it over seeds" in result.stderr
+    assert re.search(r"^k=3 +1 +1.0000 +- +- \(one run\)$", result.stdout, re.M)
+    document = json.loads(out.read_text())
+    assert set(document) == {"metric", "groups", "comparisons"}
+    assert [g["ci95"] is None for g in document["groups"]] == [False, False, True]
+    assert document["groups"][2]["std"] is None
+    (comparison,) = document["comparisons"]  # k=3 can't be tested
+    assert {"group", "baseline", "diff", "ci95", "p_value", "verdict"} <= set(comparison)
+    assert comparison["group"] == {"k": 2} and comparison["baseline"] == {"k": 1}
+    assert comparison["diff"] == pytest.approx(0.5) and comparison["p_value"] < 0.01
+
+
+def test_plot_py_without_replicates_prints_no_statistics(tmp_path: Path) -> None:
+    """Runs that all differ are compared run by run, as before; with repeats a group picture is drawn."""
+    sweep_dir = _values_sweep(tmp_path, {"a": ({"k": 1}, [1.0]), "b": ({"k": 2}, [1.2])})
+    result = _plot(tmp_path, str(sweep_dir))
+    assert result.returncode == 0 and "95% CI" not in result.stdout and "warning" not in result.stderr
+    single = _plot(tmp_path, str(sweep_dir / "a_1"), "--metric", "best_val_loss")  # asked: one group, no test
+    assert single.returncode == 0 and re.search(r"^all runs +1 +1.0000 ", single.stdout, re.M)

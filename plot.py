@@ -156,19 +156,20 @@ def replicate_groups(
     a group of its own and no statistics were asked for (--metric, --baseline, --json)."""
     asked = bool(args.baseline or args.json or args.metric != "val_loss")
     values = [run_value(r, args.metric) for r in records]
-    missing = [run for run, value in zip(runs, values, strict=True) if value is None]
-    if missing:
-        message = (
-            f"--metric {args.metric}: {len(missing)} of {len(runs)} runs recorded none ({missing[0]}"
-            f"{', ...' if len(missing) > 1 else ''}); pass runs that all recorded it, or another --metric"
-        )
-        if asked:
-            fail(message)
-        print(f"warning: {message}; no statistics", file=sys.stderr)
-        return None
-    groups = group_runs(runs, configs, values)
+    groups = group_runs(runs, configs, values)  # type: ignore[arg-type]  # checked next, if they matter
     if not asked and all(g.n == 1 for g in groups):
         return None
+    problem = _unusable(runs, values, args.metric)
+    if problem:
+        if asked:
+            fail(problem)
+        print(f"warning: {problem}; no statistics", file=sys.stderr)
+        return None
+    bare = [run for run in runs if not (run / "config.yaml").is_file()]
+    if bare:
+        print(
+            f"warning: {len(bare)} run(s) without config.yaml ({bare[0]}): grouped by settings alone", file=sys.stderr
+        )
     try:
         baseline = find_baseline(groups, args.baseline) if args.baseline else groups[0]
     except ValueError as err:
@@ -176,7 +177,27 @@ def replicate_groups(
     for g in groups:
         if g.n == 1:
             print(f"warning: {g.label} has one run: no interval and no test; repeat it over seeds", file=sys.stderr)
+    if baseline.n == 1 and len(groups) > 1:
+        print(f"warning: the baseline {baseline.label} has one run, so no group is compared with it", file=sys.stderr)
     return [baseline, *(g for g in groups if g is not baseline)]
+
+
+def _unusable(runs: list[Path], values: list[float | None], metric: str) -> str | None:
+    """Why the runs' values can't be compared, if they can't: some recorded none, or ended diverged."""
+    missing = [run for run, value in zip(runs, values, strict=True) if value is None]
+    if missing:
+        more = ", ..." if len(missing) > 1 else ""
+        return (
+            f"--metric {metric}: {len(missing)} of {len(runs)} runs recorded none ({missing[0]}{more}); pass runs "
+            "that all recorded it, or another --metric"
+        )
+    diverged = [run for run, value in zip(runs, values, strict=True) if not math.isfinite(value)]  # type: ignore[arg-type]
+    if diverged:
+        return (
+            f"--metric {metric}: {len(diverged)} run(s) ended with NaN or inf ({diverged[0]}: diverged); leave them "
+            "out, or compare --metric best_val_loss"
+        )
+    return None
 
 
 def print_statistics(groups: list[Group], comparisons: list[Comparison], metric: str) -> None:
@@ -245,11 +266,12 @@ def plot(
         _draw_runs(ax, summaries, x_of)
         title = f"{len(summaries)} run{'s' if len(summaries) > 1 else ''}"
         ax.set_ylabel("loss (faint: train, dots: val, star: best val)")
-    ax.set_yscale("log")  # loss curves flatten out; a log scale keeps the late differences visible
-    low, high = ax.get_ylim()
-    digits = 1 if high > 1.5 * low else 2 if high > 1.05 * low else 3  # ticks that read apart
-    ax.yaxis.set_major_formatter(FormatStrFormatter(f"%.{digits}f"))
-    ax.yaxis.set_minor_formatter(FormatStrFormatter(f"%.{digits}f"))
+    if ax.has_data():
+        ax.set_yscale("log")  # loss curves flatten out; a log scale keeps the late differences visible
+        low, high = ax.get_ylim()
+        digits = 1 if high > 1.5 * low else 2 if high > 1.05 * low else 3  # ticks that read apart
+        ax.yaxis.set_major_formatter(FormatStrFormatter(f"%.{digits}f"))
+        ax.yaxis.set_minor_formatter(FormatStrFormatter(f"%.{digits}f"))
     ax.set_xlabel({"iter": "iteration", "time": "wall time (s)", "tokens": "training tokens"}[x_axis])
     ax.set_title(f"{title}: loss against {x_axis}")
     ax.grid(True, which="both", alpha=0.3)
@@ -289,9 +311,13 @@ def _draw_groups(ax: Any, groups: list[Group], by_run: dict[Path, dict[str, Any]
         interval = "" if g.ci95 is None else f" ± {_value((g.ci95[1] - g.ci95[0]) / 2)}"
         baseline = " (baseline)" if i == 0 and len(groups) > 1 else ""
         label = textwrap.fill(f"{g.label}{baseline}: n={g.n}, {metric} {_value(g.mean)}{interval}", 2 * KEYS_WIDTH)
+        if not _across_runs(runs, "val_loss", "val_loss", x_of)[0]:
+            print(f"warning: the runs of {g.label} share no evaluation's iteration: not drawn", file=sys.stderr)
+            continue
         for key, kind in (("lr", "train_loss"), ("val_loss", "val_loss")):
             xs, ys = _across_runs(runs, key, kind, x_of)
-            mean, low, high = [statistics.fmean(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
+            low, high = [min(y) for y in ys], [max(y) for y in ys]
+            mean = [min(max(statistics.fmean(y), lo), hi) for y, lo, hi in zip(ys, low, high, strict=True)]
             if kind == "train_loss":
                 ax.plot(xs, mean, color=color, alpha=0.35, lw=1)
                 ax.fill_between(xs, low, high, color=color, alpha=0.1, lw=0)
@@ -311,7 +337,7 @@ def _across_runs(runs: list[dict[str, Any]], key: str, value: str, x_of: Any) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories, or directories holding runs")
+    parser.add_argument("runs", nargs="*", type=Path, help="run directories, or directories holding runs")
     parser.add_argument("-o", "--out", type=Path, default=Path("loss.png"))
     parser.add_argument("--x", choices=["iter", "time", "tokens"], default="iter", help="the x axis")
     parser.add_argument(
@@ -329,6 +355,11 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the groups and comparisons as JSON")
     args = parser.parse_args()
+    if args.baseline:  # `--baseline K=V RUN_DIR`: a run directory after the pairs is a run directory
+        args.runs += [Path(item) for item in args.baseline if "=" not in item]
+        args.baseline = [item for item in args.baseline if "=" in item] or None
+    if not args.runs:
+        fail("no run directory given; pass train.py run directories or a sweep directory")
     out = picture_path(args.out)
     if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
         fail(f"--json {args.json}: name a file in an existing directory")

@@ -9,6 +9,7 @@ observed effect would need. plot.py prints, draws and writes (--json) what this 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from scipy import stats
 
 # Keys that never change what is trained or measured: runs that differ only in these are replicates.
@@ -25,6 +27,7 @@ HIGHER_IS_BETTER = ("tokens_per_sec", "mfu", "hellaswag_acc")  # every other met
 ALPHA = 0.05  # a difference with p below this is called real
 POWER = 0.8  # the chance of detecting an effect that the seeds-per-arm estimate asks for
 MAX_SEEDS = 10_000
+ABSENT = "<absent>"  # a key some runs' configs lack (runs from before it existed): a value of its own
 
 
 @dataclass
@@ -89,16 +92,18 @@ class Comparison:
             f"{self.group.label} vs {self.baseline.label}: {_signed(self.diff)} {self.metric} "
             f"[{_signed(self.ci95[0])}, {_signed(self.ci95[1])}], {_p(self.p_value)}, {seeds}"
         )
+        if self.group.std == 0 and self.baseline.std == 0:  # every run of each group alike: no noise to test against
+            return f"{head}: {'no difference at all' if self.diff == 0 else 'the runs of each group are identical'}"
         if self.p_value < ALPHA:
             better = (self.diff > 0) == self.metric.startswith(HIGHER_IS_BETTER)
             return f"{head}: {'better' if better else 'worse'}"
         if self.diff == 0:
             return f"{head}: no difference at all"
+        effect = f"an effect of {_number(abs(self.diff))}"
+        if self.seeds_needed is not None and self.seeds_needed <= min(g, b):
+            return f"{head}: no difference detected, though {effect} is found 4 times in 5 at these seeds; run more"
         need = f"about {self.seeds_needed:,}" if self.seeds_needed else f"more than {MAX_SEEDS:,}"
-        return (
-            f"{head}: no difference detected at {at} seeds; an effect of "
-            f"{_number(abs(self.diff))} would need {need} seeds per arm at this spread"
-        )
+        return f"{head}: no difference detected at {at} seeds; {effect} would need {need} seeds per arm at this spread"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -126,8 +131,9 @@ def group_runs(runs: list[Path], configs: list[dict[str, Any]], values: list[flo
         entry[1].append(run)
         entry[2].append(value)
     configs_seen = [trained for trained, _, _ in by_config.values()]
-    keys = [k for k in sorted({k for c in configs_seen for k in c}) if len({_key(c.get(k)) for c in configs_seen}) > 1]
-    return [Group({k: c.get(k) for k in keys}, runs, vals, c) for c, runs, vals in by_config.values()]
+    keys = sorted({k for c in configs_seen for k in c})
+    keys = [k for k in keys if len({_key(c.get(k, ABSENT)) for c in configs_seen}) > 1]
+    return [Group({k: c.get(k, ABSENT) for k in keys}, runs, vals, c) for c, runs, vals in by_config.values()]
 
 
 def compare(group: Group, baseline: Group, metric: str) -> Comparison:
@@ -142,17 +148,19 @@ def compare(group: Group, baseline: Group, metric: str) -> Comparison:
     p_value = float(stats.ttest_ind(a, b, equal_var=False).pvalue)
     comparison = Comparison(group, baseline, metric, diff, (diff - half, diff + half), p_value)
     if p_value >= ALPHA and diff != 0:
-        spread = math.sqrt((group.std**2 + baseline.std**2) / 2)  # type: ignore[operator]
-        comparison.seeds_needed = seeds_per_arm(abs(diff) / spread)
+        comparison.seeds_needed = seeds_per_arm(diff, group.std, baseline.std)  # type: ignore[arg-type]
     return comparison
 
 
-def seeds_per_arm(effect_size: float, alpha: float = ALPHA, power: float = POWER) -> int | None:
-    """The fewest runs per arm for which a two-sided two-sample t-test at `alpha` detects a difference of
-    `effect_size` standard deviations with probability `power` (the noncentral t); None past MAX_SEEDS."""
+def seeds_per_arm(diff: float, sd_a: float, sd_b: float, alpha: float = ALPHA, power: float = POWER) -> int | None:
+    """The fewest runs per arm (both arms alike) for which Welch's two-sided test at `alpha` detects a true
+    difference `diff` between arms of these standard deviations with probability `power`: the noncentral t, with
+    Welch's degrees of freedom. None past MAX_SEEDS."""
+    va, vb = sd_a**2, sd_b**2
 
     def reached(n: int) -> bool:
-        df, shift = 2 * n - 2, effect_size * math.sqrt(n / 2)
+        df = (va + vb) ** 2 * (n - 1) / (va**2 + vb**2)
+        shift = abs(diff) / math.sqrt((va + vb) / n)
         critical = stats.t.ppf(1 - alpha / 2, df)
         return stats.nct.sf(critical, df, shift) + stats.nct.cdf(-critical, df, shift) >= power
 
@@ -205,6 +213,9 @@ def parse_value(text: str) -> Any:
             return kind(text)
         except ValueError:
             pass
+    if text.startswith(("[", "{")):  # a list or mapping, as the label writes it: [1,2]
+        with contextlib.suppress(yaml.YAMLError):
+            return yaml.safe_load(text)
     return text
 
 
@@ -222,6 +233,8 @@ def _equal(held: Any, wanted: Any) -> bool:
         return held is wanted or held == wanted and type(held) is type(wanted)
     if isinstance(held, int | float) and isinstance(wanted, int | float):
         return math.isclose(held, wanted, rel_tol=1e-9, abs_tol=0.0)
+    if isinstance(held, list | dict) or isinstance(wanted, list | dict):
+        return _key(held) == _key(wanted)
     return str(held) == str(wanted)
 
 
@@ -242,16 +255,17 @@ def _p(p: float) -> str:
 
 
 def run_value(records: list[dict[str, Any]], metric: str) -> float | None:
-    """One run's metric from its metrics.jsonl records: best_val_loss is the lowest val_loss, tokens_per_sec the
-    median of the log lines', any other key its last finite value (val_loss: the final evaluation's); None if the
-    run recorded none."""
+    """One run's metric from its metrics.jsonl records: best_val_loss is the lowest finite val_loss, tokens_per_sec
+    the median of the log lines', any other key its last value (val_loss: the final evaluation's, NaN if the run
+    diverged there); None if the run recorded none."""
     if metric == "best_val_loss":
         values = [r["val_loss"] for r in records if _finite(r.get("val_loss"))]
         return min(values) if values else None
-    values = [r[metric] for r in records if _finite(r.get(metric))]
-    if not values:
-        return None
-    return statistics.median(values) if metric == "tokens_per_sec" else values[-1]
+    if metric == "tokens_per_sec":
+        values = [r[metric] for r in records if _finite(r.get(metric))]
+        return statistics.median(values) if values else None
+    values = [r[metric] for r in records if isinstance(r.get(metric), int | float) and not isinstance(r[metric], bool)]
+    return values[-1] if values else None
 
 
 def _finite(value: Any) -> bool:

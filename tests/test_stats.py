@@ -116,11 +116,13 @@ def test_welch_difference_interval_and_p_value_follow_the_formulas() -> None:
 
 
 def test_seeds_per_arm_is_the_noncentral_t_power_calculation() -> None:
-    """The textbook figures for a two-sided two-sample t-test at alpha 0.05 and power 0.8."""
-    assert seeds_per_arm(1.0) == 17
-    assert seeds_per_arm(0.5) == 64
-    assert seeds_per_arm(2.0) == 6
-    assert seeds_per_arm(1e-3) is None  # past 10,000 seeds per arm
+    """The textbook figures for a two-sided two-sample t-test at alpha 0.05 and power 0.8 (equal spreads); unequal
+    spreads have Welch's fewer degrees of freedom, so they need at least as many."""
+    assert seeds_per_arm(1.0, 1.0, 1.0) == 17
+    assert seeds_per_arm(0.5, 1.0, 1.0) == 64
+    assert seeds_per_arm(-2.0, 1.0, 1.0) == 6
+    assert seeds_per_arm(1e-3, 1.0, 1.0) is None  # past 10,000 seeds per arm
+    assert seeds_per_arm(1.0, 0.2, math.sqrt(2 - 0.04)) >= 17
 
 
 def test_one_run_has_no_interval_and_no_spread_is_certain() -> None:
@@ -129,7 +131,7 @@ def test_one_run_has_no_interval_and_no_spread_is_certain() -> None:
     same = compare(Group({}, [Path("a"), Path("b")], [2.0, 2.0]), Group({}, [Path("c"), Path("d")], [2.0, 2.0]), "m")
     assert same.p_value == 1.0 and same.diff == 0 and same.verdict.endswith("no difference at all")
     apart = compare(Group({}, [Path("a"), Path("b")], [3.0, 3.0]), Group({}, [Path("c"), Path("d")], [2.0, 2.0]), "m")
-    assert apart.p_value == 0.0 and apart.verdict.endswith("worse")
+    assert apart.p_value == 0.0 and apart.verdict.endswith(": the runs of each group are identical")
 
 
 def test_groups_form_on_the_training_config_and_what_the_runs_resolved(tmp_path: Path) -> None:
@@ -199,7 +201,8 @@ def test_run_value_picks_each_metric() -> None:
         {"iter": 15, "val_loss": 2.5},
         {"iter": 20, "val_loss": math.nan},
     ]
-    assert run_value(records, "val_loss") == 2.5  # the last finite evaluation
+    assert math.isnan(run_value(records, "val_loss"))  # the last evaluation: a run that diverged there
+    assert run_value(records[:-1], "val_loss") == 2.5
     assert run_value(records, "best_val_loss") == 2.0
     assert run_value(records, "tokens_per_sec") == 20.0  # the median
     assert run_value(records, "time_to_target_s") == 7.5
@@ -243,3 +246,45 @@ def test_plot_py_without_replicates_prints_no_statistics(tmp_path: Path) -> None
     assert result.returncode == 0 and "95% CI" not in result.stdout and "warning" not in result.stderr
     single = _plot(tmp_path, str(sweep_dir / "a_1"), "--metric", "best_val_loss")  # asked: one group, no test
     assert single.returncode == 0 and re.search(r"^all runs +1 +1.0000 ", single.stdout, re.M)
+
+
+def test_plot_py_draws_identical_replicates_and_groups_sharing_no_evaluation(tmp_path: Path) -> None:
+    """Reruns of one seed are bit-identical on a CPU: three equal values once made a negative error bar."""
+    _values_sweep(tmp_path / "same", {"a": ({"k": 1}, [1.6, 1.6, 1.6]), "b": ({"k": 2}, [1.7, 1.7, 1.7])})
+    result = _plot(tmp_path, str(tmp_path / "same" / "sweep"))
+    assert result.returncode == 0, result.stderr
+    assert "k=2 vs k=1: +0.1 val_loss [+0.1, +0.1], p < 0.0001, 3 seeds each: the runs of each group are identical" in (
+        result.stdout
+    )
+    apart = tmp_path / "apart"
+    _fake_run(apart / "r1", {"k": 1, "seed": 1}, [3.0, 2.0])
+    run2 = _fake_run(apart / "r2", {"k": 1, "seed": 2}, [3.0, 2.1])
+    lines = (run2 / "metrics.jsonl").read_text().replace('"iter": 0,', '"iter": 1,').replace('"iter": 5,', '"iter": 6,')
+    (run2 / "metrics.jsonl").write_text(lines)
+    result = _plot(tmp_path, str(apart), "--json", str(tmp_path / "apart.json"))
+    assert result.returncode == 0, result.stderr
+    assert "warning: the runs of all runs share no evaluation's iteration: not drawn" in result.stderr
+
+
+def test_plot_py_baseline_pairs_before_the_runs_lists_and_absent_keys(tmp_path: Path) -> None:
+    """`--baseline K=V DIR`: DIR is a run directory; a list matches as its label writes it; a key that older runs
+    lack is a value of its own, not null."""
+    for i, (config, final) in enumerate([({"w": [1, 2]}, 1.0), ({"w": [1, 2]}, 1.1), ({"w": [3]}, 2.0)]):
+        _fake_run(tmp_path / "sweep" / f"r{i}", {**config, "seed": i}, [3.0, final])
+    _fake_run(tmp_path / "sweep" / "r3", {"w": [3], "seed": 3}, [3.0, 2.2])
+    _fake_run(tmp_path / "old" / "r4", {"seed": 4}, [3.0, 2.5])
+    result = _plot(tmp_path, "--baseline", "w=[1,2]", str(tmp_path / "sweep"), str(tmp_path / "old"))
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^w=\[1,2\] \(baseline\) +2 ", result.stdout, re.M)
+    assert re.search(r"^w=<absent> +1 ", result.stdout, re.M) and "w=[3] vs w=[1,2]: +1.05 val_loss" in result.stdout
+
+
+def test_plot_py_refuses_a_diverged_final_evaluation_when_asked(tmp_path: Path) -> None:
+    sweep_dir = _values_sweep(tmp_path, {"a": ({"k": 1}, [1.0, 1.1]), "b": ({"k": 2}, [1.2, math.nan])})
+    result = _plot(tmp_path, str(sweep_dir), "--baseline", "k=1")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: --metric val_loss: 1 run(s) ended with NaN or inf (")
+    quiet = _plot(tmp_path, str(sweep_dir))  # not asked: the curves as before, a warning, no statistics
+    assert quiet.returncode == 0 and "no statistics" in quiet.stderr and "95% CI" not in quiet.stdout
+    best = _plot(tmp_path, str(sweep_dir), "--metric", "best_val_loss")
+    assert best.returncode == 0, best.stderr

@@ -84,8 +84,8 @@ def remembered(
 @contextlib.contextmanager
 def _one_at_a_time() -> Iterator[None]:
     """Processes that measure take turns (a file lock beside the cache), so the waiting ones neither slow the
-    measurement down nor choose otherwise. Without a lock (a read-only home, a minute's wait) it measures anyway."""
-    lock = filelock.FileLock(f"{_cache_path()}.lock", timeout=60)
+    measurement down nor choose otherwise. Without a lock (a read-only home, 30 s of waiting) it measures anyway."""
+    lock = filelock.FileLock(f"{_cache_path()}.lock", timeout=30)
     with contextlib.suppress(OSError, filelock.Timeout):
         _cache_path().parent.mkdir(parents=True, exist_ok=True)
         lock.acquire()

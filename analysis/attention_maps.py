@@ -56,11 +56,17 @@ OURS = re.compile(r"attention\.npz|index\.html|attention_layer\d+\.png")  # ever
 
 def check_output_dir(out_dir: Path, key: str = "attention_dir") -> None:
     """Before any work: the directory is new, empty, or holds only what an earlier attention_dir=... wrote, and
-    its index.html, if any, is the explorer's. Anything else is the user's, never overwritten: DataError."""
+    its index.html, if any, is the explorer's. Anything else (a symbolic link too) is the user's, never overwritten:
+    DataError."""
     check_writable(out_dir, key)
     if not out_dir.is_dir():
         return
-    strangers = sorted(p.name for p in out_dir.iterdir() if not OURS.fullmatch(p.name) or not p.is_file())
+    strangers = []
+    for p in sorted(out_dir.iterdir()):
+        if p.is_symlink():  # even by one of our names: writing it would write where it points
+            strangers.append(f"{p.name} (a symbolic link)")
+        elif not OURS.fullmatch(p.name) or not p.is_file():
+            strangers.append(p.name)
     page = out_dir / "index.html"
     if page.is_file() and EXPLORER_MARK not in page.read_text(encoding="utf-8", errors="replace")[:1000]:
         strangers.append("index.html (not an attention explorer page)")

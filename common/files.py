@@ -9,6 +9,7 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -31,6 +32,21 @@ def check_writable(directory: Path, key: str, shown: str | None = None) -> None:
         ) from None
 
 
+def refuse_links(directory: Path, names: Iterable[str], key: str) -> None:
+    """Before writing into `directory`: none of the files it will write there may be a symbolic link. Appending to,
+    locking or truncating one would write wherever it points (a run directory from someone else could aim its
+    config.yaml at a shell start-up file). A UserError naming the first link otherwise."""
+    from common.errors import UserError
+
+    for name in sorted(names):
+        if (directory / name).is_symlink():
+            target = os.readlink(directory / name)
+            raise UserError(
+                f"{key}={directory} holds {name} as a symbolic link (to {target}), and nothing is written through "
+                f"links; remove it, or use another {key}"
+            )
+
+
 def temporary_beside(path: Path) -> Path:
     """This process's temporary for `path`: another writer, even one that bypassed a lock, never renames it."""
     return path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -41,7 +57,8 @@ def discard_temporaries(path: Path) -> None:
     running, i.e. holding the run's lock."""
     pattern = re.compile(rf"{re.escape(path.name)}\.\d+\.tmp")
     for stale in path.parent.glob(f"{path.name}.*.tmp"):
-        if pattern.fullmatch(stale.name) and stale.is_file():
+        # a link too (never followed: opening one for a temporary would write where it points)
+        if pattern.fullmatch(stale.name) and (stale.is_symlink() or stale.is_file()):
             stale.unlink(missing_ok=True)
 
 

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from common.config import typed_config
 from common.cpu_threads import SlowdownWatch, use_free_cores
 from common.errors import CheckpointError, ConfigError
-from common.files import check_writable, discard_temporaries
+from common.files import check_writable, discard_temporaries, refuse_links, write_text_atomically
 from common.runtime import Runtime, make_runtime
 from data.prepare import PreparedData, ensure_prepared
 from data.tokenizers import Tokenizer, tokenizer_from_metadata
@@ -37,14 +37,25 @@ from training.distributed import (
 from training.errors import RunLocked
 from training.evaluation import Evaluator, HellaSwagEval
 from training.machine import Peak, choose_cpu_dtype, peak_flops, remember_higher_peak
-from training.metrics import MetricsLog, forget_metrics
+from training.metrics import METRICS_NAME, MetricsLog, forget_metrics
 from training.optim import make_optimizer, scheduled_lr
 from training.resume import check_resume, check_same_shape
-from training.run_lock import before_opening, log_to_run_dir, remove_unopened_run_dir, run_lock
+from training.run_lock import (
+    HOLDER_NAME,
+    LOCK_NAME,
+    LOG_NAME,
+    before_opening,
+    log_to_run_dir,
+    remove_unopened_run_dir,
+    run_lock,
+)
 from training.schema import OptimConfig, TrainRunConfig
 from training.trainer import Trainer, TrainResult
 
 log = logging.getLogger("train")
+CONFIG_NAME = "config.yaml"  # the run's resolved config, for reading (plot.py groups runs by it)
+# What a run writes in its directory: none of them may be a symbolic link (common.files.refuse_links)
+RUN_FILES = (CKPT_NAME, BEST_NAME, METRICS_NAME, CONFIG_NAME, LOG_NAME, LOCK_NAME, HOLDER_NAME, ".hydra")
 
 
 def train(
@@ -75,7 +86,7 @@ def train(
             if world.is_main:
                 if on_run_opened is not None:
                     on_run_opened(trainer.out_dir)
-                (trainer.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(trainer.resolved))
+                write_text_atomically(trainer.out_dir / CONFIG_NAME, OmegaConf.to_yaml(trainer.resolved))
                 trainer.metrics.write_settings(trainer.progress.iter, resolved_settings(trainer))
             opened = True
             if config.wandb.enabled and world.is_main:
@@ -191,6 +202,7 @@ def _lock_run(out_dir: Path, world: World, held: contextlib.ExitStack) -> None:
     error = None
     if world.is_main:
         try:
+            refuse_links(out_dir, RUN_FILES, "out_dir")  # before the lock: opening .lock truncates it
             held.enter_context(run_lock(out_dir))
             held.enter_context(log_to_run_dir(out_dir))
             for name in (CKPT_NAME, BEST_NAME):

@@ -37,7 +37,7 @@ def before_opening(out_dir: Path) -> Before:
         if folder.exists():
             break
         missing = folder
-    return missing, {name for name in RUN_DIR_MAKINGS if (out_dir / name).exists()}
+    return missing, {name for name in RUN_DIR_MAKINGS if os.path.lexists(out_dir / name)}  # a link counts too
 
 
 @contextlib.contextmanager
@@ -149,6 +149,9 @@ def remove_unopened_run_dir(out_dir: Path, before: Before) -> None:
 def _unless_locked(out_dir: Path) -> Iterator[bool]:
     """Holds out_dir's run lock while the cleanup runs, so no other process starts on the directory meanwhile;
     False when another process holds it (started on the same directory): then its files are not ours."""
+    if (out_dir / LOCK_NAME).is_symlink():  # refused, never opened: locking would truncate where it points
+        yield False
+        return
     if not (out_dir / LOCK_NAME).exists():
         yield True
         return

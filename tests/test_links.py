@@ -1,0 +1,71 @@
+"""Nothing is written through a symbolic link: a run directory (or attention_dir) from someone else could point its
+files anywhere the user can write, and a config field (wandb.run_name) would land there verbatim."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from common.errors import UserError
+from common.files import discard_temporaries
+from conftest import compose_config, run_script, tiny_run_overrides
+from data.errors import DataError
+from training.run import RUN_FILES, train
+
+
+def _precious(tmp_path: Path) -> Path:
+    target = tmp_path / "elsewhere" / "precious.txt"
+    target.parent.mkdir()
+    target.write_text("the user's own\n")
+    return target
+
+
+@pytest.mark.parametrize("name", RUN_FILES)
+def test_a_new_run_refuses_a_run_directory_holding_a_link_by_one_of_its_names(
+    tmp_path: Path, corpus_path: Path, name: str
+) -> None:
+    target = _precious(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / name).symlink_to(target.parent if name == ".hydra" else target)
+    with pytest.raises(UserError, match=rf"holds {name} as a symbolic link \(to {target.parent}"):
+        train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"wandb.run_name": "'echo owned'"})))
+    assert target.read_text() == "the user's own\n" and os.listdir(target.parent) == ["precious.txt"]
+    assert sorted(os.listdir(run)) == [name] and (run / name).is_symlink()  # the failed start took nothing else
+
+
+def test_a_resume_refuses_a_link_put_in_place_of_its_metrics(tmp_path: Path, corpus_path: Path) -> None:
+    target = _precious(tmp_path)
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 5})))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.unlink()
+    metrics.symlink_to(target)
+    result = run_script("train.py", [*tiny_run_overrides(tmp_path, corpus_path), "resume=true"], cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: out_dir={tmp_path / 'run'} holds metrics.jsonl as a symbolic link (to {target}), and nothing is "
+        "written through links; remove it, or use another out_dir"
+    )
+    assert target.read_text() == "the user's own\n"
+
+
+def test_stale_temporaries_that_are_links_go_without_being_followed(tmp_path: Path) -> None:
+    """A planted ckpt.pt.PID.tmp pointing nowhere yet would make the next save create its target."""
+    missing = tmp_path / "elsewhere" / "created.txt"
+    (tmp_path / "ckpt.pt.4242.tmp").symlink_to(missing)
+    (tmp_path / "ckpt.pt.4243.tmp").symlink_to(_precious(tmp_path))
+    discard_temporaries(tmp_path / "ckpt.pt")
+    assert list(tmp_path.glob("ckpt.pt.*")) == [] and not missing.exists()
+    assert (tmp_path / "elsewhere" / "precious.txt").read_text() == "the user's own\n"
+
+
+def test_attention_dir_refuses_a_link_by_one_of_its_names(tmp_path: Path) -> None:
+    from analysis.attention_maps import check_output_dir
+
+    target = _precious(tmp_path)
+    out = tmp_path / "maps"
+    out.mkdir()
+    (out / "attention.npz").symlink_to(target)
+    with pytest.raises(DataError, match=r"holds files sample.py didn't write \(attention.npz \(a symbolic link\)\)"):
+        check_output_dir(out)
+    assert target.read_text() == "the user's own\n"

@@ -325,15 +325,32 @@ def test_the_cleanup_never_touches_a_run_another_process_holds(tmp_path: Path) -
     """Two commands started together on one directory: the one that fails must not take the other's files."""
     from filelock import FileLock
 
-    from training.run_lock import remove_unopened_run_dir as _remove_unopened_run_dir
+    from training.run_lock import Made, take_back
 
-    for before in ((None, set()), (tmp_path / "run", set())):  # there before this command, or made for it
-        run = tmp_path / "run"
-        run.mkdir(exist_ok=True)
-        for name in ("train.log", ".lock.pid"):
-            (run / name).write_text("the other run's")
-        with FileLock(run / ".lock", timeout=0):  # the other process, holding its run
-            _remove_unopened_run_dir(run, before)
-            assert sorted(p.name for p in run.iterdir()) == [".lock", ".lock.pid", "train.log"]
-    _remove_unopened_run_dir(run, (tmp_path / "run", set()))  # no holder: all of it was this command's
+    run = tmp_path / "run"
+    made = Made()
+    made.make_folders(run)  # made for this command
+    for name in ("train.log", ".lock.pid"):
+        with made.creating(run / name):
+            (run / name).write_text("this command's")
+    with FileLock(run / ".lock", timeout=0):  # another process took the directory meanwhile
+        take_back(made, run)
+        assert sorted(p.name for p in run.iterdir()) == [".lock", ".lock.pid", "train.log"]
+    (run / ".lock").unlink()
+    take_back(made, run)  # no holder: all of it was this command's
     assert not run.exists()
+
+
+def test_a_failed_start_takes_back_only_what_it_made_whatever_the_path_said(tmp_path: Path) -> None:
+    """out_dir=runs/x/new/../old once deleted the user's runs/x/old (holding a train.log of theirs) and left
+    runs/x/new; a .lock.pid that was there went too."""
+    old = tmp_path / "runs" / "x" / "old"
+    old.mkdir(parents=True)
+    (old / "train.log").write_text("the user's own\n")
+    (old / ".lock.pid").write_text("4242")  # a dead run's
+    result = run_script("train.py", ["out_dir=runs/x/new/../old", "data.input=/missing.txt"], tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert left == ["runs", "runs/x", "runs/x/old", "runs/x/old/.lock.pid", "runs/x/old/train.log"]
+    assert (old / "train.log").read_text().startswith("the user's own\n")  # appended to, never removed
+    assert (old / ".lock.pid").read_text() == "4242"

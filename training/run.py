@@ -44,10 +44,10 @@ from training.run_lock import (
     HOLDER_NAME,
     LOCK_NAME,
     LOG_NAME,
-    before_opening,
+    Made,
     log_to_run_dir,
-    remove_unopened_run_dir,
     run_lock,
+    take_back,
 )
 from training.schema import OptimConfig, TrainRunConfig
 from training.trainer import Trainer, TrainResult
@@ -77,11 +77,11 @@ def train(
     out_dir = Path(config.out_dir)
     if world.is_main:
         check_writable(out_dir, "out_dir")
-    before, opened = before_opening(out_dir), False
+    made, opened = Made(), False
     world.open(runtime.device)
     try:
         with contextlib.ExitStack() as held:
-            _lock_run(out_dir, world, held)
+            _lock_run(out_dir, world, held, made)
             trainer = build_trainer(config, world, runtime, before_step)
             if world.is_main:
                 if on_run_opened is not None:
@@ -96,7 +96,7 @@ def train(
         return result
     except BaseException:  # a user's error, Ctrl-C, a bug
         if not opened and world.is_main:
-            remove_unopened_run_dir(out_dir, before)
+            take_back(made, out_dir)
         raise
     finally:
         world.close()
@@ -196,15 +196,15 @@ def check_for_world(opt: OptimConfig, world: World) -> None:
         )
 
 
-def _lock_run(out_dir: Path, world: World, held: contextlib.ExitStack) -> None:
+def _lock_run(out_dir: Path, world: World, held: contextlib.ExitStack, made: Made) -> None:
     """Rank 0 writes the run, so it alone holds the lock; if it can't (or fails trying), every rank stops. Then
     no other writer is mid-save: a killed one's checkpoint temporaries go."""
     error = None
     if world.is_main:
         try:
             refuse_links(out_dir, RUN_FILES, "out_dir")  # before the lock: opening .lock truncates it
-            held.enter_context(run_lock(out_dir))
-            held.enter_context(log_to_run_dir(out_dir))
+            held.enter_context(run_lock(out_dir, made))
+            held.enter_context(log_to_run_dir(out_dir, made))
             for name in (CKPT_NAME, BEST_NAME):
                 discard_temporaries(out_dir / name)
         except Exception as err:

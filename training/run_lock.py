@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from filelock import FileLock, Timeout
@@ -26,44 +27,68 @@ LOG_NAME = "train.log"  # the run's console output, appended to by each resume
 LOCK_NAME = ".lock"  # in the run directory; the lock goes with its holder (the file stays, except on Windows)
 HOLDER_NAME = ".lock.pid"  # the holder's PID, for the message a second writer gets
 _HELD: dict[Path, tuple[int, int]] = {}  # this process's locked run directories -> their lock file's identity
-RUN_DIR_MAKINGS = {LOG_NAME, LOCK_NAME, HOLDER_NAME}  # what opening a run directory puts in it
-Before = tuple[Path | None, set[str]]  # the outermost folder of out_dir yet to be made; the makings already there
+Identity = tuple[int, int]  # a file's (device, inode): the file itself, whatever path names it
 
 
-def before_opening(out_dir: Path) -> Before:
-    """What opening out_dir will create, so that a start that fails can take back exactly that."""
-    missing = None
-    for folder in (out_dir, *out_dir.parents):
-        if folder.exists():
-            break
-        missing = folder
-    return missing, {name for name in RUN_DIR_MAKINGS if os.path.lexists(out_dir / name)}  # a link counts too
+@dataclass
+class Made:
+    """What opening a run directory created, each folder and file known by identity rather than by the path that
+    named it, so a start that fails takes back exactly that: never what was there before, whatever `..` or link
+    the path went through."""
+
+    folders: list[tuple[Path, Identity]] = field(default_factory=list)
+    files: list[tuple[Path, Identity]] = field(default_factory=list)
+
+    def make_folders(self, out_dir: Path) -> None:
+        """out_dir.mkdir(parents=True), a folder at a time, noting the ones this process made."""
+        for folder in (*reversed(out_dir.parents), out_dir):
+            try:
+                folder.mkdir()
+            except OSError:
+                if folder.is_dir():
+                    continue
+                raise
+            self.folders.append((folder, _identity(folder)))
+
+    @contextlib.contextmanager
+    def creating(self, path: Path) -> Iterator[None]:
+        """Around what creates `path`: noted as made if it wasn't there before."""
+        there = os.path.lexists(path)
+        yield
+        if not there and path.exists():
+            self.files.append((path, _identity(path)))
 
 
 @contextlib.contextmanager
-def run_lock(out_dir: Path) -> Iterator[None]:
-    """Hold out_dir's lock, or raise RunLocked naming the process that holds it."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+def run_lock(out_dir: Path, made: Made | None = None) -> Iterator[None]:
+    """Hold out_dir's lock, or raise RunLocked naming the process that holds it. What it creates goes in `made`."""
+    made = Made() if made is None else made
+    made.make_folders(out_dir)
     lock = FileLock(out_dir / LOCK_NAME, timeout=0)
     try:
-        lock.acquire()
+        with made.creating(out_dir / LOCK_NAME):
+            lock.acquire()
     except Timeout:
         raise RunLocked(
             f"out_dir={out_dir} is being written by another run (PID {_holder(out_dir)}); "
             "wait for it to end or stop it, or use another out_dir"
         ) from None
-    key = out_dir.resolve()
+    key, previous = out_dir.resolve(), None
     try:
         _HELD[key] = _identity(out_dir / LOCK_NAME)
         discard_temporaries(out_dir / HOLDER_NAME)  # a holder killed while it wrote its PID
+        previous = _contents(out_dir / HOLDER_NAME)  # a dead holder's PID: a failed start puts it back
         # Whole or not at all: a writer refused meanwhile reads the previous PID (a dead holder's) or this one.
         write_text_atomically(out_dir / HOLDER_NAME, str(os.getpid()))
         yield
+        previous = None  # the run went through: the dead holder's file is cleaned up with ours
     finally:
         ours = still_ours(out_dir)  # a stolen lock's .lock.pid is the new holder's: left to it
         _HELD.pop(key, None)
-        if ours:
+        if ours and previous is None:
             (out_dir / HOLDER_NAME).unlink(missing_ok=True)
+        elif ours:
+            write_text_atomically(out_dir / HOLDER_NAME, previous)
         lock.release()
 
 
@@ -100,9 +125,10 @@ def _holder(out_dir: Path) -> str:
 
 
 @contextlib.contextmanager
-def log_to_run_dir(out_dir: Path) -> Iterator[None]:
+def log_to_run_dir(out_dir: Path, made: Made) -> Iterator[None]:
     """Everything the run logs also goes to out_dir/train.log, while the run holds the directory."""
-    handler = logging.FileHandler(out_dir / LOG_NAME, encoding="utf-8")
+    with made.creating(out_dir / LOG_NAME):
+        handler = logging.FileHandler(out_dir / LOG_NAME, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(message)s"))
     logging.getLogger().addHandler(handler)
     try:
@@ -112,37 +138,42 @@ def log_to_run_dir(out_dir: Path) -> Iterator[None]:
         handler.close()
 
 
-def remove_unopened_run_dir(out_dir: Path, before: Before) -> None:
-    """A start that failed before training (a typo, a missing file) takes back what opening the run directory made
-    (train.log, .lock) and the folders above it that this command created. A folder that was there before, or
-    holds anything else, stays; so does everything while another process holds the lock."""
-    missing, present = before
-    out = out_dir.absolute()
-    if missing is not None:  # made for this command: out_dir, and the folders from `top` down to it
-        top = missing.absolute()
-        if not (top == out or top in out.parents) or not out.is_dir():
-            return
-        if not {path.name for path in out.iterdir()} <= RUN_DIR_MAKINGS:
-            return
-    ours = RUN_DIR_MAKINGS - present
-    with _unless_locked(out) as free:
-        for name in ours - {LOCK_NAME} if free else ():
-            (out / name).unlink(missing_ok=True)
+def take_back(made: Made, out_dir: Path) -> None:
+    """A start that failed before training (a typo, a missing file) takes back what opening the run directory made:
+    the files and then the folders, each only if it is still the one made and a folder only if empty. Nothing
+    while another process holds the directory's lock (it started on it meanwhile: its files are not ours)."""
+    with _unless_locked(out_dir) as free:
+        for path, identity in reversed(made.files) if free else ():
+            if path.name != LOCK_NAME and _still(path, identity):
+                path.unlink()
     if not free:
         return
-    if LOCK_NAME in ours:  # once released: a held lock's file can't go everywhere (Windows)
-        (out / LOCK_NAME).unlink(missing_ok=True)
-    if missing is None:  # out_dir was there: only what this command added to it went
-        return
-    folder = out
-    while True:
+    for path, identity in made.files:  # once released: a held lock's file can't go everywhere (Windows)
+        if path.name == LOCK_NAME and _still(path, identity):
+            path.unlink()
+    for folder, identity in reversed(made.folders):
+        if not _still(folder, identity):
+            return
         try:
             folder.rmdir()
         except OSError:  # not empty: something else lives there
             return
-        if folder == top:
-            return
-        folder = folder.parent
+
+
+def _still(path: Path, identity: Identity) -> bool:
+    """`path` is still the very file (not a link to it, nor another by its name)."""
+    try:
+        stat = path.lstat()
+    except OSError:
+        return False
+    return (stat.st_dev, stat.st_ino) == identity
+
+
+def _contents(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 @contextlib.contextmanager

@@ -6,10 +6,11 @@ Runs on first use from train.py; on its own: `python -m data.prepare data=shakes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -17,6 +18,11 @@ from typing import Any
 
 import numpy as np
 from filelock import FileLock, Timeout
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; a folder in use is then not guarded
+    fcntl = None  # type: ignore[assignment]
 
 from common.files import check_writable, discard_temporaries
 from data import corpus
@@ -29,6 +35,7 @@ from data.tokenizers import tokenizer_from_metadata
 
 log = logging.getLogger(__name__)
 PREPARE_LOCK = ".prepare.lock"  # held by the one process preparing a data folder
+IN_USE = ".in_use"  # held shared by the runs reading a data folder, alone by a preparation replacing its tokens
 DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
 
 
@@ -188,9 +195,49 @@ def _prepare_once(
             return prepared
         for name in ("train.bin", "val.bin", "meta.json", "input.txt"):  # what temporary_beside names here
             discard_temporaries(out_dir / name)
-        return make()
+        with _alone(out_dir):
+            return make()
     finally:
         lock.release()
+
+
+@contextlib.contextmanager
+def in_use(data: PreparedData) -> Iterator[None]:
+    """While a run reads `data`: its folder's .in_use held shared, so that no process prepares other tokens over
+    them (_alone). meta.json is read again once held: a preparation that slipped in since is said. Unguarded where
+    the folder is read-only (nobody replaces it) or the OS has no flock (Windows)."""
+    try:
+        handle = open(data.dir / IN_USE, "ab")  # closed below, after the run
+    except OSError:
+        yield
+        return
+    try:
+        if fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_SH)  # waits while a preparation holds it alone
+        if _read_meta(data.dir) != json.loads(json.dumps(data.meta)):  # as meta.json holds it (tuples as lists)
+            raise DataError(
+                f"data.dir={data.dir} was prepared again with other settings as this run started; start it again"
+            )
+        yield
+    finally:
+        handle.close()
+
+
+@contextlib.contextmanager
+def _alone(out_dir: Path) -> Iterator[None]:
+    """Replacing a folder's tokens: only while no run reads them (in_use), or one line saying why not."""
+    if fcntl is None or not (out_dir / "meta.json").exists():  # no tokens there yet: none being read
+        yield
+        return
+    with open(out_dir / IN_USE, "ab") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DataError(
+                f"data.dir={out_dir} holds tokens prepared with other settings that a running run is reading, and "
+                "preparing these would replace them under it; wait for it to end, or name another data.dir"
+            ) from None
+        yield
 
 
 def _refuse_foreign(out_dir: Path) -> None:

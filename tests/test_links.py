@@ -69,3 +69,27 @@ def test_attention_dir_refuses_a_link_by_one_of_its_names(tmp_path: Path) -> Non
     with pytest.raises(DataError, match=r"holds files sample.py didn't write \(attention.npz \(a symbolic link\)\)"):
         check_output_dir(out)
     assert target.read_text() == "the user's own\n"
+
+
+def test_a_run_s_tokens_are_never_prepared_again_under_it(tmp_path: Path, corpus_path: Path) -> None:
+    """Run A trained on data.dir while B, with data.val_fraction=0.3 and the same data.dir, prepared it again: A
+    crashed 30 iterations later. Now B is refused in one line while A reads, and prepares once A has ended."""
+    from data.config import DataConfig
+    from data.prepare import ensure_prepared
+
+    other = DataConfig(name="x", input=str(corpus_path), dir=str(tmp_path / "data"), val_fraction=0.3)
+    refusals: list[str] = []
+
+    def prepare_beside(it: int) -> None:
+        if it == 2:
+            with pytest.raises(DataError) as refused:
+                ensure_prepared(other)
+            refusals.append(str(refused.value))
+
+    result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path)), before_step=prepare_beside)
+    assert result.iters == 20 and len(refusals) == 1
+    assert refusals[0] == (
+        f"data.dir={tmp_path / 'data'} holds tokens prepared with other settings that a running run is reading, and "
+        "preparing these would replace them under it; wait for it to end, or name another data.dir"
+    )
+    assert ensure_prepared(other).meta["val_fraction"] == 0.3  # A has ended: nothing in use

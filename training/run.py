@@ -23,7 +23,7 @@ from common.cpu_threads import SlowdownWatch, use_free_cores
 from common.errors import CheckpointError, ConfigError
 from common.files import check_writable, discard_temporaries, refuse_links, write_text_atomically
 from common.runtime import Runtime, make_runtime
-from data.prepare import PreparedData, ensure_prepared
+from data.prepare import PreparedData, ensure_prepared, in_use
 from data.tokenizers import Tokenizer, tokenizer_from_metadata
 from evals.hellaswag import hellaswag_path, load_examples
 from model import GPT
@@ -83,6 +83,7 @@ def train(
         with contextlib.ExitStack() as held:
             _lock_run(out_dir, world, held, made)
             trainer = build_trainer(config, world, runtime, before_step)
+            held.enter_context(in_use(trainer.data))  # no other run prepares other tokens over these meanwhile
             if world.is_main:
                 if on_run_opened is not None:
                     on_run_opened(trainer.out_dir)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 from dataclasses import dataclass
 
@@ -99,3 +100,13 @@ def _resolve_device(name: str) -> torch.device:
     if name == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("device=mps but MPS is not available; use device=cpu or device=auto")
     return torch.device(name)
+
+
+def memory_bytes(device: torch.device) -> int | None:
+    """The most memory a run on `device` can have: a GPU's own, else this machine's RAM; None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX
+        return None

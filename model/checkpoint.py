@@ -21,6 +21,7 @@ from torch import nn
 
 from common.errors import CheckpointError, ConfigError, NonFiniteState
 from common.files import fsync_directory, replace_file, temporary_beside
+from common.runtime import memory_bytes
 from model.config import GPTConfig, parameter_count
 from model.gpt import GPT
 
@@ -160,19 +161,12 @@ def _check_buildable(config: GPTConfig, path: Path) -> None:
     """Before anything is allocated: a model_config whose float32 weights alone outgrow this machine's memory
     (a damaged or crafted file) is refused instead of building it."""
     need = 4 * parameter_count(config)
-    memory = _physical_memory()
+    memory = memory_bytes(torch.device("cpu"))
     if memory is not None and need > memory:
         raise CheckpointError(
             f"{path} asks for a model of {need / 4:,.0f} parameters ({need / 2**30:,.1f} GiB in float32), more "
             f"than this machine's {memory / 2**30:,.1f} GiB: it is damaged, or not a checkpoint of a model this size"
         )
-
-
-def _physical_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # not POSIX: no limit checked
-        return None
 
 
 def nonfinite_tensors(state: Any, prefix: str = "") -> list[str]:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,3 +66,38 @@ def test_checkpointing_fits_larger_batches_and_the_largest_batch_fits() -> None:
         assert training_memory(gpt2, batch, True, checkpointing=ck).total <= budget
         assert training_memory(gpt2, batch + 1, True, checkpointing=ck).total > budget
     assert largest_batch(gpt2, 2**30, True, True) == 0  # the weights and AdamW's state alone take 1.9 GiB
+
+
+def test_a_run_that_cannot_fit_is_refused_before_allocating(
+    tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.batch_size=10000000 once took 7.6 GB before it was killed, model.n_embd=8192 model.n_layer=4 7.1 GB;
+    now the predicted peak is compared with the machine's memory before the model is built."""
+    import training.memory
+    from common.errors import ConfigError
+    from conftest import compose_config, tiny_run_overrides
+    from training.run import train
+
+    monkeypatch.setattr(training.memory, "memory_bytes", lambda device: 8 * 2**30)  # an 8 GiB machine
+    for keys, what in [
+        ({"train.batch_size": 10_000_000}, "GiB of activations at train.batch_size=10000000), more than"),
+        ({"model.n_embd": 8192, "model.n_head": 8, "model.n_layer": 4}, "GiB for 3,"),
+    ]:
+        with pytest.raises(ConfigError, match=r"^this run needs about [\d,.]+ GiB to train \(") as refused:
+            train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **keys)))
+        assert what in str(refused.value) and "more than this machine's 8.0 GiB; lower train.batch_size" in str(
+            refused.value
+        )
+        assert not (tmp_path / "run").exists()  # a refused start leaves nothing
+    result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 2})))
+    assert result.iters == 2  # what fits runs as before
+
+
+def test_an_absurd_model_is_one_line_from_the_command_line(tmp_path: Path, corpus_path: Path) -> None:
+    from conftest import run_script
+
+    args = [f"data.input={corpus_path}", f"data.dir={tmp_path / 'data'}", "model.n_embd=65536", "model.n_layer=64"]
+    result = run_script("train.py", [*args, "device=cpu", f"out_dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: this run needs about ") and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()

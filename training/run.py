@@ -37,6 +37,7 @@ from training.distributed import (
 from training.errors import RunLocked
 from training.evaluation import Evaluator, HellaSwagEval
 from training.machine import Peak, choose_cpu_dtype, peak_flops, remember_higher_peak
+from training.memory import check_fits
 from training.metrics import METRICS_NAME, MetricsLog, forget_metrics
 from training.optim import make_optimizer, scheduled_lr
 from training.resume import check_resume, check_same_shape
@@ -117,7 +118,7 @@ def build_trainer(
     torch.manual_seed(config.seed)  # the same initial weights on every rank (FSDP2 shards each rank's own)
     data = _prepared_data(config, world)
     tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
-    model = _build_model(config, checkpoint, data)
+    model = _build_model(config, checkpoint, data, runtime, world)
     if world.rank:  # then each rank its own dropout masks (nanoGPT's seed offset); rank 0's stream goes on
         torch.manual_seed(config.seed + world.rank)
     _check_data_fits(data, model.config.block_size)
@@ -244,7 +245,9 @@ def _prepared_data(config: TrainRunConfig, world: World) -> PreparedData:
     return data
 
 
-def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: PreparedData) -> GPT:
+def _build_model(
+    config: TrainRunConfig, checkpoint: Checkpoint | None, data: PreparedData, runtime: Runtime, world: World
+) -> GPT:
     """A new model from model.*, init_from's pretrained one, or (resume) one of the checkpoint's shape."""
     if config.init_from is not None and checkpoint is None:
         return _pretrained_model(config, data.meta["vocab_size"])
@@ -258,6 +261,7 @@ def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: Pr
         check_same_shape(checkpoint.model_config, model_config)
         if checkpoint.tokenizer_for_decoding(Path(config.out_dir) / CKPT_NAME) != data.meta["tokenizer"]:
             raise CheckpointError("resume=true with data tokenized differently from the checkpoint's; use its data")
+    check_fits(model_config, config.train, runtime.device, world)  # before allocating it
     return GPT(model_config)
 
 

@@ -110,3 +110,14 @@ def memory_bytes(device: torch.device) -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):  # not POSIX
         return None
+
+
+def check_fits(need: float, device: torch.device, what: str, fix: str) -> None:
+    """A ConfigError, before allocating, when `need` bytes (what `what` is predicted to take) outgrow the device's
+    memory (memory_bytes); `fix` says what to lower."""
+    memory = memory_bytes(device)
+    if memory is not None and need > memory:
+        where = "the GPU's" if device.type == "cuda" else "this machine's"
+        raise ConfigError(
+            f"{what} needs about {need / 2**30:,.1f} GiB, more than {where} {memory / 2**30:,.1f} GiB; {fix}"
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from common.errors import ConfigError
-from common.runtime import make_runtime
+from common.runtime import check_fits, make_runtime, memory_bytes
 from data.config import DataConfig
 from data.errors import DataError
 from data.prepare import dataset_dir, ensure_prepared
@@ -23,6 +24,7 @@ from evals.hellaswag import hellaswag_examples, hellaswag_sums
 from evals.perplexity import score_sequences
 from inference.load import LoadedModel, load_model
 from inference.schema import EvalConfig
+from model import GPTConfig
 from model.checkpoint import Checkpoint
 
 
@@ -42,6 +44,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
     if text is not None:
         source, sequences = text
         batch_size = cfg.batch_size or max(1, 4096 // context)  # a big batch keeps small models' matmuls efficient
+        batch_size = _fitting_batch(batch_size, model.config, context, runtime.device)
         byte_lengths = torch.from_numpy(loaded.tokenizer.token_byte_lengths()).to(runtime.device, torch.float64)
         score = score_sequences(model, sequences, byte_lengths, context, stride, batch_size, runtime.autocast, progress)
         record |= {"input": source, "loss": score.loss, "perplexity": score.perplexity, "bpb": score.bpb}
@@ -54,6 +57,20 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
         record |= {"hellaswag_acc": correct / count, "hellaswag_acc_norm": correct_norm / count}
         record |= {"hellaswag_examples": round(count)}
     return record
+
+
+def _fitting_batch(batch_size: int, config: GPTConfig, context: int, device: torch.device) -> int:
+    """At most the windows a forward pass can hold in half the device's memory (a window's logits in float32,
+    thrice over in the loss, and its activations): a larger batch_size gives the same sums, in more passes."""
+    per_window = context * (16 * config.vocab_size + 64 * config.n_embd)
+    check_fits(per_window, device, f"one window of context={context}", "lower context")
+    memory = memory_bytes(device)
+    fitting = batch_size if memory is None else max(1, min(batch_size, memory // 2 // per_window))
+    if fitting < batch_size:
+        print(
+            f"eval.py: batch_size={batch_size} windows don't fit in memory; scoring {fitting} a pass", file=sys.stderr
+        )
+    return fitting
 
 
 def windows_of(cfg: EvalConfig, block_size: int) -> tuple[int, int]:

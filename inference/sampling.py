@@ -12,7 +12,7 @@ from typing import TextIO
 import torch
 
 from common.errors import ConfigError
-from common.runtime import Runtime, make_runtime
+from common.runtime import Runtime, check_fits, make_runtime
 from data.errors import DataError
 from data.source import read_utf8, why_not_a_file
 from data.tokenizers import Tokenizer
@@ -70,6 +70,9 @@ class Sampler:
         string, and generation ends once all have. With `stream`, they are written there as they grow, in order
         (InOrder), each followed by SEPARATOR. With `seed`, sample i draws from its own generator seeded with
         seed + i (row_generators), as a served request's choice i does; without, from torch's global one."""
+        config = self.model.config  # before allocating: every sample has its KV cache and its logits
+        per_sample = 8 * config.n_layer * config.block_size * config.n_embd + 16 * config.vocab_size
+        check_fits(num_samples * per_sample, self.runtime.device, f"num_samples={num_samples}", "lower num_samples")
         prompt_text = self.tokenizer.decode(prompt)
         texts = [SampleText(self.tokenizer, prompt_text, stop) for _ in range(num_samples)]
         writer = InOrder(stream, texts) if stream is not None else None

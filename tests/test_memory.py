@@ -73,17 +73,17 @@ def test_a_run_that_cannot_fit_is_refused_before_allocating(
 ) -> None:
     """train.batch_size=10000000 once took 7.6 GB before it was killed, model.n_embd=8192 model.n_layer=4 7.1 GB;
     now the predicted peak is compared with the machine's memory before the model is built."""
-    import training.memory
+    import common.runtime
     from common.errors import ConfigError
     from conftest import compose_config, tiny_run_overrides
     from training.run import train
 
-    monkeypatch.setattr(training.memory, "memory_bytes", lambda device: 8 * 2**30)  # an 8 GiB machine
+    monkeypatch.setattr(common.runtime, "memory_bytes", lambda device: 8 * 2**30)  # an 8 GiB machine
     for keys, what in [
-        ({"train.batch_size": 10_000_000}, "GiB of activations at train.batch_size=10000000), more than"),
+        ({"train.batch_size": 10_000_000}, "GiB of activations at train.batch_size=10000000) needs about"),
         ({"model.n_embd": 8192, "model.n_head": 8, "model.n_layer": 4}, "GiB for 3,"),
     ]:
-        with pytest.raises(ConfigError, match=r"^this run needs about [\d,.]+ GiB to train \(") as refused:
+        with pytest.raises(ConfigError, match=r"^this run \([\d,.]+ GiB for [\d,]+ parameters, ") as refused:
             train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **keys)))
         assert what in str(refused.value) and "more than this machine's 8.0 GiB; lower train.batch_size" in str(
             refused.value
@@ -99,5 +99,35 @@ def test_an_absurd_model_is_one_line_from_the_command_line(tmp_path: Path, corpu
     args = [f"data.input={corpus_path}", f"data.dir={tmp_path / 'data'}", "model.n_embd=65536", "model.n_layer=64"]
     result = run_script("train.py", [*args, "device=cpu", f"out_dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.startswith("error: this run needs about ") and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith("error: this run (") and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_sampling_refuses_more_samples_than_fit(trained_run: Path, tmp_path: Path) -> None:
+    """sample.py num_samples=10000000 once took 7.5 GB before it was stopped: each sample has a KV cache."""
+    from conftest import run_script
+
+    result = run_script("sample.py", [f"out_dir={trained_run}", "num_samples=10000000", "max_new_tokens=5"], tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: num_samples=10000000 needs about ") and "; lower num_samples" in (
+        result.stderr
+    )
+
+
+def test_evaluation_scores_in_passes_that_fit(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """eval.py batch_size=100000 on GPT-2's vocabulary once took 5 GB: the batch is lowered to what fits in half the
+    memory (the sums are the same in more passes), and a single window that can't fit is refused."""
+    import common.runtime
+    from common.errors import ConfigError
+    from inference.eval_run import _fitting_batch
+
+    config = GPTConfig(vocab_size=50257, block_size=1024, n_layer=2, n_head=2, n_embd=64)
+    per_window = 1024 * (16 * 50257 + 64 * 64)
+    monkeypatch.setattr(common.runtime, "memory_bytes", lambda device: 2 * 10 * per_window)
+    monkeypatch.setattr("inference.eval_run.memory_bytes", lambda device: 2 * 10 * per_window)
+    assert _fitting_batch(100_000, config, 1024, torch.device("cpu")) == 10
+    assert "batch_size=100000 windows don't fit in memory; scoring 10 a pass" in capsys.readouterr().err
+    assert _fitting_batch(4, config, 1024, torch.device("cpu")) == 4
+    monkeypatch.setattr(common.runtime, "memory_bytes", lambda device: per_window // 2)
+    with pytest.raises(ConfigError, match="^one window of context=1024 needs about .*; lower context$"):
+        _fitting_batch(4, config, 1024, torch.device("cpu"))

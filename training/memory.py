@@ -28,8 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.errors import ConfigError
-from common.runtime import memory_bytes
+from common.runtime import check_fits as check_memory
 from model import GPTConfig
 from model.config import parameter_count
 from training.distributed import World
@@ -103,23 +102,18 @@ def check_fits(config: GPTConfig, opt: OptimConfig, device: torch.device, world:
     """Before the model is built: a run whose predicted peak (the smaller of the float32 and bfloat16 estimates, so
     nothing that could fit is refused) outgrows the device's memory is refused in one line, not left to swap or be
     killed. On a CPU the processes of a torchrun share the machine's memory; FSDP2 shards the model's state."""
-    memory = memory_bytes(device)
-    if memory is None:
-        return
     checkpointing = opt.activation_checkpointing
     estimates = [training_memory(config, opt.batch_size, bf16, opt.optimizer, checkpointing) for bf16 in (0, 1)]
     e = min(estimates, key=lambda estimate: estimate.total)
     shards = world.size if world.distributed and opt.parallel == "fsdp" else 1
     need = (e.params + e.optimizer) / shards + max(e.activations + e.transient, e.grads / shards)
     need *= world.size if device.type == "cpu" else 1
-    if need > memory:
-        where = (
-            f"the GPU's {memory / GIB:,.1f} GiB" if device.type == "cuda" else f"this machine's {memory / GIB:,.1f} GiB"
-        )
-        raise ConfigError(
-            f"this run needs about {need / GIB:,.1f} GiB to train ({(e.params + e.grads + e.optimizer) / GIB:,.1f} GiB "
-            f"for {parameter_count(config):,} parameters, their gradients and optimizer state; "
-            f"{e.activations / GIB:,.1f} GiB of activations at train.batch_size={opt.batch_size}), more than "
-            f"{where}; lower train.batch_size (train.grad_accum keeps the tokens per step), set "
-            "train.activation_checkpointing=true, or train a smaller model"
-        )
+    weights = (e.params + e.grads + e.optimizer) / GIB
+    check_memory(
+        need,
+        device,
+        f"this run ({weights:,.1f} GiB for {parameter_count(config):,} parameters, their gradients and optimizer "
+        f"state; {e.activations / GIB:,.1f} GiB of activations at train.batch_size={opt.batch_size})",
+        "lower train.batch_size (train.grad_accum keeps the tokens per step), set train.activation_checkpointing=true, "
+        "or train a smaller model",
+    )

@@ -159,11 +159,19 @@ def _refuse_unknown_keys(cfg: Any, schema: type, prefix: str = "") -> None:
             _refuse_unknown_keys(cfg[key], hints[key], f"{prefix}{key}.")
 
 
-def _file_in_the_way(path: Path) -> Path | None:
-    """The path itself or its nearest existing ancestor, if that is not a directory."""
-    for candidate in (path, *path.parents):
-        if candidate.exists():
-            return None if candidate.is_dir() else candidate
+def _not_a_directory(path: Path) -> str | None:
+    """Why `path` can't be a directory, made if missing: it or its nearest existing ancestor is a file, or a link
+    to nothing, or the OS refuses the name (over 255 bytes a name, 4,096 the path); None if it can be."""
+    try:
+        for candidate in (path, *path.parents):
+            if candidate.is_symlink() and not candidate.exists():
+                return f"is a symbolic link to {os.readlink(candidate)}, which doesn't exist"
+            if candidate.exists():
+                if candidate.is_dir():
+                    return None
+                return "is a file, not a directory" if candidate == path else f"is inside the file {candidate}"
+    except OSError as err:
+        return f"is a path this system refuses ({err.strerror})"
     return None
 
 
@@ -180,9 +188,8 @@ def _problem(
     bounded = any(bound is not None for bound in (at_least, above, below, at_most))
     if bounded and isinstance(value, float) and not math.isfinite(value):
         problem = "must be a finite number"
-    elif directory and (file := _file_in_the_way(path := Path(os.path.expanduser(value)))):
-        problem = "is a file, not a directory" if file == path else f"is inside the file {file}"
-        problem += "; name a directory"
+    elif directory and (why := _not_a_directory(Path(os.path.expanduser(value)))):
+        problem = f"{why}; name a directory"
     elif choices is not None and value not in choices:
         problem = f"is unknown; use one of {', '.join(choices)}"
     elif at_least is not None and value < at_least:

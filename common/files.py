@@ -3,6 +3,7 @@ then renamed over it, so a reader or a crash sees the old file or the new one, n
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -11,6 +12,7 @@ import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 
 def check_writable(directory: Path, key: str, shown: str | None = None) -> None:
@@ -62,9 +64,19 @@ def discard_temporaries(path: Path) -> None:
             stale.unlink(missing_ok=True)
 
 
+def open_temporary(path: Path) -> BinaryIO:
+    """A temporary (temporary_beside's), created afresh for writing: whatever had its name, a killed writer's
+    leftover or a link planted there, is removed first and never written through."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    return os.fdopen(os.open(path, flags, 0o644), "wb")
+
+
 def write_text_atomically(path: Path, text: str) -> None:
     tmp = temporary_beside(path)
-    tmp.write_text(text, encoding="utf-8")
+    with open_temporary(tmp) as f:
+        f.write(text.encode("utf-8"))
     replace_file(tmp, path)
 
 

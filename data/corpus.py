@@ -28,6 +28,7 @@ import numpy as np
 import tiktoken
 from tqdm import tqdm
 
+from common.files import write_text_atomically
 from data.errors import DataError
 from data.shards import write_shard
 from data.source import read_utf8
@@ -306,9 +307,7 @@ def write_corpus(
         **counts,
         **extra_meta,
     }
-    tmp = out_dir / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, ensure_ascii=False))
-    os.replace(tmp, out_dir / "meta.json")
+    write_text_atomically(out_dir / "meta.json", json.dumps(meta, ensure_ascii=False))
     return meta
 
 

@@ -205,39 +205,60 @@ def _prepare_once(
 def in_use(data: PreparedData) -> Iterator[None]:
     """While a run reads `data`: its folder's .in_use held shared, so that no process prepares other tokens over
     them (_alone). meta.json is read again once held: a preparation that slipped in since is said. Unguarded where
-    the folder is read-only (nobody replaces it) or the OS has no flock (Windows)."""
-    try:
-        handle = open(data.dir / IN_USE, "ab")  # closed below, after the run
-    except OSError:
-        yield
-        return
-    try:
-        if fcntl is not None:
-            fcntl.flock(handle, fcntl.LOCK_SH)  # waits while a preparation holds it alone
-        if _read_meta(data.dir) != json.loads(json.dumps(data.meta)):  # as meta.json holds it (tuples as lists)
+    the folder is read-only (nobody replaces it there), the filesystem can't lock or the OS has no flock (Windows)."""
+    with _locked(data.dir, exclusive=False) as held:
+        if held and _read_meta(data.dir) != json.loads(json.dumps(data.meta)):  # as meta.json holds it
             raise DataError(
                 f"data.dir={data.dir} was prepared again with other settings as this run started; start it again"
             )
         yield
-    finally:
-        handle.close()
 
 
 @contextlib.contextmanager
 def _alone(out_dir: Path) -> Iterator[None]:
     """Replacing a folder's tokens: only while no run reads them (in_use), or one line saying why not."""
-    if fcntl is None or not (out_dir / "meta.json").exists():  # no tokens there yet: none being read
+    if not (out_dir / "meta.json").exists():  # no tokens there yet: none being read
         yield
         return
-    with open(out_dir / IN_USE, "ab") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+    with _locked(out_dir, exclusive=True) as held:
+        if held is None:
             raise DataError(
-                f"data.dir={out_dir} holds tokens prepared with other settings that a running run is reading, and "
-                "preparing these would replace them under it; wait for it to end, or name another data.dir"
-            ) from None
+                f"data.dir={out_dir} holds tokens a running run is reading, and preparing data.* here would replace "
+                "them under it; wait for it to end, or name another data.dir"
+            )
         yield
+
+
+@contextlib.contextmanager
+def _locked(out_dir: Path, exclusive: bool) -> Iterator[bool | None]:
+    """The folder's .in_use flock: shared (waiting, and saying so, while a preparation holds it) or exclusive
+    (never waiting: None if a run holds it). False where it can't be taken at all, and then nothing is guarded."""
+    path = out_dir / IN_USE
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | nofollow, 0o644)
+    except OSError:
+        try:  # another user's .in_use in a shared folder: a lock needs no write access
+            fd = os.open(path, os.O_RDONLY | nofollow)
+        except OSError:
+            fd = None
+    held: bool | None = fd is not None and fcntl is not None
+    if held:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held = None  # a run reads it (exclusive), or a preparation replaces it (shared): waited for below
+        except OSError:  # a filesystem without locks (some NFS setups): unguarded
+            held = False
+    try:
+        if held is None and not exclusive:
+            log.info(f"waiting for another process to finish preparing {out_dir}")
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            held = True
+        yield held
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _refuse_foreign(out_dir: Path) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.files import replace_file, temporary_beside
+from common.files import open_temporary, replace_file, temporary_beside
 from data.errors import DataError
 
 _READ_BYTES = 1 << 22  # 4 MiB a read: the decoded piece and its ids take a few times that
@@ -62,7 +62,7 @@ def download(url: str, cached_copy: Path, offline: str) -> Path:
     try:
         with urllib.request.urlopen(url, timeout=30) as response:
             cached_copy.parent.mkdir(parents=True, exist_ok=True)
-            with tmp.open("wb") as out:
+            with open_temporary(tmp) as out:
                 shutil.copyfileobj(response, out)
             expected = response.headers.get("Content-Length")
         if expected is not None and tmp.stat().st_size != int(expected):

@@ -18,7 +18,7 @@ import numpy as np
 import regex
 from tqdm import tqdm
 
-from common.files import replace_file, temporary_beside, write_text_atomically
+from common.files import open_temporary, replace_file, temporary_beside, write_text_atomically
 from data.errors import DataError
 from data.source import TextFile
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer
@@ -83,7 +83,7 @@ def _write_tokens(path: Path, pieces: Iterable[str], tokenizer: Tokenizer, bar: 
     tmp = temporary_beside(path)
     count = 0
     try:
-        with tmp.open("wb") as f:
+        with open_temporary(tmp) as f:
             for piece in pieces:
                 ids = np.asarray(tokenizer.encode(piece), dtype=np.uint16)
                 ids.tofile(f)

@@ -16,15 +16,8 @@ Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a JSON num
 class ApiError(Exception):
     """A request the server refuses: its status and OpenAI's error object."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
         self.headers = headers
@@ -78,15 +71,8 @@ class PageChange(PageText):
 
 
 # Fields OpenAI defines that this server doesn't implement: allowed only at their no-op values.
-UNSUPPORTED = {
-    "echo": (None, False),
-    "logprobs": (None, 0),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
-}
+UNSUPPORTED = {"echo": (None, False), "logprobs": (None, 0), "best_of": (None, 1), "suffix": (None, ""),
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {})}
 
 
 class BodyLimit:

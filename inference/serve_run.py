@@ -70,12 +70,8 @@ def serve(cfg: ServeConfig) -> None:
     auth = "an API key" if api_key else "no API key"
 
     def ready() -> None:
-        print(
-            f"serving {service.model_id} on {device} at {url} (OpenAI API at {url}/v1, page at {url}/; "
-            f"{auth}; Ctrl-C stops)",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"serving {service.model_id} on {device} at {url} (OpenAI API at {url}/v1, page at {url}/; "
+              f"{auth}; Ctrl-C stops)", file=sys.stderr, flush=True)
 
     torch.set_grad_enabled(False)
     # The engine's thread releases the GIL at every torch op; a longer switch interval lets the event loop's

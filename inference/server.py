@@ -71,22 +71,18 @@ class Service:
         """The prompts' tokens, after every range and limit check (ApiError naming the field)."""
         limits = self.limits
         if request.model is not None and request.model != self.model_id:
-            raise ApiError(
-                404,
-                f"model {request.model!r} does not exist; this server serves {self.model_id!r}",
-                "model",
-                code="model_not_found",
-            )
+            raise ApiError(404, f"model {request.model!r} does not exist; this server serves {self.model_id!r}",
+                           "model", code="model_not_found")
         for name, allowed in UNSUPPORTED.items():
             value = (request.model_extra or {}).get(name)
             if value not in allowed:
                 raise ApiError(400, f"{name}={value!r} is not supported by this server; leave it out", name)
         if not 1 <= request.max_tokens <= limits.max_tokens:
-            raise ApiError(
-                400, f"max_tokens={request.max_tokens} must be between 1 and {limits.max_tokens}", "max_tokens"
-            )
+            raise ApiError(400, f"max_tokens={request.max_tokens} must be between 1 and {limits.max_tokens}",
+                           "max_tokens")
         if not 0 <= request.temperature <= 2:
-            raise ApiError(400, f"temperature={request.temperature} must be between 0 and 2 (0: greedy)", "temperature")
+            raise ApiError(400, f"temperature={request.temperature} must be between 0 and 2 (0: greedy)",
+                           "temperature")
         if not 0 < request.top_p <= 1:
             raise ApiError(400, f"top_p={request.top_p} must be in (0, 1]", "top_p")
         if request.top_k is not None and request.top_k < 1:
@@ -99,19 +95,14 @@ class Service:
         if request.n < 1:
             raise ApiError(400, f"n={request.n} must be at least 1", "n")
         if len(prompts) * request.n > limits.max_choices:
-            raise ApiError(
-                400,
-                f"n={request.n} for {len(prompts)} prompt(s) asks for {len(prompts) * request.n} "
-                f"choices; at most {limits.max_choices} per request",
-                "n",
-            )
+            raise ApiError(400, f"n={request.n} for {len(prompts)} prompt(s) asks for {len(prompts) * request.n} "
+                           f"choices; at most {limits.max_choices} per request", "n")
         given = _requested_stops(request)
         if any(s == "" for s in given):
             raise ApiError(400, "stop has an empty string, which would stop at once; remove it", "stop")
         if len(given) > MAX_STOPS or max(map(len, given), default=0) > MAX_STOP_CHARS:
-            raise ApiError(
-                400, f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop"
-            )
+            raise ApiError(400, f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters",
+                           "stop")
         return [self._encode(prompt, request.max_tokens) for prompt in prompts]
 
     def _encode(self, prompt: str, max_tokens: int) -> list[int]:
@@ -123,20 +114,12 @@ class Service:
             raise ApiError(400, f"prompt: {err}", "prompt") from None
         if self.engine.model.config.rolls:
             if len(ids) > self.limits.max_prompt_tokens:
-                raise ApiError(
-                    400,
-                    f"the prompt has {len(ids)} tokens; this server takes at most "
-                    f"{self.limits.max_prompt_tokens} (max_prompt_tokens)",
-                    "prompt",
-                )
+                raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most "
+                               f"{self.limits.max_prompt_tokens} (max_prompt_tokens)", "prompt")
         elif len(ids) + max_tokens > self.block_size:
             param = "prompt" if len(ids) >= self.block_size else "max_tokens"
-            raise ApiError(
-                400,
-                f"this model's context is {self.block_size} tokens; the prompt has {len(ids)} and "
-                f"max_tokens asks for {max_tokens} more: shorten the prompt or lower max_tokens",
-                param,
-            )
+            raise ApiError(400, f"this model's context is {self.block_size} tokens; the prompt has {len(ids)} and "
+                           f"max_tokens asks for {max_tokens} more: shorten the prompt or lower max_tokens", param)
         return ids
 
     def _stops(self, request: CompletionRequest) -> list[str]:
@@ -150,15 +133,10 @@ class Service:
         running, waiting = self.engine.load
         free = self.engine.max_batch + self.limits.max_queue - running - waiting
         if len(prompts) * request.n > free:
-            raise ApiError(
-                503,
-                f"the server is busy ({running} running, {waiting} waiting); retry shortly",
-                kind="server_busy",
-                headers={"Retry-After": "1"},
-            )
-        decoding = Decoding(
-            request.temperature, request.top_k, None if request.top_p == 1 else request.top_p, request.min_p
-        )
+            raise ApiError(503, f"the server is busy ({running} running, {waiting} waiting); retry shortly",
+                           kind="server_busy", headers={"Retry-After": "1"})
+        decoding = Decoding(request.temperature, request.top_k, None if request.top_p == 1 else request.top_p,
+                            request.min_p)
         stops = self._stops(request)
         device = self.engine.runtime.device
         generators = row_generators(request.seed, len(prompts) * request.n, device)  # choice i: seed + i
@@ -167,14 +145,9 @@ class Service:
             for j in range(request.n):
                 index = p * request.n + j
                 text = SampleText(self.tokenizer, "", stops)
-                completion = Completion(
-                    ids,
-                    request.max_tokens,
-                    decoding,
-                    text,
-                    lambda piece, done, i=index: on_update(i, piece, done),
-                    generator=None if generators is None else generators[index],
-                )
+                completion = Completion(ids, request.max_tokens, decoding, text,
+                                        lambda piece, done, i=index: on_update(i, piece, done),
+                                        generator=None if generators is None else generators[index])
                 choices.append(Choice(index, completion, len(ids)))
         try:
             for choice in choices:
@@ -215,36 +188,26 @@ class Service:
         page's tokens is replaced (analysis/causality.py); the engine's thread runs it, between steps."""
         ids, _ = self.page_tokens(change)
         if not 0 <= change.position < len(ids):
-            raise ApiError(
-                400, f"position={change.position} is not a token of the text (0 to {len(ids) - 1})", "position"
-            )
+            raise ApiError(400, f"position={change.position} is not a token of the text (0 to {len(ids) - 1})",
+                           "position")
         try:
             replacement = self.tokenizer.encode(change.replacement)
         except UserError as err:
             raise ApiError(400, f"replacement: {err}", "replacement") from None
         if len(replacement) != 1:
-            raise ApiError(
-                400,
-                f"replacement {change.replacement!r} is {len(replacement)} tokens; give one token's text",
-                "replacement",
-            )
+            raise ApiError(400, f"replacement {change.replacement!r} is {len(replacement)} tokens; give one token's "
+                           "text", "replacement")
         if replacement[0] == ids[change.position]:
-            raise ApiError(
-                400, f"replacement {change.replacement!r} is the token already there; give another", "replacement"
-            )
+            raise ApiError(400, f"replacement {change.replacement!r} is the token already there; give another",
+                           "replacement")
         return {"ids": ids, "replacement": replacement[0]}
 
     def answer(self, answer_id: tuple[str, int], choices: list[dict[str, Any]], usage: Any = ...) -> dict:
         """OpenAI's completion object (a stream's chunks too: one id and `created` for all of them); `usage`
         left out unless given (None: a stream's chunk before the usage one)."""
         completion_id, created = answer_id
-        body = {
-            "id": completion_id,
-            "object": "text_completion",
-            "created": created,
-            "model": self.model_id,
-            "choices": choices,
-        }
+        body = {"id": completion_id, "object": "text_completion", "created": created, "model": self.model_id,
+                "choices": choices}
         if usage is not ...:
             body["usage"] = usage
         return body
@@ -269,15 +232,13 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
 
     app = FastAPI(title="gpt-lab", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=service.limits.max_body_bytes)
-
     async def authorised(credentials: Credentials) -> None:
         if api_key is None:
             return
         given = b"" if credentials is None else credentials.credentials.encode("utf-8", "surrogateescape")
         if credentials is None or not secrets.compare_digest(given, api_key.encode("utf-8")):  # bytes: any text
-            raise ApiError(
-                401, "missing or wrong API key: send the header Authorization: Bearer KEY", code="invalid_api_key"
-            )
+            raise ApiError(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
+                           code="invalid_api_key")
 
     _answer_errors(app)
     _add_page(app, service, authorised)
@@ -286,14 +247,8 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
     async def health() -> JSONResponse:
         running, waiting = service.engine.load
         engine = service.engine
-        body = {
-            "status": "failed" if engine.failed else "ok",
-            "model": service.model_id,
-            "running": running,
-            "waiting": waiting,
-            "steps": engine.steps,
-            "finished": dict(engine.finished),
-        }
+        body = {"status": "failed" if engine.failed else "ok", "model": service.model_id, "running": running,
+                "waiting": waiting, "steps": engine.steps, "finished": dict(engine.finished)}
         return JSONResponse(body, status_code=503 if engine.failed else 200)
 
     @app.get("/v1/models", dependencies=[Depends(authorised)])
@@ -322,14 +277,11 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
         finally:
             for choice in choices:
                 choice.completion.cancelled = True  # no-op for finished ones
-        body = [
-            {"text": text, "index": c.index, "logprobs": None, "finish_reason": c.completion.finish_reason}
-            for text, c in zip(texts, choices, strict=True)
-        ]
+        body = [{"text": text, "index": c.index, "logprobs": None, "finish_reason": c.completion.finish_reason}
+                for text, c in zip(texts, choices, strict=True)]
         return service.answer(answer_id, body, usage(choices, request.n))
 
     return app
-
 
 def _answer_errors(app: FastAPI) -> None:
     """Every error as OpenAI's error object: a refused request (ApiError), a body pydantic refused, an unknown

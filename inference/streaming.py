@@ -71,9 +71,8 @@ class Mailbox:
             queue.put_nowait(update)
 
 
-async def updates_of(
-    choices: list[Choice], updates: asyncio.Queue[Update], deadline: float, http: Request | None = None
-) -> AsyncIterator[list[Update]]:
+async def updates_of(choices: list[Choice], updates: asyncio.Queue[Update], deadline: float,
+                   http: Request | None = None) -> AsyncIterator[list[Update]]:
     """The choices' pieces of text as the engine makes them, all that have arrived at once, until every choice is
     done; ApiError 504 past the deadline. With `http` (a whole answer), a client that left cancels them (a stream
     notices by itself)."""
@@ -83,9 +82,8 @@ async def updates_of(
     while pending:
         left = deadline - loop.time()
         if left <= 0:
-            raise ApiError(
-                504, "the request took longer than the server's timeout_s; ask for fewer tokens", kind="timeout"
-            )
+            raise ApiError(504, "the request took longer than the server's timeout_s; ask for fewer tokens",
+                           kind="timeout")
         batch = []
         if updates.empty():
             try:
@@ -106,14 +104,8 @@ async def updates_of(
             yield batch
 
 
-async def stream_events(
-    answer: Callable[..., dict],
-    choices: list[Choice],
-    updates: asyncio.Queue[Update],
-    deadline: float,
-    n: int,
-    include_usage: bool,
-) -> AsyncIterator[bytes]:
+async def stream_events(answer: Callable[..., dict], choices: list[Choice], updates: asyncio.Queue[Update],
+                        deadline: float, n: int, include_usage: bool) -> AsyncIterator[bytes]:
     """OpenAI's chunk objects as server-sent events, then `data: [DONE]`; the pieces add up to the whole text.
     A choice's pieces that arrived together (a client reading slower than the engine writes) go as one chunk.
     With include_usage, each chunk has "usage": null and a last one, with no choices, the usage."""

@@ -22,7 +22,8 @@ from model.kv_cache import KVCache
 class BatchKVCache:
     def __init__(self, config: GPTConfig) -> None:
         self.slots = [
-            config.block_size if window is None else min(window, config.block_size) for window in config.layer_windows()
+            config.block_size if window is None else min(window, config.block_size)
+            for window in config.layer_windows()
         ]
         self.buffers: list[torch.Tensor | None] = [None] * len(self.slots)  # (2, rows, n_head, slots, head_dim)
         self.lengths: list[int] = []  # tokens each row has run: its next token's position

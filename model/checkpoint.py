@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from common.errors import CheckpointError, ConfigError, NonFiniteState
-from common.files import fsync_directory, replace_file, temporary_beside
+from common.files import fsync_directory, open_temporary, replace_file, temporary_beside
 from common.runtime import memory_bytes
 from model.config import GPTConfig, parameter_count
 from model.gpt import GPT
@@ -202,7 +202,7 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
         raise NonFiniteState(f"{path.name} not written: NaN or inf in {_names(bad)}")
     tmp = temporary_beside(path)
     try:
-        with open(tmp, "wb") as f:
+        with open_temporary(tmp) as f:
             torch.save(checkpoint.to_dict(), f)
             f.flush()
             os.fsync(f.fileno())

@@ -89,7 +89,74 @@ def test_a_run_s_tokens_are_never_prepared_again_under_it(tmp_path: Path, corpus
     result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path)), before_step=prepare_beside)
     assert result.iters == 20 and len(refusals) == 1
     assert refusals[0] == (
-        f"data.dir={tmp_path / 'data'} holds tokens prepared with other settings that a running run is reading, and "
-        "preparing these would replace them under it; wait for it to end, or name another data.dir"
+        f"data.dir={tmp_path / 'data'} holds tokens a running run is reading, and preparing data.* here would replace "
+        "them under it; wait for it to end, or name another data.dir"
     )
     assert ensure_prepared(other).meta["val_fraction"] == 0.3  # A has ended: nothing in use
+
+
+def test_a_planted_temporary_is_never_written_through(tmp_path: Path) -> None:
+    """config.yaml.PID.tmp (PIDs are easy to guess in a container) planted as a link: replaced, not followed."""
+    from common.files import temporary_beside, write_text_atomically
+
+    target = _precious(tmp_path)
+    path = tmp_path / "config.yaml"
+    temporary_beside(path).symlink_to(target)
+    write_text_atomically(path, "seed: 1\n")
+    assert path.read_text() == "seed: 1\n" and not path.is_symlink()
+    assert target.read_text() == "the user's own\n" and not temporary_beside(path).exists()
+
+
+def test_out_dir_that_cannot_be_a_directory_is_one_line(tmp_path: Path, corpus_path: Path) -> None:
+    from common.errors import ConfigError
+
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for out_dir, why in [
+        (tmp_path / "dangling", f"is a symbolic link to {tmp_path / 'nowhere'}, which doesn't exist; name a directory"),
+        (tmp_path / ("a" * 300), "is a path this system refuses (File name too long); name a directory"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"^out_dir={out_dir} {why}$".replace("(", r"\(").replace(")", r"\)")):
+            train(compose_config(tiny_run_overrides(tmp_path, corpus_path, out_dir=out_dir)))
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_a_dead_holders_pid_file_goes_once_a_run_got_going(tmp_path: Path, corpus_path: Path) -> None:
+    """Put back only after a failed start: a run that trained, then failed, leaves no .lock.pid behind."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".lock.pid").write_text("4242")
+
+    def fail_at_3(it: int) -> None:
+        if it == 3:
+            raise RuntimeError("a bug in the third step")
+
+    with pytest.raises(RuntimeError, match="a bug in the third step"):
+        train(compose_config(tiny_run_overrides(tmp_path, corpus_path)), before_step=fail_at_3)
+    assert not (run / ".lock.pid").exists() and (run / "metrics.jsonl").exists()
+
+
+def test_a_run_waits_for_a_preparation_under_way_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import fcntl
+    import json
+    import logging
+    import threading
+
+    from data.prepare import IN_USE, PreparedData, in_use
+
+    (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 3}))
+    data = PreparedData(tmp_path, {"vocab_size": 3})
+    with open(tmp_path / IN_USE, "ab") as preparing:
+        fcntl.flock(preparing, fcntl.LOCK_EX)
+        entered = threading.Event()
+
+        def run() -> None:
+            with in_use(data):
+                entered.set()
+
+        with caplog.at_level(logging.INFO):
+            waiting = threading.Thread(target=run)
+            waiting.start()
+            assert not entered.wait(0.5)  # waits while the folder is being prepared
+            fcntl.flock(preparing, fcntl.LOCK_UN)
+            waiting.join(10)
+    assert entered.is_set() and f"waiting for another process to finish preparing {tmp_path}" in caplog.text

@@ -56,7 +56,7 @@ from training.trainer import Trainer, TrainResult
 log = logging.getLogger("train")
 CONFIG_NAME = "config.yaml"  # the run's resolved config, for reading (plot.py groups runs by it)
 # What a run writes in its directory: none of them may be a symbolic link (common.files.refuse_links)
-RUN_FILES = (CKPT_NAME, BEST_NAME, METRICS_NAME, CONFIG_NAME, LOG_NAME, LOCK_NAME, HOLDER_NAME, ".hydra")
+RUN_FILES = (CKPT_NAME, BEST_NAME, METRICS_NAME, CONFIG_NAME, LOG_NAME, LOCK_NAME, HOLDER_NAME, ".hydra", "wandb")
 
 
 def train(
@@ -78,7 +78,7 @@ def train(
     out_dir = Path(config.out_dir)
     if world.is_main:
         check_writable(out_dir, "out_dir")
-    made, opened = Made(), False
+    made = Made()
     world.open(runtime.device)
     try:
         with contextlib.ExitStack() as held:
@@ -90,14 +90,14 @@ def train(
                     on_run_opened(trainer.out_dir)
                 write_text_atomically(trainer.out_dir / CONFIG_NAME, OmegaConf.to_yaml(trainer.resolved))
                 trainer.metrics.write_settings(trainer.progress.iter, resolved_settings(trainer))
-            opened = True
+            made.opened = True
             if config.wandb.enabled and world.is_main:
                 trainer.metrics.start_wandb(config.wandb, trainer.resolved)
             result = trainer.fit()
             world.barrier()  # leave together: none tears its process group down while rank 0 still writes
         return result
     except BaseException:  # a user's error, Ctrl-C, a bug
-        if not opened and world.is_main:
+        if not made.opened and world.is_main:
             take_back(made, out_dir)
         raise
     finally:

@@ -38,6 +38,7 @@ class Made:
 
     folders: list[tuple[Path, Identity]] = field(default_factory=list)
     files: list[tuple[Path, Identity]] = field(default_factory=list)
+    opened: bool = False  # the run went past its checks: nothing is taken back any more
 
     def make_folders(self, out_dir: Path) -> None:
         """out_dir.mkdir(parents=True), a folder at a time, noting the ones this process made."""
@@ -81,15 +82,16 @@ def run_lock(out_dir: Path, made: Made | None = None) -> Iterator[None]:
         # Whole or not at all: a writer refused meanwhile reads the previous PID (a dead holder's) or this one.
         write_text_atomically(out_dir / HOLDER_NAME, str(os.getpid()))
         yield
-        previous = None  # the run went through: the dead holder's file is cleaned up with ours
     finally:
-        ours = still_ours(out_dir)  # a stolen lock's .lock.pid is the new holder's: left to it
-        _HELD.pop(key, None)
-        if ours and previous is None:
-            (out_dir / HOLDER_NAME).unlink(missing_ok=True)
-        elif ours:
-            write_text_atomically(out_dir / HOLDER_NAME, previous)
-        lock.release()
+        try:
+            ours = still_ours(out_dir)  # a stolen lock's .lock.pid is the new holder's: left to it
+            _HELD.pop(key, None)
+            if ours and previous is not None and not made.opened:  # a failed start: as it found it
+                write_text_atomically(out_dir / HOLDER_NAME, previous)
+            elif ours:  # the dead holder's file goes with ours
+                (out_dir / HOLDER_NAME).unlink(missing_ok=True)
+        finally:
+            lock.release()
 
 
 def still_held(out_dir: Path) -> None:

@@ -121,7 +121,6 @@ def build_trainer(
     model = _build_model(config, checkpoint, data, runtime, world)
     if world.rank:  # then each rank its own dropout masks (nanoGPT's seed offset); rank 0's stream goes on
         torch.manual_seed(config.seed + world.rank)
-    _check_data_fits(data, model.config.block_size)
     num_params, flops_per_token = model.num_params(), model.flops_per_token()  # before sharding
     model.activation_checkpointing = opt.activation_checkpointing
     if runtime.device.type == "cpu" and not world.distributed and (note := use_free_cores()):
@@ -250,7 +249,9 @@ def _build_model(
 ) -> GPT:
     """A new model from model.*, init_from's pretrained one, or (resume) one of the checkpoint's shape."""
     if config.init_from is not None and checkpoint is None:
-        return _pretrained_model(config, data.meta["vocab_size"])
+        model = _pretrained_model(config, data.meta["vocab_size"])
+        _check_data_fits(data, model.config.block_size)
+        return model
     if config.init_from is not None:  # resuming a finetune: the shape is the pretrained model's, as saved
         # What init_from took from the config: a change of those that shape the model is refused below.
         settings = {k: getattr(config.model, k) for k in ("block_size", *PRETRAINED_SETTINGS)}
@@ -261,6 +262,7 @@ def _build_model(
         check_same_shape(checkpoint.model_config, model_config)
         if checkpoint.tokenizer_for_decoding(Path(config.out_dir) / CKPT_NAME) != data.meta["tokenizer"]:
             raise CheckpointError("resume=true with data tokenized differently from the checkpoint's; use its data")
+    _check_data_fits(data, model_config.block_size)  # the plainer mistake first
     check_fits(model_config, config.train, runtime.device, world)  # before allocating it
     return GPT(model_config)
 

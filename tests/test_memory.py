@@ -74,11 +74,13 @@ def test_a_run_that_cannot_fit_is_refused_before_allocating(
     """train.batch_size=10000000 once took 7.6 GB before it was killed, model.n_embd=8192 model.n_layer=4 7.1 GB;
     now the predicted peak is compared with the machine's memory before the model is built."""
     import common.runtime
+    import training.memory
     from common.errors import ConfigError
     from conftest import compose_config, tiny_run_overrides
     from training.run import train
 
     monkeypatch.setattr(common.runtime, "memory_bytes", lambda device: 8 * 2**30)  # an 8 GiB machine
+    monkeypatch.setattr(training.memory, "memory_bytes", lambda device: 8 * 2**30)
     for keys, what in [
         ({"train.batch_size": 10_000_000}, "GiB of activations at train.batch_size=10000000) needs about"),
         ({"model.n_embd": 8192, "model.n_head": 8, "model.n_layer": 4}, "GiB for 3,"),
@@ -131,3 +133,31 @@ def test_evaluation_scores_in_passes_that_fit(monkeypatch: pytest.MonkeyPatch, c
     monkeypatch.setattr(common.runtime, "memory_bytes", lambda device: per_window // 2)
     with pytest.raises(ConfigError, match="^one window of context=1024 needs about .*; lower context$"):
         _fitting_batch(4, config, 1024, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("options", [{}, {"dropout": 0.1}, MODERN, {"n_layer": 1}, {"value_embeds": True}])
+def test_the_quick_bound_is_above_every_estimate(options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """check_fits skips the estimate when a generous bound fits: the bound must be above it, whatever the options
+    (checkpointing with one layer, dropout's masks, value embeddings' tables, bf16's weight copies)."""
+    import training.memory
+    from training.distributed import World
+    from training.schema import OptimConfig
+
+    seen: list[float] = []
+    monkeypatch.setattr(training.memory, "_refuse_unless_it_fits", lambda *args: seen.append(1))
+    for batch_size in (1, 7, 64):
+        config = GPTConfig(vocab_size=50257, block_size=128, n_layer=options.get("n_layer", 3), n_head=4, n_embd=64)
+        config = GPTConfig(**{**config.__dict__, **options})
+        for optimizer in ("adamw", "muon"):
+            for checkpointing in (False, True):
+                largest = max(
+                    training_memory(config, batch_size, bf16, optimizer, checkpointing).total for bf16 in (False, True)
+                )
+                opt = OptimConfig(batch_size=batch_size, optimizer=optimizer, activation_checkpointing=checkpointing)
+                monkeypatch.setattr(training.memory, "memory_bytes", lambda device, m=largest: m - 1)
+                training.memory.check_fits(config, opt, torch.device("cpu"), World())
+                assert seen == [1]  # a run the estimate says can't fit is always handed to it...
+                monkeypatch.setattr(training.memory, "memory_bytes", lambda device, m=largest: 100 * m)
+                training.memory.check_fits(config, opt, torch.device("cpu"), World())
+                assert seen == [1]  # ...and one far inside the memory never is
+                seen.clear()

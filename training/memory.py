@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from common.runtime import check_fits as check_memory
+from common.runtime import memory_bytes
 from model import GPTConfig
 from model.config import parameter_count
 from training.distributed import World
@@ -99,9 +100,21 @@ def largest_batch(config: GPTConfig, budget_bytes: float, bf16: bool, checkpoint
 
 
 def check_fits(config: GPTConfig, opt: OptimConfig, device: torch.device, world: World) -> None:
-    """Before the model is built: a run whose predicted peak (the smaller of the float32 and bfloat16 estimates, so
-    nothing that could fit is refused) outgrows the device's memory is refused in one line, not left to swap or be
-    killed. On a CPU the processes of a torchrun share the machine's memory; FSDP2 shards the model's state."""
+    """Before the model is built: a run whose predicted peak outgrows the device's memory is refused in one line,
+    not left to swap or be killed. A generous bound first (every estimate below is under it), so the estimate
+    itself runs only for a run that may not fit."""
+    tokens = opt.batch_size * config.block_size
+    C, L, V = config.n_embd, config.n_layer, config.vocab_size
+    bound = 18 * parameter_count(config) + tokens * (70 * C * L + 187 * C + 16 * V)
+    memory = memory_bytes(device)
+    if memory is None or bound * (world.size if device.type == "cpu" else 1) <= memory:
+        return
+    _refuse_unless_it_fits(config, opt, device, world)
+
+
+def _refuse_unless_it_fits(config: GPTConfig, opt: OptimConfig, device: torch.device, world: World) -> None:
+    """The smaller of the float32 and bfloat16 estimates, so nothing that could fit is refused. On a CPU the
+    processes of a torchrun share the machine's memory; FSDP2 shards the model's state."""
     checkpointing = opt.activation_checkpointing
     estimates = [training_memory(config, opt.batch_size, bf16, opt.optimizer, checkpointing) for bf16 in (0, 1)]
     e = min(estimates, key=lambda estimate: estimate.total)

@@ -112,7 +112,7 @@ def memory_bytes(device: torch.device) -> int | None:
         return None
 
 
-def check_fits(need: float, device: torch.device, what: str, fix: str) -> None:
+def check_memory(need: float, device: torch.device, what: str, fix: str) -> None:
     """A ConfigError, before allocating, when `need` bytes (what `what` is predicted to take) outgrow the device's
     memory (memory_bytes); `fix` says what to lower."""
     memory = memory_bytes(device)

@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from common.errors import ConfigError
-from common.runtime import check_fits, make_runtime, memory_bytes
+from common.runtime import check_memory, make_runtime, memory_bytes
 from data.config import DataConfig
 from data.errors import DataError
 from data.prepare import dataset_dir, ensure_prepared
@@ -63,7 +63,7 @@ def _fitting_batch(batch_size: int, config: GPTConfig, context: int, device: tor
     """At most the windows a forward pass can hold in half the device's memory (a window's logits in float32,
     thrice over in the loss, and its activations): a larger batch_size gives the same sums, in more passes."""
     per_window = context * (16 * config.vocab_size + 64 * config.n_embd)
-    check_fits(per_window, device, f"one window of context={context}", "lower context")
+    check_memory(per_window, device, f"one window of context={context}", "lower context")
     memory = memory_bytes(device)
     fitting = batch_size if memory is None else max(1, min(batch_size, memory // 2 // per_window))
     if fitting < batch_size:

@@ -12,7 +12,7 @@ from typing import TextIO
 import torch
 
 from common.errors import ConfigError
-from common.runtime import Runtime, check_fits, make_runtime
+from common.runtime import Runtime, check_memory, make_runtime
 from data.errors import DataError
 from data.source import read_utf8, why_not_a_file
 from data.tokenizers import Tokenizer
@@ -72,7 +72,7 @@ class Sampler:
         seed + i (row_generators), as a served request's choice i does; without, from torch's global one."""
         config = self.model.config  # before allocating: every sample has its KV cache and its logits
         per_sample = 8 * config.n_layer * config.block_size * config.n_embd + 16 * config.vocab_size
-        check_fits(num_samples * per_sample, self.runtime.device, f"num_samples={num_samples}", "lower num_samples")
+        check_memory(num_samples * per_sample, self.runtime.device, f"num_samples={num_samples}", "lower num_samples")
         prompt_text = self.tokenizer.decode(prompt)
         texts = [SampleText(self.tokenizer, prompt_text, stop) for _ in range(num_samples)]
         writer = InOrder(stream, texts) if stream is not None else None

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.runtime import check_fits as check_memory
-from common.runtime import memory_bytes
+from common.runtime import check_memory, memory_bytes
 from model import GPTConfig
 from model.config import parameter_count
 from training.distributed import World

@@ -7,10 +7,11 @@ import contextlib
 import errno
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -47,6 +48,23 @@ def refuse_links(directory: Path, names: Iterable[str], key: str) -> None:
                 f"{key}={directory} holds {name} as a symbolic link (to {target}), and nothing is written through "
                 f"links; remove it, or use another {key}"
             )
+
+
+@contextlib.contextmanager
+def unless_disk_full(path: Path) -> Iterator[None]:
+    """Around writing `path`: no space left on its disk (or a spent quota) is DiskFull, one line naming the file,
+    the disk and what it has left, instead of a traceback."""
+    from common.errors import DiskFull
+
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            raise
+        free = shutil.disk_usage(path.parent).free
+        raise DiskFull(
+            f"{path} not written: the disk holding {path.parent} is full ({free / 2**20:,.1f} MiB free)"
+        ) from None
 
 
 def temporary_beside(path: Path) -> Path:

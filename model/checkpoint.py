@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from common.errors import CheckpointError, ConfigError, NonFiniteState
-from common.files import fsync_directory, open_temporary, replace_file, temporary_beside
+from common.files import fsync_directory, open_temporary, replace_file, temporary_beside, unless_disk_full
 from common.runtime import memory_bytes
 from model.config import GPTConfig, parameter_count
 from model.gpt import GPT
@@ -142,14 +142,14 @@ class Checkpoint:
         except (TypeError, ConfigError) as err:
             raise CheckpointError(f"{path} has a model config this version can't build ({err})") from None
         _check_buildable(model_config, path)
+        _check_kinds(raw, path)
         rng = raw.get("rng", [])
-        progress = {f.name: raw[f.name] for f in dataclasses.fields(Progress) if f.name in raw}
         return cls(
             model_config=model_config,
             model=raw["model"],
             tokenizer=raw.get("tokenizer", {}),
             config=raw.get("config", {}),
-            progress=Progress(**progress),
+            progress=_progress(raw, path),
             optimizer=raw.get("optimizer"),
             scaler=raw.get("scaler") or {},
             rng=[rng] if isinstance(rng, dict) else list(rng),
@@ -167,6 +167,53 @@ def _check_buildable(config: GPTConfig, path: Path) -> None:
             f"{path} asks for a model of {need / 4:,.0f} parameters ({need / 2**30:,.1f} GiB in float32), more "
             f"than this machine's {memory / 2**30:,.1f} GiB: it is damaged, or not a checkpoint of a model this size"
         )
+
+
+# What each value of the flat dict must be; a damaged or crafted file is refused here, in one line, not as a
+# traceback wherever the value is first used (a config that is a string, a negative iteration).
+_KINDS: dict[str, tuple[type, ...]] = {
+    "config": (dict,),
+    "tokenizer": (dict,),
+    "optimizer": (dict, type(None)),
+    "scaler": (dict, type(None)),
+    "rng": (dict, list),
+    **{f.name: (int,) if f.name.endswith("iter") else (int, float) for f in dataclasses.fields(Progress)},
+}
+
+
+def _check_kinds(raw: dict[str, Any], path: Path) -> None:
+    for name, kinds in _KINDS.items():
+        value = raw.get(name)
+        if name in raw and (not isinstance(value, kinds) or isinstance(value, bool)):
+            _damaged(path, f"its {name} is {_shown(value)}")
+    optimizer = raw.get("optimizer")
+    if optimizer is not None and not (
+        isinstance(optimizer.get("state"), dict) and isinstance(optimizer.get("param_groups"), list)
+    ):
+        _damaged(path, "its optimizer state has no state and param_groups")
+    rng = raw.get("rng", [])
+    if not all(isinstance(state, dict) and "torch" in state for state in ([rng] if isinstance(rng, dict) else rng)):
+        _damaged(path, "its random state is no list of generator states")
+
+
+def _progress(raw: dict[str, Any], path: Path) -> Progress:
+    progress = Progress(**{f.name: raw[f.name] for f in dataclasses.fields(Progress) if f.name in raw})
+    if progress.iter < 0:
+        _damaged(path, f"its iter is {progress.iter}")
+    if not -1 <= progress.last_eval_iter <= progress.iter:
+        _damaged(path, f"its last_eval_iter {progress.last_eval_iter} is not between -1 and its iter {progress.iter}")
+    if not 0 <= progress.elapsed_s < math.inf:
+        _damaged(path, f"its elapsed_s is {progress.elapsed_s}")
+    return progress
+
+
+def _damaged(path: Path, what: str) -> None:
+    raise CheckpointError(f"{path} is damaged or wasn't written by train.py: {what}")
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return f"the {type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 def nonfinite_tensors(state: Any, prefix: str = "") -> list[str]:
@@ -202,12 +249,12 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
         raise NonFiniteState(f"{path.name} not written: NaN or inf in {_names(bad)}")
     tmp = temporary_beside(path)
     try:
-        with open_temporary(tmp) as f:
+        with unless_disk_full(path), open_temporary(tmp) as f:
             torch.save(checkpoint.to_dict(), f)
             f.flush()
             os.fsync(f.fileno())
         replace_file(tmp, path)
-    except BaseException:  # a full disk, a second Ctrl-C: the previous checkpoint stays as it was
+    except BaseException:  # a full disk (DiskFull), a second Ctrl-C: the previous checkpoint stays as it was
         tmp.unlink(missing_ok=True)
         raise
     fsync_directory(path.parent)

@@ -70,7 +70,9 @@ class Decoding:
             ordered, order = torch.sort(logits, dim=-1, descending=True)
             mass = ordered.softmax(dim=-1).cumsum(dim=-1)
             before = torch.cat((torch.zeros_like(mass[:, :1]), mass[:, :-1]), dim=-1)  # mass of the likelier ones
-            drop = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, before >= self.top_p)
+            # the likeliest token always stays: a top_p below float32's smallest number (1e-46) rounds to 0
+            outside = (before >= self.top_p) & (before > 0)
+            drop = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, outside)
             logits = logits.masked_fill(drop, float("-inf"))
         if self.min_p is not None:
             probs = logits.softmax(dim=-1)

@@ -1,5 +1,6 @@
 """Nothing a user does should cost them a run: exact resume, preemption, atomic checkpoints, safe loading."""
 
+import errno
 import json
 import math
 import pickle
@@ -11,16 +12,17 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
-from common.errors import CheckpointError
+from common.errors import CheckpointError, DiskFull
 from conftest import REACHES_TARGET, REPO, compose_config, run_script, start_script, tiny_run_overrides, wait_for_text
 from model import GPTConfig
 from model.checkpoint import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
 from training.errors import TrainingDiverged
-from training.metrics import read_records
+from training.metrics import METRICS_NAME, MetricsLog, read_records
 from training.run import train
 
 # Dropout on, so the restored random state matters; 40 iterations, evaluated every 10.
@@ -187,6 +189,43 @@ def test_an_interrupted_checkpoint_write_leaves_the_previous_one(
         save_checkpoint(path, _tiny_checkpoint(torch.zeros(3), 2))
     assert path.read_bytes() == before and not list(tmp_path.glob("*.tmp"))
     assert load_checkpoint(path).progress.iter == 1
+
+
+def test_a_disk_that_fills_up_at_checkpoint_time_is_one_line_and_keeps_the_checkpoint(
+    tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Was an OSError traceback; the previous ckpt.pt stayed intact, and stays so."""
+    save = torch.save
+
+    def fills_up(obj: dict, f) -> None:  # noqa: ANN001
+        if obj["iter"] < 20:
+            return save(obj, f)
+        f.write(b"PK\x03\x04 the start of a zip file")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", fills_up)
+    run = tmp_path / "run"
+    with pytest.raises(DiskFull) as raised:
+        train(compose_config(tiny_run_overrides(tmp_path, corpus_path)))
+    assert re.fullmatch(
+        rf"{re.escape(str(run / CKPT_NAME))} not written: the disk holding {re.escape(str(run))} is full \([\d,.]+ MiB "
+        rf"free\); {re.escape(str(run / CKPT_NAME))} keeps iter 10, the last good state. Free space, then resume: "
+        rf"python train.py out_dir={re.escape(str(run))} resume=true",
+        str(raised.value),
+    ), raised.value
+    assert load_checkpoint(run / CKPT_NAME).progress.iter == 10 and not list(run.glob("*.tmp"))
+    monkeypatch.setattr(torch, "save", save)
+    assert train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True))).iters == 20
+
+
+def test_a_full_disk_under_metrics_jsonl_is_one_line(tmp_path: Path) -> None:
+    log = MetricsLog(tmp_path)
+    log.write({"iter": 1, "train_loss": 1.0, "lr": 1e-3})
+    before = (tmp_path / METRICS_NAME).read_bytes()
+    with mock.patch("builtins.open", side_effect=OSError(errno.EDQUOT, "Disk quota exceeded")):
+        with pytest.raises(DiskFull, match=rf"{METRICS_NAME} not written: the disk holding .* is full"):
+            log.write({"iter": 2, "train_loss": 1.0, "lr": 1e-3})
+    assert (tmp_path / METRICS_NAME).read_bytes() == before
 
 
 _WRITER = """

@@ -53,6 +53,23 @@ def test_top_p_stops_at_the_exact_boundary() -> None:
     assert (cut > float("-inf")).sum().item() == 2  # 0.5 + 0.2 reaches 0.7: no third token
 
 
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324, 1e-30])
+def test_a_tiny_top_p_keeps_the_likeliest_token_as_greedy_would(top_p: float) -> None:
+    """1e-46 and 5e-324 round to 0 in float32: every token was dropped and multinomial raised (sample.py's
+    traceback, the server's 500)."""
+    rows = torch.tensor([[3.0, 9.5, -2.0, 9.4], [0.0, -1.0, 5.0, 4.0]])
+    picked = Decoding(top_p=top_p).next_token(rows, row_generators(7, 2))
+    assert picked.tolist() == Decoding(temperature=0).next_token(rows).tolist() == [[1], [2]]
+
+
+def test_sample_py_decodes_a_tiny_top_p_as_greedy(trained_run: Path, tmp_path: Path) -> None:
+    common = [f"out_dir={trained_run}", "start=ROMEO:", "max_new_tokens=12", "num_samples=1", "device=cpu"]
+    tiny = run_script("sample.py", [*common, "top_p=1e-46"], tmp_path)
+    greedy = run_script("sample.py", [*common, "temperature=0"], tmp_path)
+    assert tiny.returncode == greedy.returncode == 0, tiny.stderr
+    assert tiny.stdout == greedy.stdout
+
+
 def test_half_precision_logits_are_decoded_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = []
     original = Decoding.cut

@@ -9,6 +9,7 @@ import os
 import platform
 import random
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -430,6 +431,21 @@ def _altered(raw: dict, name: str) -> None:
         raw["model"] = [1, 2]
     elif name == "an absurd model_config":
         raw["model_config"].update(n_embd=10**6, n_layer=10**4, n_head=1)
+    elif name == "config a string":
+        raw["config"] = "hello"
+    elif name == "a negative iteration":
+        raw["iter"] = -5
+    elif name == "an evaluation after the last step":
+        raw["last_eval_iter"] = raw["iter"] + 1
+    elif name == "elapsed_s a string":
+        raw["elapsed_s"] = "x"
+    elif name == "optimizer without its state":
+        raw["optimizer"] = {"param_groups": []}
+    elif name == "rng of numbers":
+        raw["rng"] = [1, 2]
+
+
+DAMAGED = "is damaged or wasn't written by train.py: "
 
 
 @pytest.mark.parametrize(
@@ -441,6 +457,12 @@ def _altered(raw: dict, name: str) -> None:
         ("a missing weight", "weights don't fit its model_config: Missing key(s) in state_dict"),
         ("model not a mapping", "its model is no mapping of weights"),
         ("an absurd model_config", "GiB in float32), more than this machine's"),
+        ("config a string", DAMAGED + "its config is the str 'hello'"),
+        ("a negative iteration", DAMAGED + "its iter is -5"),
+        ("an evaluation after the last step", DAMAGED + "its last_eval_iter 61 is not between -1 and its iter 60"),
+        ("elapsed_s a string", DAMAGED + "its elapsed_s is the str 'x'"),
+        ("optimizer without its state", DAMAGED + "its optimizer state has no state and param_groups"),
+        ("rng of numbers", DAMAGED + "its random state is no list of generator states"),
     ],
 )
 def test_a_loadable_but_malformed_checkpoint_is_one_line(
@@ -454,6 +476,20 @@ def test_a_loadable_but_malformed_checkpoint_is_one_line(
     result = run_script("sample.py", [f"out_dir={tmp_path / 'run'}", "max_new_tokens=3", "num_samples=1"], tmp_path)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["config a string", "a negative iteration", "elapsed_s a string"])
+def test_a_malformed_checkpoint_is_one_line_to_eval_and_resume(trained_run: Path, tmp_path: Path, name: str) -> None:
+    """Each was a traceback from eval.py or train.py resume=true (a negative iteration only from the resume)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    raw = torch.load(run / CKPT_NAME, weights_only=True)
+    _altered(raw, name)
+    torch.save(raw, run / CKPT_NAME)
+    for script, args in [("eval.py", []), ("train.py", ["resume=true"])]:
+        result = run_script(script, [f"out_dir={run}", *args], tmp_path)
+        assert result.returncode == 2 and DAMAGED in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_attention_dir_never_overwrites_the_users_files(trained_run: Path, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from common.files import unless_disk_full
 from common.runtime import Runtime
 from data.tokenizers import Tokenizer
 from model import GPT
@@ -56,7 +57,7 @@ class MetricsLog:
         if not self.active:
             return
         still_held(self.path.parent)
-        with open(self.path, "a") as f:
+        with unless_disk_full(self.path), open(self.path, "a") as f:
             f.write(json.dumps(_strict(record), allow_nan=False) + "\n")
         log.info(_readable(record, self.max_iters))
         if self.wandb_run is not None:

@@ -17,19 +17,14 @@ import torch
 from torch import nn
 
 from common.cpu_threads import SlowdownWatch
-from common.errors import NonFiniteState
+from common.errors import DiskFull, NonFiniteState
 from common.runtime import Runtime
 from data.batches import TRAIN_WINDOWS, batch_generator, every_window, get_batch
 from data.prepare import PreparedData
 from data.tokenizers import Tokenizer
 from model import GPT
 from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, Progress, save_checkpoint
-from training.distributed import (
-    World,
-    full_state,
-    gradient_sync,
-    load_full_state,
-)
+from training.distributed import World, full_state, gradient_sync, load_full_state
 from training.errors import TrainingDiverged
 from training.evaluation import Evaluator, HellaSwagEval, Losses
 from training.metrics import LogWindow, MetricsLog, drop_records_after, sample_table
@@ -329,6 +324,8 @@ class Trainer:
         except NonFiniteState as err:
             log.warning(f"{err}; {self._kept()}")
             return False
+        except DiskFull as err:
+            raise DiskFull(f"{err}; {self._kept()}. Free space, then resume: {self._resume_command()}") from None
         return True
 
     def restore(self, checkpoint: Checkpoint) -> None:
@@ -364,12 +361,15 @@ class Trainer:
         if state["cuda"] and self.runtime.is_cuda:
             torch.cuda.set_rng_state(state["cuda"][0], self.runtime.device)
 
+    def _resume_command(self) -> str:
+        return f"python train.py {resume_argument(self.out_dir)} resume=true"
+
     def _stop(self, received: signal.Signals | None) -> str:
         saved = self.save()
         self.world.barrier()  # none exits before rank 0 has written: torchrun stops the others when one exits
         name = (received or signal.SIGTERM).name  # another rank's signal, forwarded by World.agree_on_step
         where = f"checkpoint {self.out_dir / CKPT_NAME}" if saved else self._kept()
-        resume = f"python train.py {resume_argument(self.out_dir)} resume=true"
+        resume = self._resume_command()
         log.warning(
             f"stopped by {name} at iter {self.progress.iter}; {where}. "
             + (f"Resume with: {resume}" if self.checkpointed_iter is not None else "Nothing to resume")

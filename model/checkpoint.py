@@ -1,8 +1,9 @@
 """ckpt.pt, the one owner of its format: what a resumed run and sample.py need, as tensors and plain values.
 
 On disk it is a flat dict, the layout train.py has written since runs resume on the clock: model_config, model,
-optimizer, scaler, the Progress fields (iter, last_eval_iter, val_loss, best_val_loss, elapsed_s), rng, tokenizer,
-config and dtype. In memory it is a Checkpoint. Every compatibility rule for older files is in this module.
+optimizer, scaler, the Progress fields (iter, last_eval_iter, val_loss, best_val_loss, elapsed_s, log_loss_sum,
+log_steps), rng, tokenizer, config and dtype. In memory it is a Checkpoint. Every compatibility rule for older files
+is in this module.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class Progress:
     best_val_loss: float = math.inf
     kept_best_val_loss: float = math.inf  # that of best.pt (train.keep_best); inf: none kept in this run yet
     elapsed_s: float = 0.0  # the run's wall time at the last save, over all the processes that resumed it
+    log_loss_sum: float = 0.0  # the train losses since the last log line, summed: the next line's mean is exact
+    log_steps: int = 0  # and their number
 
 
 @dataclass
@@ -122,6 +125,8 @@ class Checkpoint:
             "kept_best_val_loss": p.kept_best_val_loss,
             "rng": self.rng,
             "elapsed_s": p.elapsed_s,
+            "log_loss_sum": p.log_loss_sum,
+            "log_steps": p.log_steps,
             "tokenizer": self.tokenizer,
             "config": self.config,
             "dtype": self.dtype,
@@ -130,8 +135,9 @@ class Checkpoint:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], path: Path) -> Checkpoint:
         """Older layouts: rng as one dict (before torchrun support), no elapsed_s (before timed resumes),
-        kept_best_val_loss (before train.keep_best) or dtype (before train.dtype=auto measured), model config keys
-        added since (their defaults), optimizer state by position (optimizer_state_for)."""
+        kept_best_val_loss (before train.keep_best), dtype (before train.dtype=auto measured) or the log line's
+        losses (before exact logs on resume: that line's mean starts at the resume), model config keys added since
+        (their defaults), optimizer state by position (optimizer_state_for)."""
         if not isinstance(raw, dict) or "model" not in raw or "model_config" not in raw:
             raise CheckpointError(f"{path} is not a checkpoint written by train.py")
         weights = raw["model"]
@@ -177,7 +183,7 @@ _KINDS: dict[str, tuple[type, ...]] = {
     "optimizer": (dict, type(None)),
     "scaler": (dict, type(None)),
     "rng": (dict, list),
-    **{f.name: (int,) if f.name.endswith("iter") else (int, float) for f in dataclasses.fields(Progress)},
+    **{f.name: (int,) if f.type == "int" else (int, float) for f in dataclasses.fields(Progress)},
 }
 
 
@@ -204,6 +210,8 @@ def _progress(raw: dict[str, Any], path: Path) -> Progress:
         _damaged(path, f"its last_eval_iter {progress.last_eval_iter} is not between -1 and its iter {progress.iter}")
     if not 0 <= progress.elapsed_s < math.inf:
         _damaged(path, f"its elapsed_s is {progress.elapsed_s}")
+    if progress.log_steps < 0:
+        _damaged(path, f"its log_steps is {progress.log_steps}")
     return progress
 
 

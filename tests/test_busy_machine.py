@@ -16,6 +16,7 @@ import torch
 
 from common import cpu_threads
 from conftest import compose_config, tiny_run_overrides
+from model.checkpoint import Progress
 from training.metrics import LogWindow
 from training.run import train
 
@@ -96,7 +97,7 @@ def test_mfu_never_passes_100_percent(caplog: pytest.LogCaptureFixture) -> None:
 
     def mfu(peak_measured: bool) -> tuple[float, LogWindow]:
         keeper = remembered.append if peak_measured else None
-        window = LogWindow(0, tokens_per_iter=1000, flops_per_token=1e6, peak_flops=1e9, remember_peak=keeper)
+        window = LogWindow(Progress(), tokens_per_iter=1000, flops_per_token=1e6, peak_flops=1e9, remember_peak=keeper)
         for step in range(3):  # a peak of 1 GFLOP/s
             window.add(torch.tensor(1.0))
             began = time.perf_counter() - 0.1  # 10,000 tokens/s: 10 GFLOP/s

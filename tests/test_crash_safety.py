@@ -25,8 +25,9 @@ from training.errors import TrainingDiverged
 from training.metrics import METRICS_NAME, MetricsLog, read_records
 from training.run import train
 
-# Dropout on, so the restored random state matters; 40 iterations, evaluated every 10.
-EXACT = {"model.dropout": 0.1, "train.max_iters": 40, "train.eval_interval": 10, "train.log_interval": 1}
+# Dropout on, so the restored random state matters; 40 iterations, evaluated every 10, logged every 3: a stop
+# (and the half run's end, 20) falls inside a log line's window, whose losses so far the checkpoint keeps.
+EXACT = {"model.dropout": 0.1, "train.max_iters": 40, "train.eval_interval": 10, "train.log_interval": 3}
 HALF = {**EXACT, "train.lr_decay_iters": 40}  # a 20-iteration run with the schedule of the 40-iteration one
 
 
@@ -42,6 +43,12 @@ def half_run(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> tup
 def _val_losses(run: Path) -> list[tuple[int, float]]:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [(r["iter"], r["val_loss"]) for r in records if "val_loss" in r]
+
+
+def _train_losses(run: Path) -> list[tuple[int, float]]:
+    """Each log and eval line's train loss (a log line's: the mean over its window of steps)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["iter"], r["train_loss"]) for r in records if "train_loss" in r]
 
 
 def _signal_at_step(step: int, sig: signal.Signals, times: int = 1) -> Callable[[int], None]:
@@ -112,9 +119,13 @@ def test_interrupted_and_resumed_equals_uninterrupted(
         iters, losses = zip(*_val_losses(tmp_path / "b" / "run"), strict=True)
         assert list(iters) == [i for i, _ in _val_losses(reference)]
         assert list(losses) == pytest.approx([loss for _, loss in _val_losses(reference)], rel=1e-6)
+        logged = _train_losses(tmp_path / "b" / "run")
+        assert [i for i, _ in logged] == [i for i, _ in _train_losses(reference)]
+        assert [v for _, v in logged] == pytest.approx([v for _, v in _train_losses(reference)], rel=1e-5)
         assert all(torch.allclose(final_a[k], final_b[k], atol=1e-5) for k in final_a)
         return
     assert _val_losses(tmp_path / "b" / "run") == _val_losses(reference)  # bit-identical
+    assert _train_losses(tmp_path / "b" / "run") == _train_losses(reference)  # the logged ones too
     assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
 
 
@@ -398,12 +409,15 @@ def _resume_copy(half_run: tuple[Path, Path], tmp_path: Path, corpus_path: Path,
     whole, half = half_run
     shutil.copytree(half, tmp_path / "b")
     path = tmp_path / "b" / "run" / CKPT_NAME
-    torch.save(rewrite(_raw(path), path), path)
+    rewritten = rewrite(_raw(path), path)
+    torch.save(rewritten, path)
     resumed = train(
         compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, resume=True, resume_with_changes=True, **HALF))
     )
     assert resumed.iters == 40
     assert _val_losses(tmp_path / "b" / "run") == _val_losses(whole)
+    if "log_steps" in rewritten:  # older layouts start the line under way afresh at the resume
+        assert _train_losses(tmp_path / "b" / "run") == _train_losses(whole)
 
 
 def test_a_checkpoint_from_before_torchrun_support_resumes_exactly(
@@ -452,7 +466,7 @@ def test_a_checkpoint_in_the_layout_before_the_trainer_resumes_exactly_and_sampl
             "config": raw["config"],
         }
         # train.keep_best's (missing: none kept) and the precision trained in (missing: auto resumes in float32)
-        added_since = {"kept_best_val_loss", "dtype"}
+        added_since = {"kept_best_val_loss", "dtype", "log_loss_sum", "log_steps"}
         assert list(legacy) == [k for k in raw if k not in added_since]  # the layout today's writer keeps
         return legacy
 

@@ -25,7 +25,7 @@ from data.errors import DataError
 from data.prepare import ensure_prepared
 from inference.sampling import read_prompt
 from inference.schema import SampleConfig
-from model.checkpoint import CKPT_NAME, CheckpointError, load_checkpoint
+from model.checkpoint import CKPT_NAME, CheckpointError, Progress, load_checkpoint
 from training.metrics import METRICS_NAME, LogWindow, MetricsLog, drop_records_after, read_records
 from training.run import train
 from training.schema import CONFIG_GROUPS, TrainRunConfig, WandbConfig
@@ -218,7 +218,7 @@ def test_float16_on_a_cpu_without_it_warns_once_and_reports_no_mfu(
 
 
 def test_mfu_is_left_out_without_a_peak() -> None:
-    window = LogWindow(first_step=0, tokens_per_iter=100, flops_per_token=1e6, peak_flops=None)
+    window = LogWindow(Progress(), tokens_per_iter=100, flops_per_token=1e6, peak_flops=None)
     for step in range(3):
         window.add(torch.tensor(1.0))
         result = window.end_step(step, began=0.0, log_now=step == 2)

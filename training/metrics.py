@@ -17,6 +17,7 @@ from common.files import unless_disk_full
 from common.runtime import Runtime
 from data.tokenizers import Tokenizer
 from model import GPT
+from model.checkpoint import Progress
 from model.decoding import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from training.run_lock import still_held
 from training.schema import WandbConfig
@@ -141,18 +142,19 @@ class LogWindow:
 
     def __init__(
         self,
-        first_step: int,
+        progress: Progress,
         tokens_per_iter: int,
         flops_per_token: float,
         peak_flops: float | None,
         remember_peak: Callable[[float], None] | None = None,
     ) -> None:
-        self.first_step, self.tokens_per_iter = first_step, tokens_per_iter
+        self.first_step, self.tokens_per_iter = progress.iter, tokens_per_iter
         # peak: all processes together; None where there is none to compare with (MFU left out). remember_peak: a
         # measured one's (not a datasheet's), called with what training reaches if it ever passes the peak
         self.flops_per_token, self.peak_flops, self.remember_peak = flops_per_token, peak_flops, remember_peak
-        self.loss_sum: torch.Tensor | float = 0.0
-        self.steps = 0  # applied steps (a skipped non-finite one doesn't count)
+        # the losses since the last log line (a resumed run's, saved with its progress)
+        self.loss_sum: torch.Tensor | float = progress.log_loss_sum
+        self.steps = progress.log_steps  # applied steps (a skipped non-finite one doesn't count)
         self.seconds, self.timed = 0.0, 0
 
     def add(self, loss: torch.Tensor | None) -> None:

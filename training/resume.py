@@ -207,6 +207,10 @@ def _check_same_optimizer(saved: dict[str, Any], optimizer: str) -> None:
         )
 
 
+def resume_command(out_dir: Path) -> str:
+    return f"python train.py {resume_argument(out_dir)} resume=true"
+
+
 def resume_argument(out_dir: Path) -> str:
     """out_dir=PATH as the shell and then Hydra read it back: bare when the path is plain, else quoted for Hydra
     (its own single quotes, backslashes and quotes escaped) and then for the shell."""

@@ -30,7 +30,7 @@ from training.evaluation import Evaluator, HellaSwagEval, Losses
 from training.metrics import LogWindow, MetricsLog, drop_records_after, sample_table
 from training.optim import group_hyperparameters, set_hyperparameters
 from training.preemption import StopRequests
-from training.resume import resume_argument
+from training.resume import resume_command
 from training.run_lock import still_held
 from training.schema import TrainRunConfig
 
@@ -86,6 +86,7 @@ class Trainer:
     checkpointed_iter: int | None = None
     skipped_in_a_row: int = 0
     slowdown: SlowdownWatch | None = None  # on one CPU process: steps slowing down as another takes the cores
+    window: LogWindow | None = None  # the log line under way (fit's): its losses so far are saved with progress
     paced_from: tuple[float, int] | None = None  # perf_counter() and iter at the first timed log line: the ETA's
 
     def fit(self) -> TrainResult:
@@ -95,7 +96,8 @@ class Trainer:
         if self._target_reached():
             log.info(f"the run already reached val loss {p.val_loss:.4f} <= {opt.target_val_loss} at iter {p.iter}")
             return self._finish(None)
-        window = LogWindow(p.iter, self._tokens_per_iter(), self.flops_per_token, self.peak_flops, self.remember_peak)
+        window = LogWindow(p, self._tokens_per_iter(), self.flops_per_token, self.peak_flops, self.remember_peak)
+        self.window = window
         stopped_by = None
         self.model.train()
         with StopRequests(second_quits=not self.world.distributed) as stop:
@@ -303,6 +305,8 @@ class Trainer:
     def _write(self, model_state: dict, optimizer_state: dict | None, rng: list, latest: bool, best: bool) -> bool:
         still_held(self.out_dir)
         self.progress.elapsed_s = self.elapsed()
+        if self.window is not None:  # a resumed run logs the same mean train loss for the line under way
+            self.progress.log_loss_sum, self.progress.log_steps = float(self.window.loss_sum), self.window.steps
         checkpoint = Checkpoint(
             model_config=self.model.config,
             model=model_state,
@@ -325,7 +329,7 @@ class Trainer:
             log.warning(f"{err}; {self._kept()}")
             return False
         except DiskFull as err:
-            raise DiskFull(f"{err}; {self._kept()}. Free space, then resume: {self._resume_command()}") from None
+            raise DiskFull(f"{err}; {self._kept()}. Free space, then resume: {resume_command(self.out_dir)}") from None
         return True
 
     def restore(self, checkpoint: Checkpoint) -> None:
@@ -361,15 +365,12 @@ class Trainer:
         if state["cuda"] and self.runtime.is_cuda:
             torch.cuda.set_rng_state(state["cuda"][0], self.runtime.device)
 
-    def _resume_command(self) -> str:
-        return f"python train.py {resume_argument(self.out_dir)} resume=true"
-
     def _stop(self, received: signal.Signals | None) -> str:
         saved = self.save()
         self.world.barrier()  # none exits before rank 0 has written: torchrun stops the others when one exits
         name = (received or signal.SIGTERM).name  # another rank's signal, forwarded by World.agree_on_step
         where = f"checkpoint {self.out_dir / CKPT_NAME}" if saved else self._kept()
-        resume = self._resume_command()
+        resume = resume_command(self.out_dir)
         log.warning(
             f"stopped by {name} at iter {self.progress.iter}; {where}. "
             + (f"Resume with: {resume}" if self.checkpointed_iter is not None else "Nothing to resume")

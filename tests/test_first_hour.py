@@ -123,6 +123,17 @@ def test_a_resume_refuses_changes_to_what_the_run_trains_unless_asked(
     charted = _resume([f"out_dir={run}", "resume=true", "wandb.project=elsewhere", "train.log_interval=2"], caplog)
     assert "resume: wandb.project changed from gpt to elsewhere" in charted  # where it is charted: free
 
+    # Below the iterations taken: was resumed, rewriting config.yaml and adding its start-up to the elapsed time.
+    files = {name: (run / name).read_bytes() for name in (CKPT_NAME, "config.yaml", "metrics.jsonl")}
+    below = run_script(
+        "train.py", [f"out_dir={run}", "resume=true", "resume_with_changes=true", "train.max_iters=15"], tmp_path
+    )
+    assert below.returncode == 2 and below.stderr.strip() == (
+        "error: train.max_iters=15 is below the 20 iterations the run already took; resume with train.max_iters=20 "
+        "or more, or sample and evaluate the run as it is"
+    )
+    assert files == {name: (run / name).read_bytes() for name in files}
+
 
 @pytest.mark.parametrize(
     "path",
@@ -177,6 +188,25 @@ def test_a_decay_set_apart_from_max_iters_is_said_at_start(
         "train.lr_decay_iters=100 ends after train.max_iters=4: the last step's learning rate is 0.001 "
         "(min_lr 0.0001); lr_decay_iters=null follows max_iters"
     ]
+
+
+def test_a_warm_up_as_long_as_the_run_is_said_at_start(
+    tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """experiment=shakespeare_char_cpu train.max_iters=60 (warm-up 100) never decayed, silently."""
+    said = {}
+    for warmup in (6, 5):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="train"):
+            train(compose_config(tiny_run_overrides(tmp_path / str(warmup), corpus_path, **{
+                "train.max_iters": 6, "train.warmup_iters": warmup
+            })))
+        said[warmup] = [(r.levelno, r.getMessage()) for r in caplog.records if "warmup_iters" in r.getMessage()]
+    assert said == {
+        6: [(logging.WARNING, "train.warmup_iters=6 is not below train.max_iters=6: the learning rate only warms "
+             "up (to 0.000857 at the last step) and never decays; use a train.warmup_iters below 6")],
+        5: [],
+    }
 
 
 def test_prepared_data_is_used_offline_without_data_input(

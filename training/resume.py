@@ -105,11 +105,17 @@ def resumed_config(cfg: DictConfig, overrides: list[str], schema: type) -> DictC
 
 def check_resume(checkpoint: Checkpoint, config: Any) -> None:
     """Before any data is prepared, so a refused resume changes nothing: the checkpoint's optimizer, its model's
-    shape (in its own vocabulary; a finetune's is the pretrained model's, checked once it is loaded) and the
-    changes this command makes to what the run trains."""
+    shape (in its own vocabulary; a finetune's is the pretrained model's, checked once it is loaded), the
+    changes this command makes to what the run trains, and a max_iters it has already passed."""
     _check_same_optimizer(checkpoint.config, config.train.optimizer)
     if config.init_from is None:
         check_same_shape(checkpoint.model_config, config.model.gpt_config(checkpoint.model_config.vocab_size))
+    reached = checkpoint.progress.iter
+    if config.train.max_iters < reached:
+        raise ConfigError(
+            f"train.max_iters={config.train.max_iters} is below the {reached} iterations the run already took; "
+            f"resume with train.max_iters={reached} or more, or sample and evaluate the run as it is"
+        )
     check_resume_changes(checkpoint.config, dataclasses.asdict(config), config.resume_with_changes)
 
 

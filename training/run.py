@@ -165,6 +165,8 @@ def build_trainer(
         log.info(precision_note)
     if opt.max_iters and opt.decay_iters != opt.max_iters:
         log.info(_schedule_note(opt))
+    if opt.max_iters and 0 < opt.decay_iters <= opt.warmup_iters:
+        log.warning(_warmup_note(opt))
     if peak is not None:
         log.info(f"MFU against {peak.flops / 1e12:.3g} TFLOP/s per process ({peak.source})")
     elif world.is_main:
@@ -356,6 +358,16 @@ def _schedule_note(opt: OptimConfig) -> str:
     return (
         f"train.lr_decay_iters={opt.decay_iters} ends {where} train.max_iters={opt.max_iters}: the last step's "
         f"learning rate is {end:.3g} (min_lr {opt.min_lr:.3g}); lr_decay_iters=null follows max_iters"
+    )
+
+
+def _warmup_note(opt: OptimConfig) -> str:
+    """A warm-up as long as the schedule (nanoGPT's 100 iterations in a 60-iteration run) never decays: said."""
+    end = "train.max_iters" if opt.lr_decay_iters is None else "train.lr_decay_iters"
+    return (
+        f"train.warmup_iters={opt.warmup_iters} is not below {end}={opt.decay_iters}: the learning rate only warms "
+        f"up (to {scheduled_lr(opt, opt.max_iters - 1):.3g} at the last step) and never decays; use a "
+        f"train.warmup_iters below {opt.decay_iters}"
     )
 
 

@@ -220,6 +220,17 @@ def _parse(args: list[str], schema: type, groups: tuple[str, ...]) -> list[Overr
         sys.exit(2)
     except OverrideParseException:
         text = " ".join(overrides)
+        tilde = next((o for o in overrides if re.match(r"[^=~'\"]+=~", o)), None)  # zsh passes ~ on unexpanded
+        if tilde is not None:
+            key, _, value = tilde.partition("=")
+            home = value == "~" or value.startswith("~/")
+            also = f" (~ is then your home directory), or write {key}=$HOME{value[1:]}" if home else ""
+            print(
+                f"error: {tilde}: Hydra can't read a value starting with ~ unquoted; quote it for Hydra, "
+                f"{key}=\"'{value}'\"{also}",
+                file=sys.stderr,
+            )
+            sys.exit(2)
         windows = (
             " A Windows path works unquoted (data.input=C:\\Users\\me\\input.txt); quoted, double a backslash "
             "before the closing quote: \"data.dir='C:\\data\\\\'\""

@@ -161,8 +161,11 @@ def _refuse_unknown_keys(cfg: Any, schema: type, prefix: str = "") -> None:
 
 def _not_a_directory(path: Path) -> str | None:
     """Why `path` can't be a directory, made if missing: it or its nearest existing ancestor is a file, or a link
-    to nothing, or the OS refuses the name (over 255 bytes a name, 4,096 the path); None if it can be."""
+    to nothing, or the OS refuses the name (over 255 bytes a name, 4,096 the path), or it is the home directory
+    (out_dir='~': a run's files, .lock and train.log among them, would stay among the user's); None if it can be."""
     try:
+        if path.resolve() == Path.home().resolve():
+            return "is your home directory, where these files would lie among your own; name a folder inside it"
         for candidate in (path, *path.parents):
             if candidate.is_symlink() and not candidate.exists():
                 return f"is a symbolic link to {os.readlink(candidate)}, which doesn't exist"
@@ -189,7 +192,7 @@ def _problem(
     if bounded and isinstance(value, float) and not math.isfinite(value):
         problem = "must be a finite number"
     elif directory and (why := _not_a_directory(Path(os.path.expanduser(value)))):
-        problem = f"{why}; name a directory"
+        problem = why if "; " in why else f"{why}; name a directory"
     elif choices is not None and value not in choices:
         problem = f"is unknown; use one of {', '.join(choices)}"
     elif at_least is not None and value < at_least:

@@ -125,6 +125,33 @@ def test_hydra_writes_nothing_of_its_own_even_for_an_out_dir_under_home(
     assert "step 4:" in log and log.rstrip().splitlines()[-1].startswith("done: 4 iters")
 
 
+@pytest.mark.parametrize(
+    ("arg", "says"),
+    [  # zsh passes a ~ on unexpanded, and Hydra's grammar refuses it: said, with the two ways that work
+        ("out_dir=~/runs/x", "out_dir=~/runs/x: Hydra can't read a value starting with ~ unquoted; quote it for "
+         "Hydra, out_dir=\"'~/runs/x'\" (~ is then your home directory), or write out_dir=$HOME/runs/x"),
+        ("out_dir=~", "out_dir=~: Hydra can't read a value starting with ~ unquoted; quote it for Hydra, "
+         "out_dir=\"'~'\" (~ is then your home directory), or write out_dir=$HOME"),
+        # the home directory itself: .lock, train.log and the rest stayed there, among the user's files
+        ("out_dir='~'", "out_dir={home} is your home directory, where these files would lie among your own; name a "
+         "folder inside it"),
+        ("out_dir=${{oc.env:HOME}}", "out_dir={home} is your home directory, where these files would lie among your "
+         "own; name a folder inside it"),
+        ("data.dir='~'", "data.dir={home} is your home directory, where these files would lie among your own; name "
+         "a folder inside it"),
+    ],
+)
+def test_a_tilde_unquoted_or_the_home_directory_itself_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arg: str, says: str
+) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    result = run_script("train.py", [arg.format(), "train.max_iters=1"], cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr == f"error: {says.format(home=home)}\n", result.stderr
+    assert list(home.iterdir()) == []
+
+
 def test_train_py_refuses_an_out_dir_that_is_a_file_before_hydra_makes_it(tmp_path: Path) -> None:
     file = tmp_path / "notes.txt"
     file.write_text("mine")

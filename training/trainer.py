@@ -85,7 +85,7 @@ class Trainer:
     # steps skipped in a row by train.on_nonfinite=skip in this process
     checkpointed_iter: int | None = None
     skipped_in_a_row: int = 0
-    slowdown: SlowdownWatch | None = None  # on one CPU process: steps slowing down as another takes the cores
+    slowdown: SlowdownWatch | None = None  # on one CPU process: steps slowing down as another takes a core
     window: LogWindow | None = None  # the log line under way (fit's): its losses so far are saved with progress
     paced_from: tuple[float, int] | None = None  # perf_counter() and iter at the first timed log line: the ETA's
 
@@ -112,7 +112,7 @@ class Trainer:
                 outcome = self.step(stop_requested=lambda: stop.signal is not None)
                 window.add(outcome.loss)
                 log_now = p.iter % opt.log_interval == 0
-                self._log_step(window.end_step(p.iter - 1, step_began, log_now), outcome.lr)
+                self._log_step(window.end_step(p.iter - 1, step_began, log_now), outcome.lr, step_began)
                 if outcome.stop:
                     stopped_by = self._stop(stop.signal)
                     break
@@ -264,14 +264,14 @@ class Trainer:
         """The config as config.yaml and the checkpoint hold it."""
         return dataclasses.asdict(self.config)
 
-    def _log_step(self, window: tuple[float, dict[str, float]] | None, lr: float) -> None:
+    def _log_step(self, window: tuple[float, dict[str, float]] | None, lr: float, step_began: float) -> None:
+        if self.slowdown is not None and (note := self.slowdown.notice(time.perf_counter() - step_began)):
+            log.warning(note)
         if window is not None:
             train_loss, throughput = window
             record = {"iter": self.progress.iter, "train_loss": train_loss, "lr": lr, "elapsed_s": self.elapsed()}
             if "ms_per_iter" in throughput:
                 record["eta_s"] = self._eta(throughput["ms_per_iter"])
-                if self.slowdown is not None and (note := self.slowdown.notice(throughput["ms_per_iter"])):
-                    log.warning(note)
             self.metrics.write({**record, **throughput})
 
     def _eta(self, ms_per_iter: float) -> float:

@@ -37,9 +37,13 @@ def main(dict_cfg: DictConfig) -> None:
         decoding = Decoding(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
         stop = stop_strings(cfg.stop, sampler.tokenizer)
         stream = sys.stdout.isatty() if cfg.stream is None else cfg.stream
+        count = cfg.num_samples
+        if count > 1 and (cfg.temperature == 0 or cfg.top_k == 1):
+            print(f"greedy decoding: the {count} samples would be the same text, so one is drawn", file=sys.stderr)
+            count = 1
         samples = sampler.generate(
             prompt,
-            cfg.num_samples,
+            count,
             cfg.max_new_tokens,
             decoding,
             use_cache=cfg.use_cache,
@@ -100,7 +104,7 @@ def usage() -> str:
 Keys set most:
   out_dir=RUN             a train.py run directory (or init_from=gpt2 for OpenAI's GPT-2)
   start=TEXT              the prompt; start=FILE:prompt.txt reads it from a file
-  num_samples=N           samples drawn side by side (default 3)
+  num_samples=N           samples drawn side by side (default 3; one when decoding is greedy)
   max_new_tokens=N        tokens per sample (default 500)
   temperature=X           0 is greedy; default 0.8 (and top_k=200, top_p=, min_p=)
   seed=N                  the same seed, the same samples

@@ -94,7 +94,7 @@ def format_report(report: CausalityReport, tokens: list[str], changed_to: str, p
             cells = "".join(f"{report.changes[impl][i].item():>12.3g}" for impl in impls)
             lines.append(f"{i:>5}  {token!r:<8}{cells}{marker}")
     else:
-        lines[0] += " (check_causal_positions=true: each position):"
+        lines[0] += ", by range of positions (check_causal_positions=true lists each one):"
         ranges = [("before it", 0, t - 1), ("from it on" if last == report.length - 1 else "in its reach", t, last)]
         ranges.append(("beyond its reach", last + 1, report.length - 1))
         for name, a, b in ranges:

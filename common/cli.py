@@ -65,6 +65,7 @@ def run_hydra(
         sys.exit(0)
     if any(arg.startswith(("-", "hydra.job.chdir", "hydra.mode")) for arg in args):
         check_overrides(args, schema, groups)
+    _refuse_loose_booleans(args, schema)
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting
     try:
         main()
@@ -73,6 +74,25 @@ def run_hydra(
         if isinstance(err, HydraException | OmegaConfBaseException):
             _refused_by_hydra(err)
         raise
+
+
+LOOSE_BOOLEANS = {"yes", "no", "on", "off", "y", "n", "1", "0"}  # OmegaConf's, beside true and false
+
+
+def _refuse_loose_booleans(args: list[str], schema: type) -> None:
+    """OmegaConf takes model.qk_norm=yes (or on, 1) as true; a switch is written true or false only, so a typo of
+    another word can't pass for one (qk_norm=yes once ran a 2-minute job)."""
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or value.lower() not in LOOSE_BOOLEANS or key.startswith(("hydra.", "+", "~")):
+            continue
+        try:
+            hint = check_key(schema, key)[2]
+        except ConfigError:
+            continue  # check_overrides' to name, if Hydra refuses it
+        if hint is bool:
+            print(f"error: {arg}: {key} is true or false; write {key}=true or {key}=false", file=sys.stderr)
+            sys.exit(2)
 
 
 def _refused_by_hydra(err: Exception) -> None:

@@ -610,3 +610,14 @@ def test_plot_py_and_export_refuse_an_unwritable_destination_in_one_line(trained
     exported = run_script("scripts/export_hf.py", [str(trained_run), str(UNWRITABLE / "hf")], tmp_path)
     assert exported.returncode == 2 and "Traceback" not in exported.stderr
     assert exported.stderr.startswith(f"error: HF_DIR={UNWRITABLE / 'hf'} is not writable")
+
+
+@pytest.mark.parametrize(("script", "arg"), [("train.py", "model.qk_norm=yes"), ("sample.py", "check_causal=1")])
+def test_a_switch_takes_true_or_false_only(tmp_path: Path, script: str, arg: str) -> None:
+    """OmegaConf took yes, on and 1 as true: model.qk_norm=yes (meant as a typo test) ran a 2-minute job."""
+    key = arg.partition("=")[0]
+    result = run_script(script, [arg], cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr == (
+        f"error: {arg}: {key} is true or false; write {key}=true or {key}=false\n"
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -15,7 +15,7 @@ import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -149,16 +149,15 @@ class Checkpoint:
             raise CheckpointError(f"{path} has a model config this version can't build ({err})") from None
         _check_buildable(model_config, path)
         _check_kinds(raw, path)
-        rng = raw.get("rng", [])
         return cls(
             model_config=model_config,
             model=raw["model"],
             tokenizer=raw.get("tokenizer", {}),
             config=raw.get("config", {}),
             progress=_progress(raw, path),
-            optimizer=raw.get("optimizer"),
+            optimizer=raw.get("optimizer") or None,
             scaler=raw.get("scaler") or {},
-            rng=[rng] if isinstance(rng, dict) else list(rng),
+            rng=_rng_states(raw, path),
             dtype=raw.get("dtype", "") if isinstance(raw.get("dtype"), str) else "",
         )
 
@@ -193,13 +192,19 @@ def _check_kinds(raw: dict[str, Any], path: Path) -> None:
         if name in raw and (not isinstance(value, kinds) or isinstance(value, bool)):
             _damaged(path, f"its {name} is {_shown(value)}")
     optimizer = raw.get("optimizer")
-    if optimizer is not None and not (
+    if optimizer and not (  # {}: no state, as None
         isinstance(optimizer.get("state"), dict) and isinstance(optimizer.get("param_groups"), list)
     ):
         _damaged(path, "its optimizer state has no state and param_groups")
+
+
+def _rng_states(raw: dict[str, Any], path: Path) -> list[dict[str, Any]]:
+    """Each rank's generator states; before torchrun support, one dict."""
     rng = raw.get("rng", [])
-    if not all(isinstance(state, dict) and "torch" in state for state in ([rng] if isinstance(rng, dict) else rng)):
+    states = [rng] if isinstance(rng, dict) else list(rng)
+    if not all(isinstance(state, dict) and "torch" in state for state in states):
         _damaged(path, "its random state is no list of generator states")
+    return states
 
 
 def _progress(raw: dict[str, Any], path: Path) -> Progress:
@@ -215,7 +220,7 @@ def _progress(raw: dict[str, Any], path: Path) -> Progress:
     return progress
 
 
-def _damaged(path: Path, what: str) -> None:
+def _damaged(path: Path, what: str) -> NoReturn:
     raise CheckpointError(f"{path} is damaged or wasn't written by train.py: {what}")
 
 

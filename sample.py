@@ -38,7 +38,7 @@ def main(dict_cfg: DictConfig) -> None:
         stop = stop_strings(cfg.stop, sampler.tokenizer)
         stream = sys.stdout.isatty() if cfg.stream is None else cfg.stream
         count = cfg.num_samples
-        if count > 1 and (cfg.temperature == 0 or cfg.top_k == 1):
+        if count > 1 and decoding.greedy:
             print(f"greedy decoding: the {count} samples would be the same text, so one is drawn", file=sys.stderr)
             count = 1
         samples = sampler.generate(

@@ -162,19 +162,21 @@ def _refuse_unknown_keys(cfg: Any, schema: type, prefix: str = "") -> None:
 def _not_a_directory(path: Path) -> str | None:
     """Why `path` can't be a directory, made if missing: it or its nearest existing ancestor is a file, or a link
     to nothing, or the OS refuses the name (over 255 bytes a name, 4,096 the path), or it is the home directory
-    (out_dir='~': a run's files, .lock and train.log among them, would stay among the user's); None if it can be."""
+    (out_dir='~': a run's files, .lock and train.log among them, would stay among the user's), with what to do
+    instead; None if it can be."""
     try:
-        if path.resolve() == Path.home().resolve():
+        if path.resolve() == Path(os.path.expanduser("~")).resolve():  # unexpanded where no home is known
             return "is your home directory, where these files would lie among your own; name a folder inside it"
         for candidate in (path, *path.parents):
             if candidate.is_symlink() and not candidate.exists():
-                return f"is a symbolic link to {os.readlink(candidate)}, which doesn't exist"
+                return f"is a symbolic link to {os.readlink(candidate)}, which doesn't exist; name a directory"
             if candidate.exists():
                 if candidate.is_dir():
                     return None
-                return "is a file, not a directory" if candidate == path else f"is inside the file {candidate}"
+                inside = "is a file, not a directory" if candidate == path else f"is inside the file {candidate}"
+                return f"{inside}; name a directory"
     except OSError as err:
-        return f"is a path this system refuses ({err.strerror})"
+        return f"is a path this system refuses ({err.strerror}); name a directory"
     return None
 
 
@@ -192,7 +194,7 @@ def _problem(
     if bounded and isinstance(value, float) and not math.isfinite(value):
         problem = "must be a finite number"
     elif directory and (why := _not_a_directory(Path(os.path.expanduser(value)))):
-        problem = why if "; " in why else f"{why}; name a directory"
+        problem = why
     elif choices is not None and value not in choices:
         problem = f"is unknown; use one of {', '.join(choices)}"
     elif at_least is not None and value < at_least:

@@ -25,6 +25,9 @@ def row_generators(seed: int | None, count: int, device: torch.device | str = "c
     return [torch.Generator(device=device).manual_seed(seed + i) for i in range(count)]
 
 
+TINY = torch.finfo(torch.float32).tiny  # a temperature below it is greedy: logits are divided in float32
+
+
 @dataclass(frozen=True)
 class Decoding:
     temperature: float = 1.0  # 0: greedy (argmax); below 1 sharper, above 1 flatter
@@ -43,6 +46,11 @@ class Decoding:
             if value is not None and not 0 < value <= 1:
                 raise ValueError(f"{name}={value} must be in (0, 1]")
 
+    @property
+    def greedy(self) -> bool:
+        """Every draw is the likeliest token: repeated samples of one prompt are the same text."""
+        return self.temperature < TINY or self.top_k == 1
+
     def next_token(
         self, logits: torch.Tensor, generators: Sequence[torch.Generator | None] | None = None
     ) -> torch.Tensor:
@@ -50,7 +58,7 @@ class Decoding:
         precision, too coarse for the probability sums of top_p and min_p. generators: one per row, so a row's
         draws don't depend on the rows beside it (a server's batch); None, or a None in it: torch's global one."""
         logits = logits.float()
-        if self.temperature < torch.finfo(logits.dtype).tiny:  # 0, or too small for float32 to divide by
+        if self.temperature < TINY:  # 0, or too small for float32 to divide by
             return logits.argmax(dim=-1, keepdim=True)
         # the largest logit subtracted first: a tiny temperature (1e-40) then sends the others to -inf, not the
         # largest to inf (inf - inf is NaN); softmax and the cut-offs don't change under a shift
@@ -69,9 +77,10 @@ class Decoding:
         if self.top_p is not None and self.top_p < 1:
             ordered, order = torch.sort(logits, dim=-1, descending=True)
             mass = ordered.softmax(dim=-1).cumsum(dim=-1)
-            before = torch.cat((torch.zeros_like(mass[:, :1]), mass[:, :-1]), dim=-1)  # mass of the likelier ones
-            # the likeliest token always stays: a top_p below float32's smallest number (1e-46) rounds to 0
-            outside = (before >= self.top_p) & (before > 0)
+            # outside: the likelier ones' mass reaches top_p; never the likeliest, which has none before it (a
+            # top_p below float32's smallest number, 1e-46, rounds to 0, and 0 >= 0 would drop every token)
+            first = torch.zeros_like(mass[:, :1], dtype=torch.bool)
+            outside = torch.cat((first, mass[:, :-1] >= self.top_p), dim=-1)
             drop = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, outside)
             logits = logits.masked_fill(drop, float("-inf"))
         if self.min_p is not None:

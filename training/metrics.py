@@ -157,6 +157,10 @@ class LogWindow:
         self.steps = progress.log_steps  # applied steps (a skipped non-finite one doesn't count)
         self.seconds, self.timed = 0.0, 0
 
+    def saved(self) -> dict[str, float | int]:
+        """The Progress fields a checkpoint keeps of the line under way: a resumed run logs the same mean."""
+        return {"log_loss_sum": float(self.loss_sum), "log_steps": self.steps}
+
     def add(self, loss: torch.Tensor | None) -> None:
         """One step's loss (0-dim, on the device: no sync here), or None for a skipped step."""
         if loss is not None:

@@ -305,14 +305,12 @@ class Trainer:
     def _write(self, model_state: dict, optimizer_state: dict | None, rng: list, latest: bool, best: bool) -> bool:
         still_held(self.out_dir)
         self.progress.elapsed_s = self.elapsed()
-        if self.window is not None:  # a resumed run logs the same mean train loss for the line under way
-            self.progress.log_loss_sum, self.progress.log_steps = float(self.window.loss_sum), self.window.steps
         checkpoint = Checkpoint(
             model_config=self.model.config,
             model=model_state,
             tokenizer=self.data.meta["tokenizer"],
             config=self.resolved,
-            progress=dataclasses.replace(self.progress),
+            progress=dataclasses.replace(self.progress, **self.window.saved() if self.window else {}),
             optimizer=optimizer_state,
             scaler=self.scaler.state_dict(),
             rng=rng,

@@ -7,6 +7,7 @@ python train.py -m train.learning_rate=1e-3,3e-3       # a sweep: one run direct
 torchrun --standalone --nproc_per_node=8 train.py experiment=gpt2   # 8 GPUs (DDP; train.parallel=fsdp: FSDP2)
 """
 
+import logging
 import signal
 import sys
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from training.run import train
 from training.schema import CONFIG_GROUPS, TrainRunConfig, register_schemas
 
 register_schemas()
+log = logging.getLogger("train")
 
 
 def usage() -> str:
@@ -68,12 +70,23 @@ def main(cfg: DictConfig) -> None:
         job = f"job {hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)})"
         if not any(o.lstrip("+").startswith("out_dir=") for o in hydra_cfg.overrides.task):
             cfg.out_dir = hydra_cfg.runtime.output_dir  # one run directory per job, under the sweep directory
+    if hydra_cfg.mode == RunMode.RUN and not hydra_cfg.overrides.task:
+        log.info(_defaults_note(cfg, hydra_cfg.runtime.choices))
     with exit_on_user_error(job):
         if cfg.resume:
             cfg = resumed_config(cfg, list(hydra_cfg.overrides.task), TrainRunConfig)
         result = train(cfg, on_run_opened=_hydra_files(cfg, hydra_cfg))
     if result.stopped_by is not None:
         sys.exit(128 + signal.Signals[result.stopped_by].value)  # the shell's convention for "killed by"
+
+
+def _defaults_note(cfg: DictConfig, choices: DictConfig) -> str:
+    """`python train.py` alone runs something: said, so that nobody mistakes it for a chosen recipe."""
+    return (
+        f"no settings given: configs/config.yaml's defaults, model={choices.model} on data={choices.data} for "
+        f"{cfg.train.max_iters:,} iterations into out_dir {cfg.out_dir} (the log lines' ETA says how long); "
+        "python train.py --help lists the experiments"
+    )
 
 
 def _hydra_files(cfg: DictConfig, hydra_cfg: DictConfig) -> Callable[[Path], None]:

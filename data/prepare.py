@@ -182,6 +182,8 @@ def _prepare_once(
     _refuse_unless(prepare, out_dir)
     _refuse_foreign(out_dir)
     check_writable(out_dir, "data.dir")
+    # What this process makes here, the locks first, then the folders deepest first: a failure takes them back
+    made = [p for p in (out_dir / PREPARE_LOCK, out_dir / IN_USE, out_dir, *out_dir.parents) if not p.exists()]
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = FileLock(out_dir / PREPARE_LOCK)  # not the run's .lock: data.dir may be the run directory
     try:
@@ -190,6 +192,7 @@ def _prepare_once(
         log.info(f"waiting for another process to finish preparing {out_dir}")
         lock.acquire()
     try:
+        out_dir.mkdir(exist_ok=True)  # a failed first preparation that we waited for took its folder back
         prepared = _reusable(out_dir, fingerprint)
         if prepared:
             return prepared
@@ -197,8 +200,20 @@ def _prepare_once(
             discard_temporaries(out_dir / name)
         with _alone(out_dir):
             return make()
+    except BaseException:
+        _take_back(made, out_dir)
+        raise
     finally:
         lock.release()
+
+
+def _take_back(made: list[Path], out_dir: Path) -> None:
+    """A failed first preparation (offline, a missing file) leaves none of the locks and folders it made, while
+    the folder holds nothing else (then no run reads it)."""
+    if {p.name for p in out_dir.iterdir()} <= {PREPARE_LOCK, IN_USE}:
+        for path in made:
+            with contextlib.suppress(OSError):  # a folder another process wrote in meanwhile stays, and its parents
+                path.rmdir() if path.is_dir() else path.unlink()
 
 
 @contextlib.contextmanager

@@ -248,6 +248,36 @@ def test_prepared_data_is_used_offline_without_data_input(
     assert f"holds the text of {corpus_path}" in result.stdout + result.stderr
 
 
+def test_a_failed_first_preparation_leaves_none_of_the_folders_it_made(tmp_path: Path) -> None:
+    """Offline, the first start fails; the data folder it made (and the parents it made) go, locks and all. A folder
+    that was there, or holds anything besides the locks, stays."""
+    with pytest.raises(Exception, match=f"could not download {UNREACHABLE}"):
+        ensure_prepared(DataConfig(input=None, url=UNREACHABLE, dir=str(tmp_path / "made" / "by" / "us")))
+    assert list(tmp_path.iterdir()) == []
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    with pytest.raises(Exception, match=f"could not download {UNREACHABLE}"):
+        ensure_prepared(DataConfig(input=None, url=UNREACHABLE, dir=str(theirs / "data")))
+    assert list(tmp_path.iterdir()) == [theirs] and list(theirs.iterdir()) == []
+    with pytest.raises(Exception, match=f"could not download {UNREACHABLE}"):
+        ensure_prepared(DataConfig(input=None, url=UNREACHABLE, dir=str(theirs)))
+    assert list(theirs.iterdir()) == []  # the user's folder stays, without our locks
+
+
+def test_train_py_with_no_settings_says_what_it_runs(tmp_path: Path) -> None:
+    """`python train.py` alone is a real run (the baby GPT, 2,000 iterations): its first line says so and where."""
+    process = start_script("train.py", [], cwd=tmp_path)
+    try:
+        first = process.stdout.readline()
+    finally:
+        process.send_signal(signal.SIGINT)  # before it downloads or trains anything to speak of
+        process.communicate(timeout=120)
+    assert first.startswith("no settings given: configs/config.yaml's defaults, model=baby on data=shakespeare_char")
+    assert "for 2,000 iterations into out_dir outputs/" in first and "python train.py --help" in first
+
+
+
 def test_data_prepared_from_a_file_since_moved_stands_for_it(
     tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

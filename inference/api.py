@@ -34,8 +34,9 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    prompt: str | list[str]
-    max_tokens: StrictInt = 16
+    # a text, several, one prompt's token ids or several prompts' (as OpenAI's API takes them)
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt = 16  # 0 with echo: score the prompt alone
     temperature: Number = 1.0
     top_p: Number = 1.0
     top_k: StrictInt | None = None
@@ -45,13 +46,32 @@ class CompletionRequest(BaseModel):
     seed: StrictInt | None = None
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
+    logprobs: StrictInt | None = None  # each token's log-probability and this many likeliest others' (0-5)
+    echo: StrictBool = False  # the prompt's text (and its tokens' logprobs) before the generated text
 
     @field_validator("prompt")
     @classmethod
-    def _prompts(cls, prompt: str | list[str]) -> str | list[str]:
-        if isinstance(prompt, list) and not prompt:
-            raise ValueError("prompt is an empty list; give a string or a list of strings")
+    def _prompts(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and (not prompt or any(p == [] for p in prompt)):
+            raise ValueError("prompt is an empty list; give a string, a list of strings or of token ids")
         return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text or its token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body (its add_special_tokens is accepted and moot: these tokenizers add none)."""
+
+    prompt: str
+    add_special_tokens: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    tokens: list[StrictInt]
 
 
 class PageText(BaseModel):
@@ -71,7 +91,7 @@ class PageChange(PageText):
 
 
 # Fields OpenAI defines that this server doesn't implement: allowed only at their no-op values.
-UNSUPPORTED = {"echo": (None, False), "logprobs": (None, 0), "best_of": (None, 1), "suffix": (None, ""),
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {})}
 
 

@@ -2,7 +2,9 @@
 
 A completion's prompt runs alone through a KVCache (the same prefill as sample.py's), then the completion joins
 the running batch (BatchKVCache), where every step feeds each row its own newest token at its own position.
-Between steps finished or cancelled rows leave and waiting ones join. Tokens are picked by Decoding with a
+A learned-position model's row that outgrows block_size goes on as sample.py does, each step recomputing its
+last block_size tokens, batched with the other such rows ("cropped"). Between steps finished or cancelled rows
+leave and waiting ones join. Tokens are picked by Decoding with a
 random generator per row, so a row's draws depend only on its own seed, not on who else is in the batch; text
 comes out through SampleText, so stop strings and split characters behave as in sample.py.
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from common.runtime import Runtime
 from data.tokenizers import Tokenizer
@@ -28,9 +31,19 @@ from inference.sample_text import SampleText
 from model import GPT
 from model.batch_cache import BatchKVCache
 from model.decoding import Decoding
+from model.gpt import PREFILL_CHUNK
 from model.kv_cache import KVCache
 
 log = logging.getLogger("serve")
+WINDOWS_AT_ONCE = 16  # echo past a learned-position model's context: prompt tokens scored per forward pass
+
+
+@dataclass
+class Scored:
+    """A token's log-probability and the likeliest tokens' (id, log-probability) at its position, likeliest first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass(eq=False)
@@ -45,7 +58,11 @@ class Completion:
     text: SampleText
     on_update: Callable[[str, bool], None]
     generator: torch.Generator | None = None
+    logprobs: int | None = None  # report each token's log-probability and this many likeliest alternatives (0-5)
+    echo: bool = False  # score the prompt's tokens too (prompt_scores)
     tokens: list[int] = field(default_factory=list)  # generated so far
+    scores: list[Scored] = field(default_factory=list)  # with logprobs: one per generated token
+    prompt_scores: list[Scored] | None = None  # with echo: one per prompt token but the first
     # "stop" (a stop string or the end of text), "length", "cancelled" (its client left or timed out), or "error"
     # (its prompt or a step failed: the server's log has the traceback)
     finish_reason: str | None = None
@@ -60,8 +77,22 @@ class Completion:
             self.finish_reason = "length"
 
     @property
+    def sequence(self) -> list[int]:
+        return self.prompt + self.tokens
+
+    @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+
+def score(logits: torch.Tensor, tokens: list[int], top: int) -> list[Scored]:
+    """Each row's token's log-probability under the model (before temperature and the cut-offs, as OpenAI and
+    vLLM report them), and the `top` likeliest tokens with theirs."""
+    logprobs = F.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    values, ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())
+    return [Scored(lp, list(zip(i, v, strict=True))) for lp, i, v in zip(chosen, ids.tolist(), values.tolist(),
+                                                                        strict=True)]
 
 
 def pick_tokens(logits: torch.Tensor, completions: list[Completion]) -> list[int]:
@@ -95,6 +126,7 @@ class Engine:
         self.waiting: deque[Completion] = deque()
         self.tasks: deque[tuple[Callable[[], Any], Future]] = deque()  # call()'s, run between steps
         self.active: list[Completion] = []  # row i of the batch cache is active[i]
+        self.cropped: list[Completion] = []  # past a learned-position model's block_size: recomputed each step
         self.cache = BatchKVCache(model.config)
         self._wake = threading.Condition()
         self._closing = False
@@ -140,7 +172,7 @@ class Engine:
     @property
     def load(self) -> tuple[int, int]:
         """(running, waiting) completions."""
-        return len(self.active), len(self.waiting)
+        return len(self.active) + len(self.cropped), len(self.waiting)
 
     def close(self) -> None:
         """Finish what is running and waiting, then stop the thread."""
@@ -156,16 +188,17 @@ class Engine:
         try:
             while True:
                 with self._wake:
-                    while not (self.waiting or self.active or self.tasks or self._closing):
+                    while not (self.waiting or self.running or self.tasks or self._closing):
                         self._wake.wait()
-                    if self._closing and not (self.waiting or self.active or self.tasks):
+                    if self._closing and not (self.waiting or self.running or self.tasks):
                         return
                 self.run_once()
         except BaseException as err:  # a bug outside a step, or the process going down: fail everything held
             log.exception("the engine stopped")
             with self._wake:
                 self._failed = True
-                held, self.active, tasks = [*self.active, *self.waiting], [], list(self.tasks)
+                held, tasks = [*self.running, *self.waiting], list(self.tasks)
+                self.active, self.cropped = [], []
                 self.waiting.clear()
                 self.tasks.clear()
             self._fail(held)
@@ -188,7 +221,7 @@ class Engine:
                 except Exception as err:  # the caller's to handle: the engine goes on
                     future.set_exception(err)
         self._drop_cancelled()
-        while len(self.active) < self.max_batch:
+        while len(self.running) < self.max_batch:
             with self._wake:
                 if not self.waiting:
                     break
@@ -200,38 +233,105 @@ class Engine:
             except Exception:  # this prompt alone (too long for memory, say): the others go on
                 log.exception("a prompt failed")
                 self._fail([completion])
-        if self.active:
+        if self.running:
             try:
                 self._step()
             except Exception:  # every row of the step: they leave, and the engine serves what comes next
                 log.exception("a decode step failed")
-                failed, self.active, self.cache = self.active, [], BatchKVCache(self.model.config)
+                failed, self.active, self.cropped = self.running, [], []
+                self.cache = BatchKVCache(self.model.config)
                 self._fail(failed)
         if self.after_step is not None:
-            self.after_step(len(self.active) + len(self.waiting))
+            self.after_step(len(self.running) + len(self.waiting))
+
+    @property
+    def running(self) -> list[Completion]:
+        return self.active + self.cropped
+
+    def _past_context(self, completion: Completion) -> bool:
+        """Its next token needs a position past a learned-position model's block_size: sample.py's crop then."""
+        return not self.model.config.rolls and len(completion.sequence) > self.model.config.block_size
 
     def _prefill(self, completion: Completion) -> None:
-        """The prompt alone, as sample.py runs it; its first token; then a row of its own unless already done."""
+        """The prompt alone, as sample.py runs it; its first token; then a row of its own unless already done.
+        A prompt past the context starts cropped (its first token comes with the next step)."""
+        if completion.echo:
+            completion.prompt_scores = self._prompt_scores(completion)
+        if completion.max_new_tokens == 0:  # echo alone: the prompt scored, nothing generated
+            completion.finish_reason = "length"
+            self.finished["length"] += 1
+            completion.on_update("", True)
+            return
+        if self._past_context(completion):
+            self.cropped.append(completion)
+            return
         cache = KVCache(self.model.config)
         idx = torch.tensor([completion.prompt], dtype=torch.long, device=self.runtime.device)
         with self.runtime.autocast():
             logits = self.model.logits(self.model.prefill(idx, cache)[:, -1, :])
-        self._deliver(completion, pick_tokens(logits, [completion])[0])
+        self._deliver_all(logits, [completion])
         if not completion.done:
             self.cache.add(cache)
             self.active.append(completion)
 
-    def _step(self) -> None:
-        newest = [[completion.tokens[-1]] for completion in self.active]
-        idx = torch.tensor(newest, dtype=torch.long, device=self.runtime.device)
+    def _prompt_scores(self, completion: Completion) -> list[Scored]:
+        """Each prompt token's score (but the first's, which nothing predicts) given the tokens before it, at most
+        block_size of them for a learned-position model (as it would have generated them), all for a rolling one;
+        PREFILL_CHUNK positions at a time, so a long prompt's logits are never all held at once."""
+        prompt, config = completion.prompt, self.model.config
+        top = completion.logprobs or 0
+        device = self.runtime.device
+        scores: list[Scored] = []
+        cache, block = KVCache(config), config.block_size
+        first = len(prompt) if config.rolls else min(len(prompt), block)
         with self.runtime.autocast():
-            logits = self.model.logits(self.model.hidden(idx, self.cache)[:, -1, :])
-        for completion, token in zip(self.active, pick_tokens(logits, self.active), strict=True):
-            self._deliver(completion, token)
+            for start in range(0, first, PREFILL_CHUNK):  # the first window's tokens (a rolling model's: all)
+                chunk = torch.tensor([prompt[start : min(first, start + PREFILL_CHUNK)]], device=device)
+                logits = self.model.logits(self.model.hidden(chunk, cache)[0])
+                targets = prompt[start + 1 : start + 1 + chunk.size(1)]
+                scores += score(logits[: len(targets)], targets, top)
+            later = range(block + 1, len(prompt)) if not config.rolls else range(0)
+            for start in later[::WINDOWS_AT_ONCE]:  # each later token from the block_size tokens before it
+                ends = range(start, min(start + WINDOWS_AT_ONCE, len(prompt)))
+                windows = torch.tensor([prompt[end - block : end] for end in ends], device=device)
+                logits = self.model.logits(self.model.hidden(windows)[:, -1, :])
+                scores += score(logits, [prompt[end] for end in ends], top)
+        return scores
+
+    def _step(self) -> None:
+        """One token for every running row: the batch cache's rows by their newest token, the cropped ones by
+        their last block_size tokens."""
+        for row in reversed(range(len(self.active))):
+            if self._past_context(self.active[row]):
+                self.cropped.append(self.active[row])
+                self._remove(row)
+        device, parts = self.runtime.device, []
+        with self.runtime.autocast():
+            if self.active:
+                idx = torch.tensor([[completion.tokens[-1]] for completion in self.active], device=device)
+                parts.append(self.model.logits(self.model.hidden(idx, self.cache)[:, -1, :]))
+            if self.cropped:
+                block = self.model.config.block_size
+                idx = torch.tensor([completion.sequence[-block:] for completion in self.cropped], device=device)
+                parts.append(self.model.logits(self.model.hidden(idx)[:, -1, :]))
+        self._deliver_all(torch.cat(parts), self.running)
         self.steps += 1
         for row in reversed(range(len(self.active))):  # descending: a removed row's place takes the last row
             if self.active[row].done:
                 self._remove(row)
+        self.cropped = [completion for completion in self.cropped if not completion.done]
+
+    def _deliver_all(self, logits: torch.Tensor, completions: list[Completion]) -> None:
+        """Each completion's next token from its row of logits, with its score where asked for."""
+        tokens = pick_tokens(logits, completions)
+        asked = [row for row, completion in enumerate(completions) if completion.logprobs is not None]
+        if asked:
+            top = max(completions[row].logprobs for row in asked)
+            for row, scored in zip(asked, score(logits[asked], [tokens[row] for row in asked], top), strict=True):
+                scored.top = scored.top[: completions[row].logprobs]
+                completions[row].scores.append(scored)
+        for completion, token in zip(completions, tokens, strict=True):
+            self._deliver(completion, token)
 
     def _deliver(self, completion: Completion, token: int) -> None:
         completion.add(token)
@@ -251,12 +351,17 @@ class Engine:
 
     def _drop_cancelled(self) -> None:
         for row in reversed(range(len(self.active))):
-            completion = self.active[row]
-            if completion.cancelled:
-                completion.finish_reason = "cancelled"
-                self.finished["cancelled"] += 1
+            if self.active[row].cancelled:
+                self._cancelled(self.active[row])
                 self._remove(row)
-                completion.on_update("", True)
+        for completion in [c for c in self.cropped if c.cancelled]:
+            self._cancelled(completion)
+            self.cropped.remove(completion)
+
+    def _cancelled(self, completion: Completion) -> None:
+        completion.finish_reason = "cancelled"
+        self.finished["cancelled"] += 1
+        completion.on_update("", True)
 
     def _remove(self, row: int) -> None:
         self.cache.remove(row)

@@ -103,7 +103,8 @@ class ServeConfig(ModelChoice):
     max_queue: int = option(256, at_least=0)  # choices waiting for a place in the batch; past it: 503, Retry-After
     max_tokens: int = option(1024, at_least=1)  # the largest max_tokens a request may ask for
     max_choices: int = option(16, at_least=1)  # prompts x n in one request
-    max_prompt_tokens: int = option(8192, at_least=1)  # a rolling model's prompt; others: block_size with max_tokens
+    # a prompt's tokens at most (a learned-position model sees the last block_size of them, as sample.py does)
+    max_prompt_tokens: int = option(8192, at_least=1)
     timeout_s: float = option(300.0, above=0.0)  # a request running longer is cancelled: 504
     max_body_bytes: int = option(1_000_000, at_least=1)  # a larger request body: 413
     # torch's CPU threads for the model; null: one less than the cores (at least 1), leaving one to the HTTP side

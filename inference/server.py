@@ -1,5 +1,5 @@
 """OpenAI's completions API over the engine: GET /v1/models, POST /v1/completions (streamed as server-sent
-events or whole), GET /health, and the live page at / with its endpoints under /page/.
+events or whole), GET /health, vLLM's tokenizer endpoints, and the live page (inference/page_routes.py).
 
 Every request is checked before it reaches the engine: a bad one gets a 4xx with OpenAI's error object naming
 the field ({"error": {"message", "type", "param", "code"}}), never a 500 or a traceback, and the server goes on
@@ -18,32 +18,36 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from analysis.causality import check_causality, verdict
-from analysis.diagnostics import induction_scores
-from analysis.explorer import live_page
 from common.config import SEED_MAX
 from common.errors import UserError
 from data.tokenizers import Tokenizer
-from inference.api import UNSUPPORTED, ApiError, BodyLimit, CompletionRequest, PageChange, PageText
+from inference.api import (
+    UNSUPPORTED,
+    ApiError,
+    BodyLimit,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from inference.engine import Completion, Engine
+from inference.page_routes import add_page
 from inference.sample_text import SampleText
 from inference.schema import ServeConfig
 from inference.streaming import Choice, Mailbox, Update, stream_events, updates_of, usage
 from model.decoding import Decoding, row_generators
 
 log = logging.getLogger("serve")
-PAGE = Path(__file__).with_name("serve_page.html")
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI takes up to 4; each is searched for after every token
+MAX_LOGPROBS = 5  # OpenAI's limit on the alternatives reported per token
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]
 
 
@@ -77,9 +81,12 @@ class Service:
             value = (request.model_extra or {}).get(name)
             if value not in allowed:
                 raise ApiError(400, f"{name}={value!r} is not supported by this server; leave it out", name)
-        if not 1 <= request.max_tokens <= limits.max_tokens:
-            raise ApiError(400, f"max_tokens={request.max_tokens} must be between 1 and {limits.max_tokens}",
-                           "max_tokens")
+        least = 0 if request.echo else 1  # echo with max_tokens=0: the prompt scored, nothing generated
+        if not least <= request.max_tokens <= limits.max_tokens:
+            raise ApiError(400, f"max_tokens={request.max_tokens} must be between {least} and {limits.max_tokens}"
+                           + (" (0 with echo=true)" if least else ""), "max_tokens")
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"logprobs={request.logprobs} must be between 0 and {MAX_LOGPROBS}", "logprobs")
         if not 0 <= request.temperature <= 2:
             raise ApiError(400, f"temperature={request.temperature} must be between 0 and 2 (0: greedy)",
                            "temperature")
@@ -91,7 +98,7 @@ class Service:
             raise ApiError(400, f"min_p={request.min_p} must be in (0, 1]", "min_p")
         if request.seed is not None and not 0 <= request.seed <= SEED_MAX:
             raise ApiError(400, f"seed={request.seed} must be between 0 and {SEED_MAX}", "seed")
-        prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+        prompts = request.prompts()
         if request.n < 1:
             raise ApiError(400, f"n={request.n} must be at least 1", "n")
         if len(prompts) * request.n > limits.max_choices:
@@ -103,24 +110,31 @@ class Service:
         if len(given) > MAX_STOPS or max(map(len, given), default=0) > MAX_STOP_CHARS:
             raise ApiError(400, f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters",
                            "stop")
-        return [self._encode(prompt, request.max_tokens) for prompt in prompts]
+        return [self._encode(prompt) for prompt in prompts]
 
-    def _encode(self, prompt: str, max_tokens: int) -> list[int]:
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's tokens (a learned-position model sees the last block_size of them, as in sample.py)."""
         if not prompt:
             raise ApiError(400, "prompt is empty; give at least one character", "prompt")
+        ids = self.encode(prompt) if isinstance(prompt, str) else self.known_ids(prompt, "prompt")
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most "
+                           f"{self.limits.max_prompt_tokens} (max_prompt_tokens)", "prompt")
+        return ids
+
+    def encode(self, text: str) -> list[int]:
         try:
-            ids = self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(text)
         except UserError as err:  # a character a char-level model has never seen
             raise ApiError(400, f"prompt: {err}", "prompt") from None
-        if self.engine.model.config.rolls:
-            if len(ids) > self.limits.max_prompt_tokens:
-                raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most "
-                               f"{self.limits.max_prompt_tokens} (max_prompt_tokens)", "prompt")
-        elif len(ids) + max_tokens > self.block_size:
-            param = "prompt" if len(ids) >= self.block_size else "max_tokens"
-            raise ApiError(400, f"this model's context is {self.block_size} tokens; the prompt has {len(ids)} and "
-                           f"max_tokens asks for {max_tokens} more: shorten the prompt or lower max_tokens", param)
-        return ids
+
+    def known_ids(self, ids: list[int], param: str = "tokens") -> list[int]:
+        vocab_size = self.tokenizer.vocab_size  # the model's may be padded past it, with ids that decode to nothing
+        unknown = [i for i in ids if not 0 <= i < vocab_size]
+        if unknown:
+            raise ApiError(400, f"{param}: token id {unknown[0]} is not in this model's vocabulary (0 to "
+                           f"{vocab_size - 1})", param)
+        return list(ids)
 
     def _stops(self, request: CompletionRequest) -> list[str]:
         """The request's stop strings, and the end of text (a BPE model's <|endoftext|>), as sample.py has them."""
@@ -140,15 +154,18 @@ class Service:
         stops = self._stops(request)
         device = self.engine.runtime.device
         generators = row_generators(request.seed, len(prompts) * request.n, device)  # choice i: seed + i
+        scored = request.logprobs is not None
         choices = []
         for p, ids in enumerate(prompts):
+            echo = self.tokenizer.decode(ids) if request.echo else ""
             for j in range(request.n):
                 index = p * request.n + j
                 text = SampleText(self.tokenizer, "", stops)
                 completion = Completion(ids, request.max_tokens, decoding, text,
                                         lambda piece, done, i=index: on_update(i, piece, done),
-                                        generator=None if generators is None else generators[index])
-                choices.append(Choice(index, completion, len(ids)))
+                                        generator=None if generators is None else generators[index],
+                                        logprobs=request.logprobs, echo=request.echo and scored)
+                choices.append(Choice(index, completion, len(ids), echo, self._token_text if scored else None))
         try:
             for choice in choices:
                 self.engine.submit(choice.completion)
@@ -170,37 +187,9 @@ class Service:
     def block_size(self) -> int:
         return self.engine.model.config.block_size
 
-    def page_tokens(self, page: PageText) -> tuple[list[int], int]:
-        """The text's last block_size tokens (all the page shows), and how many of them are the prompt's."""
-        if not page.text:
-            raise ApiError(400, "text is empty; generate something first", "text")
-        prompt = page.text[: max(0, page.prompt_chars)]
-        try:
-            ids = self.tokenizer.encode(page.text)
-            n_prompt = len(self.tokenizer.encode(prompt)) if prompt else 0
-        except UserError as err:
-            raise ApiError(400, f"text: {err}", "text") from None
-        cut = max(0, len(ids) - self.block_size)
-        return ids[cut:], max(0, n_prompt - cut)
-
-    def page_changes(self, change: PageChange) -> dict[str, Any]:
-        """Every position's largest change of the logits, on both attention paths, when token `position` of the
-        page's tokens is replaced (analysis/causality.py); the engine's thread runs it, between steps."""
-        ids, _ = self.page_tokens(change)
-        if not 0 <= change.position < len(ids):
-            raise ApiError(400, f"position={change.position} is not a token of the text (0 to {len(ids) - 1})",
-                           "position")
-        try:
-            replacement = self.tokenizer.encode(change.replacement)
-        except UserError as err:
-            raise ApiError(400, f"replacement: {err}", "replacement") from None
-        if len(replacement) != 1:
-            raise ApiError(400, f"replacement {change.replacement!r} is {len(replacement)} tokens; give one token's "
-                           "text", "replacement")
-        if replacement[0] == ids[change.position]:
-            raise ApiError(400, f"replacement {change.replacement!r} is the token already there; give another",
-                           "replacement")
-        return {"ids": ids, "replacement": replacement[0]}
+    def _token_text(self, token: int) -> str:
+        """A token's text; "" for an id of the model's padded vocabulary, which no text has."""
+        return self.tokenizer.decode([token]) if token < self.tokenizer.vocab_size else ""
 
     def answer(self, answer_id: tuple[str, int], choices: list[dict[str, Any]], usage: Any = ...) -> dict:
         """OpenAI's completion object (a stream's chunks too: one id and `created` for all of them); `usage`
@@ -241,7 +230,7 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
                            code="invalid_api_key")
 
     _answer_errors(app)
-    _add_page(app, service, authorised)
+    add_page(app, service, authorised)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -251,6 +240,8 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
                 "waiting": waiting, "steps": engine.steps, "finished": dict(engine.finished)}
         return JSONResponse(body, status_code=503 if engine.failed else 200)
 
+    _add_tokenizer(app, service, authorised)
+
     @app.get("/v1/models", dependencies=[Depends(authorised)])
     async def models() -> dict[str, Any]:
         model = {"id": service.model_id, "object": "model", "created": service.created, "owned_by": "gpt-lab"}
@@ -258,7 +249,7 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
 
     @app.post("/v1/completions", dependencies=[Depends(authorised)])
     async def completions(request: CompletionRequest, http: Request):
-        prompts = service.check(request)
+        prompts = await asyncio.to_thread(service.check, request)  # tokenizing a long prompt: off the event loop
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[Update] = asyncio.Queue()
         mailbox = service.mailbox(loop)
@@ -269,7 +260,7 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
             include_usage = bool((request.stream_options or {}).get("include_usage"))
             answer = functools.partial(service.answer, answer_id)
             return EventSourceResponse(stream_events(answer, choices, updates, deadline, request.n, include_usage))
-        texts = ["" for _ in choices]
+        texts = [choice.echo for choice in choices]
         try:
             async for batch in updates_of(choices, updates, deadline, http):
                 for index, piece, _ in batch:
@@ -277,11 +268,30 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
         finally:
             for choice in choices:
                 choice.completion.cancelled = True  # no-op for finished ones
-        body = [{"text": text, "index": c.index, "logprobs": None, "finish_reason": c.completion.finish_reason}
-                for text, c in zip(texts, choices, strict=True)]
+        body = [{"text": text, "index": c.index, "logprobs": c.logprobs(),
+                 "finish_reason": c.completion.finish_reason} for text, c in zip(texts, choices, strict=True)]
         return service.answer(answer_id, body, usage(choices, request.n))
 
     return app
+
+def _add_tokenizer(app: FastAPI, service: Service, authorised: Callable[..., Any]) -> None:
+    """vLLM's tokenizer endpoints, which lm-evaluation-harness's local-completions finds and uses by itself
+    (tokenizer_backend=auto): prompts then go as token ids, tokenized here, for a char model as for a BPE one."""
+
+    @app.get("/tokenizer_info", dependencies=[Depends(authorised)])
+    async def tokenizer_info() -> dict[str, Any]:
+        return {"eos_token": service.tokenizer.end_of_text, "bos_token": None, "pad_token": None,
+                "model_max_length": service.block_size}
+
+    @app.post("/tokenize", dependencies=[Depends(authorised)])
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        ids = await asyncio.to_thread(service.encode, body.prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": service.block_size}
+
+    @app.post("/detokenize", dependencies=[Depends(authorised)])
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        return {"prompt": service.tokenizer.decode(service.known_ids(body.tokens))}
+
 
 def _answer_errors(app: FastAPI) -> None:
     """Every error as OpenAI's error object: a refused request (ApiError), a body pydantic refused, an unknown
@@ -312,46 +322,3 @@ def _answer_errors(app: FastAPI) -> None:
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         message = {404: f"no such endpoint: {request.url.path}"}.get(err.status_code, str(err.detail))
         return ApiError(err.status_code, message, None).response()
-
-
-def _add_page(app: FastAPI, service: Service, authorised: Callable[..., Any]) -> None:
-    """The live page at / and its endpoints under /page/: tokens, the attention explorer, causality."""
-
-    @app.get("/", response_class=HTMLResponse)
-    async def page() -> HTMLResponse:
-        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
-
-    @app.post("/page/tokens", dependencies=[Depends(authorised)])
-    async def page_tokens(text: PageText) -> dict[str, Any]:
-        ids, n_prompt = service.page_tokens(text)
-        return {"tokens": [service.tokenizer.decode([i]) for i in ids], "prompt_tokens": n_prompt}
-
-    @app.post("/page/attention", dependencies=[Depends(authorised)], response_class=HTMLResponse)
-    async def page_attention(text: PageText) -> HTMLResponse:
-        """The attention explorer's page (analysis/explorer.py) for the text on screen."""
-        ids, n_prompt = service.page_tokens(text)
-        tokens = [service.tokenizer.decode([i]) for i in ids]
-        engine = service.engine
-        if service.induction is None:
-            service.induction = await service.call(lambda: induction_scores(engine.model))
-        title = f"{service.model_id} (live)"
-        task = functools.partial(live_page, engine.model, ids, tokens, max(1, n_prompt), title, service.induction)
-        return HTMLResponse(await service.call(task))
-
-    @app.post("/page/causality", dependencies=[Depends(authorised)])
-    async def page_causality(change: PageChange) -> dict[str, Any]:
-        """Replace one token: how much every position's prediction changes, on both attention paths."""
-        args = service.page_changes(change)
-        engine = service.engine
-        task = functools.partial(check_causality, engine.model, args["ids"], change.position, args["replacement"])
-        report = await service.call(task)
-        return {
-            "tokens": [service.tokenizer.decode([i]) for i in args["ids"]],
-            "position": change.position,
-            "replacement": service.tokenizer.decode([args["replacement"]]),
-            "changes": {impl: change.tolist() for impl, change in report.changes.items()},
-            "receptive_field": report.receptive_field,
-            "last_reachable": report.last_reachable,
-            "mask_held": report.mask_held,
-            "verdict": verdict(report),
-        }

@@ -23,9 +23,38 @@ FLUSH_ROWS = 4  # ...per this many completions running
 
 @dataclass
 class Choice:
+    """One choice of a request, and what of it has been reported (a stream reports it a chunk at a time)."""
+
     index: int
     completion: Completion
     prompt_tokens: int
+    echo: str = ""  # echo=true: the prompt's text, sent before the generated text
+    token_text: Callable[[int], str] | None = None  # logprobs asked for: a token's text
+    reported: int = 0  # generated tokens whose logprobs were sent
+    prompt_reported: bool = False
+    offset: int = 0  # characters of the text the reported tokens span (text_offset)
+
+    def logprobs(self) -> dict[str, list] | None:
+        """OpenAI's logprobs object for the tokens generated and not yet reported (the prompt's first, with echo;
+        its first token has no log-probability: nothing predicts it). Read while the engine may add more: a
+        token is appended after its score, so the tokens counted have theirs."""
+        if self.token_text is None:
+            return None
+        completion, pairs = self.completion, []
+        if completion.prompt_scores is not None and not self.prompt_reported:
+            pairs += zip(completion.prompt, [None, *completion.prompt_scores], strict=True)
+            self.prompt_reported = True
+        start, self.reported = self.reported, len(completion.tokens)
+        pairs += zip(completion.tokens[start : self.reported], completion.scores[start : self.reported], strict=True)
+        body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, scored in pairs:
+            text = self.token_text(token)
+            body["tokens"].append(text)
+            body["token_logprobs"].append(None if scored is None else scored.logprob)
+            body["top_logprobs"].append(None if scored is None else {self.token_text(t): p for t, p in scored.top})
+            body["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return body
 
 
 def usage(choices: list[Choice], n: int) -> dict[str, int]:
@@ -115,12 +144,14 @@ async def stream_events(answer: Callable[..., dict], choices: list[Choice], upda
             async for batch in updates_of(choices, updates, deadline):
                 merged: dict[int, list] = {}
                 for index, piece, done in batch:
-                    text_done = merged.setdefault(index, ["", False])
+                    text_done = merged.setdefault(index, [choices[index].echo, False])
+                    choices[index].echo = ""  # once, before the first piece
                     text_done[0] += piece
                     text_done[1] = text_done[1] or done
                 for index, (text, done) in merged.items():
                     reason = choices[index].completion.finish_reason if done else None
-                    choice = {"text": text, "index": index, "logprobs": None, "finish_reason": reason}
+                    choice = {"text": text, "index": index, "logprobs": choices[index].logprobs(),
+                              "finish_reason": reason}
                     yield format_sse_event(data_str=json.dumps(answer([choice], no_usage)))
         except ApiError as err:
             error = {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}

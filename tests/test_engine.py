@@ -19,6 +19,9 @@ CONFIGS = {
     "modern": GPTConfig(**SMALL, block_size=128, **MODERN),
     "windowed": GPTConfig(**{**SMALL, "n_layer": 3}, block_size=128, attn_window=8),
     "rolling": GPTConfig(**SMALL, block_size=32, pos_emb="rope", attn_window=8, window_pattern="SS"),
+    # past the context as sample.py goes: rows outgrow block_size 16 mid-batch, or start past it (30 tokens)
+    "short": GPTConfig(**SMALL, block_size=16),
+    "short_modern": GPTConfig(**SMALL, block_size=16, **MODERN),
 }
 # prompts of different lengths; the rolling model's rows go well past its block_size of 32
 PROMPTS = [[1, 2, 3], list(range(5, 25)), [7], list(range(30)), [4, 4, 4, 4, 9]]
@@ -72,8 +75,8 @@ def test_rows_joining_at_different_steps_get_the_greedy_tokens_they_get_alone(
     for row in rows[2:]:
         engine.submit(row)
     batched = 0
-    while engine.active or engine.waiting:
-        batched = max(batched, len(engine.active))
+    while engine.running or engine.waiting:
+        batched = max(batched, len(engine.running))
         engine.run_once()
     assert batched == len(PROMPTS)
     assert [row.tokens for row in rows] == alone
@@ -92,7 +95,7 @@ def test_a_seeded_row_draws_the_same_tokens_whoever_is_beside_it() -> None:
     engine.submit(ours)
     for other in others[1:]:
         engine.submit(other)
-    while engine.active or engine.waiting:
+    while engine.running or engine.waiting:
         engine.run_once()
     assert ours.tokens == alone
 
@@ -110,7 +113,7 @@ def test_a_cancelled_row_leaves_at_the_next_step_and_the_others_go_on() -> None:
     engine.run_once()
     assert rows[0].finish_reason == "cancelled" and len(engine.active) == 2
     assert len(rows[0].tokens) == 6  # the first from the prefill, then 5 steps
-    while engine.active:
+    while engine.running:
         engine.run_once()
     assert [row.tokens for row in rows[1:]] == alone[1:]
     assert engine.finished == {"cancelled": 1, "length": 2}
@@ -124,7 +127,7 @@ def test_max_batch_makes_the_rest_wait_and_join_as_rows_free() -> None:
         engine.submit(row)
     engine.run_once()
     assert engine.load == (2, 3)
-    while engine.active or engine.waiting:
+    while engine.running or engine.waiting:
         assert len(engine.active) <= 2
         engine.run_once()
     assert [row.tokens for row in rows] == [_alone(model, p, Decoding(0.0)) for p in PROMPTS]
@@ -172,7 +175,7 @@ def test_a_failing_prompt_or_step_fails_its_rows_and_the_engine_serves_on(monkey
     monkeypatch.setattr(engine, "_step", step)
     again = completion(PROMPTS[0])
     engine.submit(again)
-    while engine.active or engine.waiting:
+    while engine.running or engine.waiting:
         engine.run_once()
     assert again.tokens == _alone(model, PROMPTS[0], Decoding(0.0)) and engine.finished["error"] == 3
 
@@ -192,3 +195,47 @@ def test_an_engine_thread_that_dies_fails_what_it_held_and_takes_nothing_more(mo
         engine.submit(_completion(PROMPTS[0], Decoding(0.0)))
     with pytest.raises(RuntimeError, match="stopped after an error"):
         engine.call(lambda: None)
+
+
+@pytest.mark.parametrize("name", ["short", "rolling"])
+def test_a_seeded_row_past_the_context_draws_what_sample_py_draws(name: str) -> None:
+    """Rows that outgrow block_size mid-batch, or start past it, beside rows still in the batch cache."""
+    model = _model(name)
+    decoding = Decoding(1.0, top_k=10)
+    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[1]]  # 3 tokens, 30 (past 16 from the start), 20
+    alone = [_alone(model, prompt, decoding, seed=7 + i) for i, prompt in enumerate(prompts)]
+    engine = Engine(model, Letters(), make_runtime("cpu", "float32"), max_batch=8)
+    rows = [_completion(p, decoding, row_generators(7 + i, 1)[0]) for i, p in enumerate(prompts)]
+    for row in rows:
+        engine.submit(row)
+        engine.run_once()
+    while engine.running or engine.waiting:
+        engine.run_once()
+    assert [row.tokens for row in rows] == alone
+
+
+@pytest.mark.parametrize("name", ["short", "rolling", "modern"])
+def test_echo_scores_a_text_as_decoding_scored_it_when_it_generated_it(name: str) -> None:
+    """The prompt's log-probabilities (echo) equal those reported for the same tokens as they were generated, past
+    the context too; and both are the model's log-softmax before temperature and cut-offs."""
+    model = _model(name)
+    engine = Engine(model, Letters(), make_runtime("cpu", "float32"), max_batch=4)
+    made = _completion([1, 2, 3], Decoding(0.7, top_k=5), row_generators(3, 1)[0])
+    made.logprobs = 3
+    engine.submit(made)
+    while engine.running or engine.waiting:
+        engine.run_once()
+    assert len(made.scores) == NEW and all(len(s.top) == 3 for s in made.scores)
+    echoed = _completion(made.prompt + made.tokens, Decoding(0.0))
+    echoed.max_new_tokens, echoed.logprobs, echoed.echo = 0, 3, True
+    engine.submit(echoed)
+    engine.run_once()
+    assert echoed.done and echoed.tokens == [] and echoed.finish_reason == "length"
+    assert len(echoed.prompt_scores) == len(echoed.prompt) - 1
+    again = echoed.prompt_scores[len(made.prompt) - 1 :]
+    assert [s.logprob for s in again] == pytest.approx([s.logprob for s in made.scores], abs=1e-4)
+    assert [[t for t, _ in s.top] for s in again] == [[t for t, _ in s.top] for s in made.scores]
+    with torch.no_grad():  # the first tokens' scores, by hand: log-softmax of the plain forward pass
+        logits, _ = model(torch.tensor([echoed.prompt[:8]]))
+    by_hand = torch.log_softmax(logits[0, :-1], -1).gather(-1, torch.tensor(echoed.prompt[1:8])[:, None])[:, 0]
+    assert [s.logprob for s in echoed.prompt_scores[:7]] == pytest.approx(by_hand.tolist(), abs=1e-5)

@@ -28,7 +28,7 @@ class Server(ServeProcess):
 
 @pytest.fixture(scope="module")
 def server(served_run: Path) -> Iterator[Server]:
-    server = Server(served_run, "max_tokens=80", "max_choices=8", "max_body_bytes=20000")
+    server = Server(served_run, "max_tokens=80", "max_choices=8", "max_body_bytes=20000", "max_prompt_tokens=300")
     yield server
     server.stop()
 
@@ -132,12 +132,15 @@ BAD_REQUESTS = [
     ({"prompt": PROMPT, "stop": ["", "x"]}, 400, "stop", "stop has an empty string"),
     ({"prompt": PROMPT, "stop": list("abcde")}, 400, "stop", "stop takes at most 4 strings of at most 256 characters"),
     ({"prompt": PROMPT, "stop": "x" * 257}, 400, "stop", "stop takes at most 4 strings"),
-    ({"prompt": PROMPT, "echo": True}, 400, "echo", "echo=True is not supported"),
+    ({"prompt": PROMPT, "best_of": 3}, 400, "best_of", "best_of=3 is not supported"),
+    ({"prompt": PROMPT, "logprobs": 6}, 400, "logprobs", "logprobs=6 must be between 0 and 5"),
+    ({"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens", "must be between 1 and 80 (0 with echo=true)"),
     ({"prompt": PROMPT, "model": "gpt-4"}, 404, "model", "model 'gpt-4' does not exist; this server serves"),
     ({"prompt": ""}, 400, "prompt", "prompt is empty"),
     ({"prompt": []}, 400, "prompt", "prompt is an empty list"),
-    ({"prompt": "x" * 90, "max_tokens": 10}, 400, "max_tokens", "this model's context is 96 tokens; the prompt has 90"),
-    ({"prompt": "x" * 100}, 400, "prompt", "this model's context is 96 tokens; the prompt has 100"),
+    ({"prompt": [[3, 4], []]}, 400, "prompt", "prompt is an empty list"),
+    ({"prompt": [5, 99999]}, 400, "prompt", "token id 99999 is not in this model's vocabulary (0 to "),
+    ({"prompt": "x" * 301}, 400, "prompt", "the prompt has 301 tokens; this server takes at most 300"),
     ({"prompt": "ROMEO: Ω"}, 400, "prompt", "character 'Ω' is not in the model's vocabulary"),
     ({"max_tokens": 5}, 400, "prompt", "prompt: Field required"),
 ]

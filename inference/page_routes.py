@@ -1,0 +1,103 @@
+"""The live page at / and its endpoints under /page/: the text's tokens, the attention explorer for the text on
+screen, and the causal mask demonstrated by replacing one token. They run on the engine's thread between two
+steps (Service.call), since the attention maps switch the model's layers to capturing."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Depends, FastAPI
+from fastapi.responses import HTMLResponse
+
+from analysis.causality import check_causality, verdict
+from analysis.diagnostics import induction_scores
+from analysis.explorer import live_page
+from common.errors import UserError
+from inference.api import ApiError, PageChange, PageText
+
+if TYPE_CHECKING:  # the server's Service, which imports this module
+    from inference.server import Service
+
+PAGE = Path(__file__).with_name("serve_page.html")
+
+
+def add_page(app: FastAPI, service: Service, authorised: Callable[..., Any]) -> None:
+    """The live page at / and its endpoints under /page/: tokens, the attention explorer, causality."""
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+
+    @app.post("/page/tokens", dependencies=[Depends(authorised)])
+    async def page_tokens(text: PageText) -> dict[str, Any]:
+        ids, n_prompt = await asyncio.to_thread(tokens_on_page, service, text)
+        return {"tokens": [service.tokenizer.decode([i]) for i in ids], "prompt_tokens": n_prompt}
+
+    @app.post("/page/attention", dependencies=[Depends(authorised)], response_class=HTMLResponse)
+    async def page_attention(text: PageText) -> HTMLResponse:
+        """The attention explorer's page (analysis/explorer.py) for the text on screen."""
+        ids, n_prompt = await asyncio.to_thread(tokens_on_page, service, text)
+        tokens = [service.tokenizer.decode([i]) for i in ids]
+        engine = service.engine
+        if service.induction is None:
+            service.induction = await service.call(lambda: induction_scores(engine.model))
+        title = f"{service.model_id} (live)"
+        task = functools.partial(live_page, engine.model, ids, tokens, max(1, n_prompt), title, service.induction)
+        return HTMLResponse(await service.call(task))
+
+    @app.post("/page/causality", dependencies=[Depends(authorised)])
+    async def page_causality(change: PageChange) -> dict[str, Any]:
+        """Replace one token: how much every position's prediction changes, on both attention paths."""
+        args = await asyncio.to_thread(checked_change, service, change)
+        engine = service.engine
+        task = functools.partial(check_causality, engine.model, args["ids"], change.position, args["replacement"])
+        report = await service.call(task)
+        return {
+            "tokens": [service.tokenizer.decode([i]) for i in args["ids"]],
+            "position": change.position,
+            "replacement": service.tokenizer.decode([args["replacement"]]),
+            "changes": {impl: change.tolist() for impl, change in report.changes.items()},
+            "receptive_field": report.receptive_field,
+            "last_reachable": report.last_reachable,
+            "mask_held": report.mask_held,
+            "verdict": verdict(report),
+        }
+
+
+def tokens_on_page(service: Service, page: PageText) -> tuple[list[int], int]:
+    """The text's last block_size tokens (all the page shows), and how many of them are the prompt's."""
+    if not page.text:
+        raise ApiError(400, "text is empty; generate something first", "text")
+    prompt = page.text[: max(0, page.prompt_chars)]
+    try:
+        ids = service.tokenizer.encode(page.text)
+        n_prompt = len(service.tokenizer.encode(prompt)) if prompt else 0
+    except UserError as err:
+        raise ApiError(400, f"text: {err}", "text") from None
+    cut = max(0, len(ids) - service.block_size)
+    return ids[cut:], max(0, n_prompt - cut)
+
+
+
+def checked_change(service: Service, change: PageChange) -> dict[str, Any]:
+    """Every position's largest change of the logits, on both attention paths, when token `position` of the
+    page's tokens is replaced (analysis/causality.py); the engine's thread runs it, between steps."""
+    ids, _ = tokens_on_page(service, change)
+    if not 0 <= change.position < len(ids):
+        raise ApiError(400, f"position={change.position} is not a token of the text (0 to {len(ids) - 1})",
+                       "position")
+    try:
+        replacement = service.tokenizer.encode(change.replacement)
+    except UserError as err:
+        raise ApiError(400, f"replacement: {err}", "replacement") from None
+    if len(replacement) != 1:
+        raise ApiError(400, f"replacement {change.replacement!r} is {len(replacement)} tokens; give one token's "
+                       "text", "replacement")
+    if replacement[0] == ids[change.position]:
+        raise ApiError(400, f"replacement {change.replacement!r} is the token already there; give another",
+                       "replacement")
+    return {"ids": ids, "replacement": replacement[0]}

@@ -3,7 +3,7 @@
     python serve.py out_dir=RUN                  # http://127.0.0.1:8000: the API at /v1, the page at /
     python serve.py out_dir=RUN ckpt=best port=8001
     python serve.py init_from=gpt2 api_key=KEY   # every request needs Authorization: Bearer KEY
-    python serve.py out_dir=RUN host=0.0.0.0     # listen beyond this machine (set an api_key)
+    python serve.py out_dir=RUN host=0.0.0.0 api_key=KEY   # beyond this machine: a key, or allow_no_api_key=true
 
 Any OpenAI client works: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="KEY or anything").completions
 .create(model=..., prompt="ROMEO:", max_tokens=100, temperature=0). Greedy text equals sample.py's at

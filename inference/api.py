@@ -126,3 +126,20 @@ class BodyLimit:
                 await too_large.response()(scope, receive, send)
 
         await self.app(scope, counted, answer)
+
+
+class HostCheck:
+    """421 with OpenAI's error object for a request whose Host header names another server: a web page whose name
+    DNS resolves to this loopback address (DNS rebinding) could otherwise read the model's answers."""
+
+    def __init__(self, app: ASGIApp, names: set[str]) -> None:
+        self.app, self.names = app, {name.lower() for name in names}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        host = Headers(scope=scope).get("host", "").lower() if scope["type"] == "http" else ""
+        name = host[: host.find("]") + 1] if host.startswith("[") else host.split(":")[0]
+        if host and name not in self.names:
+            refused = ApiError(421, f"the Host header {host[:100]!r} is not this server's; use "
+                               f"http://127.0.0.1:PORT (or localhost)", code="misdirected_request")
+            return await refused.response()(scope, receive, send)
+        await self.app(scope, receive, send)

@@ -98,6 +98,8 @@ class ServeConfig(ModelChoice):
     dtype: str = option("auto", choices=DTYPES)
     attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
     api_key: str | None = None  # every request then needs Authorization: Bearer KEY; null: $GPT_LAB_API_KEY, if set
+    # a host beyond loopback with no api_key is refused unless this says so: anyone reaching the port may use it
+    allow_no_api_key: bool = False
     model_id: str | None = None  # the id /v1/models lists and requests name; null: the run directory's name
     max_batch: int = option(64, at_least=1)  # sequences decoded together, one forward pass a step
     max_queue: int = option(256, at_least=0)  # choices waiting for a place in the batch; past it: 503, Retry-After

@@ -3,6 +3,8 @@ so a port in use is one line and the printed URL is the real one (port=0 picks a
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import logging
 import os
 import socket
@@ -20,6 +22,7 @@ from inference.schema import ServeConfig
 from inference.server import Service, create_app
 
 GIL_SWITCH_INTERVAL_S = 0.02
+LOOPBACK = "this machine only"
 API_KEY_ENV = "GPT_LAB_API_KEY"  # the api_key when the config leaves it null, so it needn't be on a command line
 
 
@@ -50,9 +53,31 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as err:
         sock.close()
+        if isinstance(err, socket.gaierror) or err.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"host={host} is not an address of this machine ({err.strerror}); use 127.0.0.1 "
+                              "(this machine only) or one of its network addresses") from None
         raise ConfigError(f"can't listen on host={host} port={port} ({err.strerror}); pick another port") from None
     sock.listen(2048)
     return sock
+
+
+def loopback_names(host: str) -> set[str]:
+    """The Host headers a loopback server answers: another name (a web page's, resolved to 127.0.0.1 by DNS
+    rebinding) would let that page read the model's answers."""
+    return {"localhost", "127.0.0.1", "[::1]", host if ":" not in host else f"[{host}]"}
+
+
+def check_exposure(sock: socket.socket, cfg: ServeConfig, api_key: str | None) -> str:
+    """Beyond loopback with no API key, anyone who reaches the port can use the model: refused unless
+    allow_no_api_key says it is meant. Where the server listens, in words."""
+    address = ipaddress.ip_address(sock.getsockname()[0])
+    if address.is_loopback:
+        return LOOPBACK
+    where = "every interface" if address.is_unspecified else f"the network address {address}"
+    if api_key is None and not cfg.allow_no_api_key:
+        raise ConfigError(f"host={cfg.host} listens on {where} with no API key, so anyone who reaches the port "
+                          f"can use the model; set api_key=KEY (or ${API_KEY_ENV}), or allow_no_api_key=true")
+    return where
 
 
 def serve(cfg: ServeConfig) -> None:
@@ -61,6 +86,11 @@ def serve(cfg: ServeConfig) -> None:
     api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None
     service = build_service(cfg)
     sock = bind(cfg.host, cfg.port)
+    try:
+        where = check_exposure(sock, cfg, api_key)
+    except ConfigError:
+        sock.close()
+        raise
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
@@ -71,13 +101,13 @@ def serve(cfg: ServeConfig) -> None:
 
     def ready() -> None:
         print(f"serving {service.model_id} on {device} at {url} (OpenAI API at {url}/v1, page at {url}/; "
-              f"{auth}; Ctrl-C stops)", file=sys.stderr, flush=True)
+              f"{where}, {auth}; Ctrl-C stops)", file=sys.stderr, flush=True)
 
     torch.set_grad_enabled(False)
     # The engine's thread releases the GIL at every torch op; a longer switch interval lets the event loop's
     # thread finish its work once it has the GIL instead of being forced back and forth (bench.py serve: one
     # client's tokens ~15% faster on 2 cores at 0.02 s than at Python's 0.005 s).
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    app = create_app(service, api_key, on_ready=ready)
+    app = create_app(service, api_key, on_ready=ready, hosts=loopback_names(cfg.host) if where == LOOPBACK else None)
     config = uvicorn.Config(app, log_level=logging.WARNING, timeout_graceful_shutdown=5, lifespan="on")
     uvicorn.Server(config).run(sockets=[sock])

@@ -36,6 +36,7 @@ from inference.api import (
     BodyLimit,
     CompletionRequest,
     DetokenizeRequest,
+    HostCheck,
     TokenizeRequest,
 )
 from inference.engine import Completion, Engine
@@ -48,6 +49,7 @@ from model.decoding import Decoding, row_generators
 log = logging.getLogger("serve")
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI takes up to 4; each is searched for after every token
 MAX_LOGPROBS = 5  # OpenAI's limit on the alternatives reported per token
+PAGE_TASKS = 2  # the live page's tasks (attention maps, causality) the engine may hold at once: one running, one next
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]
 
 
@@ -63,6 +65,7 @@ class Service:
         self.created = int(time.time())
         self._mailbox: Mailbox | None = None
         self.induction: Any = None  # the model's induction scores, for the live page (they don't depend on text)
+        self.page_tasks = 0  # the live page's tasks the engine holds (call)
 
     def mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
         """The one Mailbox of the server's event loop (made by the first request that runs on it)."""
@@ -101,6 +104,10 @@ class Service:
         prompts = request.prompts()
         if request.n < 1:
             raise ApiError(400, f"n={request.n} must be at least 1", "n")
+        if len(prompts) * request.n > self.engine.max_batch + limits.max_queue:  # would never fit: not a 503
+            raise ApiError(400, f"n={request.n} for {len(prompts)} prompt(s) asks for {len(prompts) * request.n} "
+                           f"choices; this server holds {self.engine.max_batch + limits.max_queue} at most "
+                           "(max_batch + max_queue)", "n")
         if len(prompts) * request.n > limits.max_choices:
             raise ApiError(400, f"n={request.n} for {len(prompts)} prompt(s) asks for {len(prompts) * request.n} "
                            f"choices; at most {limits.max_choices} per request", "n")
@@ -176,12 +183,20 @@ class Service:
         return choices
 
     async def call(self, task: Callable[[], Any]) -> Any:
-        """`task` on the engine's thread, between steps (503 if the engine can't take it)."""
+        """`task` on the engine's thread, between steps (503 if the engine can't take it, or already holds
+        PAGE_TASKS: each delays every running completion by its time, and nothing else bounds them)."""
+        if self.page_tasks >= PAGE_TASKS:
+            raise ApiError(503, f"the live page's work is busy ({self.page_tasks} tasks); retry shortly",
+                           kind="server_busy", headers={"Retry-After": "1"})
         try:
             future = self.engine.call(task)
         except RuntimeError as err:
             raise ApiError(503, f"the server can't take requests now ({err})", kind="server_unavailable") from None
-        return await asyncio.wrap_future(future)
+        self.page_tasks += 1  # counted on the event loop's thread only
+        try:
+            return await asyncio.wrap_future(future)
+        finally:
+            self.page_tasks -= 1
 
     @property
     def block_size(self) -> int:
@@ -206,8 +221,10 @@ def _requested_stops(request: CompletionRequest) -> list[str]:
     return [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
 
 
-def create_app(service: Service, api_key: str | None = None, on_ready: Callable[[], None] | None = None) -> FastAPI:
-    """The ASGI app; the engine's thread is started and closed with it (lifespan)."""
+def create_app(service: Service, api_key: str | None = None, on_ready: Callable[[], None] | None = None,
+               hosts: set[str] | None = None) -> FastAPI:
+    """The ASGI app; the engine's thread is started and closed with it (lifespan). hosts: the Host header's names
+    it answers (serve_run.loopback_names), or any."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -221,26 +238,23 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
 
     app = FastAPI(title="gpt-lab", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=service.limits.max_body_bytes)
+    if hosts is not None:
+        app.add_middleware(HostCheck, names=hosts)
+
+    def key_given(credentials: HTTPAuthorizationCredentials | None) -> bool:
+        """The header's bytes (HTTP hands them over as latin-1) against the key's UTF-8, in constant time."""
+        given = b"" if credentials is None else credentials.credentials.encode("latin-1", "replace")
+        return credentials is not None and secrets.compare_digest(given, api_key.encode("utf-8"))
+
     async def authorised(credentials: Credentials) -> None:
-        if api_key is None:
-            return
-        given = b"" if credentials is None else credentials.credentials.encode("utf-8", "surrogateescape")
-        if credentials is None or not secrets.compare_digest(given, api_key.encode("utf-8")):  # bytes: any text
+        if api_key is not None and not key_given(credentials):
             raise ApiError(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
                            code="invalid_api_key")
 
     _answer_errors(app)
     add_page(app, service, authorised)
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        running, waiting = service.engine.load
-        engine = service.engine
-        body = {"status": "failed" if engine.failed else "ok", "model": service.model_id, "running": running,
-                "waiting": waiting, "steps": engine.steps, "finished": dict(engine.finished)}
-        return JSONResponse(body, status_code=503 if engine.failed else 200)
-
-    _add_tokenizer(app, service, authorised)
+    _add_health(app, service, None if api_key is None else key_given)
 
     @app.get("/v1/models", dependencies=[Depends(authorised)])
     async def models() -> dict[str, Any]:
@@ -273,6 +287,21 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
         return service.answer(answer_id, body, usage(choices, request.n))
 
     return app
+
+def _add_health(app: FastAPI, service: Service, key_given: Callable[..., bool] | None) -> None:
+    """GET /health: alive or not, for anyone (a load balancer's checks); the load too, with the key if one is set
+    (key_given: whether a request's credentials hold it)."""
+
+    @app.get("/health")
+    async def health(credentials: Credentials) -> JSONResponse:
+        running, waiting = service.engine.load
+        engine = service.engine
+        body = {"status": "failed" if engine.failed else "ok"}
+        if key_given is None or key_given(credentials):
+            body |= {"model": service.model_id, "running": running, "waiting": waiting, "steps": engine.steps,
+                     "finished": dict(engine.finished)}
+        return JSONResponse(body, status_code=503 if engine.failed else 200)
+
 
 def _add_tokenizer(app: FastAPI, service: Service, authorised: Callable[..., Any]) -> None:
     """vLLM's tokenizer endpoints, which lm-evaluation-harness's local-completions finds and uses by itself

@@ -1,0 +1,139 @@
+"""Who can reach serve.py, and what a legal but odd request gets: beyond loopback only with an API key (or said
+so), a loopback server answers only its own names (DNS rebinding), the key compared as UTF-8 bytes, /health
+telling a caller without the key only that it is alive, a host that isn't this machine's in one line, choices
+that can never fit a 400, and top_p below float32's smallest number decoded as greedy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_serve import PROMPT, Server, sample_py
+
+from conftest import REPO, run_script
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "0", ""])
+def test_every_interface_without_a_key_is_refused_in_one_line(served_run: Path, host: str) -> None:
+    result = run_script("serve.py", [f"out_dir={served_run}", f"host={host}", "port=0", "device=cpu"],
+                        served_run.parent)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        f"error: host={host} listens on every interface with no API key, so anyone who reaches the port can use "
+        "the model; set api_key=KEY (or $GPT_LAB_API_KEY), or allow_no_api_key=true")
+
+
+def test_every_interface_said_so_starts_and_says_where(served_run: Path) -> None:
+    args = [sys.executable, str(REPO / "serve.py"), f"out_dir={served_run}", "host=0.0.0.0", "port=0", "device=cpu",
+            "allow_no_api_key=true"]
+    process = subprocess.Popen(args, cwd=served_run.parent, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stderr.readline()
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
+    assert "at http://0.0.0.0:" in line and "every interface, no API key" in line, line
+
+
+def test_a_host_that_is_not_this_machine_s_is_one_line(served_run: Path) -> None:
+    result = run_script("serve.py", [f"out_dir={served_run}", "host=999.1.1.1", "port=0", "device=cpu"],
+                        served_run.parent)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: host=999.1.1.1 is not an address of this machine (")
+    assert "pick another port" not in result.stderr
+
+
+def test_a_loopback_server_answers_only_its_own_names(served_run: Path) -> None:
+    server = Server(served_run)
+    port = server.url.rsplit(":", 1)[1]
+    try:
+        for host in ("evil.example", f"evil.example:{port}", "127.0.0.2", "localhost.evil.example"):
+            response = server.post({"prompt": PROMPT, "max_tokens": 2}, headers={"Host": host})
+            assert response.status_code == 421, (host, response.text)
+            assert response.json()["error"]["code"] == "misdirected_request"
+            assert server.http.get("/", headers={"Host": host}).status_code == 421
+        for host in (f"localhost:{port}", f"127.0.0.1:{port}", "LOCALHOST"):
+            assert server.post({"prompt": PROMPT, "max_tokens": 2}, headers={"Host": host}).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_a_non_ascii_key_is_compared_as_utf8_and_health_says_little_without_it(
+    served_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPT_LAB_API_KEY", "sécret")
+    server = Server(served_run)
+    try:
+        utf8 = {"Authorization": "Bearer sécret".encode()}
+        latin1 = {"Authorization": "Bearer sécret".encode("latin-1")}
+        assert server.post({"prompt": PROMPT, "max_tokens": 2}, headers=utf8).status_code == 200
+        assert server.post({"prompt": PROMPT, "max_tokens": 2}, headers=latin1).status_code == 401
+        assert server.http.get("/health").json() == {"status": "ok"}
+        assert server.http.get("/health", headers=latin1).json() == {"status": "ok"}
+        full = server.http.get("/health", headers=utf8).json()
+        assert full["status"] == "ok" and full["finished"]["length"] == 1 and "running" in full
+    finally:
+        server.stop()
+
+
+def test_choices_that_can_never_fit_are_a_400_not_a_retry(served_run: Path) -> None:
+    server = Server(served_run, "max_batch=2", "max_queue=1", "max_choices=8")
+    try:
+        response = server.post({"prompt": PROMPT, "max_tokens": 2, "n": 4})
+        assert response.status_code == 400
+        assert response.json()["error"]["message"] == (
+            "n=4 for 1 prompt(s) asks for 4 choices; this server holds 3 at most (max_batch + max_queue)")
+        assert server.post({"prompt": PROMPT, "max_tokens": 2, "n": 3}).status_code == 200
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324])
+def test_a_top_p_that_rounds_to_zero_decodes_as_greedy(served_run: Path, top_p: float) -> None:
+    server = Server(served_run)
+    try:
+        whole = server.post({"prompt": PROMPT, "max_tokens": 20, "top_p": top_p, "seed": 1})
+        assert whole.status_code == 200, whole.text
+        greedy = server.post({"prompt": PROMPT, "max_tokens": 20, "temperature": 0}).json()["choices"][0]["text"]
+        assert whole.json()["choices"][0]["text"] == greedy
+        streamed = server.post({"prompt": PROMPT, "max_tokens": 20, "top_p": top_p, "stream": True})
+        assert streamed.status_code == 200 and '"error"' not in streamed.text and "data: [DONE]" in streamed.text
+        _, stderr = server.stop()
+        assert "Traceback" not in stderr
+    finally:
+        server.stop()
+    assert sample_py(served_run, f"top_p={top_p}", "num_samples=1", "max_new_tokens=20") == [greedy]
+
+
+def test_the_live_page_s_work_is_bounded_so_completions_keep_their_latency(served_run: Path) -> None:
+    """In-process, the engine's thread not started: past PAGE_TASKS waiting, the page's work gets 503 at once;
+    once the engine runs them, there is room again."""
+    import asyncio
+
+    from common.runtime import make_runtime
+    from inference.api import ApiError
+    from inference.engine import Engine
+    from inference.load import load_model
+    from inference.schema import ServeConfig
+    from inference.server import PAGE_TASKS, Service
+
+    loaded = load_model(str(served_run), None, "latest", None)
+    engine = Engine(loaded.model.eval(), loaded.tokenizer, make_runtime("cpu", "float32"), max_batch=2)
+    service = Service(engine, loaded.tokenizer, "run", ServeConfig(out_dir=str(served_run)))
+
+    async def scenario() -> None:
+        held = [asyncio.create_task(service.call(lambda i=i: i)) for i in range(PAGE_TASKS)]
+        await asyncio.sleep(0)
+        with pytest.raises(ApiError, match=r"the live page's work is busy \(2 tasks\)") as refused:
+            await service.call(lambda: "one too many")
+        assert refused.value.status == 503 and len(engine.tasks) == PAGE_TASKS
+        await asyncio.to_thread(engine.run_once)
+        assert await asyncio.gather(*held) == list(range(PAGE_TASKS)) and service.page_tasks == 0
+        again = asyncio.create_task(service.call(lambda: "room again"))
+        await asyncio.sleep(0)
+        await asyncio.to_thread(engine.run_once)
+        assert await again == "room again"
+
+    asyncio.run(scenario())

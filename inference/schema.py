@@ -108,6 +108,8 @@ class ServeConfig(ModelChoice):
     # a prompt's tokens at most (a learned-position model sees the last block_size of them, as sample.py does)
     max_prompt_tokens: int = option(8192, at_least=1)
     timeout_s: float = option(300.0, above=0.0)  # a request running longer is cancelled: 504
+    # Ctrl-C or SIGTERM: requests in flight get this long to finish, then each ends with an error (503)
+    shutdown_s: float = option(5.0, at_least=0.0)
     max_body_bytes: int = option(1_000_000, at_least=1)  # a larger request body: 413
     # torch's CPU threads for the model; null: one less than the cores (at least 1), leaving one to the HTTP side
     threads: int | None = option(None, at_least=1)

@@ -6,10 +6,13 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
+import math
 import os
 import socket
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import uvicorn
@@ -22,6 +25,7 @@ from inference.schema import ServeConfig
 from inference.server import Service, create_app
 
 GIL_SWITCH_INTERVAL_S = 0.02
+SHUTDOWN_MARGIN_S = 1.0  # after shutdown_s: for the requests' error events to go out
 LOOPBACK = "this machine only"
 API_KEY_ENV = "GPT_LAB_API_KEY"  # the api_key when the config leaves it null, so it needn't be on a command line
 
@@ -81,8 +85,8 @@ def check_exposure(sock: socket.socket, cfg: ServeConfig, api_key: str | None) -
 
 
 def serve(cfg: ServeConfig) -> None:
-    """Until Ctrl-C or SIGTERM: then uvicorn stops taking requests, lets those in flight end (cancelling what
-    is still running after a few seconds), and the engine finishes before the process exits."""
+    """Until Ctrl-C or SIGTERM: then uvicorn stops taking requests, those in flight get shutdown_s to end (then
+    each ends with an error: Stopping), and the engine finishes before the process exits."""
     api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None
     service = build_service(cfg)
     sock = bind(cfg.host, cfg.port)
@@ -109,5 +113,22 @@ def serve(cfg: ServeConfig) -> None:
     # client's tokens ~15% faster on 2 cores at 0.02 s than at Python's 0.005 s).
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     app = create_app(service, api_key, on_ready=ready, hosts=loopback_names(cfg.host) if where == LOOPBACK else None)
-    config = uvicorn.Config(app, log_level=logging.WARNING, timeout_graceful_shutdown=5, lifespan="on")
-    uvicorn.Server(config).run(sockets=[sock])
+    # uvicorn cancels what still runs SHUTDOWN_MARGIN_S after the requests' own end, which says so to each client
+    grace = math.ceil(cfg.shutdown_s + SHUTDOWN_MARGIN_S)
+    config = uvicorn.Config(app, log_level=logging.WARNING, timeout_graceful_shutdown=grace, lifespan="on")
+    Stopping(config, service).run(sockets=[sock])
+
+
+class Stopping(uvicorn.Server):
+    """uvicorn's server, which on Ctrl-C or SIGTERM also gives the requests in flight shutdown_s to finish: then
+    each ends with OpenAI's error object (a stream: an error event and data: [DONE]), before uvicorn would cut
+    them off without a word."""
+
+    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+        super().__init__(config)
+        self.service = service
+
+    def handle_exit(self, sig: int, frame: Any) -> None:  # the event loop's thread (a signal handler)
+        if self.service.stop_by == math.inf:
+            self.service.stop_by = time.monotonic() + self.service.limits.shutdown_s  # asyncio's clock
+        super().handle_exit(sig, frame)

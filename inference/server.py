@@ -15,6 +15,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -43,7 +44,7 @@ from inference.engine import Completion, Engine
 from inference.page_routes import add_page
 from inference.sample_text import SampleText
 from inference.schema import ServeConfig
-from inference.streaming import Choice, Mailbox, Update, stream_events, updates_of, usage
+from inference.streaming import Choice, Deadline, Mailbox, Update, stream_events, updates_of, usage
 from model.decoding import Decoding, row_generators
 
 log = logging.getLogger("serve")
@@ -66,6 +67,7 @@ class Service:
         self._mailbox: Mailbox | None = None
         self.induction: Any = None  # the model's induction scores, for the live page (they don't depend on text)
         self.page_tasks = 0  # the live page's tasks the engine holds (call)
+        self.stop_by = math.inf  # on the event loop's clock: when requests still running end (serve_run.Stopping)
 
     def mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
         """The one Mailbox of the server's event loop (made by the first request that runs on it)."""
@@ -269,7 +271,7 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
         mailbox = service.mailbox(loop)
         choices = service.submit(request, prompts, lambda *update: mailbox.put(updates, update))
         answer_id = (f"cmpl-{secrets.token_hex(12)}", int(time.time()))
-        deadline = loop.time() + service.limits.timeout_s
+        deadline = Deadline(loop.time() + service.limits.timeout_s, lambda: service.stop_by)
         if request.stream:
             include_usage = bool((request.stream_options or {}).get("include_usage"))
             answer = functools.partial(service.answer, answer_id)

@@ -100,19 +100,35 @@ class Mailbox:
             queue.put_nowait(update)
 
 
-async def updates_of(choices: list[Choice], updates: asyncio.Queue[Update], deadline: float,
+@dataclass
+class Deadline:
+    """When a request must end, on the event loop's clock: its timeout_s, or sooner once the server stops
+    (Service.stop_by: the shutdown's grace, shutdown_s, then every request still running ends with an error)."""
+
+    timeout_at: float
+    stop_by: Callable[[], float]  # inf until the server is told to stop
+
+    def left(self, now: float) -> float:
+        """Seconds left; ApiError once there are none."""
+        if now >= self.stop_by():
+            raise ApiError(503, "the server is shutting down (shutdown_s passed); retry the request later",
+                           kind="server_unavailable")
+        if now >= self.timeout_at:
+            raise ApiError(504, "the request took longer than the server's timeout_s; ask for fewer tokens",
+                           kind="timeout")
+        return min(self.timeout_at, self.stop_by()) - now
+
+
+async def updates_of(choices: list[Choice], updates: asyncio.Queue[Update], deadline: Deadline,
                    http: Request | None = None) -> AsyncIterator[list[Update]]:
     """The choices' pieces of text as the engine makes them, all that have arrived at once, until every choice is
-    done; ApiError 504 past the deadline. With `http` (a whole answer), a client that left cancels them (a stream
+    done; ApiError past the deadline. With `http` (a whole answer), a client that left cancels them (a stream
     notices by itself)."""
     pending = len(choices)
     loop = asyncio.get_running_loop()
     checked = loop.time()
     while pending:
-        left = deadline - loop.time()
-        if left <= 0:
-            raise ApiError(504, "the request took longer than the server's timeout_s; ask for fewer tokens",
-                           kind="timeout")
+        left = deadline.left(loop.time())
         batch = []
         if updates.empty():
             try:
@@ -134,7 +150,7 @@ async def updates_of(choices: list[Choice], updates: asyncio.Queue[Update], dead
 
 
 async def stream_events(answer: Callable[..., dict], choices: list[Choice], updates: asyncio.Queue[Update],
-                        deadline: float, n: int, include_usage: bool) -> AsyncIterator[bytes]:
+                        deadline: Deadline, n: int, include_usage: bool) -> AsyncIterator[bytes]:
     """OpenAI's chunk objects as server-sent events, then `data: [DONE]`; the pieces add up to the whole text.
     A choice's pieces that arrived together (a client reading slower than the engine writes) go as one chunk.
     With include_usage, each chunk has "usage": null and a last one, with no choices, the usage."""

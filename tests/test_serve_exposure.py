@@ -137,3 +137,42 @@ def test_the_live_page_s_work_is_bounded_so_completions_keep_their_latency(serve
         assert await again == "room again"
 
     asyncio.run(scenario())
+
+
+def test_a_stop_ends_the_streams_still_running_with_an_error_event_not_a_traceback(served_run: Path) -> None:
+    """Ctrl-C with streams far from done: shutdown_s later, each gets OpenAI's error object and data: [DONE]."""
+    import json
+    import signal
+    import threading
+    import time
+
+    import httpx
+
+    server = Server(served_run, "shutdown_s=0.5", "max_tokens=1024")
+    streams: list[list[str]] = [[] for _ in range(3)]
+
+    def stream(lines: list[str]) -> None:
+        body = {"prompt": PROMPT, "max_tokens": 1024, "n": 4, "stream": True}
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                for line in response.iter_lines():
+                    lines.append(line)
+
+    threads = [threading.Thread(target=stream, args=(lines,)) for lines in streams]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while not all(len(lines) > 2 for lines in streams) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    started = time.monotonic()
+    status, stderr = server.stop(signal.SIGINT)
+    for thread in threads:
+        thread.join(timeout=30)
+    assert time.monotonic() - started < 10
+    assert "Traceback" not in stderr and "ASGI" not in stderr, stderr
+    assert status in (0, -signal.SIGINT, 128 + signal.SIGINT)
+    for lines in streams:
+        events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "server_unavailable" and "shutting down" in error["message"]

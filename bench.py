@@ -393,7 +393,7 @@ def _engine_alone(
                     text = SampleText(sampler.tokenizer, "")
                     engine.submit(Completion(prompt, tokens, decoding, text, lambda piece, done: None))
                 began = time.perf_counter()
-                while engine.active or engine.waiting:
+                while engine.running or engine.waiting:
                     engine.run_once()
                 best = min(best, time.perf_counter() - began)
             rows.append({"section": "serve", "way": "the engine alone, in-process", "clients": count,

@@ -17,25 +17,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from filelock import FileLock, Timeout
-
-try:
-    import fcntl
-except ImportError:  # Windows: no flock; a folder in use is then not guarded
-    fcntl = None  # type: ignore[assignment]
+from filelock import FileLock
 
 from common.files import check_writable, discard_temporaries
 from data import corpus
 from data.batches import TokenFiles
 from data.config import KNOWN_TEXTS, DataConfig
 from data.errors import DataError
+from data.folder_locks import PREPARE_LOCK, acquire, alone, locked, missing, take_back
 from data.source import TextFile, file_sha256, input_file, text_file
 from data.text_tokens import make_tokenizer, write_dataset
 from data.tokenizers import tokenizer_from_metadata
 
 log = logging.getLogger(__name__)
-PREPARE_LOCK = ".prepare.lock"  # held by the one process preparing a data folder
-IN_USE = ".in_use"  # held shared by the runs reading a data folder, alone by a preparation replacing its tokens
 DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
 
 
@@ -182,38 +176,23 @@ def _prepare_once(
     _refuse_unless(prepare, out_dir)
     _refuse_foreign(out_dir)
     check_writable(out_dir, "data.dir")
-    # What this process makes here, the locks first, then the folders deepest first: a failure takes them back
-    made = [p for p in (out_dir / PREPARE_LOCK, out_dir / IN_USE, out_dir, *out_dir.parents) if not p.exists()]
+    made = missing(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = FileLock(out_dir / PREPARE_LOCK)  # not the run's .lock: data.dir may be the run directory
+    made = acquire(lock, out_dir) or made
     try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        log.info(f"waiting for another process to finish preparing {out_dir}")
-        lock.acquire()
-    try:
-        out_dir.mkdir(exist_ok=True)  # a failed first preparation that we waited for took its folder back
         prepared = _reusable(out_dir, fingerprint)
         if prepared:
             return prepared
         for name in ("train.bin", "val.bin", "meta.json", "input.txt"):  # what temporary_beside names here
             discard_temporaries(out_dir / name)
-        with _alone(out_dir):
+        with alone(out_dir):
             return make()
     except BaseException:
-        _take_back(made, out_dir)
+        take_back(made, out_dir)
         raise
     finally:
         lock.release()
-
-
-def _take_back(made: list[Path], out_dir: Path) -> None:
-    """A failed first preparation (offline, a missing file) leaves none of the locks and folders it made, while
-    the folder holds nothing else (then no run reads it)."""
-    if {p.name for p in out_dir.iterdir()} <= {PREPARE_LOCK, IN_USE}:
-        for path in made:
-            with contextlib.suppress(OSError):  # a folder another process wrote in meanwhile stays, and its parents
-                path.rmdir() if path.is_dir() else path.unlink()
 
 
 @contextlib.contextmanager
@@ -221,59 +200,12 @@ def in_use(data: PreparedData) -> Iterator[None]:
     """While a run reads `data`: its folder's .in_use held shared, so that no process prepares other tokens over
     them (_alone). meta.json is read again once held: a preparation that slipped in since is said. Unguarded where
     the folder is read-only (nobody replaces it there), the filesystem can't lock or the OS has no flock (Windows)."""
-    with _locked(data.dir, exclusive=False) as held:
+    with locked(data.dir, exclusive=False) as held:
         if held and _read_meta(data.dir) != json.loads(json.dumps(data.meta)):  # as meta.json holds it
             raise DataError(
                 f"data.dir={data.dir} was prepared again with other settings as this run started; start it again"
             )
         yield
-
-
-@contextlib.contextmanager
-def _alone(out_dir: Path) -> Iterator[None]:
-    """Replacing a folder's tokens: only while no run reads them (in_use), or one line saying why not."""
-    if not (out_dir / "meta.json").exists():  # no tokens there yet: none being read
-        yield
-        return
-    with _locked(out_dir, exclusive=True) as held:
-        if held is None:
-            raise DataError(
-                f"data.dir={out_dir} holds tokens a running run is reading, and preparing data.* here would replace "
-                "them under it; wait for it to end, or name another data.dir"
-            )
-        yield
-
-
-@contextlib.contextmanager
-def _locked(out_dir: Path, exclusive: bool) -> Iterator[bool | None]:
-    """The folder's .in_use flock: shared (waiting, and saying so, while a preparation holds it) or exclusive
-    (never waiting: None if a run holds it). False where it can't be taken at all, and then nothing is guarded."""
-    path = out_dir / IN_USE
-    nofollow = getattr(os, "O_NOFOLLOW", 0)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | nofollow, 0o644)
-    except OSError:
-        try:  # another user's .in_use in a shared folder: a lock needs no write access
-            fd = os.open(path, os.O_RDONLY | nofollow)
-        except OSError:
-            fd = None
-    held: bool | None = fd is not None and fcntl is not None
-    if held:
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            held = None  # a run reads it (exclusive), or a preparation replaces it (shared): waited for below
-        except OSError:  # a filesystem without locks (some NFS setups): unguarded
-            held = False
-    try:
-        if held is None and not exclusive:
-            log.info(f"waiting for another process to finish preparing {out_dir}")
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            held = True
-        yield held
-    finally:
-        if fd is not None:
-            os.close(fd)
 
 
 def _refuse_foreign(out_dir: Path) -> None:

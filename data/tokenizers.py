@@ -19,6 +19,8 @@ class Tokenizer(Protocol):
     def token_bytes(self, token: int) -> bytes: ...
     @property
     def end_of_text(self) -> str | None: ...
+    @property
+    def end_of_text_id(self) -> int | None: ...
     def metadata(self) -> dict[str, Any]: ...
     def token_byte_lengths(self) -> np.ndarray: ...
 
@@ -51,6 +53,10 @@ class CharTokenizer:
     @property
     def end_of_text(self) -> str | None:
         """None: a character vocabulary has no token that ends a document."""
+        return None
+
+    @property
+    def end_of_text_id(self) -> int | None:
         return None
 
     def metadata(self) -> dict[str, Any]:
@@ -100,6 +106,12 @@ class BpeTokenizer:
     def end_of_text(self) -> str | None:
         """The special token that ends a document, as text ("<|endoftext|>"), if the encoding has one."""
         return "<|endoftext|>" if "<|endoftext|>" in self.encoding.special_tokens_set else None
+
+    @property
+    def end_of_text_id(self) -> int | None:
+        """end_of_text's token (ordinary encoding, as prompts are tokenized, would spell it in several)."""
+        end = self.end_of_text
+        return None if end is None else self.encoding.encode_single_token(end)
 
     def metadata(self) -> dict[str, Any]:
         return {"kind": "bpe", "encoding": self.encoding.name}

@@ -4,9 +4,10 @@ A completion's prompt runs alone through a KVCache (the same prefill as sample.p
 the running batch (BatchKVCache), where every step feeds each row its own newest token at its own position.
 A learned-position model's row that outgrows block_size goes on as sample.py does, each step recomputing its
 last block_size tokens, batched with the other such rows ("cropped"). Between steps finished or cancelled rows
-leave and waiting ones join. Tokens are picked by Decoding with a
-random generator per row, so a row's draws depend only on its own seed, not on who else is in the batch; text
-comes out through SampleText, so stop strings and split characters behave as in sample.py.
+leave and waiting ones join. Tokens are picked by Decoding with a random generator per row, so a row's draws
+depend only on its own seed, not on who else is in the batch; text comes out through SampleText, so stop
+strings and split characters behave as in sample.py. With logprobs, each token's score under the model comes
+with it (Scored), and with echo the prompt's too.
 
 The engine runs on its own thread (torch releases the GIL while it computes); callers submit Completions from
 any thread and hear back through each Completion's `on_update`.
@@ -59,7 +60,7 @@ class Completion:
     on_update: Callable[[str, bool], None]
     generator: torch.Generator | None = None
     logprobs: int | None = None  # report each token's log-probability and this many likeliest alternatives (0-5)
-    echo: bool = False  # score the prompt's tokens too (prompt_scores)
+    score_prompt: bool = False  # score the prompt's tokens too (prompt_scores: echo with logprobs)
     tokens: list[int] = field(default_factory=list)  # generated so far
     scores: list[Scored] = field(default_factory=list)  # with logprobs: one per generated token
     prompt_scores: list[Scored] | None = None  # with echo: one per prompt token but the first
@@ -250,13 +251,17 @@ class Engine:
 
     def _past_context(self, completion: Completion) -> bool:
         """Its next token needs a position past a learned-position model's block_size: sample.py's crop then."""
-        return not self.model.config.rolls and len(completion.sequence) > self.model.config.block_size
+        config = self.model.config
+        return not config.rolls and len(completion.prompt) + len(completion.tokens) > config.block_size
 
     def _prefill(self, completion: Completion) -> None:
         """The prompt alone, as sample.py runs it; its first token; then a row of its own unless already done.
         A prompt past the context starts cropped (its first token comes with the next step)."""
-        if completion.echo:
+        if completion.score_prompt:
             completion.prompt_scores = self._prompt_scores(completion)
+            if completion.cancelled:  # its client left (or timed out) while a long prompt was scored
+                self._cancelled(completion)
+                return
         if completion.max_new_tokens == 0:  # echo alone: the prompt scored, nothing generated
             completion.finish_reason = "length"
             self.finished["length"] += 1
@@ -292,6 +297,8 @@ class Engine:
                 scores += score(logits[: len(targets)], targets, top)
             later = range(block + 1, len(prompt)) if not config.rolls else range(0)
             for start in later[::WINDOWS_AT_ONCE]:  # each later token from the block_size tokens before it
+                if completion.cancelled:  # (block_size forward passes per WINDOWS_AT_ONCE tokens: may be long)
+                    break
                 ends = range(start, min(start + WINDOWS_AT_ONCE, len(prompt)))
                 windows = torch.tensor([prompt[end - block : end] for end in ends], device=device)
                 logits = self.model.logits(self.model.hidden(windows)[:, -1, :])

@@ -131,18 +131,25 @@ class Service:
                            f"{self.limits.max_prompt_tokens} (max_prompt_tokens)", "prompt")
         return ids
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, end_of_text: bool = False) -> list[int]:
+        """Its tokens, as sample.py's prompts are tokenized; end_of_text: its end-of-text marks as that one token
+        (vLLM's /tokenize, whose end-of-text id evaluation tools read)."""
+        end = self.tokenizer.end_of_text
         try:
-            return self.tokenizer.encode(text)
+            if not (end_of_text and end):
+                return self.tokenizer.encode(text)
+            parts = [self.tokenizer.encode(part) for part in text.split(end)]
+            end_id = self.tokenizer.end_of_text_id
+            return [i for n, part in enumerate(parts) for i in ([end_id] if n else []) + part]
         except UserError as err:  # a character a char-level model has never seen
             raise ApiError(400, f"prompt: {err}", "prompt") from None
 
     def known_ids(self, ids: list[int], param: str = "tokens") -> list[int]:
         vocab_size = self.tokenizer.vocab_size  # the model's may be padded past it, with ids that decode to nothing
-        unknown = [i for i in ids if not 0 <= i < vocab_size]
+        unknown = [i for i in ids if not 0 <= i < vocab_size or self._token_text(i) is None]
         if unknown:
             raise ApiError(400, f"{param}: token id {unknown[0]} is not in this model's vocabulary (0 to "
-                           f"{vocab_size - 1})", param)
+                           f"{vocab_size - 1}, less the ids its encoding leaves unused)", param)
         return list(ids)
 
     def _stops(self, request: CompletionRequest) -> list[str]:
@@ -171,10 +178,10 @@ class Service:
                 index = p * request.n + j
                 text = SampleText(self.tokenizer, "", stops)
                 completion = Completion(ids, request.max_tokens, decoding, text,
-                                        lambda piece, done, i=index: on_update(i, piece, done),
+                                        lambda piece, done, i=index: on_update(i, piece, done, choices[i].tokens()),
                                         generator=None if generators is None else generators[index],
-                                        logprobs=request.logprobs, echo=request.echo and scored)
-                choices.append(Choice(index, completion, len(ids), echo, self._token_text if scored else None))
+                                        logprobs=request.logprobs, score_prompt=request.echo and scored)
+                choices.append(Choice(index, completion, len(ids), echo, self.token_text if scored else None))
         try:
             for choice in choices:
                 self.engine.submit(choice.completion)
@@ -204,9 +211,18 @@ class Service:
     def block_size(self) -> int:
         return self.engine.model.config.block_size
 
-    def _token_text(self, token: int) -> str:
-        """A token's text; "" for an id of the model's padded vocabulary, which no text has."""
-        return self.tokenizer.decode([token]) if token < self.tokenizer.vocab_size else ""
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 (one Service per process)
+    def _token_text(self, token: int) -> str | None:
+        """A token's text; None for an id no text has (the model's padded vocabulary, an encoding's unused ids)."""
+        if not 0 <= token < self.tokenizer.vocab_size:
+            return None
+        try:
+            return self.tokenizer.decode([token])
+        except KeyError:  # tiktoken's encodings with gaps (cl100k_base)
+            return None
+
+    def token_text(self, token: int) -> str:
+        return self._token_text(token) or ""
 
     def answer(self, answer_id: tuple[str, int], choices: list[dict[str, Any]], usage: Any = ...) -> dict:
         """OpenAI's completion object (a stream's chunks too: one id and `created` for all of them); `usage`
@@ -255,8 +271,8 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
 
     _answer_errors(app)
     add_page(app, service, authorised)
-
     _add_health(app, service, None if api_key is None else key_given)
+    _add_tokenizer(app, service, authorised)
 
     @app.get("/v1/models", dependencies=[Depends(authorised)])
     async def models() -> dict[str, Any]:
@@ -279,12 +295,12 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
         texts = [choice.echo for choice in choices]
         try:
             async for batch in updates_of(choices, updates, deadline, http):
-                for index, piece, _ in batch:
+                for index, piece, _, _ in batch:
                     texts[index] += piece
         finally:
             for choice in choices:
                 choice.completion.cancelled = True  # no-op for finished ones
-        body = [{"text": text, "index": c.index, "logprobs": c.logprobs(),
+        body = [{"text": text, "index": c.index, "logprobs": c.logprobs(c.tokens()),
                  "finish_reason": c.completion.finish_reason} for text, c in zip(texts, choices, strict=True)]
         return service.answer(answer_id, body, usage(choices, request.n))
 
@@ -316,12 +332,13 @@ def _add_tokenizer(app: FastAPI, service: Service, authorised: Callable[..., Any
 
     @app.post("/tokenize", dependencies=[Depends(authorised)])
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        ids = await asyncio.to_thread(service.encode, body.prompt)
+        ids = await asyncio.to_thread(service.encode, body.prompt, True)
         return {"tokens": ids, "count": len(ids), "max_model_len": service.block_size}
 
     @app.post("/detokenize", dependencies=[Depends(authorised)])
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
-        return {"prompt": service.tokenizer.decode(service.known_ids(body.tokens))}
+        ids = await asyncio.to_thread(service.known_ids, body.tokens)
+        return {"prompt": await asyncio.to_thread(service.tokenizer.decode, ids)}
 
 
 def _answer_errors(app: FastAPI) -> None:

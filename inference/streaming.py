@@ -34,24 +34,32 @@ class Choice:
     prompt_reported: bool = False
     offset: int = 0  # characters of the text the reported tokens span (text_offset)
 
-    def logprobs(self) -> dict[str, list] | None:
-        """OpenAI's logprobs object for the tokens generated and not yet reported (the prompt's first, with echo;
-        its first token has no log-probability: nothing predicts it). Read while the engine may add more: a
-        token is appended after its score, so the tokens counted have theirs."""
+    def tokens(self) -> int:
+        """The tokens generated so far: on the engine's thread, when a piece of text is handed on (the piece and
+        the tokens it came from stay together through the Mailbox)."""
+        return len(self.completion.tokens)
+
+    def logprobs(self, upto: int) -> dict[str, list] | None:
+        """OpenAI's logprobs object for the generated tokens not yet reported, up to the first `upto` (and the
+        prompt's first, with echo; its first token has no log-probability: nothing predicts it). A token's text
+        held back as a possible stop string's start comes in a later chunk than its logprobs."""
         if self.token_text is None:
             return None
         completion, pairs = self.completion, []
         if completion.prompt_scores is not None and not self.prompt_reported:
             pairs += zip(completion.prompt, [None, *completion.prompt_scores], strict=True)
             self.prompt_reported = True
-        start, self.reported = self.reported, len(completion.tokens)
+        start, self.reported = self.reported, max(self.reported, upto)
         pairs += zip(completion.tokens[start : self.reported], completion.scores[start : self.reported], strict=True)
         body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token, scored in pairs:
             text = self.token_text(token)
             body["tokens"].append(text)
             body["token_logprobs"].append(None if scored is None else scored.logprob)
-            body["top_logprobs"].append(None if scored is None else {self.token_text(t): p for t, p in scored.top})
+            top: dict[str, float] | None = None if scored is None else {}
+            for t, p in [] if scored is None else scored.top:  # likeliest first: tokens of one text keep the first
+                top.setdefault(self.token_text(t), p)
+            body["top_logprobs"].append(top)
             body["text_offset"].append(self.offset)
             self.offset += len(text)
         return body
@@ -63,7 +71,8 @@ def usage(choices: list[Choice], n: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-Update = tuple[int, str, bool]  # a choice's index, a piece of its text, whether it is done
+# a choice's index, a piece of its text, whether it is done, its tokens when that piece came (Choice.tokens)
+Update = tuple[int, str, bool, int]
 
 
 class Mailbox:
@@ -142,8 +151,8 @@ async def updates_of(choices: list[Choice], updates: asyncio.Queue[Update], dead
             checked = loop.time()
             if await http.is_disconnected():
                 return
-        pending -= sum(done for _, _, done in batch)
-        if any(done and choices[index].completion.finish_reason == "error" for index, _, done in batch):
+        pending -= sum(done for _, _, done, _ in batch)
+        if any(done and choices[index].completion.finish_reason == "error" for index, _, done, _ in batch):
             raise ApiError(500, "the engine failed; see the server's log", kind="server_error")
         if batch:
             yield batch
@@ -159,14 +168,15 @@ async def stream_events(answer: Callable[..., dict], choices: list[Choice], upda
         try:
             async for batch in updates_of(choices, updates, deadline):
                 merged: dict[int, list] = {}
-                for index, piece, done in batch:
-                    text_done = merged.setdefault(index, [choices[index].echo, False])
+                for index, piece, done, tokens in batch:
+                    merged.setdefault(index, [choices[index].echo, False, 0])
                     choices[index].echo = ""  # once, before the first piece
-                    text_done[0] += piece
-                    text_done[1] = text_done[1] or done
-                for index, (text, done) in merged.items():
+                    merged[index][0] += piece
+                    merged[index][1] = merged[index][1] or done
+                    merged[index][2] = max(merged[index][2], tokens)
+                for index, (text, done, tokens) in merged.items():
                     reason = choices[index].completion.finish_reason if done else None
-                    choice = {"text": text, "index": index, "logprobs": choices[index].logprobs(),
+                    choice = {"text": text, "index": index, "logprobs": choices[index].logprobs(tokens),
                               "finish_reason": reason}
                     yield format_sse_event(data_str=json.dumps(answer([choice], no_usage)))
         except ApiError as err:

@@ -215,9 +215,15 @@ def test_a_seeded_row_past_the_context_draws_what_sample_py_draws(name: str) -> 
 
 
 @pytest.mark.parametrize("name", ["short", "rolling", "modern"])
-def test_echo_scores_a_text_as_decoding_scored_it_when_it_generated_it(name: str) -> None:
+def test_echo_scores_a_text_as_decoding_scored_it_when_it_generated_it(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The prompt's log-probabilities (echo) equal those reported for the same tokens as they were generated, past
-    the context too; and both are the model's log-softmax before temperature and cut-offs."""
+    the context too (in chunks of 8 positions, windows past it); and both are the model's log-softmax before
+    temperature and cut-offs."""
+    import inference.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 8)
     model = _model(name)
     engine = Engine(model, Letters(), make_runtime("cpu", "float32"), max_batch=4)
     made = _completion([1, 2, 3], Decoding(0.7, top_k=5), row_generators(3, 1)[0])
@@ -227,7 +233,7 @@ def test_echo_scores_a_text_as_decoding_scored_it_when_it_generated_it(name: str
         engine.run_once()
     assert len(made.scores) == NEW and all(len(s.top) == 3 for s in made.scores)
     echoed = _completion(made.prompt + made.tokens, Decoding(0.0))
-    echoed.max_new_tokens, echoed.logprobs, echoed.echo = 0, 3, True
+    echoed.max_new_tokens, echoed.logprobs, echoed.score_prompt = 0, 3, True
     engine.submit(echoed)
     engine.run_once()
     assert echoed.done and echoed.tokens == [] and echoed.finish_reason == "length"
@@ -239,3 +245,21 @@ def test_echo_scores_a_text_as_decoding_scored_it_when_it_generated_it(name: str
         logits, _ = model(torch.tensor([echoed.prompt[:8]]))
     by_hand = torch.log_softmax(logits[0, :-1], -1).gather(-1, torch.tensor(echoed.prompt[1:8])[:, None])[:, 0]
     assert [s.logprob for s in echoed.prompt_scores[:7]] == pytest.approx(by_hand.tolist(), abs=1e-5)
+
+
+def test_a_cancelled_row_past_the_context_leaves_and_the_others_go_on() -> None:
+    model = _model("short")
+    alone = _alone(model, PROMPTS[1], Decoding(0.0))
+    engine = Engine(model, Letters(), make_runtime("cpu", "float32"), max_batch=8)
+    rows = [_completion(PROMPTS[3], Decoding(0.0)), _completion(PROMPTS[1], Decoding(0.0))]  # 30 tokens, 20
+    for row in rows:
+        engine.submit(row)
+    for _ in range(3):
+        engine.run_once()
+    assert engine.cropped == rows and engine.load == (2, 0)
+    rows[0].cancelled = True
+    engine.run_once()
+    assert rows[0].finish_reason == "cancelled" and engine.cropped == [rows[1]]
+    while engine.running:
+        engine.run_once()
+    assert rows[1].tokens == alone and engine.finished == {"cancelled": 1, "length": 1}

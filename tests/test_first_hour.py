@@ -9,6 +9,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -414,3 +415,33 @@ def test_a_failed_start_takes_back_only_what_it_made_whatever_the_path_said(tmp_
     assert left == ["runs", "runs/x", "runs/x/old", "runs/x/old/.lock.pid", "runs/x/old/train.log"]
     assert (old / "train.log").read_text().startswith("the user's own\n")  # appended to, never removed
     assert (old / ".lock.pid").read_text() == "4242"
+
+
+def test_a_process_waiting_on_a_first_preparation_that_failed_goes_on_by_itself(tmp_path: Path) -> None:
+    """The preparation it waited for failed and took its folder back: the waiter makes it again and tries for
+    itself (here failing offline in its own one line, not a FileNotFoundError), leaving nothing either."""
+    import threading
+
+    from filelock import FileLock
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    held = FileLock(folder / ".prepare.lock")
+    held.acquire()
+    errors: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            ensure_prepared(DataConfig(input=None, url=UNREACHABLE, dir=str(folder)))
+        except BaseException as err:  # noqa: BLE001 (the thread's error, for the assertion)
+            errors.append(err)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.5)  # waiting on the lock
+    (folder / ".prepare.lock").unlink()  # what _take_back does, holding it
+    folder.rmdir()
+    held.release()
+    thread.join(timeout=60)
+    assert len(errors) == 1 and f"could not download {UNREACHABLE}" in str(errors[0]), errors
+    assert not folder.exists()

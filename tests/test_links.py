@@ -141,7 +141,8 @@ def test_a_run_waits_for_a_preparation_under_way_and_says_so(tmp_path: Path, cap
     import logging
     import threading
 
-    from data.prepare import IN_USE, PreparedData, in_use
+    from data.folder_locks import IN_USE
+    from data.prepare import PreparedData, in_use
 
     (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 3}))
     data = PreparedData(tmp_path, {"vocab_size": 3})

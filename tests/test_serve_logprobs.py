@@ -148,3 +148,19 @@ def test_lm_eval_scores_a_task_through_the_server_as_the_project_does_directly(
         assert theirs[i] == pytest.approx(sums.tolist(), abs=1e-4)
         correct += int(sums.argmax()) == doc["label"]
     assert lm_eval_acc == pytest.approx(correct / len(docs), abs=1e-9)
+
+
+def test_tokenize_gives_end_of_text_its_one_token_as_vllm_does() -> None:
+    """lm-eval reads the end-of-text id as /tokenize's first token for the tokenizer_info's eos_token: one token,
+    not the ordinary tokens that spell it (prompts themselves are tokenized as sample.py tokenizes them)."""
+    from conftest import tiny_encoding
+    from data.tokenizers import BpeTokenizer
+    from inference.schema import ServeConfig
+    from inference.server import Service
+
+    tokenizer = BpeTokenizer(tiny_encoding())
+    service = Service(None, tokenizer, "bpe", ServeConfig(out_dir="unused"))
+    end = tokenizer.end_of_text_id
+    assert service.encode("<|endoftext|>", True) == [end]
+    assert service.encode("and<|endoftext|>the", True) == [*tokenizer.encode("and"), end, *tokenizer.encode("the")]
+    assert service.encode("<|endoftext|>") == tokenizer.encode("<|endoftext|>") != [end]

@@ -70,6 +70,7 @@ def test_streamed_logprobs_add_up_to_the_whole_answer_s(server: Server) -> None:
     whole = client.completions.create(**kwargs).choices[0]
     chunks = [chunk.choices[0] for chunk in client.completions.create(**kwargs, stream=True) if chunk.choices]
     assert "".join(c.text for c in chunks) == whole.text
+    assert len(chunks) > 2 and all("".join(c.logprobs.tokens) == c.text for c in chunks)  # each chunk its own
     for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert [v for c in chunks for v in getattr(c.logprobs, key)] == getattr(whole.logprobs, key)
 

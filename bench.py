@@ -361,6 +361,8 @@ def bench_serve(args: argparse.Namespace) -> list[dict]:
                     "aggregate_tokens_per_sec": result["tokens"] / result["seconds"],
                     "p50_ms": 1000 * float(np.percentile(latencies, 50)),
                     "p99_ms": 1000 * float(np.percentile(latencies, 99)),
+                    "ttft_p50_ms": 1000 * float(np.percentile(result["first"], 50)),
+                    "ttft_p99_ms": 1000 * float(np.percentile(result["first"], 99)),
                 })
         finally:
             server.terminate()
@@ -421,19 +423,24 @@ def _random_run(run: Path) -> Path:
 
 async def _load(url: str, body: dict, clients: int, requests: int) -> dict:
     """`clients` concurrent streams, each `requests` requests in a row: every request's latency (send to its last
-    event), the completion tokens, and the wall time of all."""
+    event) and time to its first token (send to its first chunk of text), the completion tokens, and the wall time
+    of all."""
     import httpx
 
     latencies: list[float] = []
+    first: list[float] = []
     tokens = 0
 
     async def client(http: httpx.AsyncClient) -> None:
         nonlocal tokens
         for _ in range(requests):
-            began = time.perf_counter()
+            began, seen = time.perf_counter(), False
             async with http.stream("POST", "/v1/completions", json=body) as response:
                 response.raise_for_status()
                 async for line in response.aiter_lines():
+                    if not seen and line.startswith('data: {"id"') and '"text": ""' not in line:
+                        first.append(time.perf_counter() - began)
+                        seen = True
                     if line.startswith('data: {"id"') and '"usage": {' in line:  # the last chunk: usage not null
                         tokens += json.loads(line.removeprefix("data: "))["usage"]["completion_tokens"]
             latencies.append(time.perf_counter() - began)
@@ -442,11 +449,12 @@ async def _load(url: str, body: dict, clients: int, requests: int) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
         await client(http)  # warm-up: the first request's connection and the server's first step
         latencies.clear()
+        first.clear()
         tokens = 0
         began = time.perf_counter()
         await asyncio.gather(*(client(http) for _ in range(clients)))
         seconds = time.perf_counter() - began
-    return {"latencies": latencies, "tokens": tokens, "seconds": seconds}
+    return {"latencies": latencies, "first": first, "tokens": tokens, "seconds": seconds}
 
 
 MEMORY_PRESETS = ["shakespeare_char_cpu", "speedrun_cpu", "window_cpu", "shakespeare", "speedrun_gpu",

@@ -1,6 +1,7 @@
 """Continuous batching: many completions decoded by one forward pass a step, each as if it ran alone.
 
-A completion's prompt runs alone through a KVCache (the same prefill as sample.py's), then the completion joins
+Prompts that arrive together run through a KVCache as one batch when they are of one length (the same prefill
+as sample.py's for its samples), then each completion joins
 the running batch (BatchKVCache), where every step feeds each row its own newest token at its own position.
 A learned-position model's row that outgrows block_size goes on as sample.py does, each step recomputing its
 last block_size tokens, batched with the other such rows ("cropped"). Between steps finished or cancelled rows
@@ -94,6 +95,19 @@ def score(logits: torch.Tensor, tokens: list[int], top: int) -> list[Scored]:
     values, ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())
     return [Scored(lp, list(zip(i, v, strict=True))) for lp, i, v in zip(chosen, ids.tolist(), values.tolist(),
                                                                         strict=True)]
+
+
+def _prefill_groups(completions: list[Completion]) -> list[list[Completion]]:
+    """Prompts that arrived together, by length (one forward pass each group), at most PREFILL_CHUNK tokens a
+    group, so a group's prefill costs no more memory than one long prompt's chunk."""
+    by_length: dict[int, list[Completion]] = {}
+    for completion in completions:
+        by_length.setdefault(len(completion.prompt), []).append(completion)
+    groups = []
+    for length, same in by_length.items():
+        rows = max(1, PREFILL_CHUNK // length)
+        groups += [same[i : i + rows] for i in range(0, len(same), rows)]
+    return groups
 
 
 def pick_tokens(logits: torch.Tensor, completions: list[Completion]) -> list[int]:
@@ -222,18 +236,20 @@ class Engine:
                 except Exception as err:  # the caller's to handle: the engine goes on
                     future.set_exception(err)
         self._drop_cancelled()
-        while len(self.running) < self.max_batch:
+        admitted: list[Completion] = []
+        while len(self.running) + len(admitted) < self.max_batch:
             with self._wake:
                 if not self.waiting:
                     break
                 completion = self.waiting.popleft()
-            if completion.cancelled:
-                continue
+            if not completion.cancelled:
+                admitted.append(completion)
+        for group in _prefill_groups(admitted):
             try:
-                self._prefill(completion)
-            except Exception:  # this prompt alone (too long for memory, say): the others go on
+                self._prefill(group)
+            except Exception:  # these prompts (too long for memory, say): the others go on
                 log.exception("a prompt failed")
-                self._fail([completion])
+                self._fail(group)
         if self.running:
             try:
                 self._step()
@@ -254,30 +270,35 @@ class Engine:
         config = self.model.config
         return not config.rolls and len(completion.prompt) + len(completion.tokens) > config.block_size
 
-    def _prefill(self, completion: Completion) -> None:
-        """The prompt alone, as sample.py runs it; its first token; then a row of its own unless already done.
-        A prompt past the context starts cropped (its first token comes with the next step)."""
-        if completion.score_prompt:
-            completion.prompt_scores = self._prompt_scores(completion)
+    def _prefill(self, group: list[Completion]) -> None:
+        """Prompts of one length run together through one KVCache, as sample.py runs its samples' prompt; their
+        first tokens; then each a row of its own unless already done. Scored first where echo asks it; a prompt
+        past the context starts cropped (its first token comes with the next step)."""
+        plain = []
+        for completion in group:
+            if completion.score_prompt:
+                completion.prompt_scores = self._prompt_scores(completion)
             if completion.cancelled:  # its client left (or timed out) while a long prompt was scored
                 self._cancelled(completion)
-                return
-        if completion.max_new_tokens == 0:  # echo alone: the prompt scored, nothing generated
-            completion.finish_reason = "length"
-            self.finished["length"] += 1
-            completion.on_update("", True)
-            return
-        if self._past_context(completion):
-            self.cropped.append(completion)
+            elif completion.max_new_tokens == 0:  # echo alone: the prompt scored, nothing generated
+                completion.finish_reason = "length"
+                self.finished["length"] += 1
+                completion.on_update("", True)
+            elif self._past_context(completion):
+                self.cropped.append(completion)
+            else:
+                plain.append(completion)
+        if not plain:
             return
         cache = KVCache(self.model.config)
-        idx = torch.tensor([completion.prompt], dtype=torch.long, device=self.runtime.device)
+        idx = torch.tensor([completion.prompt for completion in plain], dtype=torch.long, device=self.runtime.device)
         with self.runtime.autocast():
             logits = self.model.logits(self.model.prefill(idx, cache)[:, -1, :])
-        self._deliver_all(logits, [completion])
-        if not completion.done:
-            self.cache.add(cache)
-            self.active.append(completion)
+        self._deliver_all(logits, plain)
+        for row, completion in enumerate(plain):
+            if not completion.done:
+                self.cache.add(cache, row)
+                self.active.append(completion)
 
     def _prompt_scores(self, completion: Completion) -> list[Scored]:
         """Each prompt token's score (but the first's, which nothing predicts) given the tokens before it, at most

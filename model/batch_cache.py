@@ -39,11 +39,12 @@ class BatchKVCache:
         """The longest row's: the model checks it against block_size."""
         return max(self.lengths, default=0)
 
-    def add(self, prefilled: KVCache) -> int:
-        """A new row holding a one-sequence KVCache's keys and values (its prompt, run alone); its index."""
+    def add(self, prefilled: KVCache, row: int = 0) -> int:
+        """A new row holding the keys and values of a KVCache's row `row` (its prompt, run alone or beside prompts
+        of its length); its index."""
         length = prefilled.length
         for layer, (source, slots) in enumerate(zip(prefilled.layers, self.slots, strict=True)):
-            assert source.buffer is not None and source.buffer.size(1) == 1, "a row joins with one sequence"
+            assert source.buffer is not None
             first = length - source.stored  # the position of the source's first stored token (a rolled window's)
             buffer = self.buffers[layer]
             if buffer is None or buffer.size(1) == self.rows:  # full: room for as many rows again
@@ -53,9 +54,9 @@ class BatchKVCache:
                     grown[:, : self.rows] = buffer[:, : self.rows]
                 self.buffers[layer] = buffer = grown
             kept = torch.arange(max(first, length - slots), length, device=source.buffer.device)
-            buffer[:, self.rows, :, kept % slots] = source.buffer[:, 0, :, kept - first]
+            buffer[:, self.rows, :, kept % slots] = source.buffer[:, row, :, kept - first]
         assert prefilled.last_token is not None
-        last = prefilled.last_token.reshape(1, 1)
+        last = prefilled.last_token[row].reshape(1, 1)
         self.last_token = last if self.last_token is None else torch.cat((self.last_token, last))
         self.lengths.append(length)
         self._steps = {}

@@ -157,10 +157,10 @@ def test_a_failing_prompt_or_step_fails_its_rows_and_the_engine_serves_on(monkey
 
     prefill, step = engine._prefill, engine._step
 
-    def bad_prefill(c: Completion) -> None:
-        if c.prompt == [13]:
-            raise MemoryError("too long")  # an Exception: this prompt alone fails
-        prefill(c)
+    def bad_prefill(group: list[Completion]) -> None:
+        if any(c.prompt == [13] for c in group):
+            raise MemoryError("too long")  # an Exception: these prompts alone fail
+        prefill(group)
 
     monkeypatch.setattr(engine, "_prefill", bad_prefill)
     rows = [completion(PROMPTS[0]), completion([13]), completion(PROMPTS[1])]
@@ -263,3 +263,26 @@ def test_a_cancelled_row_past_the_context_leaves_and_the_others_go_on() -> None:
     while engine.running:
         engine.run_once()
     assert rows[1].tokens == alone and engine.finished == {"cancelled": 1, "length": 1}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "modern", "rolling", "windowed"])
+def test_prompts_of_one_length_arriving_together_prefill_as_one_batch_with_each_row_s_tokens(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four prompts of 12 tokens and one of 5, submitted together: two prefills (counted), and every row's
+    tokens, greedy or seeded, what they are alone."""
+    model = _model(name)
+    prompts = [list(range(i, i + 12)) for i in range(4)] + [PROMPTS[4]]
+    decodings = [Decoding(0.0), Decoding(1.0, top_k=10), Decoding(0.0), Decoding(0.8), Decoding(0.0)]
+    alone = [_alone(model, p, d, seed=5) for p, d in zip(prompts, decodings, strict=True)]
+    engine = Engine(model, Letters(), make_runtime("cpu", "float32"), max_batch=8)
+    batches: list[int] = []
+    prefill = model.prefill
+    monkeypatch.setattr(model, "prefill", lambda idx, cache: batches.append(idx.size(0)) or prefill(idx, cache))
+    rows = [_completion(p, d, row_generators(5, 1)[0]) for p, d in zip(prompts, decodings, strict=True)]
+    for row in rows:
+        engine.submit(row)
+    while engine.running or engine.waiting:
+        engine.run_once()
+    assert sorted(batches) == [1, 4]
+    assert [row.tokens for row in rows] == alone

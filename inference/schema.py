@@ -111,6 +111,9 @@ class ServeConfig(ModelChoice):
     # Ctrl-C or SIGTERM: requests in flight get this long to finish, then each ends with an error (503)
     shutdown_s: float = option(5.0, at_least=0.0)
     max_body_bytes: int = option(1_000_000, at_least=1)  # a larger request body: 413
+    max_connections: int = option(1000, at_least=1)  # open at once (within the process's file limit); past it: closed
+    # a connection with no whole request this long after it opened (or after its last answer) is closed
+    header_timeout_s: float = option(10.0, above=0.0)
     # torch's CPU threads for the model; null: one less than the cores (at least 1), leaving one to the HTTP side
     threads: int | None = option(None, at_least=1)
 

@@ -3,6 +3,7 @@ so a port in use is one line and the printed URL is the real one (port=0 picks a
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import ipaddress
 import logging
@@ -19,6 +20,7 @@ import uvicorn
 
 from common.errors import ConfigError
 from common.runtime import make_runtime
+from inference.connections import Refusals, guarded_protocol, usable_connections
 from inference.engine import Engine
 from inference.load import load_model
 from inference.schema import ServeConfig
@@ -107,6 +109,7 @@ def serve(cfg: ServeConfig) -> None:
         print(f"serving {service.model_id} on {device} at {url} (OpenAI API at {url}/v1, page at {url}/; "
               f"{where}, {auth}; Ctrl-C stops)", file=sys.stderr, flush=True)
 
+    logging.getLogger("serve").setLevel(logging.WARNING)  # its refusals too (Refusals), not only its errors
     torch.set_grad_enabled(False)
     # The engine's thread releases the GIL at every torch op; a longer switch interval lets the event loop's
     # thread finish its work once it has the GIL instead of being forced back and forth (bench.py serve: one
@@ -115,8 +118,11 @@ def serve(cfg: ServeConfig) -> None:
     app = create_app(service, api_key, on_ready=ready, hosts=loopback_names(cfg.host) if where == LOOPBACK else None)
     # uvicorn cancels what still runs SHUTDOWN_MARGIN_S after the requests' own end, which says so to each client
     grace = math.ceil(cfg.shutdown_s + SHUTDOWN_MARGIN_S)
-    config = uvicorn.Config(app, log_level=logging.WARNING, timeout_graceful_shutdown=grace, lifespan="on")
-    Stopping(config, service).run(sockets=[sock])
+    refusals = Refusals()
+    http = guarded_protocol(usable_connections(cfg.max_connections), cfg.header_timeout_s, refusals)
+    config = uvicorn.Config(app, log_level=logging.WARNING, timeout_graceful_shutdown=grace, lifespan="on",
+                            http=http)
+    Stopping(config, service, refusals).run(sockets=[sock])
 
 
 class Stopping(uvicorn.Server):
@@ -124,9 +130,13 @@ class Stopping(uvicorn.Server):
     each ends with OpenAI's error object (a stream: an error event and data: [DONE]), before uvicorn would cut
     them off without a word."""
 
-    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+    def __init__(self, config: uvicorn.Config, service: Service, refusals: Refusals) -> None:
         super().__init__(config)
-        self.service = service
+        self.service, self.refusals = service, refusals
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        asyncio.get_running_loop().set_exception_handler(self.refusals.loop_errors)  # one line per kind
+        await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:  # the event loop's thread (a signal handler)
         if self.service.stop_by == math.inf:

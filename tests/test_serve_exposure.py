@@ -176,3 +176,40 @@ def test_a_stop_ends_the_streams_still_running_with_an_error_event_not_a_traceba
         assert events[-1] == "[DONE]", events[-3:]
         error = json.loads(events[-2])["error"]
         assert error["type"] == "server_unavailable" and "shutting down" in error["message"]
+
+
+def test_a_flood_of_partial_headers_is_capped_timed_out_and_logged_once(served_run: Path) -> None:
+    """200 connections that send half a request line, against max_connections=50 and header_timeout_s=0.5: a
+    normal request is answered meanwhile (the oldest idle connections make room), the rest close within about two
+    header timeouts, and the log holds one line per kind, no traceback."""
+    import socket
+    import time
+
+    server = Server(served_run, "max_connections=50", "header_timeout_s=0.5")
+    host, port = server.url.removeprefix("http://").split(":")
+    flood = []
+    try:
+        for _ in range(200):
+            sock = socket.create_connection((host, int(port)))
+            sock.sendall(b"POST /v1/comp")
+            flood.append(sock)
+        began = time.monotonic()
+        response = server.post({"prompt": PROMPT, "max_tokens": 2})
+        assert response.status_code == 200 and time.monotonic() - began < 5
+        time.sleep(1.5)
+        closed = 0
+        for sock in flood:
+            sock.settimeout(2)
+            try:
+                closed += sock.recv(100) == b""
+            except ConnectionResetError:  # aborted: closed too
+                closed += 1
+        assert closed == len(flood)
+    finally:
+        for sock in flood:
+            sock.close()
+        _, stderr = server.stop()
+    assert "Traceback" not in stderr
+    refused = [line for line in stderr.splitlines() if "(max_connections)" in line]
+    timed_out = [line for line in stderr.splitlines() if "(header_timeout_s)" in line]
+    assert len(refused) == 1 and len(timed_out) == 1, stderr

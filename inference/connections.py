@@ -1,11 +1,13 @@
 """What a flood of connections can't take from serve.py: at most max_connections open at once (past it the oldest
-that hasn't sent a whole request is closed, else the new one), a connection that hasn't sent a whole request
-within header_timeout_s of opening or of its last answer is closed (slow or partial headers), and each kind of
-refusal is logged once a minute at most, in one line (no traceback per connection)."""
+that isn't being answered is closed, else the new one), a connection that sends no whole request line and headers
+within header_timeout_s of opening (or stays idle for two of them after its last answer) is closed, and each kind
+of refusal is logged once a minute at most, in one line (no traceback per connection). A request's body, once
+its headers are in, is bounded by max_body_bytes and timeout_s instead."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import resource
 import time
@@ -16,6 +18,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger("serve")
 LOG_EVERY_S = 60.0
 FDS_SPARE = 64  # descriptors kept for the model's files, the log and the engine
+OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
 def usable_connections(wanted: int) -> int:
@@ -45,8 +48,19 @@ class Refusals:
             self.last[kind], self.count[kind] = now, 0
 
     def loop_errors(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        """The event loop's own errors (accept() out of descriptors, say): one line per kind, no traceback."""
-        self.note(f"event loop: {context.get('message', 'error')}")
+        """accept() out of descriptors: one line per minute, no traceback; anything else as asyncio reports it."""
+        error = context.get("exception")
+        if isinstance(error, OSError) and error.errno in OUT_OF_RESOURCES:
+            self.note(f"event loop: {context.get('message', 'error')} ({error.strerror})")
+        else:
+            loop.default_exception_handler(context)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """uvicorn's warnings per connection (an invalid request, an upgrade), counted and said once a minute."""
+        if record.levelno != logging.WARNING:
+            return True
+        self.note(f"refused: {record.getMessage()}")
+        return False
 
 
 def guarded_protocol(max_connections: int, header_timeout_s: float, refusals: Refusals) -> type[H11Protocol]:
@@ -55,12 +69,14 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, refusals: Re
     class Guarded(H11Protocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._opened, self._seen = time.monotonic(), self.cycle
-            if len(self.connections) > max_connections:  # the oldest that asks nothing goes, else this one
-                idle = [c for c in self.connections if c is not self and getattr(c, "_idle", lambda: False)()]
+            # (cycle, idle) at the last check: a new connection counts as idle from the start
+            self._opened, self._seen, self._timer = time.monotonic(), (None, True), None
+            open_ = [c for c in self.connections if not c.transport.is_closing()]  # aborted ones leave later
+            if len(open_) > max_connections:  # the oldest not being answered goes, else this one
+                idle = [c for c in open_ if c is not self and c._idle()]
                 oldest = min(idle, key=lambda c: c._opened) if idle else self
                 refusals.note(f"connection closed: {max_connections} open already (max_connections)")
-                oldest.transport.abort()
+                oldest._close()
                 if oldest is self:
                     return
             self._timer = self.loop.call_later(header_timeout_s, self._check_progress)
@@ -68,19 +84,22 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, refusals: Re
         def _idle(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
 
+        def _close(self) -> None:
+            """At once if it never had a request; after what is buffered for it if it had (an answer's end)."""
+            self.transport.abort() if self.cycle is None else self.transport.close()
+
         def _check_progress(self) -> None:
-            """Closed if no request came since the last check and none is being answered."""
-            if self._idle() and self.cycle is self._seen:
+            """Closed if it was idle at the last check too, with no request since."""
+            seen, self._seen = self._seen, (self.cycle, self._idle())
+            if self._seen == seen and self._idle():
                 refusals.note(f"connection closed: no whole request within {header_timeout_s:g} s (header_timeout_s)")
-                self.transport.abort()
+                self._close()
                 return
-            self._seen = self.cycle
             self._timer = self.loop.call_later(header_timeout_s, self._check_progress)
 
         def connection_lost(self, exc: Exception | None) -> None:
-            timer = getattr(self, "_timer", None)
-            if timer is not None:
-                timer.cancel()
+            if self._timer is not None:
+                self._timer.cancel()
             super().connection_lost(exc)
 
     return Guarded

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from common.runtime import Runtime
 from data.tokenizers import Tokenizer
 from inference.sample_text import SampleText
+from inference.scoring import Scored, prompt_scores, score
 from model import GPT
 from model.batch_cache import BatchKVCache
 from model.decoding import Decoding
@@ -37,15 +37,7 @@ from model.gpt import PREFILL_CHUNK
 from model.kv_cache import KVCache
 
 log = logging.getLogger("serve")
-WINDOWS_AT_ONCE = 16  # echo past a learned-position model's context: prompt tokens scored per forward pass
-
-
-@dataclass
-class Scored:
-    """A token's log-probability and the likeliest tokens' (id, log-probability) at its position, likeliest first."""
-
-    logprob: float
-    top: list[tuple[int, float]]
+PREFILL_SLOTS = 8192  # cache positions a batched prefill may hold: 8 rows of GPT-2's 1,024
 
 
 @dataclass(eq=False)
@@ -87,25 +79,16 @@ class Completion:
         return self.finish_reason is not None
 
 
-def score(logits: torch.Tensor, tokens: list[int], top: int) -> list[Scored]:
-    """Each row's token's log-probability under the model (before temperature and the cut-offs, as OpenAI and
-    vLLM report them), and the `top` likeliest tokens with theirs."""
-    logprobs = F.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
-    values, ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())
-    return [Scored(lp, list(zip(i, v, strict=True))) for lp, i, v in zip(chosen, ids.tolist(), values.tolist(),
-                                                                        strict=True)]
-
-
-def _prefill_groups(completions: list[Completion]) -> list[list[Completion]]:
-    """Prompts that arrived together, by length (one forward pass each group), at most PREFILL_CHUNK tokens a
-    group, so a group's prefill costs no more memory than one long prompt's chunk."""
+def _prefill_groups(completions: list[Completion], block_size: int) -> list[list[Completion]]:
+    """Prompts that arrived together, by length (one forward pass each group), at most PREFILL_CHUNK tokens and
+    PREFILL_SLOTS cache positions (a full layer's KVCache holds block_size a row) a group, so that a group costs
+    about what one long prompt costs."""
     by_length: dict[int, list[Completion]] = {}
     for completion in completions:
         by_length.setdefault(len(completion.prompt), []).append(completion)
     groups = []
     for length, same in by_length.items():
-        rows = max(1, PREFILL_CHUNK // length)
+        rows = max(1, min(PREFILL_CHUNK // length, PREFILL_SLOTS // block_size))
         groups += [same[i : i + rows] for i in range(0, len(same), rows)]
     return groups
 
@@ -244,11 +227,12 @@ class Engine:
                 completion = self.waiting.popleft()
             if not completion.cancelled:
                 admitted.append(completion)
-        for group in _prefill_groups(admitted):
+        for group in _prefill_groups(admitted, self.model.config.block_size):
             try:
                 self._prefill(group)
             except Exception:  # these prompts (too long for memory, say): the others go on
                 log.exception("a prompt failed")
+                self._leave(group)
                 self._fail(group)
         if self.running:
             try:
@@ -277,7 +261,8 @@ class Engine:
         plain = []
         for completion in group:
             if completion.score_prompt:
-                completion.prompt_scores = self._prompt_scores(completion)
+                completion.prompt_scores = prompt_scores(self.model, self.runtime, completion.prompt,
+                                                         completion.logprobs or 0, lambda c=completion: c.cancelled)
             if completion.cancelled:  # its client left (or timed out) while a long prompt was scored
                 self._cancelled(completion)
             elif completion.max_new_tokens == 0:  # echo alone: the prompt scored, nothing generated
@@ -299,32 +284,6 @@ class Engine:
             if not completion.done:
                 self.cache.add(cache, row)
                 self.active.append(completion)
-
-    def _prompt_scores(self, completion: Completion) -> list[Scored]:
-        """Each prompt token's score (but the first's, which nothing predicts) given the tokens before it, at most
-        block_size of them for a learned-position model (as it would have generated them), all for a rolling one;
-        PREFILL_CHUNK positions at a time, so a long prompt's logits are never all held at once."""
-        prompt, config = completion.prompt, self.model.config
-        top = completion.logprobs or 0
-        device = self.runtime.device
-        scores: list[Scored] = []
-        cache, block = KVCache(config), config.block_size
-        first = len(prompt) if config.rolls else min(len(prompt), block)
-        with self.runtime.autocast():
-            for start in range(0, first, PREFILL_CHUNK):  # the first window's tokens (a rolling model's: all)
-                chunk = torch.tensor([prompt[start : min(first, start + PREFILL_CHUNK)]], device=device)
-                logits = self.model.logits(self.model.hidden(chunk, cache)[0])
-                targets = prompt[start + 1 : start + 1 + chunk.size(1)]
-                scores += score(logits[: len(targets)], targets, top)
-            later = range(block + 1, len(prompt)) if not config.rolls else range(0)
-            for start in later[::WINDOWS_AT_ONCE]:  # each later token from the block_size tokens before it
-                if completion.cancelled:  # (block_size forward passes per WINDOWS_AT_ONCE tokens: may be long)
-                    break
-                ends = range(start, min(start + WINDOWS_AT_ONCE, len(prompt)))
-                windows = torch.tensor([prompt[end - block : end] for end in ends], device=device)
-                logits = self.model.logits(self.model.hidden(windows)[:, -1, :])
-                scores += score(logits, [prompt[end] for end in ends], top)
-        return scores
 
     def _step(self) -> None:
         """One token for every running row: the batch cache's rows by their newest token, the cropped ones by
@@ -390,6 +349,13 @@ class Engine:
         completion.finish_reason = "cancelled"
         self.finished["cancelled"] += 1
         completion.on_update("", True)
+
+    def _leave(self, completions: list[Completion]) -> None:
+        """Those of them already running (a group that failed after some of it joined) leave the batch."""
+        for row in reversed(range(len(self.active))):
+            if self.active[row] in completions:
+                self._remove(row)
+        self.cropped = [completion for completion in self.cropped if completion not in completions]
 
     def _remove(self, row: int) -> None:
         self.cache.remove(row)

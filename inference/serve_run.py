@@ -121,7 +121,8 @@ def serve(cfg: ServeConfig) -> None:
     refusals = Refusals()
     http = guarded_protocol(usable_connections(cfg.max_connections), cfg.header_timeout_s, refusals)
     config = uvicorn.Config(app, log_level=logging.WARNING, timeout_graceful_shutdown=grace, lifespan="on",
-                            http=http)
+                            http=http, ws="none")
+    logging.getLogger("uvicorn.error").addFilter(refusals.filter)
     Stopping(config, service, refusals).run(sockets=[sock])
 
 

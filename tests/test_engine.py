@@ -221,9 +221,9 @@ def test_echo_scores_a_text_as_decoding_scored_it_when_it_generated_it(
     """The prompt's log-probabilities (echo) equal those reported for the same tokens as they were generated, past
     the context too (in chunks of 8 positions, windows past it); and both are the model's log-softmax before
     temperature and cut-offs."""
-    import inference.engine as engine_module
+    import inference.scoring as scoring
 
-    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(scoring, "PREFILL_CHUNK", 8)
     model = _model(name)
     engine = Engine(model, Letters(), make_runtime("cpu", "float32"), max_batch=4)
     made = _completion([1, 2, 3], Decoding(0.7, top_k=5), row_generators(3, 1)[0])
@@ -286,3 +286,33 @@ def test_prompts_of_one_length_arriving_together_prefill_as_one_batch_with_each_
         engine.run_once()
     assert sorted(batches) == [1, 4]
     assert [row.tokens for row in rows] == alone
+
+
+def test_a_prefill_group_that_fails_half_way_leaves_no_row_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch cache fails to take the second of three prompts of one length (memory, say): all three end in
+    error once, none stays in the batch, and the engine serves on."""
+    model = _model("gpt2")
+    engine = Engine(model, Letters(), make_runtime("cpu", "float32"), max_batch=8)
+    add, calls = engine.cache.add, []
+
+    def failing_add(prefilled, row=0):
+        calls.append(row)
+        if len(calls) == 2:
+            raise MemoryError("no room")
+        return add(prefilled, row)
+
+    monkeypatch.setattr(engine.cache, "add", failing_add)
+    ended: list[bool] = []
+    rows = [Completion(list(range(i, i + 6)), NEW, Decoding(0.0), SampleText(Letters(), ""),
+                       lambda piece, done: done and ended.append(done)) for i in range(3)]
+    for row in rows:
+        engine.submit(row)
+    engine.run_once()
+    assert [row.finish_reason for row in rows] == ["error"] * 3 and len(ended) == 3
+    assert engine.running == [] and engine.cache.rows == 0 and engine.finished == {"error": 3}
+    monkeypatch.setattr(engine.cache, "add", add)
+    again = _completion(PROMPTS[0], Decoding(0.0))
+    engine.submit(again)
+    while engine.running or engine.waiting:
+        engine.run_once()
+    assert again.tokens == _alone(model, PROMPTS[0], Decoding(0.0))

@@ -66,11 +66,11 @@ def test_echo_scores_equal_the_scores_reported_as_the_tokens_were_generated(serv
 
 def test_streamed_logprobs_add_up_to_the_whole_answer_s(server: Server) -> None:
     client = server.client()
-    kwargs = dict(model="run", prompt=PROMPT, max_tokens=30, temperature=0, logprobs=2, echo=True)
+    kwargs = dict(model="run", prompt=PROMPT, max_tokens=150, temperature=0, logprobs=2, echo=True)
     whole = client.completions.create(**kwargs).choices[0]
     chunks = [chunk.choices[0] for chunk in client.completions.create(**kwargs, stream=True) if chunk.choices]
     assert "".join(c.text for c in chunks) == whole.text
-    assert len(chunks) > 2 and all("".join(c.logprobs.tokens) == c.text for c in chunks)  # each chunk its own
+    assert all("".join(c.logprobs.tokens) == c.text for c in chunks)  # each chunk its own tokens' (however many)
     for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert [v for c in chunks for v in getattr(c.logprobs, key)] == getattr(whole.logprobs, key)
 

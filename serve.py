@@ -35,8 +35,8 @@ Examples:
   python serve.py out_dir=runs/cpu
   python serve.py out_dir=runs/cpu ckpt=best port=8001 api_key=secret
 
-Every key: python serve.py --cfg job (inference/schema.py says what each does); the API: docs/serving.md.
-Hydra's own flags: --hydra-help."""
+Every key: docs/reference.md (python serve.py --cfg job shows them); the API: docs/serving.md. Hydra's own
+flags: --hydra-help."""
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="serve")

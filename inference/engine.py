@@ -220,7 +220,7 @@ class Engine:
                     future.set_exception(err)
         self._drop_cancelled()
         admitted: list[Completion] = []
-        while len(self.running) + len(admitted) < self.max_batch:
+        while len(self.active) + len(self.cropped) + len(admitted) < self.max_batch:
             with self._wake:
                 if not self.waiting:
                     break
@@ -234,7 +234,7 @@ class Engine:
                 log.exception("a prompt failed")
                 self._leave(group)
                 self._fail(group)
-        if self.running:
+        if self.active or self.cropped:
             try:
                 self._step()
             except Exception:  # every row of the step: they leave, and the engine serves what comes next
@@ -243,7 +243,7 @@ class Engine:
                 self.cache = BatchKVCache(self.model.config)
                 self._fail(failed)
         if self.after_step is not None:
-            self.after_step(len(self.running) + len(self.waiting))
+            self.after_step(len(self.active) + len(self.cropped) + len(self.waiting))
 
     @property
     def running(self) -> list[Completion]:
@@ -264,11 +264,9 @@ class Engine:
                 completion.prompt_scores = prompt_scores(self.model, self.runtime, completion.prompt,
                                                          completion.logprobs or 0, lambda c=completion: c.cancelled)
             if completion.cancelled:  # its client left (or timed out) while a long prompt was scored
-                self._cancelled(completion)
+                self._end(completion, "cancelled")
             elif completion.max_new_tokens == 0:  # echo alone: the prompt scored, nothing generated
-                completion.finish_reason = "length"
-                self.finished["length"] += 1
-                completion.on_update("", True)
+                self._end(completion, "length")
             elif self._past_context(completion):
                 self.cropped.append(completion)
             else:
@@ -301,7 +299,7 @@ class Engine:
                 block = self.model.config.block_size
                 idx = torch.tensor([completion.sequence[-block:] for completion in self.cropped], device=device)
                 parts.append(self.model.logits(self.model.hidden(idx)[:, -1, :]))
-        self._deliver_all(torch.cat(parts), self.running)
+        self._deliver_all(parts[0] if len(parts) == 1 else torch.cat(parts), self.running)  # no copy for one
         self.steps += 1
         for row in reversed(range(len(self.active))):  # descending: a removed row's place takes the last row
             if self.active[row].done:
@@ -332,22 +330,21 @@ class Engine:
     def _fail(self, completions: list[Completion]) -> None:
         for completion in completions:
             if not completion.done:
-                completion.finish_reason = "error"
-                self.finished["error"] += 1
-                completion.on_update("", True)
+                self._end(completion, "error")
 
     def _drop_cancelled(self) -> None:
         for row in reversed(range(len(self.active))):
             if self.active[row].cancelled:
-                self._cancelled(self.active[row])
+                self._end(self.active[row], "cancelled")
                 self._remove(row)
         for completion in [c for c in self.cropped if c.cancelled]:
-            self._cancelled(completion)
+            self._end(completion, "cancelled")
             self.cropped.remove(completion)
 
-    def _cancelled(self, completion: Completion) -> None:
-        completion.finish_reason = "cancelled"
-        self.finished["cancelled"] += 1
+    def _end(self, completion: Completion, reason: str) -> None:
+        """Ended without a token (cancelled, failed, or echo alone), and said so."""
+        completion.finish_reason = reason
+        self.finished[reason] += 1
         completion.on_update("", True)
 
     def _leave(self, completions: list[Completion]) -> None:

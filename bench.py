@@ -363,6 +363,7 @@ def bench_serve(args: argparse.Namespace) -> list[dict]:
                     "p99_ms": 1000 * float(np.percentile(latencies, 99)),
                     "ttft_p50_ms": 1000 * float(np.percentile(result["first"], 50)),
                     "ttft_p99_ms": 1000 * float(np.percentile(result["first"], 99)),
+                    "client_cpu_ms": 1000 * result["cpu"] / len(latencies),  # the load generator's, a request
                 })
         finally:
             server.terminate()
@@ -424,7 +425,7 @@ def _random_run(run: Path) -> Path:
 async def _load(url: str, body: dict, clients: int, requests: int) -> dict:
     """`clients` concurrent streams, each `requests` requests in a row: every request's latency (send to its last
     event) and time to its first token (send to its first chunk of text), the completion tokens, and the wall time
-    of all."""
+    and this process's CPU time (the load generator's share of the cores) of all."""
     import httpx
 
     latencies: list[float] = []
@@ -451,10 +452,10 @@ async def _load(url: str, body: dict, clients: int, requests: int) -> dict:
         latencies.clear()
         first.clear()
         tokens = 0
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.process_time()
         await asyncio.gather(*(client(http) for _ in range(clients)))
-        seconds = time.perf_counter() - began
-    return {"latencies": latencies, "first": first, "tokens": tokens, "seconds": seconds}
+        seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
+    return {"latencies": latencies, "first": first, "tokens": tokens, "seconds": seconds, "cpu": cpu}
 
 
 MEMORY_PRESETS = ["shakespeare_char_cpu", "speedrun_cpu", "window_cpu", "shakespeare", "speedrun_gpu",

@@ -310,3 +310,32 @@ def test_a_request_past_timeout_s_is_cancelled_with_504(served_run: Path) -> Non
         assert server.http.get("/health").json()["running"] == 0  # the rows were freed
     finally:
         server.stop()
+
+
+def test_the_server_s_connections_send_each_chunk_at_once() -> None:
+    """TCP_NODELAY on every connection uvicorn accepts on serve.py's socket: without it, Nagle held a stream's
+    chunks after the headers until the client's delayed ACK (40 ms on Linux), so they all came with the last."""
+    import asyncio
+    import socket
+
+    from inference.serve_run import bind
+
+    async def accepted_nodelay() -> int:
+        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        class Record(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                sock = transport.get_extra_info("socket")
+                seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Record, sock=bind("127.0.0.1", 0))
+        port = server.sockets[0].getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            return await asyncio.wait_for(seen, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0

@@ -4,8 +4,10 @@ client that leaves, and a clean stop."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ import pytest
 
 from conftest import ServeProcess, run_script
 from inference.sample_text import SEPARATOR
+from inference.serve_run import bind
 
 PROMPT = "ROMEO:"
 
@@ -315,11 +318,6 @@ def test_a_request_past_timeout_s_is_cancelled_with_504(served_run: Path) -> Non
 def test_the_server_s_connections_send_each_chunk_at_once() -> None:
     """TCP_NODELAY on every connection uvicorn accepts on serve.py's socket: without it, Nagle held a stream's
     chunks after the headers until the client's delayed ACK (40 ms on Linux), so they all came with the last."""
-    import asyncio
-    import socket
-
-    from inference.serve_run import bind
-
     async def accepted_nodelay() -> int:
         seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 

@@ -325,9 +325,10 @@ def test_speedrun_preset_uses_the_options_and_stops_at_the_target() -> None:
     assert (cfg.model.pos_emb, cfg.model.activation, cfg.model.n_embd, cfg.model.block_size) == (
         "rope",
         "relu2",
-        128,
+        64,
         64,
     )
+    assert cfg.model.n_head == 2 and cfg.model.n_layer == 4  # v3: half the width, heads of 32
     # the record's recipe as docs/speedrun.md states it
     assert (cfg.model.bigram_embed, cfg.model.norm, cfg.model.qk_norm, cfg.model.x0_mix, cfg.model.value_residual) == (
         True,
@@ -342,10 +343,11 @@ def test_speedrun_preset_uses_the_options_and_stops_at_the_target() -> None:
         "muon",
         0.8,
         0,
-        6e-3,
+        9e-3,
         20,
     )
-    assert t.max_iters == t.eval_from == t.eval_interval == 225  # one evaluation, at the end
-    assert t.lr_decay_iters is None  # max_iters
+    assert (t.batch_size, t.grad_clip) == (16, 0.0)
+    assert t.max_iters == 250 and t.lr_decay_iters is None  # the cosine over max_iters, as in every preset
+    assert t.eval_from == t.eval_interval == 225  # one evaluation, which stops the run there at the target
     assert t.full_val and t.target_val_loss == 1.89 and t.eval_iters == 20
     assert compose_config([]).model.pos_emb == "learned" and compose_config([]).model.activation == "gelu"

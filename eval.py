@@ -1,14 +1,6 @@
 """Score a model beyond the training loop's val loss: sliding-window loss, perplexity and bits per byte of a text
-(or of a run's own val split), and HellaSwag accuracy.
-
-Readable lines, then one JSON object as the last line, go to stdout; progress bars to stderr.
-
-    python eval.py out_dir=RUN                                  # the run's val split, windows advancing by half
-    python eval.py out_dir=RUN stride=64 input=text.txt         # any UTF-8 text
-    python eval.py init_from=gpt2 input=text.txt hellaswag=true # OpenAI's GPT-2 (pip install ".[hf]")
-
-Every token but a sequence's first is scored once, with the context its window gives (evals/perplexity.py);
-HellaSwag picks the likeliest ending by summed (acc) and mean (acc_norm) log-likelihood (evals/hellaswag.py).
+(or of a run's own val split), and HellaSwag accuracy (evals/). Readable lines, then one JSON object as the last
+line, go to stdout; progress bars to stderr. usage() lists the keys set most.
 """
 
 import json
@@ -17,8 +9,7 @@ import math
 import hydra
 from omegaconf import DictConfig
 
-from common.cli import exit_on_user_error, run_hydra, stdout_reader_may_leave
-from common.config import typed_config
+from common.config import exit_on_user_error, run_hydra, stdout_reader_may_leave, typed_config
 from inference.eval_run import readable, run_eval
 from inference.schema import EvalConfig, register_schemas
 

@@ -25,8 +25,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from analysis.stats import Comparison, Group, compare, find_baseline, group_runs, run_value
-from common.errors import UserError
-from common.files import check_writable
+from common.cli import fail
 from training.metrics import METRICS_NAME, read_records
 
 IGNORED_KEYS = ("out_dir", "resume", "resume_with_changes")  # differ between runs without saying anything about them
@@ -43,15 +42,8 @@ def find_runs(paths: list[Path]) -> list[Path]:
     return runs
 
 
-def fail(message: str) -> None:
-    """A user's mistake: one line and status 2, as the other commands."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def picture_path(out: Path) -> Path:
-    """Where the picture goes: -o's path, .png added when it has no extension (matplotlib's default, said here
-    so the reported name is the real one); an extension matplotlib can't write, or a directory, is refused."""
+    """-o's path, .png added when it has no extension, checked before any work."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -66,16 +58,11 @@ def picture_path(out: Path) -> Path:
         fail(f"-o {out}: can't write {out.suffix} pictures; use one of {', '.join('.' + f for f in sorted(formats))}")
     if not out.parent.is_dir():
         fail(f"-o {out}: no directory {out.parent}; create it first")
-    try:
-        check_writable(out.parent, "-o", shown=f"-o {out}: {out.parent}")
-    except UserError as err:
-        fail(str(err))
     return out
 
 
 def load_run(run: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The run's flat config (key.sub: value) with what it resolved at start in place of what was typed
-    (train.dtype=auto: the precision it trained in), and its metrics records."""
+    """The run's flat config (key.sub: value), with the settings it resolved at start, and its records."""
     records, damaged = read_records(run)
     if damaged:
         print(f"warning: {run / METRICS_NAME}: left out {damaged} damaged line(s)", file=sys.stderr)
@@ -96,24 +83,18 @@ def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
 
 
 def summarize(run: Path, config: dict[str, Any], records: list[dict[str, Any]], keys: list[str]) -> dict[str, Any]:
-    evals = [r for r in records if "val_loss" in r]
-    logs = [r for r in records if "tokens_per_sec" in r]
-    finite = [r for r in evals if math.isfinite(r["val_loss"])]
-    best = min(finite, key=lambda r: r["val_loss"]) if finite else None
-    speeds = sorted(r["tokens_per_sec"] for r in logs)
-    tokens_per_iter = (
-        config.get("train.batch_size", 0) * config.get("train.grad_accum", 0) * config.get("model.block_size", 0)
-    )
+    finite = [r["val_loss"] for r in records if "val_loss" in r and math.isfinite(r["val_loss"])]
+    speeds = [r["tokens_per_sec"] for r in records if "tokens_per_sec" in r]
+    batch, accum, block = (config.get(k, 0) for k in ("train.batch_size", "train.grad_accum", "model.block_size"))
     return {
         "run": run,
         "label": ", ".join(f"{k}={config.get(k)}" for k in keys) or run.name,
         "records": records,
-        "best_val": best["val_loss"] if best else None,
-        "best_iter": best["iter"] if best else None,
+        "best_val": min(finite, default=None),
         "iters": max((r["iter"] for r in records), default=0),
         "wall_s": max((r["elapsed_s"] for r in records if "elapsed_s" in r), default=None),
-        "tokens_per_sec": speeds[len(speeds) // 2] if speeds else None,
-        "tokens_per_iter": tokens_per_iter,
+        "tokens_per_sec": statistics.median_high(speeds) if speeds else None,
+        "tokens_per_iter": batch * accum * block,
     }
 
 
@@ -133,27 +114,24 @@ def print_table(summaries: list[dict[str, Any]]) -> None:
     rows = [["run", "differing keys", "best val", "iters", "tokens/s", "wall time"]]
     for s in summaries:
         keys = textwrap.wrap(s["label"], KEYS_WIDTH, break_on_hyphens=False) or [""]
-        rows.append(
-            [
-                str(s["run"]),
-                keys[0],
-                f"{s['best_val']:.4f}" if s["best_val"] is not None else "-",
-                str(s["iters"]),
-                f"{s['tokens_per_sec']:,.0f}" if s["tokens_per_sec"] else "-",
-                f"{s['wall_s']:.1f} s" if s["wall_s"] is not None else "-",
-            ]
-        )
+        rows.append([str(s["run"]), keys[0], f"{s['best_val']:.4f}" if s["best_val"] is not None else "-",
+                     str(s["iters"]), f"{s['tokens_per_sec']:,.0f}" if s["tokens_per_sec"] else "-",
+                     f"{s['wall_s']:.1f} s" if s["wall_s"] is not None else "-"])
         rows += [["", more, "", "", "", ""] for more in keys[1:]]
+    print_rows(rows)
+
+
+def print_rows(rows: list[list[str]]) -> None:
+    """Columns left-aligned to their widest cell."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
 
 
-def replicate_groups(
-    runs: list[Path], configs: list[dict[str, Any]], records: list[list[dict[str, Any]]], args: argparse.Namespace
-) -> list[Group] | None:
-    """The groups of runs repeated over seeds, with the metric's values, the baseline first; None when every run is
-    a group of its own and no statistics were asked for (--metric, --baseline, --json)."""
+def replicate_groups(runs: list[Path], configs: list[dict[str, Any]], records: list[list[dict[str, Any]]],
+                     args: argparse.Namespace) -> list[Group] | None:
+    """The groups of runs repeated over seeds, the baseline first; None when no run has a replicate and no
+    statistics were asked for."""
     asked = bool(args.baseline or args.json or args.metric != "val_loss")
     values = [run_value(r, args.metric) for r in records]
     groups = group_runs(runs, configs, values)  # type: ignore[arg-type]  # checked next, if they matter
@@ -167,9 +145,8 @@ def replicate_groups(
         return None
     bare = [run for run in runs if not (run / "config.yaml").is_file()]
     if bare:
-        print(
-            f"warning: {len(bare)} run(s) without config.yaml ({bare[0]}): grouped by settings alone", file=sys.stderr
-        )
+        print(f"warning: {len(bare)} run(s) without config.yaml ({bare[0]}): grouped by settings alone",
+              file=sys.stderr)
     try:
         baseline = find_baseline(groups, args.baseline) if args.baseline else groups[0]
     except ValueError as err:
@@ -187,16 +164,12 @@ def _unusable(runs: list[Path], values: list[float | None], metric: str) -> str 
     missing = [run for run, value in zip(runs, values, strict=True) if value is None]
     if missing:
         more = ", ..." if len(missing) > 1 else ""
-        return (
-            f"--metric {metric}: {len(missing)} of {len(runs)} runs recorded none ({missing[0]}{more}); pass runs "
-            "that all recorded it, or another --metric"
-        )
+        return (f"--metric {metric}: {len(missing)} of {len(runs)} runs recorded none ({missing[0]}{more}); pass runs "
+                "that all recorded it, or another --metric")
     diverged = [run for run, value in zip(runs, values, strict=True) if not math.isfinite(value)]  # type: ignore[arg-type]
     if diverged:
-        return (
-            f"--metric {metric}: {len(diverged)} run(s) ended with NaN or inf ({diverged[0]}: diverged); leave them "
-            "out, or compare --metric best_val_loss"
-        )
+        return (f"--metric {metric}: {len(diverged)} run(s) ended with NaN or inf ({diverged[0]}: diverged); leave "
+                "them out, or compare --metric best_val_loss")
     return None
 
 
@@ -204,19 +177,11 @@ def print_statistics(groups: list[Group], comparisons: list[Comparison], metric:
     """The groups' table (baseline first), then one verdict per comparison with the baseline."""
     rows = [["group", "n", f"{metric} mean", "std", "95% CI of the mean"]]
     for i, g in enumerate(groups):
-        rows.append(
-            [
-                g.label + (" (baseline)" if i == 0 and len(groups) > 1 else ""),
-                str(g.n),
-                _value(g.mean),
-                "-" if g.std is None else _value(g.std),
-                "- (one run)" if g.ci95 is None else f"[{_value(g.ci95[0])}, {_value(g.ci95[1])}]",
-            ]
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        rows.append([g.label + (" (baseline)" if i == 0 and len(groups) > 1 else ""), str(g.n), _value(g.mean),
+                     "-" if g.std is None else _value(g.std),
+                     "- (one run)" if g.ci95 is None else f"[{_value(g.ci95[0])}, {_value(g.ci95[1])}]"])
     print()
-    for r in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    print_rows(rows)
     if comparisons:
         print()
     for c in comparisons:
@@ -224,11 +189,8 @@ def print_statistics(groups: list[Group], comparisons: list[Comparison], metric:
 
 
 def write_json(path: Path, metric: str, groups: list[Group], comparisons: list[Comparison]) -> None:
-    document = {
-        "metric": metric,
-        "groups": [g.to_dict() for g in groups],
-        "comparisons": [c.to_dict() for c in comparisons],
-    }
+    document = {"metric": metric, "groups": [g.to_dict() for g in groups],
+                "comparisons": [c.to_dict() for c in comparisons]}
     try:
         path.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
     except OSError as err:
@@ -239,9 +201,7 @@ def _value(x: float) -> str:
     return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4f}"
 
 
-def plot(
-    summaries: list[dict[str, Any]], x_axis: str, out: Path, groups: list[Group] | None = None, metric: str = ""
-) -> None:
+def plot(summaries: list[dict[str, Any]], x_axis: str, out: Path, groups: list[Group] | None, metric: str) -> None:
     """Every run's curves; for groups of replicates, each group's mean val curve with its runs' min-max band."""
     import matplotlib
 
@@ -286,25 +246,17 @@ def _draw_runs(ax: Any, summaries: list[dict[str, Any]], x_of: Any) -> None:
         train = [r for r in s["records"] if "lr" in r]
         evals = [r for r in s["records"] if "val_loss" in r]
         ax.plot([x_of(r, s) for r in train], [r["train_loss"] for r in train], color=color, alpha=0.35, lw=1)
-        ax.plot(
-            [x_of(r, s) for r in evals],
-            [r["val_loss"] for r in evals],
-            color=color,
-            marker="o",
-            ms=3,
-            label=textwrap.fill(
-                f"{s['label']} (best val {s['best_val']:.3f})" if s["best_val"] is not None else s["label"],
-                2 * KEYS_WIDTH,
-            ),
-        )
+        label = f"{s['label']} (best val {s['best_val']:.3f})" if s["best_val"] is not None else s["label"]
+        ax.plot([x_of(r, s) for r in evals], [r["val_loss"] for r in evals], color=color, marker="o", ms=3,
+                label=textwrap.fill(label, 2 * KEYS_WIDTH))
         if s["best_val"] is not None:
             best = next(r for r in evals if r["val_loss"] == s["best_val"])
             ax.plot([x_of(best, s)], [best["val_loss"]], color=color, marker="*", ms=12, mec="black")
 
 
 def _draw_groups(ax: Any, groups: list[Group], by_run: dict[Path, dict[str, Any]], x_of: Any, metric: str) -> None:
-    """Faint: the mean train loss; dots: the mean val loss with its runs' min-max as a band and a bar. At the
-    iterations every run of the group recorded; x is the runs' mean (wall times differ)."""
+    """Faint: the mean train loss; dots: the mean val loss with its runs' min-max as a band and a bar, at the
+    iterations every run of the group recorded."""
     for i, g in enumerate(groups):
         color = f"C{i % 10}"
         runs = [by_run[run] for run in g.runs]
@@ -340,19 +292,12 @@ def main() -> None:
     parser.add_argument("runs", nargs="*", type=Path, help="run directories, or directories holding runs")
     parser.add_argument("-o", "--out", type=Path, default=Path("loss.png"))
     parser.add_argument("--x", choices=["iter", "time", "tokens"], default="iter", help="the x axis")
-    parser.add_argument(
-        "--metric",
-        default="val_loss",
-        help="what the groups compare: val_loss (the last evaluation's), best_val_loss, time_to_target_s, "
-        "tokens_per_sec (the median log line's), or any other key of metrics.jsonl (its last value)",
-    )
-    parser.add_argument(
-        "--baseline",
-        nargs="+",
-        action="extend",
-        metavar="KEY=VALUE",
-        help="the group the others are compared with (default: the first group)",
-    )
+    parser.add_argument("--metric", default="val_loss",
+                        help="what the groups compare: val_loss (the last evaluation's), best_val_loss, "
+                        "time_to_target_s, tokens_per_sec (the median log line's), or any other key of metrics.jsonl "
+                        "(its last value)")
+    parser.add_argument("--baseline", nargs="+", action="extend", metavar="KEY=VALUE",
+                        help="the group the others are compared with (default: the first group)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the groups and comparisons as JSON")
     args = parser.parse_args()
     if args.baseline:  # `--baseline K=V RUN_DIR`: a run directory after the pairs is a run directory

@@ -1,11 +1,6 @@
-"""Generate text from a trained run; optionally look inside the model.
-
-Only the samples, and the causality report when asked for, go to stdout: as they are generated when it is a
-terminal (stream=true), one after another; the num_samples samples are drawn side by side as one batch.
-attention_dir=DIR writes the attention maps of the first sample and an offline page to explore them
-(docs/attention_explorer.md); check_causal=true changes one token and shows that no earlier position's logits
-move. `python sample.py --help` lists the keys set most, with examples.
-"""
+"""Generate text from a trained run: the samples, drawn side by side as one batch, go to stdout one after another.
+attention_dir=DIR writes the first sample's attention maps and a page to explore them; check_causal=true changes
+one token and shows that no earlier position's logits move. `python sample.py --help` lists the keys set most."""
 
 import sys
 from pathlib import Path
@@ -13,12 +8,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from common.cli import exit_on_user_error, literal_text, run_hydra, stdout_reader_may_leave
-from common.config import typed_config
-from inference.sample_text import SEPARATOR, stop_strings
-from inference.sampling import Sampler, load_sampler, warn
+from common.config import exit_on_user_error, literal_text, run_hydra, stdout_reader_may_leave, typed_config
+from inference.sampling import SEPARATOR, Sampler, load_sampler, stop_strings, warn
 from inference.schema import SampleConfig, register_schemas
-from model.decoding import Decoding
+from model.gpt import Decoding
 
 register_schemas()
 TEXT_KEYS = ("start", "stop")  # taken literally: a prompt's ${...} is text, not an interpolation
@@ -27,30 +20,21 @@ TEXT_KEYS = ("start", "stop")  # taken literally: a prompt's ${...} is text, not
 @hydra.main(version_base="1.3", config_path="configs", config_name="sample")
 def main(dict_cfg: DictConfig) -> None:
     with exit_on_user_error(), stdout_reader_may_leave():
-        cfg = typed_config(dict_cfg, SampleConfig)  # checked: one line for a bad value
-        if cfg.attention_dir:
+        cfg = typed_config(dict_cfg, SampleConfig)
+        if cfg.attention_dir:  # before any work: nothing of the user's is overwritten
             from analysis.attention_maps import check_output_dir
-
-            check_output_dir(Path(cfg.attention_dir))  # before any work: nothing of the user's is overwritten
+            check_output_dir(Path(cfg.attention_dir))
         sampler = load_sampler(cfg)
         prompt = sampler.encode_prompt(cfg.start)
         decoding = Decoding(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
-        stop = stop_strings(cfg.stop, sampler.tokenizer)
+        count = 1 if decoding.greedy else cfg.num_samples
+        if count < cfg.num_samples:
+            print(f"greedy decoding: the {cfg.num_samples} samples would be the same text, so one is drawn",
+                  file=sys.stderr)
         stream = sys.stdout.isatty() if cfg.stream is None else cfg.stream
-        count = cfg.num_samples
-        if count > 1 and decoding.greedy:
-            print(f"greedy decoding: the {count} samples would be the same text, so one is drawn", file=sys.stderr)
-            count = 1
-        samples = sampler.generate(
-            prompt,
-            count,
-            cfg.max_new_tokens,
-            decoding,
-            use_cache=cfg.use_cache,
-            stop=stop,
-            stream=sys.stdout if stream else None,
-            seed=cfg.seed,
-        )
+        stop = stop_strings(cfg.stop, sampler.tokenizer)
+        samples = sampler.generate(prompt, count, cfg.max_new_tokens, decoding, use_cache=cfg.use_cache, stop=stop,
+                                   stream=sys.stdout if stream else None, seed=cfg.seed)
         if not stream:
             sys.stdout.write("".join(sample.text + SEPARATOR for sample in samples))
         if cfg.attention_dir or cfg.check_causal:

@@ -1,20 +1,12 @@
-"""Serve a trained model through OpenAI's completions API, with continuous batching, and a live page.
-
-    python serve.py out_dir=RUN                  # http://127.0.0.1:8000: the API at /v1, the page at /
-    python serve.py out_dir=RUN ckpt=best port=8001
-    python serve.py init_from=gpt2 api_key=KEY   # every request needs Authorization: Bearer KEY
-    python serve.py out_dir=RUN host=0.0.0.0 api_key=KEY   # beyond this machine: a key, or allow_no_api_key=true
-
-Any OpenAI client works: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="KEY or anything").completions
-.create(model=..., prompt="ROMEO:", max_tokens=100, temperature=0). Greedy text equals sample.py's at
-temperature=0, and a request's seed S gives choice i the draws of sample.py's sample i with seed=S.
+"""Serve a trained model through OpenAI's completions API, with continuous batching, and a live page; usage()
+lists the keys set most. Any OpenAI client works. Greedy text equals sample.py's at temperature=0, and a request's
+seed S gives choice i the draws of sample.py's sample i with seed=S.
 """
 
 import hydra
 from omegaconf import DictConfig
 
-from common.cli import exit_on_user_error, run_hydra
-from common.config import typed_config
+from common.config import exit_on_user_error, run_hydra, typed_config
 from inference.schema import ServeConfig, register_schemas
 
 register_schemas()

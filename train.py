@@ -18,7 +18,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from common.cli import exit_on_user_error, presets, run_hydra
+from common.cli import presets
+from common.config import exit_on_user_error, run_hydra
 from common.files import write_text_atomically
 from training.resume import resumed_config
 from training.run import train

@@ -1,10 +1,8 @@
 """Attention weights of a trained model, saved as numbers (attention.npz) and pictures (one PNG per layer).
 
 How to read a picture: one heat map per head; row i is query position i, column j key position j, and the
-colour is how much token i attends to token j. Each row is a softmax over the keys the mask allows, so it
-sums to 1. The masked cells (above the diagonal, and outside the band of a sliding-window layer) are exactly
-0 and drawn in grey, so they can't be mistaken for small weights, which run from black up: the mask, made
-visible.
+colour is how much token i attends to token j (a row sums to 1). The masked cells (above the diagonal, and outside
+a sliding window's band) are exactly 0 and drawn in grey, apart from small weights, which run from black up.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ import numpy as np
 import torch
 
 from analysis.diagnostics import DIAGNOSTIC_NAMES, head_diagnostics
-from common.files import check_writable
 from data.errors import DataError
 from model import GPT, causal_mask
 
@@ -26,19 +23,12 @@ MASKED_COLOUR = "#9a9a9a"  # neutral grey: no weight's colour in the map's scale
 
 
 def save_attention_maps(model: GPT, ids: list[int], tokens: list[str], out_dir: Path) -> list[Path]:
-    """Write out_dir/attention.npz (weights: float32 (n_layer, n_head, T, T); mask: bool (n_layer, T, T), True
-    where a query may attend; tokens; diagnostics: float32 (n_layer, n_head, 5), named by diagnostic_names) and
-    the PNGs."""
+    """Write out_dir/attention.npz (weights (n_layer, n_head, T, T); mask (n_layer, T, T), True where a query may
+    attend; tokens; diagnostics (n_layer, n_head, 5), named by diagnostic_names) and the PNGs."""
     out_dir.mkdir(parents=True, exist_ok=True)
     weights, mask = attention_arrays(model, ids)
-    np.savez(
-        out_dir / "attention.npz",
-        weights=weights,
-        mask=mask,
-        tokens=np.array(tokens),
-        diagnostics=head_diagnostics(model, weights),
-        diagnostic_names=np.array(DIAGNOSTIC_NAMES),
-    )
+    np.savez(out_dir / "attention.npz", weights=weights, mask=mask, tokens=np.array(tokens),
+             diagnostics=head_diagnostics(model, weights), diagnostic_names=np.array(DIAGNOSTIC_NAMES))
     return [_plot_layer(weights[layer], mask[layer], tokens, layer, out_dir) for layer in range(len(weights))]
 
 
@@ -56,25 +46,16 @@ OURS = re.compile(r"attention\.npz|index\.html|attention_layer\d+\.png")  # ever
 
 def check_output_dir(out_dir: Path, key: str = "attention_dir") -> None:
     """Before any work: the directory is new, empty, or holds only what an earlier attention_dir=... wrote, and
-    its index.html, if any, is the explorer's. Anything else (a symbolic link too) is the user's, never overwritten:
-    DataError."""
-    check_writable(out_dir, key)
+    its index.html, if any, is the explorer's. Anything else is the user's, never overwritten: DataError."""
     if not out_dir.is_dir():
         return
-    strangers = []
-    for p in sorted(out_dir.iterdir()):
-        if p.is_symlink():  # even by one of our names: writing it would write where it points
-            strangers.append(f"{p.name} (a symbolic link)")
-        elif not OURS.fullmatch(p.name) or not p.is_file():
-            strangers.append(p.name)
+    strangers = [p.name for p in sorted(out_dir.iterdir()) if not OURS.fullmatch(p.name) or not p.is_file()]
     page = out_dir / "index.html"
     if page.is_file() and EXPLORER_MARK not in page.read_text(encoding="utf-8", errors="replace")[:1000]:
         strangers.append("index.html (not an attention explorer page)")
     if strangers:
-        raise DataError(
-            f"{key}={out_dir} holds files sample.py didn't write ({', '.join(strangers[:3])}); name an empty or "
-            "new directory, so nothing of yours is overwritten"
-        )
+        raise DataError(f"{key}={out_dir} holds files sample.py didn't write ({', '.join(strangers[:3])}); name an "
+                        "empty or new directory, so nothing of yours is overwritten")
 
 
 def load_attention_maps(out_dir: Path) -> dict[str, np.ndarray]:
@@ -94,9 +75,8 @@ def _plot_layer(weights: np.ndarray, mask: np.ndarray, tokens: list[str], layer:
     cols = min(n_head, 4)
     rows = -(-n_head // cols)
     size = 3.2 if T <= LABELS_UP_TO // 2 else 4.2
-    fig, axes = plt.subplots(
-        rows, cols, figsize=(size * cols + 1, size * rows + 0.6), squeeze=False, layout="constrained"
-    )
+    fig, axes = plt.subplots(rows, cols, figsize=(size * cols + 1, size * rows + 0.6), squeeze=False,
+                             layout="constrained")
     norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)  # stretch small weights; 0 stays black
     cmap = plt.get_cmap("inferno").with_extremes(bad=MASKED_COLOUR)  # "bad": the masked cells
     labels = [_readable(t) for t in tokens]

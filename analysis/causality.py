@@ -1,9 +1,6 @@
-"""The end-to-end proof of masked attention: change one token and watch which logits move.
-
-With a causal mask, the logits before the changed position stay exactly the same (a token can't see
-the future) and those from it on change. With sliding windows in every layer the change also stops: each
-windowed layer carries it window - 1 positions further, so it reaches p .. p + receptive_field - 1 and no
-further. Run on both attention paths with the same weights.
+"""The end-to-end proof of masked attention: change one token and watch which logits move. With a causal mask the
+logits before the changed position p stay exactly the same and those from it on change; with sliding windows in
+every layer the change reaches p .. p + receptive_field - 1 and no further. Both attention paths, the same weights.
 """
 
 from __future__ import annotations
@@ -28,9 +25,8 @@ class CausalityReport:
     @property
     def last_reachable(self) -> int:
         """The last position the change may reach."""
-        if self.receptive_field is None:
-            return self.length - 1
-        return min(self.length - 1, self.position + self.receptive_field - 1)
+        reach = self.length if self.receptive_field is None else self.position + self.receptive_field
+        return min(self.length, reach) - 1
 
     @property
     def unreachable(self) -> torch.Tensor:
@@ -47,9 +43,8 @@ class CausalityReport:
         return all(bool((c[~self.unreachable] > 0).all()) for c in self.changes.values())
 
 
-def check_causality(
-    model: GPT, ids: list[int], position: int | None = None, replacement: int | None = None
-) -> CausalityReport:
+def check_causality(model: GPT, ids: list[int], position: int | None = None,
+                    replacement: int | None = None) -> CausalityReport:
     """Perturb token `position` (to `replacement`; by default the next token id) and compare logits, for every
     attention path. The default position is the middle token, or, when the receptive field ends inside the
     sequence, the one that centres the field's span, so that unchanged positions show on both sides."""
@@ -82,8 +77,7 @@ def check_causality(
 
 
 def format_report(report: CausalityReport, tokens: list[str], changed_to: str, positions: bool = False) -> str:
-    """A summary by range of positions (before the change, within its reach, beyond it), then the verdict;
-    positions=True: one line per position instead of the summary."""
+    """A summary by range of positions (or, positions=True, one line per position), then the verdict."""
     t, last, impls = report.position, report.last_reachable, list(report.changes)
     lines = [f"causality check: token {t} {tokens[t]!r} changed to {changed_to!r}; largest |change| of the logits"]
     if positions:

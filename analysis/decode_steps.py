@@ -7,17 +7,15 @@ import numpy as np
 import torch
 
 from model import GPT
-from model.kv_cache import KVCache
+from model.attention import KVCache
 
 
 @torch.no_grad()
 def decode_step_weights(model: GPT, ids: list[int], n_prefill: int, last: int | None = None) -> np.ndarray:
     """Run `ids` as generation does, the first n_prefill tokens as the prompt (one pass) then one token per step
-    with the cache, and return (steps, n_layer, n_head, last) for the steps of the last `last` tokens (default:
-    all of them) over the last `last` key positions: for each step's token t, every layer's and head's weights
-    over the keys the cache gave it, placed at their positions (0 elsewhere: keys after t, those a windowed
-    layer's cache no longer holds, and any before those positions). The step runs the math path (`captured`) on
-    the same queries and cached keys: the fused path doesn't return its weights."""
+    with the cache: (steps, n_layer, n_head, last), the weights of the last `last` tokens' steps (default: all)
+    over the last `last` key positions, 0 where the cache held no key. Captured on the math path, from the same
+    queries and cached keys: the fused path doesn't return its weights."""
     T = len(ids)
     if not 1 <= n_prefill <= T:
         raise ValueError(f"n_prefill={n_prefill} must be between 1 and the {T} tokens")

@@ -14,17 +14,15 @@ INDUCTION_SEED = 0
 
 
 def head_diagnostics(model: GPT, weights: np.ndarray, induction: np.ndarray | None = None) -> np.ndarray:
-    """(n_layer, n_head, 5) in DIAGNOSTIC_NAMES order: the first four from `weights` (n_layer, n_head, T, T), the
-    sample's own; the induction score from a repeated random sequence, since a sample rarely repeats itself
-    (`induction`: induction_scores(model), if already known: it doesn't depend on the sample)."""
+    """(n_layer, n_head, 5) in DIAGNOSTIC_NAMES order: four from the sample's `weights` (n_layer, n_head, T, T), and
+    the induction score of a repeated random sequence (`induction`, if already known), as a sample rarely repeats."""
     induction = induction_scores(model) if induction is None else induction
     return np.concatenate([pattern_scores(weights), induction[..., None]], axis=-1).astype(np.float32)
 
 
 def pattern_scores(weights: np.ndarray) -> np.ndarray:
     """(..., 4): row entropy (nats), mean attention distance, weight on the first token, previous-token score,
-    each a mean over query rows; the last two over rows 1.. (row 0 has no previous token, and all its weight is
-    on the first one whatever the head does)."""
+    each a mean over query rows; the last two over rows 1.., as row 0 has all its weight on the first token."""
     p = weights.astype(np.float64)
     T = p.shape[-1]
     plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)

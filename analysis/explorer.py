@@ -1,26 +1,18 @@
-"""The attention explorer: DIR/index.html, one self-contained page (inline script, style and data; no network, no
-server) to point at a token and see where it looks, flip through layers and heads, and step through generation.
-
-The page's code is analysis/explorer_page.html; this module fills in its data, and owns the format: one JSON
-object in <script id="explorer-data" type="application/json">, read by the page's script:
+"""The attention explorer: DIR/index.html, one self-contained page to point at a token and see where it looks, flip
+through layers and heads, and step through generation. The page's code is analysis/explorer_page.html; this module
+fills in its data, one JSON object in <script id="explorer-data" type="application/json">:
 
     version      1
     title        str: what was sampled (shown as the page's title)
     tokens       [str], T of them: the sequence the maps show (the first sample, its last block_size tokens)
     nPrompt      int: how many of them the decode steps ran as the prompt (one pass)
     nLayer, nHead, T
-    windows      [int | null] per layer: a sliding window, or null for full causal attention. The mask follows:
-                 query i may attend to keys lo(i) .. i, lo(i) = max(0, i - window + 1) (0 without a window)
-    weights      base64 of uint8 cells: for each layer, each head, each query row i, the keys lo(i) .. i in
-                 order (only the cells the mask allows; every other cell is exactly 0). A weight w is stored as
-                 q ≈ 255 w (quantise: each row's q add up to exactly 255); the page shows q / 255
-    steps        null, or {first, differ, weights}: the KV-cache decode steps of tokens first .. T - 1, the weights
-                 each step used over its cached keys. They equal the matrix's rows first .. T - 1 within 1e-6
-                 (but for a rolling model's steps near the window's left edge, whose keys reach before it and are
-                 cut there), so after quantising most rows are the very same bytes, stored once: `differ` lists
-                 the rows that aren't, as (layer * nHead + head) * (T - first) + (t - first), ascending, and
-                 `weights` holds those rows' allowed cells, packed like `weights`, in that order; every other step
-                 row is the matrix's row t
+    windows      [int | null] per layer: query i attends to keys lo(i) .. i, lo(i) = max(0, i - window + 1) (0: null)
+    weights      base64 of uint8 cells q ≈ 255 w (quantise): for each layer, head and query row i, the keys lo(i) .. i
+    steps        null, or {first, differ, weights}: the weights the KV-cache decode steps of tokens first .. T - 1
+                 used. Most equal the matrix's row t once quantised and are not stored again: `differ` lists the
+                 rows that aren't, as (layer * nHead + head) * (T - first) + (t - first), ascending, and `weights`
+                 holds their allowed cells, packed like `weights`, in that order
     diagnostics  {names: [str], values: (n_layer, n_head, len(names)) nested lists, null for an undefined value}
     stepsNote    null, or str: why there are no steps (the sample outgrew block_size, or use_cache=false)
     causality    null, or {tokens: [str], position: int, changes: {attn_impl: [float] per position}, verdict: str}
@@ -50,9 +42,7 @@ TITLE_SLOT = "__EXPLORER_TITLE__"
 
 def quantise(weights: np.ndarray) -> np.ndarray:
     """uint8 255 w, each row (the last axis) rounded by largest remainder, so that a softmax row's cells add up
-    to exactly 255: floor(255 w), then one more to the cells that lost most, as many as the row's rounded sum
-    needs. An exact 0 stays 0 (it loses nothing); a tiny weight may read 0, but the page tells masked cells from
-    the mask, not from 0."""
+    to exactly 255: floor(255 w), then one more to the cells that lost most. An exact 0 stays 0."""
     scaled = np.asarray(weights, dtype=np.float64).clip(0, 1) * 255
     q = np.floor(scaled)
     short = np.rint(scaled.sum(-1, keepdims=True)) - q.sum(-1, keepdims=True)  # units the floors lost, per row
@@ -61,8 +51,7 @@ def quantise(weights: np.ndarray) -> np.ndarray:
 
 
 def pack(cells: np.ndarray, mask: np.ndarray) -> bytes:
-    """cells (n_layer, n_head, rows, T) uint8, mask (n_layer, rows, T): the allowed cells of each layer, head
-    and row in order, as the page reads them."""
+    """The allowed cells of each layer, head and row of cells (n_layer, n_head, rows, T), in the page's order."""
     n_layer, n_head = cells.shape[:2]
     return b"".join(cells[layer, head][mask[layer]].tobytes() for layer in range(n_layer) for head in range(n_head))
 
@@ -106,38 +95,19 @@ def causality_data(report: CausalityReport, tokens: list[str]) -> dict:
     return {"tokens": tokens, "position": report.position, "changes": changes, "verdict": verdict(report)}
 
 
-def page_data(
-    title: str,
-    tokens: list[str],
-    weights: np.ndarray,
-    mask: np.ndarray,
-    windows: list[int | None],
-    diagnostics: np.ndarray,
-    steps: np.ndarray | None = None,
-    causality: dict | None = None,
-    steps_note: str | None = None,
-) -> dict:
+def page_data(title: str, tokens: list[str], weights: np.ndarray, mask: np.ndarray, windows: list[int | None],
+              diagnostics: np.ndarray, steps: np.ndarray | None = None, causality: dict | None = None,
+              steps_note: str | None = None) -> dict:
     """The page's JSON (the module docstring): weights (n_layer, n_head, T, T) and mask (n_layer, T, T) as in
     attention.npz; steps (n_steps, n_layer, n_head, T) from decode_step_weights, for the last n_steps tokens."""
     n_layer, n_head, T, _ = weights.shape
     matrix = quantise(weights)
     values = [[[None if math.isnan(v) else float(v) for v in head] for head in layer] for layer in diagnostics]
     data: dict = {
-        "version": 1,
-        "title": title,
-        "tokens": tokens,
-        "nPrompt": T if steps is None else T - len(steps),
-        "nLayer": n_layer,
-        "nHead": n_head,
-        "T": T,
-        "windows": list(windows),
-        "weights": base64.b64encode(pack(matrix, mask)).decode("ascii"),
-        "steps": None,
-        "diagnostics": {
-            "names": list(DIAGNOSTIC_NAMES),
-            "values": values,
-        },
-        "causality": causality,
+        "version": 1, "title": title, "tokens": tokens, "nPrompt": T if steps is None else T - len(steps),
+        "nLayer": n_layer, "nHead": n_head, "T": T, "windows": list(windows),
+        "weights": base64.b64encode(pack(matrix, mask)).decode("ascii"), "steps": None,
+        "diagnostics": {"names": list(DIAGNOSTIC_NAMES), "values": values}, "causality": causality,
         "stepsNote": steps_note,
     }
     if steps is not None and len(steps):
@@ -165,37 +135,24 @@ def render_page(data: dict) -> str:
     return re.sub("|".join(slots), lambda m: slots[m.group(0)], PAGE.read_text(encoding="utf-8"))  # one pass
 
 
-def live_page(
-    model: GPT, ids: list[int], tokens: list[str], n_prompt: int, title: str, induction: np.ndarray | None = None
-) -> str:
-    """The page for a sequence held in memory, as serve.py's live page shows the text streaming in: what
-    save_explorer writes for it (its last block_size tokens, and the KV-cache decode steps of the generated ones
-    among them), computed here. tokens: each id's text. induction: induction_scores(model), if known."""
+def live_page(model: GPT, ids: list[int], tokens: list[str], n_prompt: int, title: str,
+              induction: np.ndarray | None = None) -> str:
+    """The page for a sequence held in memory (serve.py's live page): its last block_size tokens and the decode
+    steps of the generated ones among them. tokens: each id's text. induction: induction_scores(model), if known."""
     config = model.config
     T = min(len(ids), config.block_size)
-    window = ids[-T:]
-    weights, mask = attention_arrays(model, window)
-    generated = min(T, len(ids) - n_prompt)
+    weights, mask = attention_arrays(model, ids[-T:])
     steps = None
-    if generated > 0 and (config.rolls or len(ids) <= config.block_size):
+    if len(ids) > n_prompt and (config.rolls or len(ids) <= config.block_size):  # generated tokens, decoded cached
         steps = decode_step_weights(model, ids, n_prompt, last=T)
     diagnostics = head_diagnostics(model, weights, induction)
-    data = page_data(title, tokens[-T:], weights, mask, config.layer_windows(), diagnostics, steps)
-    return render_page(data)
+    return render_page(page_data(title, tokens[-T:], weights, mask, config.layer_windows(), diagnostics, steps))
 
 
-def save_explorer(
-    model: GPT,
-    sample: list[int],
-    n_prompt: int,
-    out_dir: Path,
-    title: str,
-    causality: dict | None = None,
-    use_cache: bool = True,
-) -> Path:
-    """Write out_dir/index.html for the window of `sample` (the prompt's n_prompt tokens, then the generated ones)
-    whose attention.npz save_attention_maps wrote there, so the page holds those very numbers, with the decode
-    steps generation took for the window's generated tokens, where it took any (stepsNote says why not)."""
+def save_explorer(model: GPT, sample: list[int], n_prompt: int, out_dir: Path, title: str,
+                  causality: dict | None = None, use_cache: bool = True) -> Path:
+    """Write out_dir/index.html from the attention.npz save_attention_maps wrote there for the window of `sample`
+    (n_prompt tokens of prompt, then the generated ones), with the decode steps of the generated ones, if any."""
     saved = load_attention_maps(out_dir)
     T, config = len(saved["tokens"]), model.config
     generated = min(T, len(sample) - n_prompt)
@@ -206,19 +163,8 @@ def save_explorer(
         steps = decode_step_weights(model, sample, n_prompt, last=T)
     elif generated > 0:
         grew = "prompt is" if n_prompt > config.block_size else "sample grew"
-        note = (
-            f"The {grew} longer than block_size={config.block_size}: past it, generation recomputed each cropped "
-            "window without the KV cache, so there are no decode steps to show for this window."
-        )
-    data = page_data(
-        title,
-        [str(t) for t in saved["tokens"]],
-        saved["weights"],
-        saved["mask"],
-        config.layer_windows(),
-        saved["diagnostics"],
-        steps,
-        causality,
-        note,
-    )
+        note = (f"The {grew} longer than block_size={config.block_size}: past it, generation recomputed each cropped "
+                "window without the KV cache, so there are no decode steps to show for this window.")
+    data = page_data(title, [str(t) for t in saved["tokens"]], saved["weights"], saved["mask"], config.layer_windows(),
+                     saved["diagnostics"], steps, causality, note)
     return write_page(data, out_dir / "index.html")

@@ -1,10 +1,7 @@
-"""Runs as replicates: is a difference between configs bigger than seed noise?
-
-Runs whose configs differ only by `seed` (and keys that change nothing trained: NEUTRAL_KEYS) form a group, named
-by the keys that differ between groups. Each group's metric gets its mean, standard deviation and a Student-t 95 %
-confidence interval; each other group is compared with a baseline group by Welch's t-test (unequal variances),
-with the difference's 95 % interval and, when nothing is detected, the seeds per arm a power calculation says the
-observed effect would need. plot.py prints, draws and writes (--json) what this computes.
+"""Runs as replicates: is a difference between configs bigger than seed noise? Runs whose configs differ only by
+`seed` (and NEUTRAL_KEYS) form a group, with its metric's mean, standard deviation and Student-t 95 % interval;
+each other group is compared with a baseline group by Welch's t-test, and when nothing is detected, the seeds per
+arm the observed effect would need are estimated. plot.py prints, draws and writes (--json) what this computes.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ HIGHER_IS_BETTER = ("tokens_per_sec", "mfu", "hellaswag_acc")  # every other met
 ALPHA = 0.05  # a difference with p below this is called real
 POWER = 0.8  # the chance of detecting an effect that the seeds-per-arm estimate asks for
 MAX_SEEDS = 10_000
-ABSENT = "<absent>"  # a key some runs' configs lack (runs from before it existed): a value of its own
+ABSENT = "<absent>"  # the value of a key some runs' configs lack
 
 
 @dataclass
@@ -62,15 +59,8 @@ class Group:
         return " ".join(f"{key}={shown(value)}" for key, value in self.config.items()) or "all runs"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "config": self.config,
-            "n": self.n,
-            "runs": [str(run) for run in self.runs],
-            "values": self.values,
-            "mean": self.mean,
-            "std": self.std,
-            "ci95": None if self.ci95 is None else list(self.ci95),
-        }
+        return {"config": self.config, "n": self.n, "runs": [str(run) for run in self.runs], "values": self.values,
+                "mean": self.mean, "std": self.std, "ci95": None if self.ci95 is None else list(self.ci95)}
 
 
 @dataclass
@@ -81,17 +71,15 @@ class Comparison:
     diff: float  # group's mean less the baseline's
     ci95: tuple[float, float]
     p_value: float  # Welch's two-sided t-test
-    seeds_needed: int | None = field(default=None)  # per arm, to detect |diff| at this spread (None: detected)
+    seeds_needed: int | None = None  # per arm, to detect |diff| at this spread (None: detected)
 
     @property
     def verdict(self) -> str:
         g, b = self.group.n, self.baseline.n
         at = f"{g}" if g == b else f"{g} and {b}"
         seeds = f"{at} seeds each" if g == b else f"{at} seeds"
-        head = (
-            f"{self.group.label} vs {self.baseline.label}: {_signed(self.diff)} {self.metric} "
-            f"[{_signed(self.ci95[0])}, {_signed(self.ci95[1])}], {_p(self.p_value)}, {seeds}"
-        )
+        head = (f"{self.group.label} vs {self.baseline.label}: {_signed(self.diff)} {self.metric} "
+                f"[{_signed(self.ci95[0])}, {_signed(self.ci95[1])}], {_p(self.p_value)}, {seeds}")
         if self.group.std == 0 and self.baseline.std == 0:  # every run of each group alike: no noise to test against
             return f"{head}: {'no difference at all' if self.diff == 0 else 'the runs of each group are identical'}"
         if self.p_value < ALPHA:
@@ -106,15 +94,9 @@ class Comparison:
         return f"{head}: no difference detected at {at} seeds; {effect} would need {need} seeds per arm at this spread"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "group": self.group.config,
-            "baseline": self.baseline.config,
-            "diff": self.diff,
-            "ci95": list(self.ci95),
-            "p_value": self.p_value,
-            "seeds_needed": self.seeds_needed,
-            "verdict": self.verdict,
-        }
+        return {"group": self.group.config, "baseline": self.baseline.config, "diff": self.diff,
+                "ci95": list(self.ci95), "p_value": self.p_value, "seeds_needed": self.seeds_needed,
+                "verdict": self.verdict}
 
 
 def training_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -194,10 +176,8 @@ def find_baseline(groups: list[Group], wanted: list[str]) -> Group:
     if not matches:
         raise ValueError(f"--baseline {asked} matches no group; the groups: {'; '.join(g.label for g in groups)}")
     if len(matches) > 1:
-        raise ValueError(
-            f"--baseline {asked} matches {len(matches)} groups ({'; '.join(g.label for g in matches)}); "
-            "add KEY=VALUE to pick one"
-        )
+        raise ValueError(f"--baseline {asked} matches {len(matches)} groups ({'; '.join(g.label for g in matches)}); "
+                         "add KEY=VALUE to pick one")
     return matches[0]
 
 

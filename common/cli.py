@@ -1,116 +1,48 @@
-"""What the command-line scripts share: user errors become one line on stderr and exit status 2;
-Ctrl-C (a second one, during training) exits with status 130 without a traceback, and a closed stdout
-(`sample.py | head`) with 141, as SIGPIPE would, silently (stdout_reader_may_leave)."""
+"""Why a command line was refused, in one line: run_hydra (common/config.py) calls check_overrides only once Hydra
+or OmegaConf refused the command, or for dashed arguments and sweeps. A misspelt key gets a did-you-mean, a value
+of the wrong kind or range its key and the rule, Hydra's grammar the quoting that works."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
-import os
 import re
-import signal
 import sys
 import typing
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from hydra._internal.utils import get_args_parser
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, Override
-from hydra.errors import HydraException
+from hydra.errors import HydraException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
 
-from common.config import check_key, check_override
-from common.errors import ConfigError, UserError
+from common.config import check_key, check_override, exit_on_user_error
+from common.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # Hydra's config groups are its folders
 
 
-@contextlib.contextmanager
-def exit_on_user_error(job: str | None = None) -> Iterator[None]:
-    """`job` names the sweep job, so a failing one says which it is (the sweep stops there)."""
-    try:
-        yield
-    except UserError as err:
-        print(f"error: {job + ': ' if job else ''}{err}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
-
-
-@contextlib.contextmanager
-def stdout_reader_may_leave() -> Iterator[None]:
-    """For the commands whose output is their stdout (sample.py, eval.py): a reader that leaves (`| head`) ends
-    the command quietly, with the status a SIGPIPE would give. Only around code whose one pipe is stdout: a
-    broken pipe elsewhere (a socket, a worker's pipe) is an error to show."""
-    try:
-        yield
-    except BrokenPipeError:  # nothing to say, and nobody to say it to
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush doesn't fail again
-        sys.exit(128 + signal.SIGPIPE)
-
-
-def run_hydra(
-    main: Callable[[], None], schema: type, groups: tuple[str, ...] = (), usage: Callable[[], str] = str
-) -> None:
-    """Runs a script's @hydra.main. The command's overrides are checked only when Hydra refuses them (its reports
-    are several lines, and tell a misspelt key to add itself with `+`): then check_overrides says why in one line,
-    or Hydra's own reason is that line. Dashed arguments (argparse's own report), `hydra.job.chdir` and sweeps
-    (every job's values before the first runs) are checked first. A bug keeps its traceback."""
-    args = sys.argv[1:]
-    if "-h" in args or "--help" in args:
-        with stdout_reader_may_leave():
-            print(usage().strip())
-        sys.exit(0)
-    if any(arg.startswith(("-", "hydra.job.chdir", "hydra.mode")) for arg in args):
-        check_overrides(args, schema, groups)
-    _refuse_loose_booleans(args, schema)
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting
-    try:
-        main()
-    except Exception as err:
-        check_overrides(args, schema, groups)  # exits with the one line when the command is at fault
-        if isinstance(err, HydraException | OmegaConfBaseException):
-            _refused_by_hydra(err)
-        raise
-
-
-LOOSE_BOOLEANS = {"yes", "no", "on", "off", "y", "n", "1", "0"}  # OmegaConf's, beside true and false
-
-
-def _refuse_loose_booleans(args: list[str], schema: type) -> None:
-    """OmegaConf takes model.qk_norm=yes (or on, 1) as true; a switch is written true or false only, so a typo of
-    another word can't pass for one (qk_norm=yes once ran a 2-minute job)."""
-    for arg in args:
-        key, sep, value = arg.partition("=")
-        if not sep or value.lower() not in LOOSE_BOOLEANS or key.startswith(("hydra.", "+", "~")):
-            continue
-        try:
-            hint = check_key(schema, key)[2]
-        except ConfigError:
-            continue  # check_overrides' to name, if Hydra refuses it
-        if hint is bool:
-            print(f"error: {arg}: {key} is true or false; write {key}=true or {key}=false", file=sys.stderr)
-            sys.exit(2)
-
-
-def _refused_by_hydra(err: Exception) -> None:
-    """A command Hydra refuses for a reason check_overrides doesn't know (a sweep without -m, `+key` for a key that
-    is there): Hydra's reason, on one line, status 2."""
-    cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else None
-    lines = [line.strip() for text in (str(err), str(cause or "")) for line in text.splitlines() if line.strip()]
-    print(f"error: {' '.join(lines) or type(err).__name__}", file=sys.stderr)
+def fail(message: str) -> typing.NoReturn:
+    """A user's mistake: one line and status 2, as every command says it."""
+    print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
-def check_overrides(args: list[str], schema: type, groups: tuple[str, ...] = ()) -> None:
-    """Why Hydra refused the command (run_hydra): every `key=value` parses, names a key of the schema and has a
-    value of its type and range, and every config group (`groups`: the ones this command takes) names one of its
-    presets, or the command ends here with one line and status 2. hydra.* is Hydra's to judge, and so are the
-    values of range() and interval() sweeps (each job checks its own)."""
-    from hydra._internal.utils import get_args_parser
+def refused_by_hydra(err: Exception) -> None:
+    """A command Hydra refuses for a reason check_overrides doesn't know (a sweep without -m, `+key` for a key that
+    is there): Hydra's reason, on one line, status 2."""
+    if not isinstance(err, HydraException | OmegaConfBaseException):
+        return
+    cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else None
+    lines = [line.strip() for text in (str(err), str(cause or "")) for line in text.splitlines() if line.strip()]
+    fail(" ".join(lines) or type(err).__name__)
 
+
+def check_overrides(args: list[str], schema: type, groups: tuple[str, ...] = ()) -> None:
+    """Why Hydra refused the command: every `key=value` parses, names a key of the schema and has a value of its
+    type and range, and every config group in `groups` names one of its presets, or the command fails here. hydra.*
+    is Hydra's to judge, and so are range() and interval() sweeps (each job checks its own)."""
     if get_args_parser().parse_known_args(args)[0].shell_completion:
         return  # `-sc install=bash` and its queries are not overrides
     _refuse_dashed_keys(args, schema, groups)
@@ -118,11 +50,8 @@ def check_overrides(args: list[str], schema: type, groups: tuple[str, ...] = ())
     for override in parsed:
         key = override.key_or_group
         if key == "hydra.job.chdir" and str(override.value()).lower() in ("true", "yes", "on", "1", "y"):
-            with exit_on_user_error():
-                raise ConfigError(
-                    "hydra.job.chdir=true would run the command in Hydra's output directory, where relative paths "
-                    "(out_dir, data.dir) name other places than they do here; drop it: paths resolve from here"
-                )
+            fail("hydra.job.chdir=true would run the command in Hydra's output directory, where relative paths "
+                 "(out_dir, data.dir) name other places than they do here; drop it: paths resolve from here")
         if override.is_hydra_override() or override.is_delete():
             continue
         with exit_on_user_error():
@@ -137,19 +66,6 @@ def check_overrides(args: list[str], schema: type, groups: tuple[str, ...] = ())
                     check_override(schema, key, value)
             else:
                 check_key(schema, key)
-
-
-def literal_text(args: list[str], keys: tuple[str, ...]) -> list[str]:
-    """The overrides with `${` escaped in the values of `keys`, which are text (a prompt, stop strings), not
-    config: Hydra would otherwise resolve `start='Cost: ${price}'` as an interpolation (a traceback for an
-    unknown key, and a silent substitution for a known one such as ${seed})."""
-    escaped = []
-    for arg in args:
-        key, sep, value = arg.partition("=")
-        if sep and key.lstrip("+~") in keys:
-            arg = key + sep + re.sub(r"(?<!\\)\$\{", r"\\${", value)
-        escaped.append(arg)
-    return escaped
 
 
 def presets(group: str) -> list[str]:
@@ -169,8 +85,6 @@ def _check_preset(group: str, value: object) -> None:
 def _refuse_dashed_keys(args: list[str], schema: type, groups: tuple[str, ...]) -> None:
     """`--max_iters=100` or `--experiment x`, argparse's style: one line with the override to write instead.
     Only Hydra's own flags, spelt out in full, pass (argparse would take --experiment for --experimental-rerun)."""
-    from hydra._internal.utils import get_args_parser
-
     hydra_flags = {flag for action in get_args_parser()._actions for flag in action.option_strings}
     for i, arg in enumerate(args):
         if not arg.startswith("--") or arg in hydra_flags or arg.partition("=")[0] in hydra_flags:
@@ -180,10 +94,9 @@ def _refuse_dashed_keys(args: list[str], schema: type, groups: tuple[str, ...]) 
         if not eq and i + 1 < len(args) and not args[i + 1].startswith("-") and "=" not in args[i + 1]:
             value, shown = args[i + 1], f"{arg} {args[i + 1]}"
         key = _key_named(name.replace("-", "_"), schema, groups)
-        with exit_on_user_error():
-            if key is None:
-                raise ConfigError(f"{arg} is not an option: settings are written key=value, no dashes (see --help)")
-            raise ConfigError(f"{shown}: settings are Hydra overrides, without dashes; write {key}={value or 'VALUE'}")
+        if key is None:
+            fail(f"{arg} is not an option: settings are written key=value, no dashes (see --help)")
+        fail(f"{shown}: settings are Hydra overrides, without dashes; write {key}={value or 'VALUE'}")
 
 
 def _key_named(name: str, schema: type, groups: tuple[str, ...]) -> str | None:
@@ -220,15 +133,11 @@ def _not_an_override(text: str, schema: type, groups: tuple[str, ...]) -> str:
 def _parse(args: list[str], schema: type, groups: tuple[str, ...]) -> list[Override]:
     """Hydra's grammar rejects unquoted values with commas, spaces or symbols: say how to quote them; a bare word
     is no override at all: say what it may have meant."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
     overrides = _overrides(args)
     bare = next((o for o in overrides if "=" not in o and not o.startswith(("~", "+"))), None)
     split_by_the_shell = any(q in o for o in overrides for q in "'\"") or any(o.endswith(",") for o in overrides)
     if bare is not None and not split_by_the_shell:  # a quoted value the shell split is the quoting hint's case
-        print(f"error: {_not_an_override(bare, schema, groups)}", file=sys.stderr)
-        sys.exit(2)
+        fail(_not_an_override(bare, schema, groups))
     try:
         return OverridesParser.create().parse_overrides(overrides)
     except ValueError as err:  # Python's limit on integer digits, hit while Hydra parses a number
@@ -236,8 +145,7 @@ def _parse(args: list[str], schema: type, groups: tuple[str, ...]) -> list[Overr
             raise
         long = next((o for o in overrides if sum(c.isdigit() for c in o) > 4300), "a value")
         key = long.partition("=")[0] if "=" in long else long[:40]
-        print(f"error: {key}= has a number of more than 4300 digits; no key takes one that long", file=sys.stderr)
-        sys.exit(2)
+        fail(f"{key}= has a number of more than 4300 digits; no key takes one that long")
     except OverrideParseException:
         text = " ".join(overrides)
         tilde = next((o for o in overrides if re.match(r"[^=~'\"]+=~", o)), None)  # zsh passes ~ on unexpanded
@@ -245,29 +153,17 @@ def _parse(args: list[str], schema: type, groups: tuple[str, ...]) -> list[Overr
             key, _, value = tilde.partition("=")
             home = value == "~" or value.startswith("~/")
             also = f" (~ is then your home directory), or write {key}=$HOME{value[1:]}" if home else ""
-            print(
-                f"error: {tilde}: Hydra can't read a value starting with ~ unquoted; quote it for Hydra, "
-                f"{key}=\"'{value}'\"{also}",
-                file=sys.stderr,
-            )
-            sys.exit(2)
-        windows = (
-            " A Windows path works unquoted (data.input=C:\\Users\\me\\input.txt); quoted, double a backslash "
-            "before the closing quote: \"data.dir='C:\\data\\\\'\""
-            if "\\" in text
-            else ""
-        )
-        print(
-            f"error: can't parse the overrides `{text}`. Quote values with spaces, commas or symbols "
-            f"twice, once for the shell and once for Hydra: start=\"'To be, or not'\".{windows}",
-            file=sys.stderr,
-        )
-        sys.exit(2)
+            fail(f"{tilde}: Hydra can't read a value starting with ~ unquoted; quote it for Hydra, "
+                 f"{key}=\"'{value}'\"{also}")
+        windows = ""
+        if "\\" in text:
+            windows = (" A Windows path works unquoted (data.input=C:\\Users\\me\\input.txt); quoted, double a "
+                       "backslash before the closing quote: \"data.dir='C:\\data\\\\'\"")
+        fail(f"can't parse the overrides `{text}`. Quote values with spaces, commas or symbols twice, once for the "
+             f"shell and once for Hydra: start=\"'To be, or not'\".{windows}")
 
 
 def _overrides(args: list[str]) -> list[str]:
     """The overrides among the arguments, as Hydra's own parser sees them: not `job` in `--cfg job`."""
-    from hydra._internal.utils import get_args_parser
-
     known, unknown = get_args_parser().parse_known_args(args)
     return [*known.overrides, *(a for a in unknown if not a.startswith("-"))]

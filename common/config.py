@@ -3,50 +3,40 @@
 A key's choices or range are declared once, beside the key (`option`); each config dataclass checks itself in
 its __post_init__ (most with `check_fields`), so building one checks it. `typed_config` builds them from Hydra's
 DictConfig: the config is typed and checked once, at start, and a bad value is one ConfigError naming the key,
-the value and what is allowed.
+the value and what is allowed. `run_hydra` runs a command: a user's error is one line on stderr and exit status 2,
+Ctrl-C status 130, a closed stdout (`sample.py | head`) 141, as SIGPIPE would.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
 import os
+import re
+import signal
+import sys
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
-from pathlib import Path
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ValidationError
 
-from common.errors import ConfigError
+from common.errors import ConfigError, UserError
 
 Config = TypeVar("Config")
 SEED_MAX = 2**63 - 1  # torch's generators take 64 bits; sample i of sample.py draws from seed + i
 
 
-def option(
-    default: Any,
-    *,
-    choices: Sequence[str] | None = None,
-    at_least: float | None = None,
-    above: float | None = None,
-    below: float | None = None,
-    at_most: float | None = None,
-    directory: bool = False,
-    path: bool = False,
-    hint: str = "",
-) -> Any:
-    """A dataclass field with a default and the values it accepts (None always passes: the type allows it or
-    OmegaConf refuses it first). directory: a path to a directory (made if missing), so no file may stand there
-    or above it. path (directory implies it): a file system path, `~` expanded once, here, so the checks and
-    every use see the same path. `hint` is appended to the error: what to do instead."""
-    rules = {"choices": choices, "at_least": at_least, "above": above, "below": below, "at_most": at_most}
-    rules |= {"directory": directory, "hint": hint}
-    return dataclasses.field(default=default, metadata={"rules": rules, "path": path or directory})
+def option(default: Any, *, path: bool = False, hint: str = "", **rules: Any) -> Any:
+    """A dataclass field with a default and the values it accepts, as rules: choices, or bounds at_least, above,
+    below, at_most (None always passes: the type allows it or OmegaConf refuses it first). path: a file system path,
+    `~` expanded once, here, so every use sees the same path. `hint` is appended to the error: what to do instead."""
+    return dataclasses.field(default=default, metadata={"rules": {**rules, "hint": hint}, "path": path})
 
 
 def check_fields(config: Any, prefix: str = "") -> None:
@@ -159,42 +149,19 @@ def _refuse_unknown_keys(cfg: Any, schema: type, prefix: str = "") -> None:
             _refuse_unknown_keys(cfg[key], hints[key], f"{prefix}{key}.")
 
 
-def _not_a_directory(path: Path) -> str | None:
-    """Why `path` can't be a directory, made if missing: it or its nearest existing ancestor is a file, or a link
-    to nothing, or the OS refuses the name (over 255 bytes a name, 4,096 the path), or it is the home directory
-    (out_dir='~': a run's files, .lock and train.log among them, would stay among the user's), with what to do
-    instead; None if it can be."""
-    try:
-        if path.resolve() == Path(os.path.expanduser("~")).resolve():  # unexpanded where no home is known
-            return "is your home directory, where these files would lie among your own; name a folder inside it"
-        for candidate in (path, *path.parents):
-            if candidate.is_symlink() and not candidate.exists():
-                return f"is a symbolic link to {os.readlink(candidate)}, which doesn't exist; name a directory"
-            if candidate.exists():
-                if candidate.is_dir():
-                    return None
-                inside = "is a file, not a directory" if candidate == path else f"is inside the file {candidate}"
-                return f"{inside}; name a directory"
-    except OSError as err:
-        return f"is a path this system refuses ({err.strerror}); name a directory"
-    return None
-
 
 def _problem(
     value: Any,
-    choices: Sequence[str] | None,
-    at_least: float | None,
-    above: float | None,
-    below: float | None,
-    at_most: float | None,
-    directory: bool,
-    hint: str,
+    choices: Sequence[str] | None = None,
+    at_least: float | None = None,
+    above: float | None = None,
+    below: float | None = None,
+    at_most: float | None = None,
+    hint: str = "",
 ) -> str:
     bounded = any(bound is not None for bound in (at_least, above, below, at_most))
     if bounded and isinstance(value, float) and not math.isfinite(value):
         problem = "must be a finite number"
-    elif directory and (why := _not_a_directory(Path(os.path.expanduser(value)))):
-        problem = why
     elif choices is not None and value not in choices:
         problem = f"is unknown; use one of {', '.join(choices)}"
     elif at_least is not None and value < at_least:
@@ -208,3 +175,67 @@ def _problem(
     else:
         return ""
     return f"{problem}; {hint}" if hint else problem
+
+
+@contextlib.contextmanager
+def exit_on_user_error(job: str | None = None) -> Iterator[None]:
+    """`job` names the sweep job, so a failing one says which it is (the sweep stops there)."""
+    try:
+        yield
+    except UserError as err:
+        print(f"error: {job + ': ' if job else ''}{err}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+@contextlib.contextmanager
+def stdout_reader_may_leave() -> Iterator[None]:
+    """For the commands whose output is their stdout (sample.py, eval.py): a reader that leaves (`| head`) ends
+    the command quietly, with the status a SIGPIPE would give. Only around code whose one pipe is stdout: a
+    broken pipe elsewhere (a socket, a worker's pipe) is an error to show."""
+    try:
+        yield
+    except BrokenPipeError:  # nothing to say, and nobody to say it to
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush doesn't fail again
+        sys.exit(128 + signal.SIGPIPE)
+
+
+def run_hydra(
+    main: Callable[[], None], schema: type, groups: tuple[str, ...] = (), usage: Callable[[], str] = str
+) -> None:
+    """Runs a script's @hydra.main. The command's overrides are checked only when Hydra refuses them (its reports
+    are several lines, and tell a misspelt key to add itself with `+`): then check_overrides says why in one line,
+    or Hydra's own reason is that line. Dashed arguments (argparse's own report), `hydra.job.chdir` and sweeps
+    (every job's values before the first runs) are checked first. A bug keeps its traceback."""
+    args = sys.argv[1:]
+    if "-h" in args or "--help" in args:
+        with stdout_reader_may_leave():
+            print(usage().strip())
+        sys.exit(0)
+    from common.cli import check_overrides, refused_by_hydra  # the error path's
+
+    if any(arg.startswith(("-", "hydra.job.chdir", "hydra.mode")) for arg in args):
+        check_overrides(args, schema, groups)
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting
+    try:
+        main()
+    except Exception as err:
+        check_overrides(args, schema, groups)  # exits with the one line when the command is at fault
+        refused_by_hydra(err)  # and so for what only Hydra can say; a bug keeps its traceback
+        raise
+
+
+def literal_text(args: list[str], keys: tuple[str, ...]) -> list[str]:
+    """The overrides with `${` escaped in the values of `keys`, which are text (a prompt, stop strings), not
+    config: Hydra would otherwise resolve `start='Cost: ${price}'` as an interpolation (a traceback for an
+    unknown key, and a silent substitution for a known one such as ${seed})."""
+    escaped = []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+~") in keys:
+            arg = key + sep + re.sub(r"(?<!\\)\$\{", r"\\${", value)
+        escaped.append(arg)
+    return escaped

@@ -17,9 +17,5 @@ class CheckpointError(UserError):
     """A missing, unreadable or mismatched checkpoint."""
 
 
-class NonFiniteState(CheckpointError):
-    """A state to checkpoint holds NaN or inf: it is not written, so the file on disk stays the last good one."""
-
-
 class DiskFull(UserError):
     """No space left (or the quota spent) on the disk a file was being written to: the user's to free."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
+import re
 from dataclasses import dataclass
 
 import torch
@@ -13,9 +13,22 @@ from common.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda", "mps")  # the `device` key's values; auto: cuda > mps > cpu
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# the `dtype` keys' values; auto: bf16 autocast on GPUs that support it, fp16 on older ones, fp32 elsewhere (a
-# training run on a CPU may then measure bf16 faster: training/machine.py)
+# the `dtype` keys' values; auto: bf16 autocast on CUDA GPUs that support it, float32 elsewhere
 DTYPES = ("auto", *_TORCH_DTYPES)
+# Dense (no sparsity) tensor-core peaks in FLOP/s, (bf16/fp16, tf32), from NVIDIA's datasheets: MFU's denominator.
+# Matched against torch.cuda.get_device_name() as whole words, most specific first; elsewhere train.peak_tflops.
+GPU_PEAKS: tuple[tuple[str, float, float], ...] = (
+    ("H200 NVL", 835e12, 417.5e12),
+    ("H200", 989e12, 494.5e12),
+    ("H100 PCIe", 756e12, 378e12),
+    ("H100 NVL", 835e12, 418e12),
+    ("H100", 989e12, 494.5e12),
+    ("A100", 312e12, 156e12),
+    ("L40S", 362e12, 183e12),
+    ("L40", 181e12, 90.5e12),
+    ("L4", 121e12, 60e12),
+    ("RTX 4090", 165e12, 82.6e12),
+)
 
 
 @dataclass(frozen=True)
@@ -30,22 +43,6 @@ class Runtime:
     @property
     def dtype_name(self) -> str:
         return dtype_name(self.dtype)
-
-    @property
-    def emulated(self) -> bool:
-        """Half precision that this CPU computes in software: far slower than float32, with no peak to compare
-        with (a matmul measured in it is no ceiling for the run's own, so MFU could pass 100%)."""
-        return self.emulates(self.dtype)
-
-    def emulates(self, dtype: torch.dtype) -> bool:
-        """Whether this device computes `dtype` in software (see emulated)."""
-        if self.device.type != "cpu" or platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
-            return False  # ARM CPUs (Apple silicon, Graviton) mostly compute half precision natively
-        if dtype == torch.float16:
-            return not getattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)()
-        if dtype == torch.bfloat16:
-            return not getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-        return False
 
     def synchronize(self) -> None:
         synchronize(self.device)
@@ -76,11 +73,8 @@ def make_runtime(device: str, dtype: str, gpu_index: int | None = None) -> Runti
     if dev.type == "cuda" and gpu_index is not None:
         dev = torch.device("cuda", gpu_index)
     if dtype == "auto":
-        if dev.type == "cuda":
-            native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)  # Ampere and newer
-            resolved = torch.bfloat16 if native_bf16 else torch.float16
-        else:
-            resolved = torch.float32
+        native_bf16 = dev.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)  # Ampere on
+        resolved = torch.bfloat16 if native_bf16 else torch.float32
     else:
         resolved = _TORCH_DTYPES[dtype]
     if dev.type == "cuda":
@@ -121,3 +115,14 @@ def check_memory(need: float, device: torch.device, what: str, fix: str) -> None
         raise ConfigError(
             f"{what} needs about {need / 2**30:,.1f} GiB, more than {where} {memory / 2**30:,.1f} GiB; {fix}"
         )
+
+
+def datasheet_peak(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The GPU's datasheet peak in FLOP/s for `dtype` (GPU_PEAKS), or None where none is known."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for model, half, tf32 in GPU_PEAKS:
+        if re.search(rf"\b{re.escape(model)}\b", name):
+            return half if dtype in (torch.bfloat16, torch.float16) else tf32
+    return None

@@ -1,10 +1,8 @@
 """A corpus of documents -> token shards: val_000000.bin first, then train_000000.bin, train_000001.bin, ...
 
-Documents come from a local directory (each .txt file one document, each .jsonl line's "text" one document) or
-stream from a Hugging Face dataset. Each is encoded as <|endoftext|> + its tokens by a pool of processes, in
-document order, and the stream is cut into shards of a fixed size: the convention of llm.c's fineweb.py, whose
-shards these match byte for byte (build-nanogpt's cuts the same way, into .npy files). This module imports neither
-torch nor data.prepare, so that workers started fresh (spawn, forkserver) import little.
+Documents come from a local directory (each .txt file, or each .jsonl line's "text") or stream from a Hugging Face
+dataset. Each is encoded as <|endoftext|> + its tokens by a pool of processes, in document order, and the stream is
+cut into shards of a fixed size, byte for byte as llm.c's fineweb.py does. No torch here: fresh workers import little.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ START_METHOD: str | None = None  # multiprocessing's: None is the platform's def
 
 
 def default_num_proc() -> int:
-    """The CPUs this process may use, less one for the process that reads documents and writes shards."""
+    """The CPUs this process may use, less one for the process that feeds them."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cpus - 1)
 
@@ -102,8 +100,8 @@ def _rows_text(rows: Iterator[dict[str, Any]], label: str) -> Iterator[str]:
 
 
 def source_fingerprint(input: str | None, hf_dataset: str | None, hf_name: str | None) -> dict[str, Any]:
-    """What the shards were made from. A directory: its files' relative paths, sizes and modification times (not
-    their contents: a corpus can be gigabytes). A dataset: its name only, the hub's data is taken as fixed."""
+    """What the shards were made from: a directory's files' paths, sizes and modification times (not their
+    contents: a corpus can be gigabytes), or a dataset's name."""
     if hf_dataset:
         return {"hf_dataset": hf_dataset, "hf_name": hf_name}
     root = Path(os.path.expanduser(input))  # type: ignore[arg-type]
@@ -113,10 +111,8 @@ def source_fingerprint(input: str | None, hf_dataset: str | None, hf_name: str |
 
 def corpus_tokenizer(spec: str) -> BpeTokenizer:
     if spec == "char":
-        raise DataError(
-            "data.tokenizer=char can't encode a corpus (its vocabulary would need every character first); "
-            "use a BPE such as data.tokenizer=r50k_base"
-        )
+        raise DataError("data.tokenizer=char can't encode a corpus (its vocabulary would need every character "
+                        "first); use a BPE such as data.tokenizer=r50k_base")
     tokenizer = BpeTokenizer.from_name(spec)
     _ = tokenizer.eot_token  # fails here if there is none: a worker that fails to start is restarted forever
     if tokenizer.vocab_size > np.iinfo(np.uint16).max + 1:
@@ -125,34 +121,23 @@ def corpus_tokenizer(spec: str) -> BpeTokenizer:
 
 
 class DocumentEncoder:
-    """<|endoftext|> + the tokens of each document, in document order, from num_proc processes (1: this one).
-
-    The workers get the encoding's ranks through the pool's initializer rather than its name: a registered
-    encoding pickles as its name, which a fresh worker (spawn, forkserver) may not know, like the tests' own.
-    Python 3.11 on Linux forks; any start method works. A worker that dies (the OOM killer's SIGKILL) breaks the
-    pool, which fails every pending chunk: a DataError, where multiprocessing.Pool.imap would wait forever.
-    """
+    """<|endoftext|> + the tokens of each document, in document order, from num_proc processes (1: this one). The
+    workers get the encoding's ranks, not its name, which a fresh worker (spawn, forkserver) may not know."""
 
     def __init__(self, tokenizer: BpeTokenizer, num_proc: int) -> None:
-        self.tokenizer = tokenizer
-        self.num_proc = num_proc
+        self.tokenizer, self.num_proc = tokenizer, num_proc
         self._pool: ProcessPoolExecutor | None = None
 
     def __enter__(self) -> DocumentEncoder:
         if self.num_proc > 1:
-            self._pool = ProcessPoolExecutor(
-                self.num_proc,
-                mp_context=multiprocessing.get_context(START_METHOD),
-                initializer=_init_worker,
-                initargs=(_encoding_args(self.tokenizer), os.getpid()),
-            )
+            self._pool = ProcessPoolExecutor(self.num_proc, mp_context=multiprocessing.get_context(START_METHOD),
+                                             initializer=_init_worker,
+                                             initargs=(_encoding_args(self.tokenizer), os.getpid()))
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._pool is not None:
-            # Also when stopped early at data.max_tokens or by an error: the chunks not yet started are dropped and
-            # the few running ones (num_proc + 1, of _CHUNKSIZE documents each) finish; a broken pool has already
-            # terminated its workers.
+            # also when stopped early (data.max_tokens, an error): the chunks not yet started are dropped
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
@@ -174,9 +159,8 @@ class DocumentEncoder:
             while in_flight:
                 yield from in_flight.popleft().result()
         except BrokenProcessPool:
-            raise DataError(
-                f"an encoding process died (out of memory?); lower data.num_proc={self.num_proc} and prepare again"
-            ) from None
+            raise DataError(f"an encoding process died (out of memory?); lower data.num_proc={self.num_proc} and "
+                            "prepare again") from None
 
 
 _worker: tuple[tiktoken.Encoding, int] | None = None
@@ -185,12 +169,8 @@ _worker: tuple[tiktoken.Encoding, int] | None = None
 def _encoding_args(tokenizer: BpeTokenizer) -> dict[str, Any]:
     enc = tokenizer.encoding
     # tiktoken's own pickled form of an unregistered encoding (Encoding.__getstate__)
-    return {
-        "name": enc.name,
-        "pat_str": enc._pat_str,
-        "mergeable_ranks": enc._mergeable_ranks,
-        "special_tokens": enc._special_tokens,
-    }
+    return {"name": enc.name, "pat_str": enc._pat_str, "mergeable_ranks": enc._mergeable_ranks,
+            "special_tokens": enc._special_tokens}
 
 
 def _init_worker(encoding_args: dict[str, Any], main: int) -> None:
@@ -202,17 +182,13 @@ def _init_worker(encoding_args: dict[str, Any], main: int) -> None:
 
 
 def exit_with_parent(main: int, every_s: float = 0.5) -> None:
-    """A worker ends itself once the process that made its pool (`main`) is gone: one killed by SIGTERM or
-    SIGKILL can't stop its pool, and the workers lived on under PID 1, each holding its memory. Asked of `main`
-    itself, not of getppid: a forkserver's workers have the forkserver for a parent, and a worker that starts
-    after main died would take PID 1 for its parent."""
+    """A worker ends itself once the process that made its pool (`main`, not getppid: a forkserver's workers have
+    the forkserver for a parent) is gone, killed without stopping its pool."""
 
     def gone() -> bool:
         try:
             os.kill(main, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # alive, and someone else's (the PID reused): as good as gone
+        except (ProcessLookupError, PermissionError):  # PermissionError: the PID reused by someone else's process
             return True
         return False
 
@@ -238,10 +214,8 @@ def _encode(encoding: tiktoken.Encoding, eot: int, doc: str) -> np.ndarray:
 def write_shards(
     token_docs: Iterable[np.ndarray], out_dir: Path, shard_tokens: int, max_tokens: int | None
 ) -> dict[str, int]:
-    """Fill shards of shard_tokens tokens from the documents' tokens; the first is val, the last may be short.
-
-    Returns the counts for meta.json. Stops after max_tokens tokens, within a document if need be.
-    """
+    """Fill shards of shard_tokens tokens, the first val, the last maybe short, stopping after max_tokens tokens;
+    the counts for meta.json."""
     buffer = np.empty(shard_tokens, dtype=np.uint16)
     filled = shards = documents = total = 0
     counts = {"val_tokens": 0, "train_tokens": 0}
@@ -271,42 +245,19 @@ def write_shards(
     if filled:
         flush()
     if shards < 2:
-        raise DataError(
-            f"the corpus gave {total:,} tokens, not enough for a train shard after the val shard "
-            f"(data.shard_tokens={shard_tokens}); lower data.shard_tokens"
-        )
+        raise DataError(f"the corpus gave {total:,} tokens, not enough for a train shard after the val shard "
+                        f"(data.shard_tokens={shard_tokens}); lower data.shard_tokens")
     return {**counts, "val_shards": 1, "train_shards": shards - 1, "documents": documents}
 
 
-def remove_shards(out_dir: Path) -> None:
-    """A previous preparation's token files: left there, a smaller corpus would serve its extra shards."""
-    for pattern in ("train_[0-9]*.bin", "val_[0-9]*.bin", "*.bin.tmp", "train.bin", "val.bin"):
-        for path in out_dir.glob(pattern):
-            path.unlink()
-
-
-def write_corpus(
-    documents: Iterable[str],
-    tokenizer: BpeTokenizer,
-    out_dir: Path,
-    shard_tokens: int,
-    max_tokens: int | None,
-    num_proc: int,
-    extra_meta: dict[str, Any],
-) -> dict[str, Any]:
+def write_corpus(documents: Iterable[str], tokenizer: BpeTokenizer, out_dir: Path, shard_tokens: int,
+                 max_tokens: int | None, num_proc: int, extra_meta: dict[str, Any]) -> dict[str, Any]:
     """Encode and shard the documents, then write meta.json (last, atomically: only then is the folder prepared)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "meta.json").unlink(missing_ok=True)
-    remove_shards(out_dir)
     with DocumentEncoder(tokenizer, num_proc) as encoder:
         counts = write_shards(encoder.encode(documents), out_dir, shard_tokens, max_tokens)
-    meta = {
-        "tokenizer": tokenizer.metadata(),
-        "vocab_size": tokenizer.vocab_size,
-        "sharded": True,
-        **counts,
-        **extra_meta,
-    }
+    meta = {"tokenizer": tokenizer.metadata(), "vocab_size": tokenizer.vocab_size, "sharded": True, **counts,
+            **extra_meta}
     write_text_atomically(out_dir / "meta.json", json.dumps(meta, ensure_ascii=False))
     return meta
 

@@ -1,36 +1,80 @@
-"""A dataset folder, prepared once and reused: train.bin / val.bin (uint16 token streams) from a text
-(data.text_tokens), or shards from a corpus (data.corpus), and meta.json, which says what they were made from.
-
-Runs on first use from train.py; on its own: `python -m data.prepare data=shakespeare`.
-"""
+"""The `data.*` keys, and a dataset folder prepared once and reused: train.bin / val.bin (uint16 token streams) from
+a text, or shards from a corpus, and meta.json, written last, which says what they were made from. Token files are
+never rewritten in place: a preparation writes a new folder beside and moves its files in; a folder asked for other
+settings is refused. Runs on first use from train.py; on its own: `python -m data.prepare data=shakespeare`."""
 
 from __future__ import annotations
 
-import contextlib
+import functools
+import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import secrets
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from filelock import FileLock
-
-from common.files import check_writable, discard_temporaries
+from common.config import check_fields, option
+from common.errors import ConfigError
+from common.files import replace_file
 from data import corpus
 from data.batches import TokenFiles
-from data.config import KNOWN_TEXTS, DataConfig
 from data.errors import DataError
-from data.folder_locks import PREPARE_LOCK, acquire, alone, locked, missing, take_back
-from data.source import TextFile, file_sha256, input_file, text_file
+from data.source import TextFile, download, why_not_a_file
 from data.text_tokens import make_tokenizer, write_dataset
-from data.tokenizers import tokenizer_from_metadata
 
 log = logging.getLogger(__name__)
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+# The sha256 of the text at a known URL: a local copy of it (data.input) counts as the same text
+KNOWN_TEXTS = {SHAKESPEARE_URL: "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"}
+
+
+@dataclass
+class DataConfig:
+    name: str = "shakespeare_char"  # folder under data/cache unless data.dir is set
+    tokenizer: str = "char"  # char, or a tiktoken encoding (r50k_base is GPT-2's BPE); a corpus needs a BPE
+    # a UTF-8 text file instead of the download, or a directory of .txt / .jsonl documents
+    input: str | None = option(None, path=True)
+    url: str | None = SHAKESPEARE_URL
+    dir: str | None = option(None, path=True)  # where the token files and meta.json live
+    val_fraction: float = option(0.1, above=0.0, below=1.0)  # a text's last part kept for val
+    hf_dataset: str | None = None  # a Hugging Face dataset to stream, e.g. HuggingFaceFW/fineweb-edu (pip ".[hf]")
+    hf_name: str | None = None  # its configuration, e.g. sample-10BT
+    # tokens per shard of a corpus (llm.c's and nanoGPT's 100M)
+    shard_tokens: int = option(100_000_000, at_least=1, hint="it counts tokens per shard (100M in llm.c)")
+    max_tokens: int | None = option(None, at_least=1, hint="null means the whole corpus")  # stop a corpus early
+    # processes encoding a corpus; null: the CPUs available less one
+    num_proc: int | None = option(None, at_least=1, hint="null means the CPUs available less one")
+
+    def __post_init__(self) -> None:
+        check_fields(self, "data.")
+        if self.hf_name and not self.hf_dataset:
+            raise ConfigError(f"data.hf_name={self.hf_name} needs data.hf_dataset (say HuggingFaceFW/fineweb-edu)")
+        if self.hf_dataset and self.input:
+            raise ConfigError(
+                f"data.input and data.hf_dataset={self.hf_dataset} are both set; keep one (data.hf_dataset=null)"
+            )
+
+
+@dataclass
+class PrepareConfig:  # `python -m data.prepare`'s: the data group alone
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+def register_prepare_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="prepare_schema", node=PrepareConfig)
+
+
 DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
+# The token files PreparedData.split reads: an unfinished preparation's go before another's move in
+_TOKEN_FILES = ("train.bin", "val.bin", "train_[0-9]*.bin", "val_[0-9]*.bin")
+Make = Callable[[Path], dict[str, Any]]  # writes a dataset into the folder given; its meta
 
 
 @dataclass(frozen=True)
@@ -57,6 +101,35 @@ def dataset_dir(name: str, dir: str | None) -> Path:
     return Path(os.path.expanduser(dir)) if dir else DEFAULT_CACHE / name
 
 
+def input_file(input_path: str) -> Path:
+    path = Path(os.path.expanduser(input_path))
+    if not path.is_file():
+        raise DataError(
+            f"data.input={input_path} {why_not_a_file(path)}; pass a UTF-8 text file or a directory of .txt / .jsonl "
+            "documents"
+        )
+    return path
+
+
+def text_file(input_path: str | None, cached_copy: Path, url: str | None) -> Path:
+    """The file holding the text: data.input, else the cached copy, else the download saved as the cached copy."""
+    if input_path:
+        return input_file(input_path)
+    if cached_copy.is_file():
+        return cached_copy
+    if not url:
+        raise DataError("no text to train on: pass data.input=/path/to/text.txt")
+    return download(url, cached_copy, "point at a local copy with data.input=/path/to/text.txt")
+
+
+def file_sha256(path: Path) -> str:
+    hasher = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
 def source_fingerprint(input_path: str | None, url: str | None) -> dict[str, str | None]:
     """What the bins were made from, so a different data.input is never served stale tokens."""
     if input_path:
@@ -65,7 +138,8 @@ def source_fingerprint(input_path: str | None, url: str | None) -> dict[str, str
 
 
 def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData:
-    """Reuse the token files in the dataset folder if they were made from the same source and tokenizer.
+    """The dataset folder's token files, prepared first if the folder holds none; a DataError if it holds some
+    made from another source or with other settings.
 
     A text file (or the download) gives train.bin / val.bin; a directory of documents or a Hugging Face dataset
     gives shards. prepare=False (a torchrun rank other than 0) only reads what rank 0 prepared.
@@ -82,37 +156,38 @@ def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData
         "tokenizer_spec": config.tokenizer,
         "val_fraction": config.val_fraction,
     }
+    made_from = {"input": str(Path(config.input).absolute())} if config.input else {}  # said when refused or reused
 
     if not config.input and not (out_dir / "input.txt").is_file():
         prepared = _prepared_from_any_text(out_dir, fingerprint, config.url)
         if prepared:
             return prepared
 
-    return _prepared_once(out_dir, fingerprint, prepare, lambda: _prepare_text(config, out_dir, fingerprint))
+    make = functools.partial(_prepare_text, config, out_dir, {**fingerprint, **made_from})
+    return _prepared(out_dir, fingerprint, made_from, prepare, make)
 
 
-def _prepare_text(config: DataConfig, out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData:
-    path = text_file(config.input, out_dir / "input.txt", config.url)
+def _prepare_text(config: DataConfig, out_dir: Path, meta: dict[str, Any], into: Path) -> dict[str, Any]:
+    """train.bin and val.bin of the text (data.input, or the download) in the folder `into`; their meta."""
+    cached = out_dir / "input.txt"  # an earlier download; a new one goes into the new folder
+    path = text_file(config.input, cached if cached.is_file() else into / "input.txt", config.url)
     text = TextFile.survey(path, chars=config.tokenizer == "char")
     if not text.length:
         raise DataError(f"the text for dataset {config.name!r} is empty; pass a non-empty file with data.input=PATH")
     tokenizer = make_tokenizer(config.tokenizer, text.chars)
-    made_from = {"input": str(path.absolute())} if config.input else {}  # for _prepared_from_any_text's line
-    return PreparedData(
-        out_dir, write_dataset(text, tokenizer, out_dir, config.val_fraction, {**fingerprint, **made_from})
-    )
+    return write_dataset(text, tokenizer, into, config.val_fraction, meta)
 
 
 def _prepared_from_any_text(out_dir: Path, fingerprint: dict[str, Any], url: str | None) -> PreparedData | None:
     """With no data.input and nothing downloaded, a whole dataset prepared here from a file (data.input on an
     earlier command) is used rather than downloading: a run, its resume and a sweep work offline without repeating
-    data.input. Its tokenizer and split must be the ones asked for (a folder made from another URL is not used).
-    A copy of the URL's own text is said in passing; any other text with a warning, since it is not what the
-    preset names."""
-    source = (_read_meta(out_dir) or {}).get("source")  # first the cheap look: made from a file at all?
+    data.input. Its tokenizer and split must be the ones asked for. A copy of the URL's own text is said in
+    passing; any other text with a warning, since it is not what the preset names."""
+    meta = _read_meta(out_dir)
+    source = meta.get("source") if isinstance(meta, dict) else None
     if not isinstance(source, dict) or "input_sha256" not in source:
         return None
-    prepared = _reusable(out_dir, {key: value for key, value in fingerprint.items() if key != "source"})
+    prepared = _reusable(out_dir, {**fingerprint, "source": source})
     if prepared is None:
         return None
     made_from = prepared.meta.get("input", "an earlier data.input")
@@ -129,7 +204,8 @@ def _prepared_from_any_text(out_dir: Path, fingerprint: dict[str, Any], url: str
 def _prepared_from_a_gone_text(out_dir: Path, config: DataConfig) -> PreparedData | None:
     """data.input names a file that is gone (moved, or on a disk not mounted now), and this folder was prepared
     from that very path: its tokens stand for it (a resume restores data.input from the run's config)."""
-    if (_read_meta(out_dir) or {}).get("input") != str(Path(config.input).absolute()):
+    meta = _read_meta(out_dir)
+    if not isinstance(meta, dict) or meta.get("input") != str(Path(config.input).absolute()):
         return None
     prepared = _reusable(out_dir, {"tokenizer_spec": config.tokenizer, "val_fraction": config.val_fraction})
     if prepared is None:
@@ -146,7 +222,7 @@ def _ensure_corpus(out_dir: Path, config: DataConfig, prepare: bool) -> Prepared
         "max_tokens": config.max_tokens,
     }
 
-    def prepare_corpus() -> PreparedData:
+    def prepare_corpus(into: Path) -> dict[str, Any]:
         bpe = corpus.corpus_tokenizer(config.tokenizer)
         documents = (
             corpus.hf_documents(config.hf_dataset, config.hf_name)
@@ -154,75 +230,100 @@ def _ensure_corpus(out_dir: Path, config: DataConfig, prepare: bool) -> Prepared
             else corpus.local_documents(Path(config.input))
         )
         procs = config.num_proc or corpus.default_num_proc()
-        meta = corpus.write_corpus(documents, bpe, out_dir, config.shard_tokens, config.max_tokens, procs, fingerprint)
-        return PreparedData(out_dir, meta)
+        return corpus.write_corpus(documents, bpe, into, config.shard_tokens, config.max_tokens, procs, fingerprint)
 
-    return _prepared_once(out_dir, fingerprint, prepare, prepare_corpus)
+    return _prepared(out_dir, fingerprint, {}, prepare, prepare_corpus)
 
 
-def _prepared_once(
-    out_dir: Path, fingerprint: dict[str, Any], prepare: bool, make: Callable[[], PreparedData]
+def _prepared(
+    out_dir: Path, fingerprint: dict[str, Any], made_from: dict[str, str], prepare: bool, make: Make
 ) -> PreparedData:
-    """The folder's dataset, made by `make` unless it is already there."""
-    return _reusable(out_dir, fingerprint) or _prepare_once(out_dir, fingerprint, prepare, make)
-
-
-def _prepare_once(
-    out_dir: Path, fingerprint: dict[str, Any], prepare: bool, make: Callable[[], PreparedData]
-) -> PreparedData:
-    """One process prepares a folder at a time (an OS file lock, released if it dies): another one on the same
-    data waits, then reuses what it made. Holding the lock, what killed preparations left (their temporaries)
-    goes."""
+    """The folder's dataset, or, where it holds none, one made by `make` in a new folder beside it and moved in."""
+    prepared = _reusable(out_dir, fingerprint)
+    if prepared:
+        return prepared
+    _refuse_other(out_dir, fingerprint, made_from)
     _refuse_unless(prepare, out_dir)
-    _refuse_foreign(out_dir)
-    check_writable(out_dir, "data.dir")
-    made = missing(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(out_dir / PREPARE_LOCK)  # not the run's .lock: data.dir may be the run directory
-    made = acquire(lock, out_dir) or made
+    into = _new_folder_beside(out_dir)
     try:
-        prepared = _reusable(out_dir, fingerprint)
-        if prepared:
-            return prepared
-        for name in ("train.bin", "val.bin", "meta.json", "input.txt"):  # what temporary_beside names here
-            discard_temporaries(out_dir / name)
-        with alone(out_dir):
-            return make()
-    except BaseException:
-        take_back(made, out_dir)
-        raise
+        return _move_in(into, out_dir, make(into), fingerprint, made_from)
     finally:
-        lock.release()
+        shutil.rmtree(into, ignore_errors=True)  # after an error or Ctrl-C too; only a killed process leaves it
 
 
-@contextlib.contextmanager
-def in_use(data: PreparedData) -> Iterator[None]:
-    """While a run reads `data`: its folder's .in_use held shared, so that no process prepares other tokens over
-    them (_alone). meta.json is read again once held: a preparation that slipped in since is said. Unguarded where
-    the folder is read-only (nobody replaces it there), the filesystem can't lock or the OS has no flock (Windows)."""
-    with locked(data.dir, exclusive=False) as held:
-        if held and _read_meta(data.dir) != json.loads(json.dumps(data.meta)):  # as meta.json holds it
-            raise DataError(
-                f"data.dir={data.dir} was prepared again with other settings as this run started; start it again"
-            )
-        yield
-
-
-def _refuse_foreign(out_dir: Path) -> None:
-    """A meta.json this project didn't write (another tool's, or the user's own) is never replaced, nor the token
-    files beside it: ours always names its source and tokenizer spec."""
-    path = out_dir / "meta.json"
-    if not path.is_file():
-        return
+def _new_folder_beside(out_dir: Path) -> Path:
+    """A new folder beside out_dir, this preparation's own: made by mkdir, so never one another process made."""
+    into = out_dir.parent / f".{out_dir.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, OSError):  # damaged (ours are written whole, but disks fail): prepared again
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        into.mkdir()
+    except PermissionError as err:
+        where = err.filename or out_dir.parent
+        raise DataError(
+            f"data.dir={out_dir} is not writable ({err.strerror}: {where}); name a folder you can write to"
+        ) from None
+    return into
+
+
+def _move_in(
+    into: Path, out_dir: Path, meta: dict[str, Any], fingerprint: dict[str, Any], made_from: dict[str, str]
+) -> PreparedData:
+    """The new folder becomes out_dir, or, where out_dir is there, its files move in, meta.json last (an
+    unfinished preparation's token files go first). Another process that prepared the same meanwhile: theirs."""
+    try:
+        into.rename(out_dir)
+        return PreparedData(out_dir, meta)
+    except OSError:
+        if not out_dir.is_dir():
+            raise
+    theirs = _reusable(out_dir, fingerprint)
+    if theirs:
+        return theirs
+    _refuse_other(out_dir, fingerprint, made_from)  # prepared with other settings meanwhile
+    (out_dir / "meta.json").unlink(missing_ok=True)  # damaged, or of damaged token files: not complete now
+    ours = {path.name for path in into.iterdir()}
+    for pattern in _TOKEN_FILES:
+        for stale in out_dir.glob(pattern):
+            if stale.name not in ours:
+                stale.unlink()
+    for path in sorted(into.iterdir(), key=lambda path: path.name == "meta.json"):
+        replace_file(path, out_dir / path.name)
+    return PreparedData(out_dir, meta)
+
+
+def _refuse_other(out_dir: Path, fingerprint: dict[str, Any], made_from: dict[str, str]) -> None:
+    """A folder prepared from another source or with other settings is never prepared again: a run may be reading
+    it. A meta.json this project didn't write (another tool's, or the user's own) is never replaced either: ours
+    always names its source and tokenizer spec. No meta.json, or a damaged one: the folder is prepared again."""
+    meta = _read_meta(out_dir)
+    if meta is None:
         return
     if not isinstance(meta, dict) or not {"source", "tokenizer_spec"} <= meta.keys():
         raise DataError(
             f"data.dir={out_dir} holds a meta.json this project didn't write; preparing would replace it and the "
             "token files beside it: name another data.dir"
         )
+    if any(meta.get(key) != value for key, value in fingerprint.items()):
+        asked = _described({**fingerprint, **made_from})
+        raise DataError(
+            f"the data folder {out_dir} was prepared from {_described(meta)}, not {asked} as asked: name another "
+            f"folder for these settings (data.name=NAME or data.dir=DIR), or delete {out_dir} to prepare it again"
+        )
+
+
+def _described(meta: dict[str, Any]) -> str:
+    """A preparation's source and settings, in words: "FILE (sha256 ...) with tokenizer=char, val_fraction=0.1"."""
+    source = meta["source"] if isinstance(meta.get("source"), dict) else {}
+    if "input_sha256" in source:
+        what = f"{meta.get('input', 'a file')} (sha256 {source['input_sha256'][:12]})"
+    elif "files_sha256" in source:
+        what = f"a directory of {source.get('files')} files (sha256 {source['files_sha256'][:12]})"
+    elif "hf_dataset" in source:
+        what = f"data.hf_dataset={source['hf_dataset']}" + (f" ({source['hf_name']})" if source.get("hf_name") else "")
+    else:
+        what = str(source.get("url"))
+    keys = ("tokenizer_spec", "val_fraction", "shard_tokens", "max_tokens")
+    return f"{what} with " + ", ".join(f"{key.removesuffix('_spec')}={meta[key]}" for key in keys if key in meta)
 
 
 def _refuse_unless(prepare: bool, out_dir: Path) -> None:
@@ -235,73 +336,43 @@ def _refuse_unless(prepare: bool, out_dir: Path) -> None:
 
 
 def _reusable(out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData | None:
-    """The folder's dataset if meta.json matches the fingerprint and its token files are all there and whole.
-
-    A shard's header is checked against its size and the counts against meta.json's (a few reads per shard, no
-    token read), so a truncated or damaged file is prepared again here rather than failing training later. The
-    vocabulary is checked against the tokenizer meta.json names and, for a text, against the largest token id
-    (one pass over the tokens): a wrong vocab_size would make a model of the wrong size.
-    """
+    """The folder's dataset if meta.json matches the fingerprint and its token files are all there, of the sizes
+    meta.json gives (no token is read): a truncated or missing file is prepared again rather than failing later."""
     meta = _read_meta(out_dir)
-    if meta is None or not all(meta.get(k) == v for k, v in fingerprint.items()):
+    if not isinstance(meta, dict) or not all(meta.get(k) == v for k, v in fingerprint.items()):
         return None  # none, damaged (prepare again), or made otherwise
     data = PreparedData(out_dir, meta)
     try:
         if meta.get("sharded"):
-            if (len(data.train.paths), len(data.val.paths)) != (meta.get("train_shards"), meta.get("val_shards")):
-                return None
-            counts = {"train": data.train.num_tokens, "val": data.val.num_tokens}  # read_shard checks each one
-        else:
-            sizes = {name: getattr(data, name).paths[0].stat().st_size for name in ("train", "val")}
-            if any(size % 2 for size in sizes.values()):
-                return None
-            counts = {name: size // 2 for name, size in sizes.items()}  # uint16 tokens
+            counts = _shard_counts(data)
+        else:  # uint16 tokens
+            counts = {name: data.split(name).paths[0].stat().st_size / 2 for name in ("train", "val")}
     except (OSError, DataError):
         return None  # a file missing, truncated or not a shard: prepare again
-    if any(meta.get(f"{name}_tokens", count) != count for name, count in counts.items()):
-        return None
-    if not _vocabulary_agrees(data):
-        return None
-    return data
+    return data if all(meta.get(f"{name}_tokens") == count for name, count in counts.items()) else None
 
 
-def _read_meta(out_dir: Path) -> dict[str, Any] | None:
-    """The folder's meta.json, or None where there is none or it is damaged."""
+def _shard_counts(data: PreparedData) -> dict[str, int]:
+    """A corpus's tokens per split, each shard's header checked against its size (-1 if shards are missing)."""
+    if (len(data.train.paths), len(data.val.paths)) != (data.meta.get("train_shards"), data.meta.get("val_shards")):
+        return {"train": -1}
+    return {"train": data.train.num_tokens, "val": data.val.num_tokens}
+
+
+def _read_meta(out_dir: Path) -> Any:
+    """The folder's meta.json as parsed, or None where there is none or it is damaged."""
     try:
-        meta = json.loads((out_dir / "meta.json").read_text(encoding="utf-8"))
+        return json.loads((out_dir / "meta.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
         return None
-    return meta if isinstance(meta, dict) else None
-
-
-def _vocabulary_agrees(data: PreparedData) -> bool:
-    meta = data.meta
-    try:
-        tokenizer_vocab = tokenizer_from_metadata(meta["tokenizer"]).vocab_size
-    except (KeyError, TypeError):
-        return False  # no tokenizer named, or not one we know
-    if meta.get("vocab_size") != tokenizer_vocab:
-        return False
-    if meta.get("sharded"):
-        return True  # a corpus's tokens come from that BPE; reading every shard at each start would cost minutes
-    return all(_largest_token(path) < tokenizer_vocab for path in data.train.paths + data.val.paths)
-
-
-def _largest_token(path: Path) -> int:
-    largest = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):  # an even number of bytes: whole uint16 tokens
-            largest = max(largest, int(np.frombuffer(chunk, dtype=np.uint16).max()))
-    return largest
 
 
 if __name__ == "__main__":
     import hydra
     from omegaconf import DictConfig
 
-    from common.cli import exit_on_user_error, presets, run_hydra
-    from common.config import typed_config
-    from data.config import PrepareConfig, register_prepare_schema
+    from common.cli import presets
+    from common.config import exit_on_user_error, run_hydra, typed_config
 
     register_prepare_schema()
 

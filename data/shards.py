@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 
-from common.files import open_temporary
 from data.errors import DataError
 
 MAGIC = 20240520
@@ -24,7 +23,7 @@ def write_shard(path: Path, tokens: np.ndarray) -> None:
     header = np.zeros(HEADER_INTS, dtype=np.int32)
     header[:3] = (MAGIC, VERSION, len(tokens))
     tmp = path.with_name(path.name + ".tmp")
-    with open_temporary(tmp) as f:
+    with open(tmp, "xb") as f:  # exclusive: never through a link planted there
         f.write(header.tobytes())
         f.write(tokens.astype(np.uint16, copy=False).tobytes())
     os.replace(tmp, path)

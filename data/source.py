@@ -1,37 +1,23 @@
 """Where the training text comes from: the user's file, then a cached copy, then a download (saved as that copy).
-
-A text is read in pieces of _READ_BYTES, never whole, so preparing a text takes bounded memory whatever its size.
-The pieces decode exactly as reading the whole file in text mode would: UTF-8, with universal newlines
-(\\r\\n and \\r become \\n), a character or a \\r\\n cut by a read completed by the next.
+A text is read in pieces of _READ_BYTES, never whole, so preparing it takes bounded memory whatever its size; the
+pieces decode exactly as reading the whole file in text mode would (UTF-8, universal newlines).
 """
 
 from __future__ import annotations
 
 import codecs
-import hashlib
 import http.client
 import io
-import os
 import shutil
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.files import open_temporary, replace_file, temporary_beside
+from common.files import replace_file, temporary_beside
 from data.errors import DataError
 
 _READ_BYTES = 1 << 22  # 4 MiB a read: the decoded piece and its ids take a few times that
-
-
-def input_file(input_path: str) -> Path:
-    path = Path(os.path.expanduser(input_path))
-    if not path.is_file():
-        raise DataError(
-            f"data.input={input_path} {why_not_a_file(path)}; pass a UTF-8 text file or a directory of .txt / .jsonl "
-            "documents"
-        )
-    return path
 
 
 def why_not_a_file(path: Path) -> str:
@@ -43,26 +29,15 @@ def why_not_a_file(path: Path) -> str:
     return "is not a regular file (a pipe, a device or a socket)"
 
 
-def text_file(input_path: str | None, cached_copy: Path, url: str | None) -> Path:
-    """The file holding the text: data.input, else the cached copy, else the download saved as the cached copy."""
-    if input_path:
-        return input_file(input_path)
-    if cached_copy.is_file():
-        return cached_copy
-    if not url:
-        raise DataError("no text to train on: pass data.input=/path/to/text.txt")
-    return download(url, cached_copy, "point at a local copy with data.input=/path/to/text.txt")
-
-
 def download(url: str, cached_copy: Path, offline: str) -> Path:
-    """The file at `url`, saved whole as cached_copy or not at all: a download cut short is never kept, even one
-    that reads short without an error (a connection closed before its Content-Length). `offline`: how to do
-    without it, for the one-line error."""
+    """The file at `url`, saved whole as cached_copy or not at all (a download cut short is never kept).
+    `offline`: how to do without it, for the one-line error."""
     tmp = temporary_beside(cached_copy)
     try:
         with urllib.request.urlopen(url, timeout=30) as response:
             cached_copy.parent.mkdir(parents=True, exist_ok=True)
-            with open_temporary(tmp) as out:
+            tmp.unlink(missing_ok=True)  # a killed download's, under a reused PID
+            with open(tmp, "xb") as out:  # exclusive: never through a link planted there
                 shutil.copyfileobj(response, out)
             expected = response.headers.get("Content-Length")
         if expected is not None and tmp.stat().st_size != int(expected):
@@ -75,14 +50,11 @@ def download(url: str, cached_copy: Path, offline: str) -> Path:
 
 
 def read_utf8(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise _not_utf8(path, err, err.start) from None
+    return "".join(utf8_pieces(path))
 
 
 def utf8_pieces(path: Path) -> Iterator[str]:
-    """The file's text in pieces of at most _READ_BYTES bytes, as read_utf8 would read it whole."""
+    """The file's text (UTF-8, universal newlines) in pieces of at most _READ_BYTES bytes."""
     decoder = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")(), translate=True)
     offset = 0  # bytes read before this read
     with path.open("rb") as f:
@@ -92,7 +64,8 @@ def utf8_pieces(path: Path) -> Iterator[str]:
             try:
                 piece = decoder.decode(data, final=not data)
             except UnicodeDecodeError as err:  # err.start counts from the held bytes
-                raise _not_utf8(path, err, offset - held + err.start) from None
+                at = offset - held + err.start
+                raise DataError(f"{path} is not UTF-8 text ({err.reason} at byte {at})") from None
             if piece:
                 yield piece
             if not data:
@@ -100,22 +73,10 @@ def utf8_pieces(path: Path) -> Iterator[str]:
             offset += len(data)
 
 
-def file_sha256(path: Path) -> str:
-    hasher = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(_READ_BYTES):
-            hasher.update(block)
-    return hasher.hexdigest()
-
-
-def _not_utf8(path: Path, err: UnicodeDecodeError, offset: int) -> DataError:
-    return DataError(f"{path} is not UTF-8 text ({err.reason} at byte {offset})")
-
-
 @dataclass(frozen=True)
 class TextFile:
-    """A UTF-8 text file surveyed in one streaming pass, before a second one encodes it: the split between train and
-    val falls at a number of characters, and a char tokenizer's vocabulary is the characters the text uses."""
+    """A UTF-8 text file surveyed in one streaming pass, before a second one encodes it: its length in characters
+    (where the split falls) and, for a char tokenizer, the characters it uses."""
 
     path: Path
     length: int  # in characters
@@ -136,9 +97,8 @@ class TextFile:
     def check_unchanged(self) -> None:
         """DataError if the file changed since the survey (its second pass would not be the text surveyed)."""
         if _stamp(self.path) != self.stamp:
-            raise DataError(
-                f"{self.path} changed while it was being prepared; prepare again once nothing is writing to it"
-            )
+            raise DataError(f"{self.path} changed while it was being prepared; prepare again once nothing is "
+                            "writing to it")
 
     def pieces(self) -> Iterator[str]:
         return utf8_pieces(self.path)

@@ -1,6 +1,5 @@
-"""A text into train.bin / val.bin (uint16 token streams) and meta.json, streamed in bounded memory whatever its
-size: one pass counts its characters (the split falls at a number of them) and collects a char tokenizer's
-vocabulary, a second encodes it piece by piece, appending each piece's ids to the token file. The files are those
+"""A text into train.bin / val.bin (uint16 token streams) and meta.json, in bounded memory whatever its size: one
+pass counts its characters and a char tokenizer's vocabulary, a second encodes it piece by piece, giving the files
 encoding the whole text at once would give.
 """
 
@@ -18,15 +17,14 @@ import numpy as np
 import regex
 from tqdm import tqdm
 
-from common.files import open_temporary, replace_file, temporary_beside, write_text_atomically
+from common.files import replace_file, temporary_beside, write_text_atomically
 from data.errors import DataError
 from data.source import TextFile
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer
 
 _CHUNK_CHARS = 1 << 20  # BPE: encode pieces of at least this many characters, cut where it is safe
 _GIANT_WORD_CHARS = _CHUNK_CHARS  # a run with no safe cut is cut here anyway (_safely_cut)
-# A lone newline between two non-space characters: GPT-2's pre-tokenizer always splits after it,
-# so cutting there gives the same tokens as encoding the whole text at once.
+# A lone newline between two non-space characters: GPT-2's pre-tokenizer always splits after it (a safe cut)
 _SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
 
 
@@ -34,19 +32,16 @@ def make_tokenizer(spec: str, chars: Iterable[str]) -> Tokenizer:
     return CharTokenizer(sorted(set(chars))) if spec == "char" else BpeTokenizer.from_name(spec)
 
 
-def write_dataset(
-    text: TextFile, tokenizer: Tokenizer, out_dir: Path, val_fraction: float, extra_meta: dict
-) -> dict[str, Any]:
+def write_dataset(text: TextFile, tokenizer: Tokenizer, out_dir: Path, val_fraction: float,
+                  extra_meta: dict) -> dict[str, Any]:
     """Split the text (first part train, last part val), encode each part and write the streams; their meta.json."""
     if tokenizer.vocab_size > np.iinfo(np.uint16).max + 1:
         raise DataError(f"vocabulary of {tokenizer.vocab_size} tokens does not fit in uint16 token files")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "meta.json").unlink(missing_ok=True)  # no meta.json: the folder is not a finished dataset
     train, val = _split(text.pieces(), int(text.length * (1 - val_fraction)))
     counts = {}
-    with tqdm(
-        total=text.length, unit="char", unit_scale=True, desc="tokenizing", disable=text.length < 4 * _CHUNK_CHARS
-    ) as bar:
+    small = text.length < 4 * _CHUNK_CHARS
+    with tqdm(total=text.length, unit="char", unit_scale=True, desc="tokenizing", disable=small) as bar:
         try:
             for name, part in (("train", train), ("val", val)):
                 # characters encode one by one: any cut will do; BPE needs safe cuts
@@ -83,7 +78,7 @@ def _write_tokens(path: Path, pieces: Iterable[str], tokenizer: Tokenizer, bar: 
     tmp = temporary_beside(path)
     count = 0
     try:
-        with open_temporary(tmp) as f:
+        with open(tmp, "xb") as f:  # exclusive: never through a link planted there
             for piece in pieces:
                 ids = np.asarray(tokenizer.encode(piece), dtype=np.uint16)
                 ids.tofile(f)
@@ -100,16 +95,11 @@ def _safely_cut(pieces: Iterable[str], pretokenizer: regex.Pattern) -> Iterator[
     """The pieces cut again at safe cuts only, so encoding them one by one with BPE gives the ids of the whole
     text: what follows the last safe cut is held and put before the next piece.
 
-    A lone newline between words is the cheap safe cut (_chunks). A text without one (a paragraph a line, blank
-    lines between) is cut where the encoding's own pre-tokenizer splits it whether or not the text goes on
-    (_pretoken_chunks), once more than 2 * _CHUNK_CHARS characters are held: memory stays bounded either way.
-    A giant word (a run of letters or spaces with no cut at all) is cut every _GIANT_WORD_CHARS characters: its
-    tokens at each such cut may differ from encoding it whole (20 MB of one letter, held whole, peaked at 1.2 GB).
-    A piece is joined to the held text only when it brings a cut, so a long stretch is joined once, not per piece.
-
-    Both rules are proven (and fuzzed) for GPT-2's pre-tokenizer pattern, which r50k_base and p50k_base use: the
-    encodings whose vocabularies fit the uint16 token files. cl100k's and o200k's patterns join words differently
-    across newlines and are not covered.
+    A lone newline between words is the cheap safe cut (_chunks). A text without one is cut where the
+    pre-tokenizer splits it whether or not the text goes on (_pretoken_chunks), once more than 2 * _CHUNK_CHARS
+    characters are held. A giant word with no cut at all is cut every _GIANT_WORD_CHARS characters anyway, where
+    its tokens may differ from encoding it whole: memory stays bounded. Both rules hold for GPT-2's pre-tokenizer
+    pattern (r50k_base, p50k_base: the encodings that fit uint16 token files), not for cl100k's or o200k's.
     """
     held: list[str] = []
     held_chars = 0
@@ -144,11 +134,8 @@ def _chunks(text: str) -> Iterator[str]:
 
 def _pretoken_chunks(text: str, pretokenizer: regex.Pattern, check: int = 4) -> Iterator[str]:
     """Pieces of about _CHUNK_CHARS characters of a text that starts at a safe cut, each ending where the
-    pre-tokenizer (the regex that splits text into words before BPE merges) splits the text, checked: the last
-    `check` words before the cut come out the same when the text ends there (a trailing space or newline may
-    otherwise join them differently). The last piece keeps what follows the last cut, at least 1,024 characters.
-    The words are found in one findall (C, not a Python loop per word): they tile the text, so their lengths give
-    where each ends."""
+    pre-tokenizer (the regex that splits text into words before BPE merges) splits it, checked: the last `check`
+    words before the cut come out the same when the text ends there. The last piece is at least 1,024 characters."""
     ends = [0, *itertools.accumulate(map(len, pretokenizer.findall(text)))]
     if ends[-1] != len(text):  # a pattern that skips characters: no telling where words end
         yield text

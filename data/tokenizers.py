@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import regex
 import tiktoken
+import torch
+import torch.nn.functional as F
 
 from data.errors import DataError
 
@@ -99,7 +104,7 @@ class BpeTokenizer:
 
     def token_bytes(self, token: int) -> bytes:
         """A token's own bytes, which may be part of a character: text shown token by token decodes them
-        incrementally (inference/sample_text.py)."""
+        incrementally (inference/sampling.py)."""
         return self.encoding.decode_single_token_bytes(token)
 
     @property
@@ -146,3 +151,45 @@ def tokenizer_from_metadata(meta: dict[str, Any]) -> Tokenizer:
     if meta["kind"] == "char":
         return CharTokenizer(list(meta["chars"]))
     return BpeTokenizer.from_name(meta["encoding"])
+
+
+@dataclass(frozen=True)
+class TextScore:
+    nats: float  # summed over every scored token
+    tokens: int  # scored tokens: every token of each sequence but its first
+    text_nats: float  # over the tokens that are text (special tokens such as <|endoftext|> left out)
+    bytes: int  # UTF-8 bytes of those tokens
+
+    @classmethod
+    def of(cls, sums: Sequence[float]) -> TextScore:
+        """From token_sums' four sums (added up over batches and processes)."""
+        nats, count, text_nats, n_bytes = sums
+        return cls(nats, round(count), text_nats, round(n_bytes))
+
+    @property
+    def loss(self) -> float:
+        """Mean nats per token."""
+        return self.nats / self.tokens if self.tokens else math.nan
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+    @property
+    def bpb(self) -> float:
+        """Bits per byte of text: comparable across tokenizers."""
+        return self.text_nats / (math.log(2) * self.bytes) if self.bytes else math.nan
+
+
+def token_sums(
+    logits: torch.Tensor, targets: torch.Tensor, byte_lengths: torch.Tensor, scored: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(4,) float64: the nats and the count of the targets (where `scored`, if given), and the nats and UTF-8 bytes
+    of those that are text: special tokens such as <|endoftext|> count 0 bytes and are left out of both, as in
+    nanochat's bits per byte. Sums, so batches and processes add up."""
+    nats = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none").double()
+    targets = targets.flatten()
+    if scored is not None:
+        nats, targets = nats[scored.flatten()], targets[scored.flatten()]
+    n_bytes = byte_lengths[targets]
+    return torch.stack((nats.sum(), nats.new_tensor(targets.numel()), nats[n_bytes > 0].sum(), n_bytes.sum()))

@@ -1,9 +1,6 @@
-"""HellaSwag (Zellers et al., 2019): pick the ending of a sentence that a model finds likeliest, as llm.c and
-build-nanogpt score it. Each ending is tokenized as " " + ending after the context's tokens; its score is the
-summed log-likelihood of its tokens (acc) or their mean (acc_norm, fair to long endings).
-
-The validation set is downloaded on first use into data/cache/hellaswag/, like tiny Shakespeare; offline, a
-local copy in the same format is named by the hellaswag_file key.
+"""HellaSwag (Zellers et al., 2019): pick the ending of a sentence that a model finds likeliest, as llm.c scores
+it. Each ending is tokenized as " " + ending after the context's tokens; its score is the summed log-likelihood of
+its tokens (acc) or their mean (acc_norm, fair to long endings). The validation set is downloaded on first use.
 """
 
 from __future__ import annotations
@@ -11,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +19,7 @@ from data.errors import DataError
 from data.prepare import DEFAULT_CACHE
 from data.source import download, why_not_a_file
 from data.tokenizers import CharTokenizer, Tokenizer
+from evals.perplexity import Autocast
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 CACHED_COPY = DEFAULT_CACHE / "hellaswag" / "hellaswag_val.jsonl"
@@ -36,22 +34,19 @@ class Example:
 
 
 def hellaswag_examples(tokenizer: Tokenizer, file: str | None, key: str) -> list[Example]:
-    """The validation set, tokenized: the tokenizer is checked first, so a char model is refused before any
-    download."""
+    """The validation set, tokenized: a char model is refused before any download."""
     require_bpe(tokenizer)
     return load_examples(hellaswag_path(file, key), tokenizer)
 
 
 def require_bpe(tokenizer: Tokenizer) -> None:
-    """A char tokenizer is refused: HellaSwag is English prose, whose characters a small char vocabulary may
-    lack, and its figures are quoted for GPT-2's BPE."""
+    """HellaSwag is English prose, whose characters a char vocabulary may lack, and its figures are for BPE."""
     if isinstance(tokenizer, CharTokenizer):
         raise DataError("HellaSwag needs a BPE model (GPT-2's tokens); this model's tokenizer reads characters")
 
 
 def hellaswag_path(file: str | None, key: str, cached_copy: Path = CACHED_COPY, url: str = HELLASWAG_URL) -> Path:
-    """The validation set: the file named by `key` (its name in the command's config), else the cached copy, else
-    the download saved there (whole or not at all)."""
+    """The validation set: the file named by `key` (its config key), else the cached copy, else its download."""
     if file is not None:
         path = Path(os.path.expanduser(file))
         if not path.is_file():
@@ -84,14 +79,8 @@ def _fields(line: str, path: Path, number: int) -> tuple[str, list[str], int]:
     try:
         raw = json.loads(line)
         ctx, endings, label = raw["ctx"], raw["endings"], raw["label"]
-        valid = (
-            isinstance(ctx, str)
-            and isinstance(endings, list)
-            and len(endings) == ENDINGS
-            and all(isinstance(end, str) for end in endings)
-            and isinstance(label, int)
-            and 0 <= label < ENDINGS
-        )
+        valid = (isinstance(ctx, str) and isinstance(endings, list) and len(endings) == ENDINGS
+                 and all(isinstance(end, str) for end in endings) and isinstance(label, int) and 0 <= label < ENDINGS)
     except (ValueError, TypeError, KeyError):
         valid = False
     if not valid:
@@ -100,13 +89,8 @@ def _fields(line: str, path: Path, number: int) -> tuple[str, list[str], int]:
 
 
 @torch.no_grad()
-def ending_scores(
-    model: torch.nn.Module,
-    example: Example,
-    block_size: int,
-    device: torch.device,
-    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def ending_scores(model: torch.nn.Module, example: Example, block_size: int, device: torch.device,
+                  autocast: Autocast = contextlib.nullcontext) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed and mean log-likelihood of each ending's tokens (float64, on the CPU), the four endings in one
     forward pass. A row longer than block_size + 1 tokens loses its first ones (the context's)."""
     rows = [(example.context + end)[-(block_size + 1) :] for end in example.endings]
@@ -125,16 +109,10 @@ def ending_scores(
     return sums, sums / torch.tensor(scored, dtype=torch.float64)
 
 
-def hellaswag_sums(
-    model: torch.nn.Module,
-    examples: Iterable[tuple[Example, bool]],
-    block_size: int,
-    device: torch.device,
-    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> torch.Tensor:
-    """Correct by summed log-likelihood, correct by mean, and examples, over those counted (float64, on the
-    CPU): a sum, so shares scored by several processes add up. An uncounted example still runs its forward pass
-    (FSDP2's ranks must run as many)."""
+def hellaswag_sums(model: torch.nn.Module, examples: Iterable[tuple[Example, bool]], block_size: int,
+                   device: torch.device, autocast: Autocast = contextlib.nullcontext) -> torch.Tensor:
+    """Correct by summed log-likelihood, correct by mean, and examples counted (a sum, so that processes' shares
+    add up; an uncounted example still runs its forward pass, as FSDP2's ranks must run as many)."""
     sums = torch.zeros(3, dtype=torch.float64)
     for example, counted in examples:
         total, mean = ending_scores(model, example, block_size, device, autocast)

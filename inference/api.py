@@ -28,8 +28,8 @@ class ApiError(Exception):
 
 
 class CompletionRequest(BaseModel):
-    """OpenAI's /v1/completions fields this server honours (top_k and min_p are extras, as vLLM takes them).
-    Other OpenAI fields are accepted at their defaults and refused otherwise (RequestChecks.unsupported)."""
+    """OpenAI's /v1/completions fields this server honours (top_k and min_p are extras, as vLLM takes them);
+    other OpenAI fields only at their defaults (UNSUPPORTED)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -56,8 +56,7 @@ class CompletionRequest(BaseModel):
             raise ValueError("prompt is an empty list; give a string, a list of strings or of token ids")
         return prompt
 
-    def prompts(self) -> list[str | list[int]]:
-        """Each prompt: a text or its token ids."""
+    def prompts(self) -> list[str | list[int]]:  # each a text or its token ids
         if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
             return [self.prompt]
         return list(self.prompt)
@@ -75,7 +74,7 @@ class DetokenizeRequest(BaseModel):
 
 
 class PageText(BaseModel):
-    """The live page's text: the prompt and what was generated after it (its first prompt_chars characters)."""
+    """The live page's text, whose first prompt_chars characters are the prompt."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -96,8 +95,7 @@ UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
 
 
 class BodyLimit:
-    """413 with OpenAI's error object for a body over max_bytes: by its Content-Length before reading, or as
-    its chunks add up past it (starlette's own limit answers in plain text)."""
+    """413 with OpenAI's error object for a body over max_bytes, by its Content-Length or as its chunks add up."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -129,8 +127,8 @@ class BodyLimit:
 
 
 class HostCheck:
-    """421 with OpenAI's error object for a request whose Host header names another server: a web page whose name
-    DNS resolves to this loopback address (DNS rebinding) could otherwise read the model's answers."""
+    """421 with OpenAI's error object for a Host header naming another server, against DNS rebinding: a web page
+    whose name resolves to this loopback address could otherwise read the model's answers."""
 
     def __init__(self, app: ASGIApp, names: set[str]) -> None:
         self.app, self.names = app, {name.lower() for name in names}

@@ -1,8 +1,6 @@
 """What a flood of connections can't take from serve.py: at most max_connections open at once (past it the oldest
-that isn't being answered is closed, else the new one), a connection that sends no whole request line and headers
-within header_timeout_s of opening (or stays idle for two of them after its last answer) is closed, and each kind
-of refusal is logged once a minute at most, in one line (no traceback per connection). A request's body, once
-its headers are in, is bounded by max_body_bytes and timeout_s instead."""
+idle one is closed, else the new one), a connection without a whole request's headers within header_timeout_s is
+closed, and each kind of refusal is logged once a minute at most, in one line."""
 
 from __future__ import annotations
 

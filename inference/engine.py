@@ -28,13 +28,12 @@ import torch
 
 from common.runtime import Runtime
 from data.tokenizers import Tokenizer
-from inference.sample_text import SampleText
+from inference.sampling import SampleText
 from inference.scoring import Scored, prompt_scores, score
 from model import GPT
+from model.attention import KVCache
 from model.batch_cache import BatchKVCache
-from model.decoding import Decoding
-from model.gpt import PREFILL_CHUNK
-from model.kv_cache import KVCache
+from model.gpt import PREFILL_CHUNK, Decoding
 
 log = logging.getLogger("serve")
 PREFILL_SLOTS = 8192  # cache positions a batched prefill may hold: 8 rows of GPT-2's 1,024

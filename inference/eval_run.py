@@ -15,22 +15,20 @@ from tqdm import tqdm
 
 from common.errors import ConfigError
 from common.runtime import check_memory, make_runtime, memory_bytes
-from data.config import DataConfig
 from data.errors import DataError
-from data.prepare import dataset_dir, ensure_prepared
+from data.prepare import DataConfig, dataset_dir, ensure_prepared
 from data.source import read_utf8
 from data.tokenizers import Tokenizer
 from evals.hellaswag import hellaswag_examples, hellaswag_sums
 from evals.perplexity import score_sequences
-from inference.load import LoadedModel, load_model
+from inference.sampling import LoadedModel, load_model
 from inference.schema import EvalConfig
 from model import GPTConfig
 from model.checkpoint import Checkpoint
 
 
 def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
-    """The results as eval.py prints them in its JSON line. Every file is found, and every value checked against
-    the model, before the first forward pass."""
+    """eval.py's JSON line; every file is found, and every value checked, before the first forward pass."""
     runtime = make_runtime(cfg.device, cfg.dtype)
     loaded = load_model(cfg.out_dir, cfg.init_from, cfg.ckpt, cfg.attn_impl)
     model = loaded.model.to(runtime.device).eval()
@@ -51,25 +49,23 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
         record |= {"tokens": score.tokens, "bytes": score.bytes, "context": context, "stride": stride}
     if examples is not None:
         shown = tqdm(examples, unit="example", desc="hellaswag", disable=not progress)
-        correct, correct_norm, count = hellaswag_sums(
-            model, ((e, True) for e in shown), block_size, runtime.device, runtime.autocast
-        ).tolist()
+        sums = hellaswag_sums(model, ((e, True) for e in shown), block_size, runtime.device, runtime.autocast)
+        correct, correct_norm, count = sums.tolist()
         record |= {"hellaswag_acc": correct / count, "hellaswag_acc_norm": correct_norm / count}
         record |= {"hellaswag_examples": round(count)}
     return record
 
 
 def _fitting_batch(batch_size: int, config: GPTConfig, context: int, device: torch.device) -> int:
-    """At most the windows a forward pass can hold in half the device's memory (a window's logits in float32,
-    thrice over in the loss, and its activations): a larger batch_size gives the same sums, in more passes."""
+    """At most the windows a forward pass can hold in half the device's memory (a window's float32 logits thrice
+    over, and its activations)."""
     per_window = context * (16 * config.vocab_size + 64 * config.n_embd)
     check_memory(per_window, device, f"one window of context={context}", "lower context")
     memory = memory_bytes(device)
     fitting = batch_size if memory is None else max(1, min(batch_size, memory // 2 // per_window))
     if fitting < batch_size:
-        print(
-            f"eval.py: batch_size={batch_size} windows don't fit in memory; scoring {fitting} a pass", file=sys.stderr
-        )
+        print(f"eval.py: batch_size={batch_size} windows don't fit in memory; scoring {fitting} a pass",
+              file=sys.stderr)
     return fitting
 
 
@@ -89,19 +85,13 @@ def readable(record: dict[str, Any]) -> list[str]:
     """The lines eval.py prints before its JSON line."""
     lines = []
     if "loss" in record:
-        lines.append(
-            f"{record['input']}: {record['tokens']:,} tokens scored ({record['bytes']:,} bytes of text), "
-            f"context {record['context']}, stride {record['stride']}"
-        )
-        lines.append(
-            f"loss {record['loss']:.4f} nats/token, perplexity {record['perplexity']:.3f}, "
-            f"{record['bpb']:.4f} bits/byte"
-        )
+        lines.append(f"{record['input']}: {record['tokens']:,} tokens scored ({record['bytes']:,} bytes of text), "
+                     f"context {record['context']}, stride {record['stride']}")
+        lines.append(f"loss {record['loss']:.4f} nats/token, perplexity {record['perplexity']:.3f}, "
+                     f"{record['bpb']:.4f} bits/byte")
     if "hellaswag_acc" in record:
-        lines.append(
-            f"hellaswag: acc {record['hellaswag_acc']:.4f}, acc_norm {record['hellaswag_acc_norm']:.4f} "
-            f"over {record['hellaswag_examples']:,} examples"
-        )
+        lines.append(f"hellaswag: acc {record['hellaswag_acc']:.4f}, acc_norm {record['hellaswag_acc_norm']:.4f} "
+                     f"over {record['hellaswag_examples']:,} examples")
     return lines
 
 
@@ -136,11 +126,8 @@ def _val_split(checkpoint: Checkpoint, out_dir: str | None) -> tuple[Path, list[
         data = ensure_prepared(config, prepare=False)  # read, never made: a moved or changed source is an error
     except DataError:
         where = dataset_dir(config.name, config.dir)
-        raise DataError(
-            f"no val split of {out_dir} in {where} (train.py prepares it there from the run's data.* keys; gone, "
-            "or its source changed since): pass input=FILE"
-        ) from None
+        raise DataError(f"no val split of {out_dir} in {where} (train.py prepares it there from the run's data.* "
+                        "keys; gone, or its source changed since): pass input=FILE") from None
     if data.meta["tokenizer"] != checkpoint.tokenizer:
         raise DataError(f"the val split in {data.dir} was tokenized unlike {out_dir}'s model; pass input=FILE")
-    files = data.val
-    return data.dir, [files.open(i) for i in range(len(files.paths))]
+    return data.dir, [data.val.open(i) for i in range(len(data.val.paths))]

@@ -26,8 +26,6 @@ PAGE = Path(__file__).with_name("serve_page.html")
 
 
 def add_page(app: FastAPI, service: Service, authorised: Callable[..., Any]) -> None:
-    """The live page at / and its endpoints under /page/: tokens, the attention explorer, causality."""
-
     @app.get("/", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"))
@@ -52,20 +50,14 @@ def add_page(app: FastAPI, service: Service, authorised: Callable[..., Any]) -> 
     @app.post("/page/causality", dependencies=[Depends(authorised)])
     async def page_causality(change: PageChange) -> dict[str, Any]:
         """Replace one token: how much every position's prediction changes, on both attention paths."""
-        args = await asyncio.to_thread(checked_change, service, change)
-        engine = service.engine
-        task = functools.partial(check_causality, engine.model, args["ids"], change.position, args["replacement"])
-        report = await service.call(task)
-        return {
-            "tokens": [service.tokenizer.decode([i]) for i in args["ids"]],
-            "position": change.position,
-            "replacement": service.tokenizer.decode([args["replacement"]]),
-            "changes": {impl: change.tolist() for impl, change in report.changes.items()},
-            "receptive_field": report.receptive_field,
-            "last_reachable": report.last_reachable,
-            "mask_held": report.mask_held,
-            "verdict": verdict(report),
-        }
+        ids, replacement = await asyncio.to_thread(checked_change, service, change)
+        report = await service.call(functools.partial(check_causality, service.engine.model, ids, change.position,
+                                                      replacement))
+        return {"tokens": [service.tokenizer.decode([i]) for i in ids], "position": change.position,
+                "replacement": service.tokenizer.decode([replacement]),
+                "changes": {impl: change.tolist() for impl, change in report.changes.items()},
+                "receptive_field": report.receptive_field, "last_reachable": report.last_reachable,
+                "mask_held": report.mask_held, "verdict": verdict(report)}
 
 
 def tokens_on_page(service: Service, page: PageText) -> tuple[list[int], int]:
@@ -82,10 +74,8 @@ def tokens_on_page(service: Service, page: PageText) -> tuple[list[int], int]:
     return ids[cut:], max(0, n_prompt - cut)
 
 
-
-def checked_change(service: Service, change: PageChange) -> dict[str, Any]:
-    """Every position's largest change of the logits, on both attention paths, when token `position` of the
-    page's tokens is replaced (analysis/causality.py); the engine's thread runs it, between steps."""
+def checked_change(service: Service, change: PageChange) -> tuple[list[int], int]:
+    """The page's tokens and the one token that replaces token `position`, checked."""
     ids, _ = tokens_on_page(service, change)
     if not 0 <= change.position < len(ids):
         raise ApiError(400, f"position={change.position} is not a token of the text (0 to {len(ids) - 1})",
@@ -100,4 +90,4 @@ def checked_change(service: Service, change: PageChange) -> dict[str, Any]:
     if replacement[0] == ids[change.position]:
         raise ApiError(400, f"replacement {change.replacement!r} is the token already there; give another",
                        "replacement")
-    return {"ids": ids, "replacement": replacement[0]}
+    return ids, replacement[0]

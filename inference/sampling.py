@@ -1,8 +1,12 @@
-"""Load a run's checkpoint and generate text from a prompt."""
+"""Load a model (a train.py run's checkpoint, or OpenAI's GPT-2) and draw samples of a prompt, as text that shows
+as it grows and ends at a stop string."""
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,16 +15,41 @@ from typing import TextIO
 
 import torch
 
-from common.errors import ConfigError
+from common.errors import CheckpointError, ConfigError
 from common.runtime import Runtime, check_memory, make_runtime
 from data.errors import DataError
 from data.source import read_utf8, why_not_a_file
-from data.tokenizers import Tokenizer
-from inference.load import load_model
-from inference.sample_text import InOrder, SampleText
+from data.tokenizers import BpeTokenizer, Tokenizer, tokenizer_from_metadata
 from inference.schema import SampleConfig
 from model import GPT
-from model.decoding import Decoding, row_generators
+from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
+from model.gpt import Decoding, row_generators
+from model.hf_gpt2 import load_pretrained
+
+GPT2_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's BPE
+SEPARATOR = "\n---------------\n"  # after each sample, as nanoGPT's sample.py prints them
+ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+@dataclass
+class LoadedModel:
+    model: GPT  # on the CPU, in training mode as built
+    tokenizer: Tokenizer
+    checkpoint: Checkpoint | None  # None for init_from: no run, no data config
+
+
+def load_model(out_dir: str | None, init_from: str | None, ckpt: str, attn_impl: str | None) -> LoadedModel:
+    """init_from's GPT-2 with GPT-2's BPE, or out_dir's ckpt.pt (best.pt: ckpt=best) with the run's tokenizer."""
+    if init_from is not None:
+        model = load_pretrained(init_from, attn_impl=attn_impl or "flash")
+        return LoadedModel(model, BpeTokenizer.from_name(GPT2_ENCODING), None)
+    assert out_dir is not None, "the config requires out_dir or init_from"
+    path = Path(out_dir) / (BEST_NAME if ckpt == "best" else CKPT_NAME)
+    if ckpt == "best" and not path.is_file() and path.with_name(CKPT_NAME).is_file():
+        raise CheckpointError(f"no {BEST_NAME} in {out_dir}: train with train.keep_best=true, or use ckpt=latest")
+    checkpoint = load_checkpoint(path)
+    tokenizer = tokenizer_from_metadata(checkpoint.tokenizer_for_decoding(path))
+    return LoadedModel(checkpoint.build_model(attn_impl), tokenizer, checkpoint)
 
 
 def read_prompt(start: str) -> str:
@@ -33,6 +62,90 @@ def read_prompt(start: str) -> str:
     return read_utf8(path)
 
 
+def stop_strings(stop: Sequence[str] | None, tokenizer: Tokenizer) -> list[str]:
+    r"""The config's stop strings, \n, \t and \\ read as a newline, a tab and a backslash (as typed on the command
+    line), and the tokenizer's end of text if it has one (<|endoftext|>: a document ends there). stop=[]: none."""
+    if stop is not None and not stop:
+        return []
+    unescaped = [re.sub(r"\\([nt\\])", lambda m: ESCAPES[m.group(1)], s) for s in stop or ()]
+    end = tokenizer.end_of_text
+    return unescaped + ([end] if end and end not in unescaped else [])
+
+
+class SampleText:
+    """The prompt's text, then the generated text up to (not including) the first stop string.
+
+    A BPE token's bytes may end inside a character (GPT-2 splits many emoji and CJK characters across tokens), so
+    the bytes go through an incremental UTF-8 decoder, which keeps an unfinished character until its last byte
+    arrives; bytes that can never be a character become U+FFFD, as in tokenizer.decode. finish(): no more tokens
+    will come, so the text held back as a possible stop string's start is final (a character cut short is left out).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt: str, stop: Sequence[str] = ()) -> None:
+        self._token_bytes = tokenizer.token_bytes
+        self._stop = list(stop)
+        self._longest = max(map(len, self._stop), default=0)
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._start = len(prompt)  # stop strings are looked for in the generated text only
+        self._shown = 0
+        self.text = prompt
+        self.tokens: list[int] = []  # those generated, up to the one that completed a stop string
+        self.stopped = False  # a stop string appeared
+        self.finished = False  # stopped, or no more tokens will come
+
+    def add(self, token: int) -> None:
+        if self.finished:  # none are taken once the sample is finished
+            return
+        self.tokens.append(token)
+        searched = max(self._start, len(self.text) - self._longest + 1)  # a stop string may end in the new text
+        self.text += self._decoder.decode(self._token_bytes(token))
+        found = [(i + len(s), i) for s, i in ((s, self.text.find(s, searched)) for s in self._stop) if i >= 0]
+        if found:  # the stop string completed first, as if the text had come a character at a time
+            self.text = self.text[: min(found)[1]]
+            self.stopped = self.finished = True
+
+    def finish(self) -> None:
+        self.finished = True
+
+    def unshown(self) -> str:
+        """The text not handed out before that no later token can change: all of it once finished, otherwise all
+        but a tail that could still grow into a stop string."""
+        end = len(self.text) if self.finished else len(self.text) - self._held_back()
+        piece = self.text[self._shown : end]
+        self._shown = end
+        return piece
+
+    def _held_back(self) -> int:
+        """The length of the longest tail of the generated text that is the start of a stop string."""
+        for n in range(min(self._longest - 1, len(self.text) - self._start), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self._stop):
+                return n
+        return 0
+
+
+class InOrder:
+    """Writes samples that grow side by side (one batch) one after another: the first as it is generated; each
+    next one, once the one before is finished, all it has so far at once, then as it grows. The first sample's
+    prompt is written at once."""
+
+    def __init__(self, out: TextIO, samples: Sequence[SampleText]) -> None:
+        self.out = out
+        self.samples = samples
+        self.current = 0
+        self.write()
+
+    def write(self) -> None:
+        while self.current < len(self.samples):
+            sample = self.samples[self.current]
+            self.out.write(sample.unshown())
+            if not sample.finished:
+                break
+            self.out.write(SEPARATOR)
+            self.current += 1
+        self.out.flush()
+
+
 @dataclass
 class Sample:
     ids: list[int]  # the prompt's tokens and those generated, up to the one that completed a stop string
@@ -41,6 +154,11 @@ class Sample:
 
 @dataclass
 class Sampler:
+    """generate() draws num_samples continuations of a prompt side by side, as one batch; each ends at its first
+    stop string, and generation ends once all have. With `stream`, they are written there as they grow, one after
+    another, each followed by SEPARATOR. With `seed`, sample i draws from a generator of its own seeded with
+    seed + i, as a served request's choice i does; without, from torch's global one."""
+
     model: GPT
     tokenizer: Tokenizer
     runtime: Runtime
@@ -55,51 +173,29 @@ class Sampler:
         return ids
 
     def generate(
-        self,
-        prompt: list[int],
-        num_samples: int,
-        max_new_tokens: int,
-        decoding: Decoding,
-        *,
-        use_cache: bool = True,
-        stop: Sequence[str] = (),
-        stream: TextIO | None = None,
-        seed: int | None = None,
+        self, prompt: list[int], num_samples: int, max_new_tokens: int, decoding: Decoding, *, use_cache: bool = True,
+        stop: Sequence[str] = (), stream: TextIO | None = None, seed: int | None = None,
     ) -> list[Sample]:
-        """num_samples continuations of the prompt, drawn side by side as one batch; each ends at its first stop
-        string, and generation ends once all have. With `stream`, they are written there as they grow, in order
-        (InOrder), each followed by SEPARATOR. With `seed`, sample i draws from its own generator seeded with
-        seed + i (row_generators), as a served request's choice i does; without, from torch's global one."""
-        config = self.model.config  # before allocating: every sample has its KV cache and its logits
+        config = self.model.config  # checked before allocating: every sample has its KV cache and its logits
         per_sample = 8 * config.n_layer * config.block_size * config.n_embd + 16 * config.vocab_size
         check_memory(num_samples * per_sample, self.runtime.device, f"num_samples={num_samples}", "lower num_samples")
         prompt_text = self.tokenizer.decode(prompt)
         texts = [SampleText(self.tokenizer, prompt_text, stop) for _ in range(num_samples)]
-        writer = InOrder(stream, texts) if stream is not None else None
-        if writer is not None:
-            writer.write()  # the prompt, before the first step
-        idx = torch.tensor([prompt] * num_samples, dtype=torch.long, device=self.runtime.device)
-        generated: list[list[int]] = [[] for _ in texts]  # each sample's tokens, up to the one that ends it
+        show = InOrder(stream, texts).write if stream is not None else lambda: None
+        idx = torch.tensor([prompt] * num_samples, device=self.runtime.device)
         generators = row_generators(seed, num_samples, self.runtime.device)
         steps = self.model.generate_tokens(idx, max_new_tokens, decoding, use_cache, generators)
-        try:
-            with self.runtime.autocast():
-                for step in steps:
-                    for text, ids, token in zip(texts, generated, step[:, 0].tolist(), strict=True):
-                        if not text.finished:
-                            ids.append(token)
-                            text.add(token)
-                    if writer is not None:
-                        writer.write()
-                    if all(text.finished for text in texts):
-                        break
-        finally:
-            steps.close()
+        with self.runtime.autocast(), contextlib.closing(steps):
+            for step in steps:
+                for text, token in zip(texts, step[:, 0].tolist(), strict=True):
+                    text.add(token)
+                show()
+                if all(text.finished for text in texts):
+                    break
         for text in texts:
             text.finish()
-        if writer is not None:
-            writer.write()
-        return [Sample(prompt + ids, text.text) for ids, text in zip(generated, texts, strict=True)]
+        show()
+        return [Sample(prompt + text.tokens, text.text) for text in texts]
 
     def last_window(self, ids: list[int], purpose: str, span: int | None = None) -> list[int]:
         """The last `span` tokens; by default block_size, all the model can look at in one pass."""

@@ -10,8 +10,7 @@ from hydra.core.config_store import ConfigStore
 from common.config import SEED_MAX, check_fields, option
 from common.errors import ConfigError
 from common.runtime import DEVICES, DTYPES
-from model.config import ATTN_IMPLS
-from model.decoding import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
+from model.gpt import ATTN_IMPLS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 
 
 @dataclass
@@ -26,9 +25,7 @@ class ModelChoice:
     def __post_init__(self) -> None:
         check_fields(self)
         if self.out_dir is None and self.init_from is None:
-            raise ConfigError(
-                "out_dir is required: pass out_dir=RUN, a directory written by train.py (or init_from=gpt2)"
-            )
+            raise ConfigError("out_dir is required: pass out_dir=RUN, a directory train.py wrote (or init_from=gpt2)")
 
 
 @dataclass
@@ -51,7 +48,7 @@ class SampleConfig(ModelChoice):
     # with stop=[]
     stop: list[str] | None = None
     stream: bool | None = None  # print each sample as it is generated; null: when stdout is a terminal
-    attention_dir: str | None = option(None, directory=True)  # write attention.npz and one PNG per layer here
+    attention_dir: str | None = option(None, path=True)  # write attention.npz and one PNG per layer here
     check_causal: bool = False  # print the causality demonstration after the samples: a summary by range
     check_causal_positions: bool = False  # with check_causal: one line per position instead of the summary
 
@@ -119,7 +116,5 @@ class ServeConfig(ModelChoice):
 
 
 def register_schemas() -> None:
-    cs = ConfigStore.instance()
-    cs.store(name="sample_schema", node=SampleConfig)
-    cs.store(name="eval_schema", node=EvalConfig)
-    cs.store(name="serve_schema", node=ServeConfig)
+    for name, schema in (("sample", SampleConfig), ("eval", EvalConfig), ("serve", ServeConfig)):
+        ConfigStore.instance().store(name=f"{name}_schema", node=schema)

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from common.runtime import Runtime
 from model import GPT
+from model.attention import KVCache
 from model.gpt import PREFILL_CHUNK
-from model.kv_cache import KVCache
 
 WINDOWS_AT_ONCE = 16  # a prompt past a learned-position model's context: tokens scored per forward pass
 
@@ -36,13 +36,10 @@ def score(logits: torch.Tensor, tokens: list[int], top: int) -> list[Scored]:
                                                                         strict=True)]
 
 
-def prompt_scores(
-    model: GPT, runtime: Runtime, prompt: list[int], top: int, cancelled: Callable[[], bool]
-) -> list[Scored]:
-    """Each prompt token's score (but the first's, which nothing predicts) given the tokens before it, at most
-    block_size of them for a learned-position model (as it would have generated them), all for a rolling one;
-    PREFILL_CHUNK positions at a time, so a long prompt's logits are never all held at once. Stops early once
-    cancelled() (its client left)."""
+def prompt_scores(model: GPT, runtime: Runtime, prompt: list[int], top: int,
+                  cancelled: Callable[[], bool]) -> list[Scored]:
+    """Each prompt token's score (but the first's) given the tokens before it, at most block_size of them for a
+    learned-position model, all for a rolling one; PREFILL_CHUNK positions at a time, until cancelled()."""
     config, device = model.config, runtime.device
     scores: list[Scored] = []
     cache, block = KVCache(config), config.block_size

@@ -20,9 +20,10 @@ import uvicorn
 
 from common.errors import ConfigError
 from common.runtime import make_runtime
+from data.corpus import default_num_proc
 from inference.connections import Refusals, guarded_protocol, usable_connections
 from inference.engine import Engine
-from inference.load import load_model
+from inference.sampling import load_model
 from inference.schema import ServeConfig
 from inference.server import Service, create_app
 
@@ -34,8 +35,8 @@ API_KEY_ENV = "GPT_LAB_API_KEY"  # the api_key when the config leaves it null, s
 
 def build_service(cfg: ServeConfig) -> Service:
     runtime = make_runtime(cfg.device, cfg.dtype)
-    if runtime.device.type == "cpu":
-        torch.set_num_threads(cfg.threads or cpu_threads())
+    if runtime.device.type == "cpu":  # by default a core less, left to the event loop and the clients
+        torch.set_num_threads(cfg.threads or default_num_proc())
     loaded = load_model(cfg.out_dir, cfg.init_from, cfg.ckpt, cfg.attn_impl)
     model = loaded.model.to(runtime.device).eval()
     engine = Engine(model, loaded.tokenizer, runtime, cfg.max_batch)
@@ -43,18 +44,9 @@ def build_service(cfg: ServeConfig) -> Service:
     return Service(engine, loaded.tokenizer, model_id, cfg)
 
 
-def cpu_threads() -> int:
-    """One less than the cores this process may use: on a small CPU the model's threads would otherwise take
-    the core the event loop and the clients need, and a decode step is too small to gain from the second
-    (bench.py serve, docs/serving.md: 4x faster for one client on 2 cores)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1)
-
-
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on sockets that name it, and without it Nagle held
-    # each stream's chunks behind the client's delayed ACK (every chunk came 40 ms late, with the last one)
+    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY (no Nagle delay for each chunk) only on sockets naming it
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -70,14 +62,12 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def loopback_names(host: str) -> set[str]:
-    """The Host headers a loopback server answers: another name (a web page's, resolved to 127.0.0.1 by DNS
-    rebinding) would let that page read the model's answers."""
+    """The Host headers a loopback server answers (api.HostCheck)."""
     return {"localhost", "127.0.0.1", "[::1]", host if ":" not in host else f"[{host}]"}
 
 
 def check_exposure(sock: socket.socket, cfg: ServeConfig, api_key: str | None) -> str:
-    """Beyond loopback with no API key, anyone who reaches the port can use the model: refused unless
-    allow_no_api_key says it is meant. Where the server listens, in words."""
+    """Where the server listens, in words; beyond loopback without an API key only with allow_no_api_key."""
     address = ipaddress.ip_address(sock.getsockname()[0])
     if address.is_loopback:
         return LOOPBACK
@@ -89,8 +79,7 @@ def check_exposure(sock: socket.socket, cfg: ServeConfig, api_key: str | None) -
 
 
 def serve(cfg: ServeConfig) -> None:
-    """Until Ctrl-C or SIGTERM: then uvicorn stops taking requests, those in flight get shutdown_s to end (then
-    each ends with an error: Stopping), and the engine finishes before the process exits."""
+    """Until Ctrl-C or SIGTERM, then the requests in flight get shutdown_s to end (Stopping)."""
     api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None
     service = build_service(cfg)
     sock = bind(cfg.host, cfg.port)
@@ -113,9 +102,7 @@ def serve(cfg: ServeConfig) -> None:
 
     logging.getLogger("serve").setLevel(logging.WARNING)  # its refusals too (Refusals), not only its errors
     torch.set_grad_enabled(False)
-    # The engine's thread releases the GIL at every torch op; a longer switch interval lets the event loop's
-    # thread finish its work once it has the GIL instead of being forced back and forth (bench.py serve: one
-    # client's tokens ~15% faster on 2 cores at 0.02 s than at Python's 0.005 s).
+    # the engine's thread releases the GIL at every torch op: the event loop then keeps it longer once it has it
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     app = create_app(service, api_key, on_ready=ready, hosts=loopback_names(cfg.host) if where == LOOPBACK else None)
     # uvicorn cancels what still runs SHUTDOWN_MARGIN_S after the requests' own end, which says so to each client
@@ -129,9 +116,8 @@ def serve(cfg: ServeConfig) -> None:
 
 
 class Stopping(uvicorn.Server):
-    """uvicorn's server, which on Ctrl-C or SIGTERM also gives the requests in flight shutdown_s to finish: then
-    each ends with OpenAI's error object (a stream: an error event and data: [DONE]), before uvicorn would cut
-    them off without a word."""
+    """uvicorn's server, which on Ctrl-C or SIGTERM also gives the requests in flight shutdown_s to finish, then
+    ends each with OpenAI's error object, before uvicorn would cut them off without a word."""
 
     def __init__(self, config: uvicorn.Config, service: Service, refusals: Refusals) -> None:
         super().__init__(config)

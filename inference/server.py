@@ -1,11 +1,6 @@
 """OpenAI's completions API over the engine: GET /v1/models, POST /v1/completions (streamed as server-sent
-events or whole), GET /health, vLLM's tokenizer endpoints, and the live page (inference/page_routes.py).
-
-Every request is checked before it reaches the engine: a bad one gets a 4xx with OpenAI's error object naming
-the field ({"error": {"message", "type", "param", "code"}}), never a 500 or a traceback, and the server goes on
-serving (a 500 means the model failed on the server's side, whose log has the traceback). Work is bounded: a
-body size limit, max_tokens, choices and stop strings per request, a queue (503 with Retry-After past it), a
-timeout, and a client that leaves frees its rows at the next step.
+events or whole), GET /health, vLLM's tokenizer endpoints, and the live page (inference/page_routes.py). Every
+request is checked before it reaches the engine (a 4xx naming the field), and its work is bounded.
 """
 
 from __future__ import annotations
@@ -42,10 +37,10 @@ from inference.api import (
 )
 from inference.engine import Completion, Engine
 from inference.page_routes import add_page
-from inference.sample_text import SampleText
+from inference.sampling import SampleText
 from inference.schema import ServeConfig
 from inference.streaming import Choice, Deadline, Mailbox, Update, stream_events, updates_of, usage
-from model.decoding import Decoding, row_generators
+from model.gpt import Decoding, row_generators
 
 log = logging.getLogger("serve")
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI takes up to 4; each is searched for after every token
@@ -58,11 +53,8 @@ class Service:
     """The model behind the API: turns checked requests into engine Completions, and their text into answers."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, model_id: str, limits: ServeConfig) -> None:
-        """limits: serve.py's config, whose max_* keys and timeout_s bound each request."""
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self.model_id = model_id
-        self.limits = limits
+        self.engine, self.tokenizer, self.model_id = engine, tokenizer, model_id
+        self.limits = limits  # serve.py's config, whose max_* keys and timeout_s bound each request
         self.created = int(time.time())
         self._mailbox: Mailbox | None = None
         self.induction: Any = None  # the model's induction scores, for the live page (they don't depend on text)
@@ -106,13 +98,12 @@ class Service:
         prompts = request.prompts()
         if request.n < 1:
             raise ApiError(400, f"n={request.n} must be at least 1", "n")
+        asks = f"n={request.n} for {len(prompts)} prompt(s) asks for {len(prompts) * request.n} choices"
         if len(prompts) * request.n > self.engine.max_batch + limits.max_queue:  # would never fit: not a 503
-            raise ApiError(400, f"n={request.n} for {len(prompts)} prompt(s) asks for {len(prompts) * request.n} "
-                           f"choices; this server holds {self.engine.max_batch + limits.max_queue} at most "
+            raise ApiError(400, f"{asks}; this server holds {self.engine.max_batch + limits.max_queue} at most "
                            "(max_batch + max_queue)", "n")
         if len(prompts) * request.n > limits.max_choices:
-            raise ApiError(400, f"n={request.n} for {len(prompts)} prompt(s) asks for {len(prompts) * request.n} "
-                           f"choices; at most {limits.max_choices} per request", "n")
+            raise ApiError(400, f"{asks}; at most {limits.max_choices} per request", "n")
         given = _requested_stops(request)
         if any(s == "" for s in given):
             raise ApiError(400, "stop has an empty string, which would stop at once; remove it", "stop")
@@ -132,8 +123,7 @@ class Service:
         return ids
 
     def encode(self, text: str, end_of_text: bool = False) -> list[int]:
-        """Its tokens, as sample.py's prompts are tokenized; end_of_text: its end-of-text marks as that one token
-        (vLLM's /tokenize, whose end-of-text id evaluation tools read)."""
+        """Its tokens, as sample.py's prompts; end_of_text: its end-of-text marks as that token (vLLM's /tokenize)."""
         end = self.tokenizer.end_of_text
         try:
             if not (end_of_text and end):
@@ -152,12 +142,6 @@ class Service:
                            f"{vocab_size - 1}, less the ids its encoding leaves unused)", param)
         return list(ids)
 
-    def _stops(self, request: CompletionRequest) -> list[str]:
-        """The request's stop strings, and the end of text (a BPE model's <|endoftext|>), as sample.py has them."""
-        stops = _requested_stops(request)
-        end = self.tokenizer.end_of_text
-        return stops + ([end] if end and end not in stops else [])
-
     def submit(self, request: CompletionRequest, prompts: list[list[int]], on_update) -> list[Choice]:
         """One Completion per prompt x n, queued on the engine (503 if the queue is full)."""
         running, waiting = self.engine.load
@@ -167,9 +151,9 @@ class Service:
                            kind="server_busy", headers={"Retry-After": "1"})
         decoding = Decoding(request.temperature, request.top_k, None if request.top_p == 1 else request.top_p,
                             request.min_p)
-        stops = self._stops(request)
-        device = self.engine.runtime.device
-        generators = row_generators(request.seed, len(prompts) * request.n, device)  # choice i: seed + i
+        stops, end = _requested_stops(request), self.tokenizer.end_of_text  # and the end of text, as sample.py's
+        stops += [end] if end and end not in stops else []
+        generators = row_generators(request.seed, len(prompts) * request.n, self.engine.runtime.device)  # seed + i
         scored = request.logprobs is not None
         choices = []
         for p, ids in enumerate(prompts):
@@ -192,8 +176,7 @@ class Service:
         return choices
 
     async def call(self, task: Callable[[], Any]) -> Any:
-        """`task` on the engine's thread, between steps (503 if the engine can't take it, or already holds
-        PAGE_TASKS: each delays every running completion by its time, and nothing else bounds them)."""
+        """`task` on the engine's thread, between steps; 503 past PAGE_TASKS, as each delays every completion."""
         if self.page_tasks >= PAGE_TASKS:
             raise ApiError(503, f"the live page's work is busy ({self.page_tasks} tasks); retry shortly",
                            kind="server_busy", headers={"Retry-After": "1"})
@@ -225,8 +208,7 @@ class Service:
         return self._token_text(token) or ""
 
     def answer(self, answer_id: tuple[str, int], choices: list[dict[str, Any]], usage: Any = ...) -> dict:
-        """OpenAI's completion object (a stream's chunks too: one id and `created` for all of them); `usage`
-        left out unless given (None: a stream's chunk before the usage one)."""
+        """OpenAI's completion object, or a stream's chunk; `usage` left out unless given."""
         completion_id, created = answer_id
         body = {"id": completion_id, "object": "text_completion", "created": created, "model": self.model_id,
                 "choices": choices}
@@ -241,8 +223,7 @@ def _requested_stops(request: CompletionRequest) -> list[str]:
 
 def create_app(service: Service, api_key: str | None = None, on_ready: Callable[[], None] | None = None,
                hosts: set[str] | None = None) -> FastAPI:
-    """The ASGI app; the engine's thread is started and closed with it (lifespan). hosts: the Host header's names
-    it answers (serve_run.loopback_names), or any."""
+    """The ASGI app, which starts and closes the engine's thread. hosts: the Host header's names it answers, or any."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -306,9 +287,9 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
 
     return app
 
+
 def _add_health(app: FastAPI, service: Service, key_given: Callable[..., bool] | None) -> None:
-    """GET /health: alive or not, for anyone (a load balancer's checks); the load too, with the key if one is set
-    (key_given: whether a request's credentials hold it)."""
+    """GET /health: alive or not, for anyone (a load balancer's checks); the load too, with the key if one is set."""
 
     @app.get("/health")
     async def health(credentials: Credentials) -> JSONResponse:
@@ -322,8 +303,7 @@ def _add_health(app: FastAPI, service: Service, key_given: Callable[..., bool] |
 
 
 def _add_tokenizer(app: FastAPI, service: Service, authorised: Callable[..., Any]) -> None:
-    """vLLM's tokenizer endpoints, which lm-evaluation-harness's local-completions finds and uses by itself
-    (tokenizer_backend=auto): prompts then go as token ids, tokenized here, for a char model as for a BPE one."""
+    """vLLM's tokenizer endpoints, which lm-evaluation-harness's local-completions uses by itself."""
 
     @app.get("/tokenizer_info", dependencies=[Depends(authorised)])
     async def tokenizer_info() -> dict[str, Any]:
@@ -342,8 +322,7 @@ def _add_tokenizer(app: FastAPI, service: Service, authorised: Callable[..., Any
 
 
 def _answer_errors(app: FastAPI) -> None:
-    """Every error as OpenAI's error object: a refused request (ApiError), a body pydantic refused, an unknown
-    endpoint, and a bug (whose traceback goes to the log only)."""
+    """Every error as OpenAI's error object: a refused request, a body pydantic refused, an unknown endpoint, a bug."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
@@ -360,8 +339,7 @@ def _answer_errors(app: FastAPI) -> None:
         return ApiError(400, f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid')}{value}", param).response()
 
     @app.exception_handler(Exception)
-    async def bug(request: Request, err: Exception) -> JSONResponse:
-        """A bug: its traceback in the server's log, OpenAI's error object (without it) to the client."""
+    async def bug(request: Request, err: Exception) -> JSONResponse:  # its traceback to the server's log only
         log.error(f"{request.method} {request.url.path} failed", exc_info=err)
         message = "the server failed on this request; its log has the details"
         return ApiError(500, message, kind="server_error").response()

@@ -1,6 +1,5 @@
-"""A completion's text from the engine's thread to its HTTP client: the engine's updates handed to the event loop
-in batches (Mailbox), read until every choice is done (updates_of), and sent as OpenAI's server-sent events
-(stream_events)."""
+"""A completion's text from the engine's thread to its HTTP client: handed to the event loop in batches (Mailbox),
+read until every choice is done (updates_of), and sent as OpenAI's server-sent events (stream_events)."""
 
 from __future__ import annotations
 
@@ -35,14 +34,12 @@ class Choice:
     offset: int = 0  # characters of the text the reported tokens span (text_offset)
 
     def tokens(self) -> int:
-        """The tokens generated so far: on the engine's thread, when a piece of text is handed on (the piece and
-        the tokens it came from stay together through the Mailbox)."""
+        """The tokens generated so far (on the engine's thread, when a piece of text is handed on)."""
         return len(self.completion.tokens)
 
     def logprobs(self, upto: int) -> dict[str, list] | None:
         """OpenAI's logprobs object for the generated tokens not yet reported, up to the first `upto` (and the
-        prompt's first, with echo; its first token has no log-probability: nothing predicts it). A token's text
-        held back as a possible stop string's start comes in a later chunk than its logprobs."""
+        prompt's first, with echo; its first token has no log-probability: nothing predicts it)."""
         if self.token_text is None:
             return None
         completion, pairs = self.completion, []
@@ -78,9 +75,7 @@ Update = tuple[int, str, bool, int]
 class Mailbox:
     """Hands the engine thread's updates to the event loop at most once per FLUSH_INTERVAL_S, longer under load
     (FLUSH_INTERVAL_S per FLUSH_ROWS completions running), and whenever the engine runs out of work; not once
-    per token. Waking the loop costs the engine a GIL hand-off, and every chunk costs the HTTP side: woken per
-    token, one client's tokens came 1.4x slower on 2 CPU cores (bench.py serve). A step slower than the interval
-    (a large model) flushes every step; a client reading slower than the engine gets a chunk per flush."""
+    per token: waking the loop costs the engine a GIL hand-off, and every chunk costs the HTTP side."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -111,8 +106,7 @@ class Mailbox:
 
 @dataclass
 class Deadline:
-    """When a request must end, on the event loop's clock: its timeout_s, or sooner once the server stops
-    (Service.stop_by: the shutdown's grace, shutdown_s, then every request still running ends with an error)."""
+    """When a request must end, on the event loop's clock: its timeout_s, or the server's shutdown (stop_by)."""
 
     timeout_at: float
     stop_by: Callable[[], float]  # inf until the server is told to stop
@@ -130,9 +124,8 @@ class Deadline:
 
 async def updates_of(choices: list[Choice], updates: asyncio.Queue[Update], deadline: Deadline,
                    http: Request | None = None) -> AsyncIterator[list[Update]]:
-    """The choices' pieces of text as the engine makes them, all that have arrived at once, until every choice is
-    done; ApiError past the deadline. With `http` (a whole answer), a client that left cancels them (a stream
-    notices by itself)."""
+    """The choices' pieces of text as the engine makes them, in batches, until every choice is done; ApiError
+    past the deadline. With `http` (a whole answer), a client that left cancels them."""
     pending = len(choices)
     loop = asyncio.get_running_loop()
     checked = loop.time()
@@ -160,20 +153,17 @@ async def updates_of(choices: list[Choice], updates: asyncio.Queue[Update], dead
 
 async def stream_events(answer: Callable[..., dict], choices: list[Choice], updates: asyncio.Queue[Update],
                         deadline: Deadline, n: int, include_usage: bool) -> AsyncIterator[bytes]:
-    """OpenAI's chunk objects as server-sent events, then `data: [DONE]`; the pieces add up to the whole text.
-    A choice's pieces that arrived together (a client reading slower than the engine writes) go as one chunk.
-    With include_usage, each chunk has "usage": null and a last one, with no choices, the usage."""
+    """OpenAI's chunk objects as server-sent events, a choice's pieces that arrived together as one, then
+    `data: [DONE]`. With include_usage, each chunk has "usage": null and a last one, with no choices, the usage."""
     no_usage = None if include_usage else ...
     try:
         try:
             async for batch in updates_of(choices, updates, deadline):
-                merged: dict[int, list] = {}
+                merged: dict[int, tuple[str, bool, int]] = {}
                 for index, piece, done, tokens in batch:
-                    merged.setdefault(index, [choices[index].echo, False, 0])
+                    text, was_done, most = merged.get(index, (choices[index].echo, False, 0))
                     choices[index].echo = ""  # once, before the first piece
-                    merged[index][0] += piece
-                    merged[index][1] = merged[index][1] or done
-                    merged[index][2] = max(merged[index][2], tokens)
+                    merged[index] = (text + piece, was_done or done, max(most, tokens))
                 for index, (text, done, tokens) in merged.items():
                     reason = choices[index].completion.finish_reason if done else None
                     choice = {"text": text, "index": index, "logprobs": choices[index].logprobs(tokens),

@@ -1,8 +1,7 @@
 """The GPT model: configuration, attention and the transformer."""
 
 from model.attention import CausalSelfAttention, causal_mask, masked_attention
-from model.config import ACTIVATIONS, ATTN_IMPLS, POS_EMBS, GPTConfig
-from model.gpt import GPT
+from model.gpt import ACTIVATIONS, ATTN_IMPLS, GPT, POS_EMBS, GPTConfig, parameter_count
 
 __all__ = [
     "ACTIVATIONS",
@@ -13,4 +12,5 @@ __all__ = [
     "CausalSelfAttention",
     "causal_mask",
     "masked_attention",
+    "parameter_count",
 ]

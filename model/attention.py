@@ -1,25 +1,27 @@
 """Causal multi-head self-attention, with a fused (flash) path and the textbook (math) path, over all earlier
-tokens or a sliding window of them."""
+tokens or a sliding window of them; and the KV cache that generation runs it on."""
 
 from __future__ import annotations
 
 import functools
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
-from model.batch_cache import BatchKVCache
-from model.config import GPTConfig
-from model.kv_cache import KVCache
 from model.rotary import Rotary
 from model.shortcuts import Shortcuts
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
+
+    from model.batch_cache import BatchKVCache
+    from model.gpt import GPTConfig
+
+    Cache: TypeAlias = "KVCache | BatchKVCache"
 
 
 def masked_attention(
@@ -117,11 +119,9 @@ def _cached_band_block_mask(length: int, window: int, device: torch.device) -> B
 
 
 class CausalSelfAttention(nn.Module):
-    """Both paths share the same parameters, so weights trained with one run with the other.
-
-    `captured`: while it is a list (GPT.attention_weights sets it), every call runs the math path and appends
-    its softmax weights (B, n_head, T, n_keys) there; the output is the same either way.
-    """
+    """attn_impl picks the path: both share the same parameters, so weights trained with one run with the other.
+    `captured`: while it is a list (GPT.attention_weights sets it), every call runs the math path and appends its
+    softmax weights (B, n_head, T, n_keys) there; the output is the same either way."""
 
     def __init__(self, config: GPTConfig, layer_index: int) -> None:
         super().__init__()
@@ -132,8 +132,7 @@ class CausalSelfAttention(nn.Module):
         self.window = config.layer_windows()[layer_index]  # None: every earlier key
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        head_size = config.n_embd // config.n_head
-        self.rotary = Rotary(head_size, config.block_size) if config.pos_emb == "rope" else None
+        self.rotary = Rotary(config.n_embd // config.n_head, config.block_size) if config.pos_emb == "rope" else None
         self.qk_norm = config.qk_norm
         self.value_embed = nn.Embedding(config.vocab_size, config.n_embd) if config.value_embeds else None
         self.first_values_kept = config.value_residual and layer_index == 0  # for the layers after it
@@ -142,56 +141,38 @@ class CausalSelfAttention(nn.Module):
         self.captured: list[torch.Tensor] | None = None
 
     def forward(
-        self,
-        x: torch.Tensor,
-        shortcuts: Shortcuts,
-        first_values: torch.Tensor | None = None,
-        cache: KVCache | BatchKVCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x: (B, T, C) for T new tokens, after the cache's tokens if a cache is given (a BatchKVCache: each row
-        after its own, with a key mask of its own). shortcuts: what value_embeds reads; first_values: the first
-        layer's values, which value_residual mixes in. Returns the output and, from the first layer of a
-        value_residual model, its values (B, n_head, T, head_dim) for the layers after it (else None)."""
+        self, x: Tensor, shortcuts: Shortcuts, first_values: Tensor | None = None, cache: Cache | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         B, T, C = x.shape
-        # (3, B, n_head, T, head_dim): one reshape for queries, keys and values
-        qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        v = self._with_shortcuts(v, shortcuts, first_values)
-        kept = v if self.first_values_kept else None
+        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.value_embed is not None or self.value_mix is not None:
+            v = self.mixed_values(v, shortcuts, first_values)
         if self.qk_norm:  # scores then measure direction only: they can't grow large, which steadies training
             q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))
-        start = 0 if cache is None else cache.position  # an int, or each row's (B, 1) for a BatchKVCache
-        if self.rotary is not None:
-            q, k = self.rotary(q, start), self.rotary(k, start)
-        key_mask = None
-        if cache is not None:
-            k, v = cache.extend(self.layer_index, k, v)
-            key_mask = cache.key_mask(self.layer_index)
-        n_past = 0 if cache is None else cache.length
+        if cache is None:
+            if self.rotary is not None:
+                q, k = self.rotary(q, 0), self.rotary(k, 0)
+            y = self.attend(q, k, v)
+        else:  # generation: the cache adds the earlier tokens' keys and values (KVCache.attend)
+            y = cache.attend(self, q, k, v)
+        y = self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        return F.dropout(y, self.dropout, self.training), v if self.first_values_kept else None
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        """softmax(QKᵀ/√d_k) @ V, causal (within this layer's window) over the same T tokens, or where `mask` is True
+        (a cache's: a windowed layer's cache returns only the keys its window reaches, ending at the newest)."""
         dropout_p = self.dropout if self.training else 0.0
         if self.attn_impl == "math" or self.captured is not None:
-            # A windowed layer's cache returns only the keys its window may reach, ending at the newest token.
-            mask = causal_mask(T, k.size(-2), x.device, self.window) if key_mask is None else key_mask
+            mask = causal_mask(q.size(-2), k.size(-2), q.device, self.window) if mask is None else mask
             y, weights = masked_attention(q, k, v, mask, dropout_p)
             if self.captured is not None:
                 self.captured.append(weights)
-        elif key_mask is not None:  # rows of their own lengths (BatchKVCache)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=dropout_p)
-        elif n_past == 0 and self.window is not None:
-            y = windowed_attention(q, k, v, self.window, dropout_p)
-        elif n_past == 0:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        elif T == 1:
-            # is_causal aligns the mask to the first key; a single query after the cache may see every key
-            # the cache returned (a windowed layer's cache returns only those in its window).
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
-        else:  # T new tokens after the cached ones (a long prompt fed in chunks): the mask aligned to the end
-            mask = causal_mask(T, k.size(-2), x.device, self.window)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-        y = y.transpose(1, 2).reshape(B, T, C)
-        return F.dropout(self.c_proj(y), dropout_p), kept
+            return y
+        if mask is None and self.window is not None:
+            return windowed_attention(q, k, v, self.window, dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None)
 
-    def _with_shortcuts(self, v: torch.Tensor, shortcuts: Shortcuts, first_values: torch.Tensor | None) -> torch.Tensor:
+    def mixed_values(self, v: Tensor, shortcuts: Shortcuts, first_values: Tensor | None) -> Tensor:
         """The values with this layer's token embedding added (value_embeds), then mixed with the first layer's
         (value_residual); the cache stores them so."""
         if self.value_embed is not None:
@@ -200,3 +181,85 @@ class CausalSelfAttention(nn.Module):
         if self.value_mix is not None:
             v = self.value_mix[0] * v + self.value_mix[1] * first_values
         return v
+
+
+ROLL_SLACK = 64  # a windowed layer's spare slots: it moves its live tokens to the front once per this many steps
+
+
+class LayerCache:
+    """A full layer's keys and values (2, B, n_head, slots, head_dim), oldest first: every token, in a buffer
+    preallocated to block_size, so that appending writes in place."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.buffer: Tensor | None = None  # allocated on first use: batch, device and dtype as given
+        self.stored = 0
+
+    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new tokens' keys and values (B, n_head, T, head_dim); return all those stored."""
+        end = self.stored + k.size(2)
+        if self.buffer is None:  # a prompt longer than a window's slots gets as many; its next roll shrinks them
+            self.buffer = k.new_empty(2, k.size(0), k.size(1), max(self.slots, end), k.size(3))
+        self.buffer[0, :, :, self.stored : end] = k
+        self.buffer[1, :, :, self.stored : end] = v
+        self.stored = end
+        return self.buffer[0, :, :, :end], self.buffer[1, :, :, :end]
+
+
+class WindowedLayerCache(LayerCache):
+    """A windowed layer needs only its last window - 1 tokens: its buffer holds twice that plus ROLL_SLACK
+    (block_size at most), and when it fills, the live tokens move to the front. Memory stays bounded however long
+    generation runs, and the live part is always one contiguous, oldest-first slice, ready for the attention
+    kernels."""
+
+    def __init__(self, block_size: int, window: int) -> None:
+        super().__init__(min(block_size, 2 * (window - 1) + ROLL_SLACK))
+        self.keep = window - 1  # earlier tokens a new query may still see
+
+    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new tokens' keys and values; return theirs and the last window - 1 before them."""
+        if self.buffer is not None and self.stored + k.size(2) > self.buffer.size(3):
+            self._roll(k.size(2))
+        start = max(0, self.stored - self.keep)
+        keys, values = super().extend(k, v)
+        return keys[:, :, start:], values[:, :, start:]
+
+    def _roll(self, n_new: int) -> None:
+        """Move the tokens still in the window to the front of a buffer with room for n_new more."""
+        assert self.buffer is not None
+        kept = min(self.stored, self.keep)
+        live = self.buffer[:, :, :, self.stored - kept : self.stored]
+        slots = max(self.slots, kept + n_new)
+        if slots != self.buffer.size(3):
+            resized = self.buffer.new_empty(*self.buffer.shape[:3], slots, self.buffer.size(4))
+            resized[:, :, :, :kept] = live
+            self.buffer = resized
+        else:
+            self.buffer[:, :, :, :kept] = live.clone()  # source and destination may overlap
+        self.stored = kept
+
+
+class KVCache:
+    """Every layer's keys and values for the tokens run so far, so that each new token costs one position."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        size = config.block_size
+        self.layers = [LayerCache(size) if w is None else WindowedLayerCache(size, w) for w in config.layer_windows()]
+        self.length = 0  # tokens already run: the new ones sit at positions length, length + 1, ...
+        self.last_token: torch.Tensor | None = None  # (B, 1): the newest token run, the bigram of the next
+
+    @property
+    def position(self) -> int:  # the new tokens' first (a BatchKVCache's: each row's)
+        return self.length
+
+    def attend(self, attn: CausalSelfAttention, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """The new tokens' attention over their own keys and the earlier ones in reach."""
+        if attn.rotary is not None:
+            q, k = attn.rotary(q, self.length), attn.rotary(k, self.length)
+        k, v = self.layers[attn.layer_index].extend(k, v)
+        mask = None if self.length == 0 else causal_mask(q.size(-2), k.size(-2), q.device, attn.window)
+        return attn.attend(q, k, v, mask)
+
+    def advance(self, new_tokens: Tensor) -> None:  # once every layer has stored the new tokens (B, T)
+        self.length += new_tokens.size(1)
+        self.last_token = new_tokens[:, -1:]

@@ -1,22 +1,26 @@
 """Keys and values for a batch whose rows are independent sequences (continuous batching): each row has its own
 length and positions, rows join after their prompt has run alone and leave when they finish, between steps.
 
-KVCache (model/kv_cache.py) serves one batch that grows in lockstep; this one serves a server's decode steps. A
-row joins with the KVCache its prompt filled (add), then every step runs one new token per row (extend with
-T = 1). Each layer's buffer is a ring of `slots` positions per row: position p lives at slot p % slots. A full
-layer has block_size slots, which a non-rolling model never wraps; a windowed layer has `window` slots (at most
-block_size), so a rolling model's rows roll forever in bounded memory. After a row writes its new key, the slots
-it has filled hold exactly the keys its query may see (the last `window` positions), so the mask of a row is
-just "slot < min(length + 1, slots)": attention is order-free, and the positions are already in the keys
-(rope) or the embeddings (learned).
+KVCache (model/attention.py) serves one batch that grows in lockstep; this one serves a server's decode steps. A
+row joins with the KVCache its prompt filled (add), then every step runs one new token per row. Each layer's
+buffer is a ring of `slots` positions per row: position p lives at slot p % slots. A full layer has block_size
+slots, which a non-rolling model never wraps; a windowed layer has `window` slots (at most block_size), so a
+rolling model's rows roll forever in bounded memory. After a row writes its new key, the slots it has filled hold
+exactly the keys its query may see (the last `window` positions), so the mask of a row is just "slot < min(length
++ 1, slots)": attention is order-free, and the positions are already in the keys (rope) or the embeddings
+(learned).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from model.config import GPTConfig
-from model.kv_cache import KVCache
+from model.attention import CausalSelfAttention, KVCache
+
+if TYPE_CHECKING:
+    from model.gpt import GPTConfig
 
 
 class BatchKVCache:
@@ -79,7 +83,7 @@ class BatchKVCache:
     @property
     def position(self) -> int | torch.Tensor:
         """Each row's new token's position, (rows, 1), made once a step (all layers read it); an int when every
-        row is at the same one (one client, say), which takes the plain KVCache's cheaper paths."""
+        row is at the same one (one client, say)."""
         if "position" not in self._steps:
             if len(set(self.lengths)) == 1:
                 return self.lengths[0]
@@ -87,9 +91,17 @@ class BatchKVCache:
             self._steps["position"] = torch.tensor(self.lengths, device=device).unsqueeze(1)
         return self._steps["position"]
 
-    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, attn: CausalSelfAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Each row's new token's attention over the keys its row may see."""
+        position = self.position
+        if attn.rotary is not None:
+            q, k = attn.rotary(q, position), attn.rotary(k, position)
+        k, v = self._extend(attn.layer_index, k, v)
+        return attn.attend(q, k, v, self._key_mask(attn.layer_index))
+
+    def _extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store each row's new key and value (rows, n_head, 1, head_dim) in its slot; return every row's slots
-        up to the furthest any row has filled, with key_mask saying which of them each row may see."""
+        up to the furthest any row has filled."""
         assert k.size(2) == 1, "rows decode one token a step; prompts run alone, in a KVCache"
         buffer, slots = self.buffers[layer], self.slots[layer]
         assert buffer is not None
@@ -113,18 +125,15 @@ class BatchKVCache:
             self._steps[key + "at"] = position % slots
         return self._steps[key], self._steps[key + "at"]
 
-    def key_mask(self, layer: int) -> torch.Tensor | None:
-        """(rows, 1, 1, used): True where the row's query may attend; None when every row may see every slot
-        returned (all have filled as many): no mask, as for a plain KVCache."""
+    def _key_mask(self, layer: int) -> torch.Tensor:
+        """(rows, 1, 1, used): True where the row's query may attend (once a step per size)."""
         slots = self.slots[layer]
-        used = min(slots, self.length + 1)
-        if min(self.lengths) + 1 >= used:
-            return None
         key = f"mask{slots}"
         if key not in self._steps:
-            filled = (self._steps["position"] + 1).clamp(max=slots)  # (rows, 1)
-            index = torch.arange(used, device=filled.device)
-            self._steps[key] = (index < filled)[:, None, None, :]
+            assert self.last_token is not None
+            filled = torch.tensor(self.lengths, device=self.last_token.device).add(1).clamp(max=slots)
+            used = torch.arange(min(slots, self.length + 1), device=filled.device)
+            self._steps[key] = (used < filled[:, None])[:, None, None, :]
         return self._steps[key]
 
     def advance(self, new_tokens: torch.Tensor) -> None:

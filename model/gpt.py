@@ -1,24 +1,134 @@
-"""A decoder-only transformer (GPT-2 style): pre-LayerNorm blocks, learned positions, tied head; GPTConfig's
-options swap in modded-nanogpt's parts (RMSNorm, rope, QK-norm, an untied head, shortcuts, a bigram table)."""
+"""A decoder-only transformer, GPT-2's by default: pre-LayerNorm blocks, learned positions, a tied output head.
+GPTConfig's options swap in modded-nanogpt's parts (RMSNorm, rope, QK-norm, an untied head, shortcuts, a bigram
+table). generate_tokens runs it one token a step through a KV cache, each token picked by Decoding."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from model.attention import CausalSelfAttention
-from model.batch_cache import BatchKVCache
-from model.config import GPTConfig
-from model.decoding import Decoding
-from model.kv_cache import KVCache
+from common.config import check_fields, option
+from common.errors import ConfigError
+from model.attention import CausalSelfAttention, KVCache
 from model.shortcuts import BigramEmbedding, Shortcuts
 
-PREFILL_CHUNK = 1024  # tokens a rolling model's prompt runs through the cache at a time (GPT.prefill)
+if TYPE_CHECKING:
+    from model.batch_cache import BatchKVCache
+
+    Cache = KVCache | BatchKVCache
+Generators = Sequence[torch.Generator | None] | None  # one random stream per row (row_generators)
+
+ATTN_IMPLS = ("flash", "math")
+# gelu: exact (erf); gelu_tanh: the tanh approximation OpenAI's GPT-2 weights were trained with (HF's gelu_new);
+# relu2: ReLU(x)², as in modded-nanogpt, cheaper than GELU's erf on CPU.
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu2")
+POS_EMBS = ("learned", "rope")  # rope: rotary embeddings on queries and keys instead of a learned table
+NORMS = ("layernorm", "rmsnorm")  # rmsnorm: scale only, no mean subtracted (cheaper; modded-nanogpt's)
+WINDOWED, FULL = "S", "L"  # window_pattern's letters: a sliding-window layer, a full causal one
+BIGRAM_ROWS = 65521  # the largest prime below 2**16: vocabularies up to 255 tokens get exact bigrams
+PREFILL_CHUNK = 1024  # tokens of a rolling model's prompt run through the cache at a time (GPT.prefill)
+
+
+@dataclass
+class GPTConfig:
+    """The model's shape: all a checkpoint needs to rebuild the GPT, and train.py's model.* keys (training/schema.py
+    derives them from here, less vocab_size, which comes from the data)."""
+
+    vocab_size: int = option(50257, at_least=1)
+    block_size: int = option(1024, at_least=1)  # the context: positions the model sees at once
+    n_layer: int = option(12, at_least=1)
+    n_head: int = option(12, at_least=1)
+    n_embd: int = option(768, at_least=1)  # width; a multiple of n_head
+    dropout: float = option(0.0, at_least=0.0, below=1.0)
+    bias: bool = True  # biases in the linear layers and LayerNorms
+    attn_impl: str = option("flash", choices=ATTN_IMPLS)  # flash (fused SDPA) | math (the textbook formula)
+    activation: str = option("gelu", choices=ACTIVATIONS)
+    pos_emb: str = option("learned", choices=POS_EMBS)
+    # Sliding-window attention: query i sees keys i-attn_window+1 .. i (null: every earlier key, causal as GPT-2).
+    attn_window: int | None = option(None, at_least=1)
+    # Which layers use attn_window: S (windowed) or L (full), first layer first. A pattern shorter than n_layer
+    # is repeated and its last layer made L; one of exactly n_layer letters is used as written ("SSSS": every
+    # layer windowed, so with rope generation can roll past block_size). Null means "S": all but the last layer.
+    # While attn_window is null no layer is windowed, whatever the pattern: attn_window=null switches windows off.
+    window_pattern: str | None = None
+    # Modern options (modded-nanogpt's), all off by default: off, the model is GPT-2's. docs/speedrun.md measures them.
+    norm: str = option("layernorm", choices=NORMS)  # the blocks' and the final norm
+    qk_norm: bool = False  # RMS-normalise each head's queries and keys before their scores
+    untied_head: bool = False  # an output head of its own, initialised to zero, instead of wte's transpose
+    zero_init_proj: bool = False  # the blocks' output projections start at zero: every block starts as identity
+    logit_softcap: float | None = option(None, above=0.0)  # logits = cap * tanh(logits / cap); null: none
+    x0_mix: bool = False  # each block's input mixes in the embeddings: a*x + b*x0, learned a, b from 1, 0
+    value_residual: bool = False  # layers after the first mix in its values: v = a*v + b*v_first, a, b from 0.5
+    value_embeds: bool = False  # each layer adds a token embedding of its own to its values
+    bigram_embed: bool = False  # add an embedding of (previous token, token); exact for small vocabularies, else hashed
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; use a multiple of it")
+        if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ConfigError(f"pos_emb=rope needs an even head size; n_embd/n_head is {self.n_embd // self.n_head}")
+        if self.window_pattern is not None:
+            self._check_window_pattern(self.window_pattern)
+
+    def _check_window_pattern(self, pattern: str) -> None:
+        if not pattern or set(pattern) - {WINDOWED, FULL}:
+            raise ConfigError(f"window_pattern={pattern} may only hold the letters S (windowed) and L (full)")
+        if WINDOWED not in pattern and self.attn_window is not None:
+            raise ConfigError(f"window_pattern={pattern} windows no layer; add an S or set attn_window=null")
+        if len(pattern) > self.n_layer:
+            raise ConfigError(f"window_pattern={pattern} has more letters than n_layer={self.n_layer}")
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's attention window, first layer first (None: full causal attention)."""
+        if self.attn_window is None:
+            return [None] * self.n_layer
+        pattern = self.window_pattern or WINDOWED
+        if len(pattern) < self.n_layer:
+            pattern = (pattern * self.n_layer)[: self.n_layer - 1] + FULL
+        return [self.attn_window if letter == WINDOWED else None for letter in pattern]
+
+    @property
+    def rolls(self) -> bool:
+        """No position depends on where the sequence began: the model runs on any length, its KV cache rolling."""
+        windows = self.layer_windows()
+        return self.pos_emb == "rope" and None not in windows and max(windows) <= self.block_size
+
+    @property
+    def receptive_field(self) -> int | None:
+        """How many tokens, itself included, can change one position's logits; None: all earlier ones."""
+        windows = self.layer_windows()
+        if None in windows:
+            return None
+        return 1 + sum(w - 1 for w in windows) + int(self.bigram_embed)  # a bigram: the token before too
+
+    @property
+    def bigram_rows(self) -> int:
+        """A row per (previous token or none, token) while that fits BIGRAM_ROWS, else BIGRAM_ROWS rows that the
+        pairs share by hashing (a prime modulus spreads them)."""
+        return min(self.vocab_size * (self.vocab_size + 1), BIGRAM_ROWS)
+
+
+def parameter_count(config: GPTConfig) -> int:
+    """The parameters GPT(config) holds, without building it."""
+    C, V, L = config.n_embd, config.vocab_size, config.n_layer
+    bias = config.bias
+    norm = C * (2 if config.norm == "layernorm" and bias else 1)
+    block = 2 * norm + 3 * C * C + 3 * C * bias + C * C + C * bias + 8 * C * C + 5 * C * bias
+    block += 2 * config.x0_mix + (V * C if config.value_embeds else 0)
+    total = L * block + V * C + norm  # blocks, the token table (tied to the head), the final norm
+    total += (L - 1) * 2 * config.value_residual  # each later layer's value mix
+    total += config.block_size * C if config.pos_emb == "learned" else 0
+    total += V * C if config.untied_head else 0
+    total += config.bigram_rows * C if config.bigram_embed else 0
+    return total
 
 
 class MLP(nn.Module):
@@ -27,17 +137,12 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
-        self.activation = config.activation
+        self.relu2 = config.activation == "relu2"
+        self.gelu = "tanh" if config.activation == "gelu_tanh" else "none"  # GELU's exact form or its approximation
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Functional activation and dropout: a module call costs more than the op itself when decoding one token.
+    def forward(self, x: Tensor) -> Tensor:
         h = self.c_fc(x)
-        if self.activation == "gelu":
-            h = F.gelu(h)
-        elif self.activation == "gelu_tanh":
-            h = F.gelu(h, approximate="tanh")
-        else:
-            h = F.relu(h).square()
+        h = F.relu(h).square() if self.relu2 else F.gelu(h, approximate=self.gelu)
         return F.dropout(self.c_proj(h), self.dropout, self.training)
 
 
@@ -48,24 +153,20 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 class Block(nn.Module):
+    """x + attention(norm(x)), then x + mlp(norm(x)). The first layer of a value_residual model also returns its
+    attention's values, which the layers after it mix into theirs (None otherwise)."""
+
     def __init__(self, config: GPTConfig, layer_index: int) -> None:
         super().__init__()
         self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config, layer_index)
         self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
-        # x0_mix: the block's input is a*x + b*x0, learned; from 1, 0 (the plain residual stream)
-        self.x0_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if config.x0_mix else None
+        self.x0_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if config.x0_mix else None  # from the plain residual
 
     def forward(
-        self,
-        x: torch.Tensor,
-        shortcuts: Shortcuts,
-        first_values: torch.Tensor | None = None,
-        cache: KVCache | BatchKVCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The residual stream after this block, and the values value_residual's later layers read (from the
-        first layer of such a model; else None)."""
+        self, x: Tensor, shortcuts: Shortcuts, first_values: Tensor | None = None, cache: Cache | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         if self.x0_mix is not None:
             x = self.x0_mix[0] * x + self.x0_mix[1] * shortcuts.x0
         attended, values = self.attn(self.ln_1(x), shortcuts, first_values, cache)
@@ -74,6 +175,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """hidden() runs the transformer, logits() the output head on it. With a cache (KVCache; a server's
+    BatchKVCache), the tokens given come after those the cache holds, and the cache keeps theirs."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
@@ -83,27 +187,21 @@ class GPT(nn.Module):
                 wpe=nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None,
                 h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
                 ln_f=make_norm(config),
-                bigram=BigramEmbedding(config.vocab_size, config.bigram_rows, config.n_embd)
-                if config.bigram_embed
-                else None,
+                bigram=BigramEmbedding(config) if config.bigram_embed else None,
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if not config.untied_head:
             self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
-        # GPT-2: scale the residual projections so the residual stream's variance doesn't grow with depth.
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                if config.zero_init_proj:
-                    nn.init.zeros_(p)
-                else:
-                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+            if name.endswith("c_proj.weight") and config.zero_init_proj:
+                nn.init.zeros_(p)
+            elif name.endswith("c_proj.weight"):  # GPT-2: the residual stream's variance doesn't grow with depth
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         if config.untied_head:  # the first predictions are uniform, the loss exactly ln(vocab_size)
             nn.init.zeros_(self.lm_head.weight)
-        # train.activation_checkpointing: in training, each block keeps only its input for backward and runs its
-        # forward again there (a run's setting, not the model's shape: checkpoints don't record it)
-        self.activation_checkpointing = False
+        self.activation_checkpointing = False  # training: each block keeps only its input and runs again in backward
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -115,73 +213,53 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; by default less the tables that are only looked up, which cost no FLOPs: positions,
-        bigrams, value embeddings, and the token table unless it is the (tied) head."""
+        """By default less the tables that are only looked up, which cost no FLOPs: positions, bigrams, value
+        embeddings, and the token table unless it is the (tied) head."""
         n = sum(p.numel() for p in self.parameters())
         if not non_embedding:
             return n
         t = self.transformer
         tables = [t.wpe, None if t.bigram is None else t.bigram.table, *(block.attn.value_embed for block in t.h)]
-        if self.config.untied_head:
-            tables.append(t.wte)
+        tables += [t.wte] if self.config.untied_head else []
         return n - sum(table.weight.numel() for table in tables if table is not None)
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token (forward + backward), as in the PaLM paper's appendix B; a windowed layer's
-        attention counts the keys its window spans instead of the whole block."""
+        """Training FLOPs per token (forward and backward), as in the PaLM paper's appendix B."""
         c = self.config
         spans = (c.block_size if w is None else min(w, c.block_size) for w in c.layer_windows())
         return 6 * self.num_params() + 12 * c.n_embd * sum(spans)
 
-    def hidden(self, idx: torch.Tensor, cache: KVCache | BatchKVCache | None = None) -> torch.Tensor:
-        """Final hidden states (B, T, C) of the new tokens `idx`, after those already in `cache` (a BatchKVCache:
-        each row after its own)."""
-        n_past = 0 if cache is None else cache.length  # a BatchKVCache's longest row
-        T = idx.size(1)
-        if n_past + T > self.config.block_size and not self.config.rolls:
-            raise ValueError(
-                f"sequence length {n_past + T} exceeds block_size={self.config.block_size}; "
-                "crop the input to the last block_size tokens"
-            )
-        x = self.transformer.wte(idx)
-        if self.transformer.bigram is not None:
-            x = x + self.transformer.bigram(idx, None if cache is None else cache.last_token)
-        if self.transformer.wpe is not None:  # with rope, positions enter through the attention instead
-            start = 0 if cache is None else cache.position  # an int, or each row's (B, 1)
-            x = x + self.transformer.wpe(torch.arange(T, device=idx.device) + start)
+    def hidden(self, idx: Tensor, cache: Cache | None = None) -> Tensor:
+        """Final hidden states (B, T, n_embd) of the tokens idx (B, T)."""
+        T, t = idx.size(1), self.transformer
+        length = T + (0 if cache is None else cache.length)
+        if length > self.config.block_size and not self.config.rolls:
+            raise ValueError(f"sequence length {length} exceeds block_size={self.config.block_size}; crop the input")
+        x = t.wte(idx)
+        if t.bigram is not None:
+            x = x + t.bigram(idx, None if cache is None else cache.last_token)
+        if t.wpe is not None:  # with rope, positions enter through the attention instead
+            x = x + t.wpe(torch.arange(T, device=idx.device) + (0 if cache is None else cache.position))
         x = F.dropout(x, self.config.dropout, self.training)
         shortcuts = Shortcuts(x0=x, idx=idx)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
-        first_values = None  # value_residual: the first layer returns its values, the later ones mix them in
-        for block in self.transformer.h:
+        first_values = None  # value_residual: the first layer's values, which the later layers mix in
+        for block in t.h:
             args = (x, shortcuts, first_values, cache)
-            # non-reentrant recomputation: works under compile, DDP and FSDP2, and keeps dropout's random draws
             x, values = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
-            if values is not None:
-                first_values = values
+            first_values = first_values if values is None else values
         if cache is not None:
             cache.advance(idx)
-        return self.transformer.ln_f(x)
+        return t.ln_f(x)
 
-    def prefill(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Final hidden states of the last of the new tokens `idx` (B, T) run through the cache: a rolling model's
-        PREFILL_CHUNK at a time, so a prompt of any length costs memory bounded by the chunk and the window (run
-        at once, 100k characters on window_cpu's shape with 3 samples peaked at 3.6 GB)."""
-        chunks = idx.split(PREFILL_CHUNK, dim=1) if self.config.rolls else (idx,)
-        for chunk in chunks[:-1]:
-            self.hidden(chunk, cache)
-        return self.hidden(chunks[-1], cache)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output head on final hidden states, soft-capped if logit_softcap: cap * tanh(logits / cap) keeps
-        every logit within (-cap, cap), so none can run away early in training."""
+    def logits(self, hidden: Tensor) -> Tensor:
         logits = self.lm_head(hidden)
-        cap = self.config.logit_softcap
+        cap = self.config.logit_softcap  # every logit within (-cap, cap): none runs away early in training
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, idx: Tensor, targets: Tensor | None = None, cache: KVCache | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         """Logits (B, T, vocab_size) for every position of idx, and the mean cross-entropy if targets."""
         logits = self.logits(self.hidden(idx, cache))
         if targets is None:
@@ -190,12 +268,11 @@ class GPT(nn.Module):
         return logits, loss
 
     @torch.no_grad()
-    def attention_weights(self, idx: torch.Tensor) -> torch.Tensor:
-        """Softmax weights of every layer and head, (n_layer, B, n_head, T, T), through the math path
-        of these same weights whatever attn_impl is: row i is query i's distribution over keys 0..i (or, in a
-        windowed layer, i - attn_window + 1 .. i)."""
+    def attention_weights(self, idx: Tensor) -> Tensor:
+        """Every layer's and head's softmax weights (n_layer, B, n_head, T, T), through the math path whatever
+        attn_impl is: row i is query i's distribution over the keys it may see."""
         attentions = [block.attn for block in self.transformer.h]
-        weights: list[torch.Tensor] = []
+        weights: list[Tensor] = []
         for attn in attentions:
             attn.captured = weights  # each layer appends its own, in order
         try:
@@ -205,10 +282,16 @@ class GPT(nn.Module):
                 attn.captured = None
         return torch.stack(weights)
 
+    def prefill(self, idx: Tensor, cache: KVCache) -> Tensor:
+        """hidden() of the new tokens through the cache, a rolling model's PREFILL_CHUNK at a time (bounded memory)."""
+        for chunk in idx.split(PREFILL_CHUNK if self.config.rolls else idx.size(1), dim=1):
+            hidden = self.hidden(chunk, cache)
+        return hidden
+
     @torch.inference_mode()
     def generate(
         self,
-        idx: torch.Tensor,
+        idx: Tensor,
         max_new_tokens: int,
         temperature: float = 1.0,
         top_k: int | None = None,
@@ -216,40 +299,84 @@ class GPT(nn.Module):
         *,
         top_p: float | None = None,
         min_p: float | None = None,
-    ) -> torch.Tensor:
-        """`idx` (B, T) followed by `max_new_tokens` sampled tokens (generate_tokens). Decoding
-        (model/decoding.py): temperature=0 is greedy; top_k, top_p and min_p cut the draw."""
+    ) -> Tensor:
+        """idx (B, T) followed by max_new_tokens sampled tokens: nanoGPT's generate, on generate_tokens."""
         steps = self.generate_tokens(idx, max_new_tokens, Decoding(temperature, top_k, top_p, min_p), use_cache)
         return torch.cat([idx, *steps], dim=1)
 
     @torch.inference_mode()
     def generate_tokens(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        decoding: Decoding,
-        use_cache: bool = True,
-        generators: list[torch.Generator | None] | None = None,
-    ) -> Iterator[torch.Tensor]:
-        """Each next token (B, 1) after `idx` (B, T) as soon as it is drawn, each step conditioned on all the
-        model can see: a caller can show text as it comes, or stop early by no longer asking.
-
-        With the cache the prompt is run once, then each step runs only the newest token. Once the sequence
-        outgrows block_size, every step recomputes the cropped window, exactly as use_cache=False does:
-        positions can't slide past a full layer. A rolling model (config.rolls: every layer windowed, rope)
-        has no such limit: its cache keeps rolling, and without a cache each step recomputes the last
-        receptive_field tokens (or block_size, if more), all that can reach the next token. generators: one per
-        row, for draws that depend on the row alone (Decoding.next_token).
-        """
-        config = self.config
-        rolls = config.rolls  # derived from the layer windows: once, not every step
+        self, idx: Tensor, max_new_tokens: int, decoding: Decoding, use_cache: bool = True,
+        generators: Generators = None,
+    ) -> Iterator[Tensor]:
+        """Each next token (B, 1) after idx (B, T), as soon as it is drawn. With the cache the prompt runs once, then
+        each step only its newest token. Past block_size, each step runs the last block_size tokens again without
+        it, as learned positions can't slide; a rolling model's cache rolls on."""
+        config, rolls = self.config, self.config.rolls
         context = max(config.block_size, config.receptive_field or 0) if rolls else config.block_size
         cache = KVCache(config) if use_cache else None
         for _ in range(max_new_tokens):
             if cache is not None and (rolls or idx.size(1) <= context):
                 hidden = self.prefill(idx[:, cache.length :], cache)
-            else:
+            else:  # all the tokens that can still reach the next one
                 hidden = self.hidden(idx[:, -context:])
-            next_id = decoding.next_token(self.logits(hidden[:, -1, :]), generators)
+            next_id = decoding.next_token(self.logits(hidden[:, -1]), generators)
             idx = torch.cat((idx, next_id), dim=1)
             yield next_id
+
+
+DEFAULT_TEMPERATURE = 0.8  # sample.py's and the wandb sample table's draws (serving follows OpenAI's defaults)
+DEFAULT_TOP_K = 200
+TINY = torch.finfo(torch.float32).tiny  # a temperature below it is greedy: the logits are divided in float32
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How the next token is picked from the logits: temperature, then the cut-offs, then a draw. Each cut-off sets
+    the logits of the tokens it drops to -inf; the most likely token always stays. next_token works in float32
+    (half precision is too coarse for top_p's and min_p's sums); `generators`, one per row, make a row's draws
+    independent of the rows beside it (None: torch's global generator)."""
+
+    temperature: float = 1.0  # 0: greedy (argmax); below 1 sharper, above 1 flatter
+    top_k: int | None = None  # keep the k most likely tokens
+    top_p: float | None = None  # keep the fewest most likely tokens whose probabilities add up to p (nucleus)
+    min_p: float | None = None  # keep tokens at least min_p times as likely as the most likely one
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < TINY or self.top_k == 1
+
+    def next_token(self, logits: Tensor, generators: Generators = None) -> Tensor:
+        """(B, V) logits -> (B, 1) token ids."""
+        logits = logits.float()
+        if self.temperature < TINY:
+            return logits.argmax(dim=-1, keepdim=True)
+        # the largest logit made 0 first: a tiny temperature sends the others to -inf, not the largest to inf
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = F.softmax(self.cut(logits / self.temperature), dim=-1)
+        if generators is None:
+            return torch.multinomial(probs, num_samples=1)
+        return torch.stack([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)])
+
+    def cut(self, logits: Tensor) -> Tensor:
+        if self.top_k is not None and self.top_k < logits.size(-1):
+            kth = torch.topk(logits, self.top_k).values[:, [-1]]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1:
+            logits = self._nucleus(logits)
+        if self.min_p is not None:
+            probs = logits.softmax(dim=-1)
+            logits = logits.masked_fill(probs < self.min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+        return logits
+
+    def _nucleus(self, logits: Tensor) -> Tensor:
+        """top_p: a token is dropped once the likelier ones reach top_p; never the likeliest, which has none before."""
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
+        mass = ordered.softmax(dim=-1).cumsum(dim=-1)
+        outside = torch.cat((torch.zeros_like(mass[:, :1], dtype=torch.bool), mass[:, :-1] >= self.top_p), dim=-1)
+        return logits.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
+
+
+def row_generators(seed: int | None, count: int, device: torch.device | str = "cpu") -> list[torch.Generator] | None:
+    """Row i's random stream seeded with seed + i, as sample i of sample.py and choice i of a request; None: torch's."""
+    return None if seed is None else [torch.Generator(device=device).manual_seed(seed + i) for i in range(count)]

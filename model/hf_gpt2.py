@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from common.errors import UserError
-from model.config import GPTConfig
-from model.gpt import GPT
+from model.gpt import GPT, GPTConfig
 
 if TYPE_CHECKING:
     from transformers import GPT2LMHeadModel

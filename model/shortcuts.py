@@ -5,9 +5,13 @@ Shortcuts). And the bigram embedding, which makes the input embeddings of (previ
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from model.gpt import GPTConfig
 
 
 @dataclass(frozen=True)
@@ -23,12 +27,12 @@ class Shortcuts:
 class BigramEmbedding(nn.Module):
     """A row per (previous token, token) pair, so the model starts from the pair's statistics instead of
     learning them through attention. Row vocab_size * vocab_size + token is "no previous token" (a sequence's
-    first). With more pairs than `rows` (GPTConfig.bigram_rows), pairs share rows by their id modulo `rows`."""
+    first). With more pairs than GPTConfig.bigram_rows, pairs share rows by their id modulo that."""
 
-    def __init__(self, vocab_size: int, rows: int, n_embd: int) -> None:
+    def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.vocab_size = vocab_size
-        self.table = nn.Embedding(rows, n_embd)
+        self.vocab_size = config.vocab_size
+        self.table = nn.Embedding(config.bigram_rows, config.n_embd)
 
     def forward(self, idx: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
         """Embeddings (B, T, n_embd) of idx (B, T); previous (B, 1): the token before idx[:, 0], if any."""

@@ -1,20 +1,10 @@
-"""Every GPU check in one run of at most 8 minutes, for a short loan of an H200-class GPU:
+"""Every GPU check in one run of at most 8 minutes (BUDGET_S), for a short loan of an H200-class GPU: flash and
+math attention agree (fp32 and bf16, full and windowed); the model compiles as one graph; a training step's peak
+memory against bench.py's prediction; experiment=shakespeare and speedrun_gpu train to val <= 1.47; GPT-2 124M's
+tokens/s and MFU. Exits 1 if a check fails.
 
-1. the flash and math attention paths agree, in fp32 and in bf16 autocast, forward and backward, with full causal
-   attention and with a sliding window (FlexAttention on CUDA);
-2. the model compiles (inductor) as one graph and trains three steps without recompiling;
-3. a training step's peak memory against training/memory.py's prediction, and activation checkpointing's saving;
-4. experiment=shakespeare and experiment=speedrun_gpu (compile + bf16 + flash) train to val <= 1.47: time to target;
-5. GPT-2 124M (experiment=gpt2) at block 1024: training tokens/s and MFU (bench.py train).
-
-Each step has a time budget (BUDGET_S, 8 minutes in all, data preparation included): the summary prints each
-budget beside the time taken, and a step over its budget is marked. Nothing is skipped without a line saying so.
-
-    python scripts/gpu_check.py --text input.txt --out gpu_check.json     # on the GPU
+    python scripts/gpu_check.py --text input.txt --out gpu_check.json     # on the GPU (--text: tiny Shakespeare)
     python scripts/gpu_check.py --dry-run --text input.txt                 # the same steps, tiny, on CPU
-
---text is tiny Shakespeare (no download is attempted then). GPT-2's BPE needs its ranks: offline, set
-TIKTOKEN_CACHE_DIR as docs/reference.md says. Exits 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -37,8 +27,6 @@ sys.path.insert(0, str(REPO))
 from model import GPT, GPTConfig  # noqa: E402
 
 TINY_MODEL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
-
-
 # seconds each step may take on an H200 (the dry run on CPU is timed against the same table)
 BUDGET_S = {"flash = math": 15, "compile": 60, "memory": 45, "shakespeare": 150, "speedrun_gpu": 90, "gpt2": 120}
 
@@ -64,47 +52,24 @@ def compiled_graphs(device: str, config: GPTConfig) -> dict:
     return {"check": "compile: one graph, no recompiles", "ok": graphs == 1, "graphs": graphs}
 
 
-def peak_memory(device: str, config: GPTConfig, batch_size: int) -> dict:
-    """A training step's measured peak (CUDA's allocator) against training/memory.py, without and with
-    activation checkpointing (bf16 autocast, AdamW). On CPU (the dry run) there is no allocator to ask: said so."""
-    from training.memory import training_memory
+def peak_memory(args: argparse.Namespace, workdir: Path) -> dict:
+    """bench.py memory: the predicted peak against the measured one, without and with activation checkpointing."""
+    rows, error = bench(args, workdir, "memory", "--memory-probes", "1" if args.dry_run else "2")
+    measured = [r for r in rows if r["section"].startswith("memory: predicted")]  # plain, then checkpointed
+    ratios, mib = [r["predicted_over_measured"] for r in measured], [r["measured_mib"] for r in measured]
+    return {"check": "memory: peak against the prediction", "ok": bool(ratios) and 0.85 <= ratios[0] <= 1.15,
+            "measured_gib": mib[0] / 1024 if mib else None, "predicted_over_measured": ratios[0] if ratios else None,
+            "checkpointed_predicted_over_measured": ratios[1] if len(ratios) > 1 else None,
+            "checkpointing_saves": 1 - mib[1] / mib[0] if mib[1:] else None, "stderr_tail": error}
 
-    predicted = {ck: training_memory(config, batch_size, True, checkpointing=ck).total for ck in (False, True)}
-    if device != "cuda":
-        return {
-            "check": "memory: peak against the prediction",
-            "ok": True,
-            "skipped": "needs CUDA's allocator",
-            "predicted_gib": predicted[False] / 2**30,
-        }
-    measured = {}
-    for ck in (False, True):
-        torch.manual_seed(0)
-        model = GPT(config).to(device).train()
-        model.activation_checkpointing = ck
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        torch.cuda.reset_peak_memory_stats()
-        for _ in range(2):  # the second step holds the optimizer's state too
-            idx = torch.randint(config.vocab_size, (batch_size, config.block_size), device=device)
-            with torch.autocast(device_type=device, dtype=torch.bfloat16):
-                _, loss = model(idx, idx)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        measured[ck] = torch.cuda.max_memory_allocated()
-        del model, optimizer
-        torch.cuda.empty_cache()
-    ratio = predicted[False] / measured[False]
-    return {
-        "check": "memory: peak against the prediction",
-        "ok": 0.85 <= ratio <= 1.15,
-        "measured_gib": measured[False] / 2**30,
-        "predicted_gib": predicted[False] / 2**30,
-        "predicted_over_measured": ratio,
-        "checkpointed_measured_gib": measured[True] / 2**30,
-        "checkpointed_predicted_over_measured": predicted[True] / measured[True],
-        "checkpointing_saves": 1 - measured[True] / measured[False],
-    }
+
+def bench(args: argparse.Namespace, workdir: Path, section: str, *options: str) -> tuple[list[dict], str]:
+    """bench.py's rows of one section on the check's device, and the tail of its stderr if it failed."""
+    out = workdir / f"{section}.json"
+    device = "cpu" if args.dry_run else "cuda"
+    command = [sys.executable, str(REPO / "bench.py"), section, "--device", device, *options, "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    return ([], result.stderr[-500:]) if result.returncode else (json.loads(out.read_text()), "")
 
 
 def paths_agree(device: str, dtype: torch.dtype, config: GPTConfig, tolerance: float) -> dict:
@@ -119,89 +84,49 @@ def paths_agree(device: str, dtype: torch.dtype, config: GPTConfig, tolerance: f
             logits, loss = model(idx, idx)
         loss.backward()
         results[impl] = (logits.float(), torch.cat([p.grad.flatten() for p in model.parameters()]).float())
-    rel = {
-        name: ((results["flash"][i] - results["math"][i]).abs().max() / results["math"][i].abs().max()).item()
-        for i, name in enumerate(("logits", "grads"))
-    }
+    rel = {name: ((results["flash"][i] - results["math"][i]).abs().max() / results["math"][i].abs().max()).item()
+           for i, name in enumerate(("logits", "grads"))}
     dtype_name = str(dtype).removeprefix("torch.")
     window = "" if config.attn_window is None else f", window {config.attn_window}"
-    return {
-        "check": f"flash = math ({dtype_name}{window})",
-        "ok": max(rel.values()) <= tolerance,
-        **rel,
-        "tolerance": tolerance,
-    }
+    return {"check": f"flash = math ({dtype_name}{window})", "ok": max(rel.values()) <= tolerance, **rel,
+            "tolerance": tolerance}
 
 
 def train_to_target(args: argparse.Namespace, workdir: Path, experiment: str) -> dict:
     target = 4.0 if args.dry_run else 1.47
-    overrides = [
-        f"experiment={experiment}",
-        f"out_dir={workdir / experiment}",
-        f"data.dir={workdir / 'data'}",
-        f"train.target_val_loss={target}",
-        "model.attn_impl=flash",
-    ]
+    overrides = [f"experiment={experiment}", f"out_dir={workdir / experiment}", f"data.dir={workdir / 'data'}",
+                 f"train.target_val_loss={target}", "model.attn_impl=flash"]
     if args.text:
         overrides.append(f"data.input={args.text}")
     if args.dry_run:
-        overrides += [
-            *TINY_MODEL,
-            "device=cpu",
-            "train.batch_size=8",
-            "train.max_iters=40",
-            "train.eval_interval=10",
-            "train.eval_iters=4",
-            "train.warmup_iters=5",
-        ]
+        overrides += [*TINY_MODEL, "device=cpu", "train.batch_size=8", "train.max_iters=40", "train.eval_interval=10",
+                      "train.eval_iters=4", "train.warmup_iters=5"]
     start = time.perf_counter()
     result = subprocess.run([sys.executable, str(REPO / "train.py"), *overrides], capture_output=True, text=True)
     metrics = workdir / experiment / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     reached = [r for r in records if "time_to_target_s" in r]
     evals = [r for r in records if "val_loss" in r]
-    return {
-        "check": f"{experiment} to val <= {target}",
-        "ok": result.returncode == 0 and bool(reached),
-        "time_to_target_s": reached[0]["time_to_target_s"] if reached else None,
-        "val_loss": evals[-1]["val_loss"] if evals else None,
-        "iters": evals[-1]["iter"] if evals else None,
-        "wall_s": time.perf_counter() - start,
-        "stderr_tail": result.stderr[-500:] if result.returncode else "",
-    }
+    return {"check": f"{experiment} to val <= {target}", "ok": result.returncode == 0 and bool(reached),
+            "time_to_target_s": reached[0]["time_to_target_s"] if reached else None,
+            "val_loss": evals[-1]["val_loss"] if evals else None, "iters": evals[-1]["iter"] if evals else None,
+            "wall_s": time.perf_counter() - start, "stderr_tail": result.stderr[-500:] if result.returncode else ""}
 
 
 def gpt2_throughput(args: argparse.Namespace, workdir: Path) -> dict:
     text = [f"data.input={args.text}"] if args.text else []
     if args.dry_run:
-        tiny = ["data=shakespeare_char", f"data.dir={workdir / 'data'}", "device=cpu", "train.batch_size=4"]
-        overrides = [*TINY_MODEL, *tiny, "train.grad_accum=1", *text]
+        overrides = [*TINY_MODEL, "data=shakespeare_char", f"data.dir={workdir / 'data'}", "train.batch_size=4",
+                     "train.grad_accum=1", *text]
     else:  # tiny Shakespeare in GPT-2's BPE, not the preset's FineWeb-Edu: throughput doesn't depend on the text
         overrides = ["data=shakespeare", f"data.dir={workdir / 'data_bpe'}", "train.grad_accum=4", *text]
-    command = [
-        sys.executable,
-        str(REPO / "bench.py"),
-        "train",
-        "--experiment",
-        "gpt2",
-        "--train-iters",
-        "3" if args.dry_run else "10",
-        "--json",
-        str(workdir / "gpt2.json"),
-    ]
-    for override in overrides:
-        command += ["--override", override]
-    result = subprocess.run(command, capture_output=True, text=True)
-    rows = json.loads((workdir / "gpt2.json").read_text()) if result.returncode == 0 else []
+    iters = "3" if args.dry_run else "10"
+    options = [option for override in overrides for option in ("--override", override)]
+    rows, error = bench(args, workdir, "train", "--experiment", "gpt2", "--train-iters", iters, *options)
     ours = next((r for r in rows if r["loop"] == "train.py"), {})
-    return {
-        "check": "GPT-2 124M throughput" + (" (tiny stand-in)" if args.dry_run else ""),
-        "ok": result.returncode == 0,
-        "tokens_per_sec": ours.get("tokens_per_sec"),
-        "mfu": ours.get("mfu"),
-        "peak": ours.get("peak"),
-        "stderr_tail": result.stderr[-500:] if result.returncode else "",
-    }
+    return {"check": "GPT-2 124M throughput" + (" (tiny stand-in)" if args.dry_run else ""), "ok": bool(ours),
+            "tokens_per_sec": ours.get("tokens_per_sec"), "mfu": ours.get("mfu"), "peak": ours.get("peak"),
+            "stderr_tail": error}
 
 
 def main() -> None:
@@ -216,29 +141,22 @@ def main() -> None:
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 comparison means fp32
     workdir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
-    config = (
-        GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32)
-        if args.dry_run
-        else GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)
-    )
+    config = GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)
+    if args.dry_run:
+        config = GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32)
     # A window that is no multiple of FlexAttention's 128-token blocks, over all but the last layer.
     windowed = replace(config, attn_window=5 if args.dry_run else 100, pos_emb="rope")
-    # The dry run compiles tests/test_compile.py's windowed GPT-2 block at its batch: in the test suite, inductor's
-    # cache then holds its graphs (a cold compile costs 30 s on 2 cores).
-    compiled_shape = (
-        GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=32, attn_window=16, window_pattern="SL")
-        if args.dry_run
-        else windowed
-    )
-    gpt2_shape = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
-    memory_shape = replace(gpt2_shape, n_layer=2, block_size=128) if args.dry_run else gpt2_shape
+    # The dry run compiles tests/test_compile.py's windowed GPT-2 block, whose graphs inductor's cache then holds
+    tiny_windowed = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=32, attn_window=16,
+                              window_pattern="SL")
+    compiled_shape = tiny_windowed if args.dry_run else windowed
     steps = [
         ("flash = math", lambda: paths_agree(device, torch.float32, config, tolerance=1e-4)),
         ("flash = math", lambda: paths_agree(device, torch.bfloat16, config, tolerance=5e-2)),
         ("flash = math", lambda: paths_agree(device, torch.float32, windowed, tolerance=1e-4)),
         ("flash = math", lambda: paths_agree(device, torch.bfloat16, windowed, tolerance=5e-2)),
         ("compile", lambda: compiled_graphs(device, compiled_shape)),
-        ("memory", lambda: peak_memory(device, memory_shape, 2 if args.dry_run else 16)),
+        ("memory", lambda: peak_memory(args, workdir)),
         ("shakespeare", lambda: train_to_target(args, workdir, "shakespeare")),  # nanoGPT's baby GPT
         ("speedrun_gpu", lambda: train_to_target(args, workdir, "speedrun_gpu")),  # the goal: <= 60 s
         ("gpt2", lambda: gpt2_throughput(args, workdir)),
@@ -250,17 +168,11 @@ def main() -> None:
         result["took_s"] = time.perf_counter() - began
         result["budget_s"] = BUDGET_S[budget] / len([b for b, _ in steps if b == budget])
         results.append(result)
-        details = ", ".join(
-            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-            for k, v in result.items()
-            if k not in ("check", "ok", "took_s", "budget_s") and v not in (None, "")
-        )
+        details = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()
+                            if k not in ("check", "ok", "took_s", "budget_s") and v not in (None, ""))
         over = " OVER BUDGET" if result["took_s"] > result["budget_s"] else ""
-        print(
-            f"{'PASS' if result['ok'] else 'FAIL'}  {result['check']}: {details} "
-            f"[{result['took_s']:.0f} s of {result['budget_s']:.0f} s{over}]",
-            flush=True,
-        )
+        print(f"{'PASS' if result['ok'] else 'FAIL'}  {result['check']}: {details} "
+              f"[{result['took_s']:.0f} s of {result['budget_s']:.0f} s{over}]", flush=True)
     total = sum(r["took_s"] for r in results)
     print(f"total {total:.0f} s of {sum(BUDGET_S.values())} s")
     shutil.rmtree(workdir, ignore_errors=True)  # throwaway runs and token files

@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import training.schema
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
 TINY_BPE = "tiny_test_bpe"
-# Every modern model option on at once (model/config.py), as the speedrun may combine them.
+# Every modern model option on at once (model/gpt.py's GPTConfig), as the speedrun may combine them.
 MODERN = dict(
     norm="rmsnorm",
     qk_norm=True,
@@ -65,12 +64,9 @@ _TINY_MERGES = [
 
 training.schema.register_schemas()
 inference.schema.register_schemas()
-# The CPU path lowers torch's threads when other processes are busy (common/cpu_threads.py), and a reduction's last
-# bits depend on the thread count: pinned here (and in every command a test starts), runs that tests compare bit
-# for bit use the same count whatever else the machine is doing. tests/test_busy_machine.py unpins it.
+# A reduction's last bits depend on the thread count: pinned here (and so in every command a test starts), runs
+# that tests compare bit for bit use the same count.
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
-# What runs measure of the machine (training/machine.py) is remembered for this session only, not in ~/.cache.
-os.environ["GPT_LAB_MACHINE_CACHE"] = str(Path(tempfile.mkdtemp(prefix="gpt-lab-machine-")) / "machine.json")
 
 
 def tiny_encoding() -> tiktoken.Encoding:
@@ -175,8 +171,7 @@ def tiny_run_overrides(tmp_path: Path, corpus: Path, **extra: object) -> list[st
         "train.eval_iters": 4,
         "train.log_interval": 5,
         "train.warmup_iters": 2,
-        # auto may measure bfloat16 faster on a native-bf16 CPU (training/machine.py): runs compared number for
-        # number say their precision
+        # runs compared number for number say their precision
         "train.dtype": "float32",
     }
     base.update(extra)

@@ -14,7 +14,7 @@ from conftest import compose_config, tiny_run_overrides
 from inference.sampling import load_sampler
 from inference.schema import SampleConfig
 from model.checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint
-from training.evaluation import Losses
+from training.metrics import Losses
 from training.run import train
 from training.trainer import Trainer
 

@@ -20,9 +20,8 @@ import data.corpus as corpus
 from common.errors import ConfigError
 from conftest import REPO, TINY_BPE, compose_config, tiny_encoding
 from data.batches import TokenFiles, every_window, get_batch
-from data.config import DataConfig
 from data.errors import DataError
-from data.prepare import PreparedData, ensure_prepared
+from data.prepare import DataConfig, PreparedData, ensure_prepared
 from data.shards import HEADER_BYTES, MAGIC, VERSION, read_shard, write_shard
 from data.tokenizers import BpeTokenizer, CharTokenizer
 
@@ -130,7 +129,9 @@ def test_workers_started_fresh_get_the_encoding_without_its_name(
     assert np.array_equal(_shard_stream(data), _stream(docs))
 
 
-def test_shards_are_reused_and_remade_when_a_file_changes(tmp_path: Path, docs_dir: tuple[Path, list[str]]) -> None:
+def test_shards_are_reused_and_a_changed_corpus_needs_its_own_folder(
+    tmp_path: Path, docs_dir: tuple[Path, list[str]]
+) -> None:
     root, docs = docs_dir
     data = _prepare(tmp_path, root)
     stamps = [p.stat().st_mtime_ns for p in data.train.paths]
@@ -141,14 +142,18 @@ def test_shards_are_reused_and_remade_when_a_file_changes(tmp_path: Path, docs_d
     shorter.write_text("a shorter document")
     os.utime(shorter, ns=(shorter.stat().st_atime_ns, shorter.stat().st_mtime_ns + 10**9))
     for path in (root / "c").glob("*.txt"):
-        path.unlink()  # fewer documents: fewer shards, and no stale ones left behind
-    remade = _prepare(tmp_path, root)
+        path.unlink()  # fewer documents: fewer shards
+    for keys in ({}, {"shard_tokens": 2 * SHARD}):  # another corpus, or another shard size
+        with pytest.raises(DataError, match=r"prepared from a directory of 21 files .*, not a directory of 14") as no:
+            _prepare(tmp_path, root, **keys)
+        assert "\n" not in str(no.value) and str(no.value).endswith(f"or delete {tmp_path} to prepare it again")
+        assert [p.stat().st_mtime_ns for p in data.train.paths] == stamps
+    remade = _prepare(tmp_path / "changed", root)
     assert remade.meta["train_shards"] < data.meta["train_shards"]
-    assert len(list(tmp_path.glob("*.bin"))) == remade.meta["train_shards"] + 1
+    assert len(list(remade.dir.glob("*.bin"))) == remade.meta["train_shards"] + 1
     kept = docs[:5] + ["a shorter document"] + docs[6:24] + docs[-3:]
     assert np.array_equal(_shard_stream(remade), _stream(kept))
-
-    bigger = _prepare(tmp_path, root, shard_tokens=2 * SHARD)  # another shard size is another preparation
+    bigger = _prepare(tmp_path / "bigger", root, shard_tokens=2 * SHARD)
     assert bigger.meta["val_tokens"] == 2 * SHARD
 
 
@@ -198,7 +203,7 @@ from pathlib import Path
 import tiktoken
 import data.corpus as corpus
 from common.errors import ConfigError
-from data.config import DataConfig
+from data.prepare import DataConfig
 from data.errors import DataError
 from data.tokenizers import BpeTokenizer
 

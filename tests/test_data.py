@@ -2,6 +2,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -9,12 +11,19 @@ import pytest
 import torch
 
 import data.text_tokens as prepare
-from conftest import TINY_BPE, tiny_encoding
+from conftest import REPO, TINY_BPE, tiny_encoding
 from data.batches import TokenFiles, get_batch
-from data.config import KNOWN_TEXTS, SHAKESPEARE_URL, DataConfig
 from data.errors import DataError
-from data.prepare import PreparedData, ensure_prepared
-from data.source import file_sha256, read_utf8, text_file
+from data.prepare import (
+    KNOWN_TEXTS,
+    SHAKESPEARE_URL,
+    DataConfig,
+    PreparedData,
+    ensure_prepared,
+    file_sha256,
+    text_file,
+)
+from data.source import read_utf8
 from data.text_tokens import write_dataset
 from data.tokenizers import BpeTokenizer, CharTokenizer, tokenizer_from_metadata
 
@@ -73,16 +82,99 @@ def test_unknown_tiktoken_encoding_is_a_one_line_error() -> None:
     assert "\n" not in str(info.value)
 
 
-def test_prepared_files_are_reused_and_remade_when_the_input_changes(tmp_path: Path) -> None:
+def _files(folder: Path) -> dict[str, tuple[int, int, bytes]]:
+    """Each file's inode, modification time and bytes: what "left as it was" means."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.iterdir())}
+
+
+def test_a_folder_prepared_with_other_settings_is_refused_in_one_line_and_left_as_it_was(tmp_path: Path) -> None:
     first = tmp_path / "a.txt"
     first.write_text(TEXT)
     data = _prepare(tmp_path, first)
-    stamp = data.train.paths[0].stat().st_mtime_ns
-    assert _prepare(tmp_path, first).train.paths[0].stat().st_mtime_ns == stamp
+    before = _files(data.dir)
+    assert _prepare(tmp_path, first).meta == data.meta and _files(data.dir) == before  # the same settings: reused
     second = tmp_path / "b.txt"
     second.write_text(TEXT.upper())
-    remade = _prepare(tmp_path, second)
-    assert remade.meta["tokenizer"]["chars"] == sorted(set(TEXT.upper()))
+    fix = (
+        "name another folder for these settings (data.name=NAME or data.dir=DIR), or delete "
+        f"{data.dir} to prepare it again"
+    )
+    asked = [
+        (DataConfig("test", "char", str(second), None, str(data.dir), 0.1), f"not {second} (sha256 "),
+        (DataConfig("test", TINY_BPE, str(first), None, str(data.dir), 0.1), f"tokenizer={TINY_BPE}, val_fraction=0.1"),
+        (DataConfig("test", "char", str(first), None, str(data.dir), 0.2), "tokenizer=char, val_fraction=0.2 as"),
+    ]
+    for config, named in asked:
+        with pytest.raises(DataError) as refused:
+            ensure_prepared(config)
+        message = str(refused.value)
+        assert "\n" not in message and message.endswith(fix) and named in message
+        assert message.startswith(
+            f"the data folder {data.dir} was prepared from {first} (sha256 {data.meta['source']['input_sha256'][:12]})"
+            " with tokenizer=char, val_fraction=0.1, not "
+        )
+        assert _files(data.dir) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "data"]  # nothing was begun
+    own = ensure_prepared(DataConfig("test", "char", str(second), None, str(tmp_path / "upper"), 0.1))
+    assert own.meta["tokenizer"]["chars"] == sorted(set(TEXT.upper()))  # its own folder: prepared
+
+
+def test_preparation_leaves_no_temporary_folder_and_an_incomplete_folder_is_prepared_again(tmp_path: Path) -> None:
+    text = tmp_path / "input.txt"
+    text.write_text(TEXT)
+    data = _prepare(tmp_path, text)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "input.txt"]
+    assert sorted(p.name for p in data.dir.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    good = {name: content for name, (_, _, content) in _files(data.dir).items()}
+    for damage in (
+        lambda: (data.dir / "meta.json").unlink(),  # a preparation killed before its last move
+        lambda: (data.dir / "meta.json").write_text("{not json"),
+        lambda: (data.dir / "val.bin").unlink(),
+        lambda: (data.dir / "train.bin").write_bytes(b"\0" * 10),  # a size other than meta.json's count
+    ):
+        damage()
+        assert _prepare(tmp_path, text).meta == data.meta
+        assert {name: content for name, (_, _, content) in _files(data.dir).items()} == good
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "input.txt"]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(DataError, match="is empty"):  # a failed preparation: nothing of it either
+        ensure_prepared(DataConfig("test", "char", str(empty), None, str(tmp_path / "new"), 0.1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "empty.txt", "input.txt"]
+
+
+def test_a_run_reading_a_folder_is_not_disturbed_when_another_process_asks_the_same_settings(tmp_path: Path) -> None:
+    text = tmp_path / "input.txt"
+    text.write_text(TEXT)
+    data = _prepare(tmp_path, text)
+    before = _files(data.dir)
+    reading = np.memmap(data.train.paths[0], dtype=np.uint16, mode="r")  # as a run reads it
+    tokens = reading.copy()
+    args = [f"data.input={text}", f"data.dir={data.dir}", "data.tokenizer=char", "data.val_fraction=0.1"]
+    other = subprocess.run(
+        [sys.executable, "-m", "data.prepare", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert other.returncode == 0, other.stderr
+    assert f"{data.dir}: {data.meta['train_tokens']:,} train and" in other.stdout
+    assert _files(data.dir) == before and np.array_equal(reading, tokens)  # reused: the same inodes, not rewritten
+
+
+def test_of_two_preparing_the_same_folder_at_once_the_later_uses_the_earlier_s_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = tmp_path / "input.txt"
+    text.write_text(TEXT)
+    theirs: dict[str, tuple[int, int, bytes]] = {}
+
+    def another_process_finishes_first(*args: object) -> dict:
+        monkeypatch.setattr("data.prepare.write_dataset", write_dataset)
+        theirs.update(_files(_prepare(tmp_path, text).dir))  # the other process: prepares, and moves in first
+        return write_dataset(*args)
+
+    monkeypatch.setattr("data.prepare.write_dataset", another_process_finishes_first)
+    later = _prepare(tmp_path, text)
+    assert _files(later.dir) == theirs and later.meta == json.loads(theirs["meta.json"][2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "input.txt"]  # ours went
 
 
 def test_text_source_order_input_then_cache_then_download(tmp_path: Path) -> None:

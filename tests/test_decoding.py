@@ -13,7 +13,7 @@ from common.errors import ConfigError
 from conftest import run_script
 from inference.schema import SampleConfig
 from model import GPT, GPTConfig
-from model.decoding import Decoding, row_generators
+from model.gpt import Decoding, row_generators
 
 PROBS = [0.05, 0.5, 0.15, 0.3]  # token 1 most likely, then 3, 2, 0
 

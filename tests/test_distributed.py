@@ -22,7 +22,7 @@ from common.errors import ConfigError
 from conftest import REPO, compose_config, run_script, tiny_run_overrides
 from model.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
-from training.evaluation import share_of
+from training.metrics import share_of
 from training.run import check_for_world, train
 from training.schema import TrainRunConfig
 

@@ -9,9 +9,9 @@ import torch
 from common.runtime import make_runtime
 from conftest import MODERN
 from inference.engine import Completion, Engine
-from inference.sample_text import SampleText
+from inference.sampling import SampleText
 from model import GPT, GPTConfig
-from model.decoding import Decoding, row_generators
+from model.gpt import Decoding, row_generators
 
 SMALL = dict(vocab_size=50, n_layer=2, n_head=2, n_embd=32)
 CONFIGS = {

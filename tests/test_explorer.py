@@ -33,7 +33,7 @@ from analysis.explorer import (
     unpack_steps,
     write_page,
 )
-from inference.load import load_model
+from inference.sampling import load_model
 from model import GPT, GPTConfig, causal_mask
 
 T, PREFILL = 30, 6  # the page's sequence: 6 prompt tokens, 24 decode steps

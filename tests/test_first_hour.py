@@ -9,18 +9,17 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from common.cli import check_overrides, run_hydra
-from common.config import typed_config
+from common.cli import check_overrides
+from common.config import run_hydra, typed_config
 from common.errors import ConfigError
 from conftest import CONFIGS, compose_config, run_script, start_script, tiny_run_overrides, wait_for_text
-from data.config import KNOWN_TEXTS, DataConfig
-from data.prepare import ensure_prepared
+from data.errors import DataError
+from data.prepare import KNOWN_TEXTS, DataConfig, ensure_prepared
 from inference.schema import SampleConfig
 from model.checkpoint import CKPT_NAME, load_checkpoint
 from training.optim import scheduled_lr
@@ -228,7 +227,7 @@ def test_prepared_data_is_used_offline_without_data_input(
     assert caplog.records[-1].levelname == "INFO"
     assert caplog.messages[-1] == f"data: using {data_dir}, prepared from {corpus_path}, a copy of {UNREACHABLE}"
 
-    with pytest.raises(Exception, match=f"could not download {UNREACHABLE}"):  # another split: not what was made
+    with pytest.raises(DataError, match="val_fraction=0.1, not .* val_fraction=0.2 as asked"):  # another split
         ensure_prepared(DataConfig(input=None, url=UNREACHABLE, dir=str(data_dir), val_fraction=0.2))
     with pytest.raises(Exception, match=f"could not download {UNREACHABLE}"):
         ensure_prepared(DataConfig(input=None, url=UNREACHABLE, dir=str(tmp_path / "empty")))
@@ -249,21 +248,21 @@ def test_prepared_data_is_used_offline_without_data_input(
     assert f"holds the text of {corpus_path}" in result.stdout + result.stderr
 
 
-def test_a_failed_first_preparation_leaves_none_of_the_folders_it_made(tmp_path: Path) -> None:
-    """Offline, the first start fails; the data folder it made (and the parents it made) go, locks and all. A folder
-    that was there, or holds anything besides the locks, stays."""
+def test_a_failed_first_preparation_leaves_no_data_folder_behind(tmp_path: Path) -> None:
+    """Offline, the first start fails: neither the data folder nor the new folder it was prepared in stays. A folder
+    that was there stays, as it was."""
     with pytest.raises(Exception, match=f"could not download {UNREACHABLE}"):
         ensure_prepared(DataConfig(input=None, url=UNREACHABLE, dir=str(tmp_path / "made" / "by" / "us")))
-    assert list(tmp_path.iterdir()) == []
+    assert list((tmp_path / "made" / "by").iterdir()) == []
 
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     with pytest.raises(Exception, match=f"could not download {UNREACHABLE}"):
         ensure_prepared(DataConfig(input=None, url=UNREACHABLE, dir=str(theirs / "data")))
-    assert list(tmp_path.iterdir()) == [theirs] and list(theirs.iterdir()) == []
+    assert list(theirs.iterdir()) == []
     with pytest.raises(Exception, match=f"could not download {UNREACHABLE}"):
         ensure_prepared(DataConfig(input=None, url=UNREACHABLE, dir=str(theirs)))
-    assert list(theirs.iterdir()) == []  # the user's folder stays, without our locks
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["made", "theirs"] and list(theirs.iterdir()) == []
 
 
 def test_train_py_with_no_settings_says_what_it_runs(tmp_path: Path) -> None:
@@ -382,66 +381,14 @@ def test_a_command_that_fails_before_training_leaves_nothing_behind(tmp_path: Pa
     assert left == ["mine", "outputs", "outputs/older"]
 
 
-def test_the_cleanup_never_touches_a_run_another_process_holds(tmp_path: Path) -> None:
-    """Two commands started together on one directory: the one that fails must not take the other's files."""
-    from filelock import FileLock
-
-    from training.run_lock import Made, take_back
-
-    run = tmp_path / "run"
-    made = Made()
-    made.make_folders(run)  # made for this command
-    for name in ("train.log", ".lock.pid"):
-        with made.creating(run / name):
-            (run / name).write_text("this command's")
-    with FileLock(run / ".lock", timeout=0):  # another process took the directory meanwhile
-        take_back(made, run)
-        assert sorted(p.name for p in run.iterdir()) == [".lock", ".lock.pid", "train.log"]
-    (run / ".lock").unlink()
-    take_back(made, run)  # no holder: all of it was this command's
-    assert not run.exists()
-
-
-def test_a_failed_start_takes_back_only_what_it_made_whatever_the_path_said(tmp_path: Path) -> None:
-    """out_dir=runs/x/new/../old once deleted the user's runs/x/old (holding a train.log of theirs) and left
-    runs/x/new; a .lock.pid that was there went too."""
+def test_a_failed_start_touches_nothing_whatever_the_path_said(tmp_path: Path) -> None:
+    """out_dir=runs/x/new/../old, with a mistake: the run directory is made only once every check has passed, so
+    the user's runs/x/old (holding a train.log of theirs) stays as it was, and no runs/x/new appears."""
     old = tmp_path / "runs" / "x" / "old"
     old.mkdir(parents=True)
     (old / "train.log").write_text("the user's own\n")
-    (old / ".lock.pid").write_text("4242")  # a dead run's
     result = run_script("train.py", ["out_dir=runs/x/new/../old", "data.input=/missing.txt"], tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
-    assert left == ["runs", "runs/x", "runs/x/old", "runs/x/old/.lock.pid", "runs/x/old/train.log"]
-    assert (old / "train.log").read_text().startswith("the user's own\n")  # appended to, never removed
-    assert (old / ".lock.pid").read_text() == "4242"
-
-
-def test_a_process_waiting_on_a_first_preparation_that_failed_goes_on_by_itself(tmp_path: Path) -> None:
-    """The preparation it waited for failed and took its folder back: the waiter makes it again and tries for
-    itself (here failing offline in its own one line, not a FileNotFoundError), leaving nothing either."""
-    import threading
-
-    from filelock import FileLock
-
-    folder = tmp_path / "data"
-    folder.mkdir()
-    held = FileLock(folder / ".prepare.lock")
-    held.acquire()
-    errors: list[BaseException] = []
-
-    def waiter() -> None:
-        try:
-            ensure_prepared(DataConfig(input=None, url=UNREACHABLE, dir=str(folder)))
-        except BaseException as err:  # noqa: BLE001 (the thread's error, for the assertion)
-            errors.append(err)
-
-    thread = threading.Thread(target=waiter)
-    thread.start()
-    time.sleep(0.5)  # waiting on the lock
-    (folder / ".prepare.lock").unlink()  # what _take_back does, holding it
-    folder.rmdir()
-    held.release()
-    thread.join(timeout=60)
-    assert len(errors) == 1 and f"could not download {UNREACHABLE}" in str(errors[0]), errors
-    assert not folder.exists()
+    assert left == ["runs", "runs/x", "runs/x/old", "runs/x/old/train.log"]
+    assert (old / "train.log").read_text() == "the user's own\n"

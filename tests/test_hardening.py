@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import random
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,12 +15,10 @@ import torch
 
 from common.cli import check_overrides
 from common.config import check_override
-from common.errors import ConfigError, UserError
-from common.runtime import Runtime
+from common.errors import ConfigError
 from conftest import compose_config, run_script, tiny_run_overrides
-from data.config import DataConfig
 from data.errors import DataError
-from data.prepare import ensure_prepared
+from data.prepare import DataConfig, ensure_prepared
 from inference.sampling import read_prompt
 from inference.schema import SampleConfig
 from model.checkpoint import CKPT_NAME, CheckpointError, Progress, load_checkpoint
@@ -132,16 +128,9 @@ def test_hydra_writes_nothing_of_its_own_even_for_an_out_dir_under_home(
          "Hydra, out_dir=\"'~/runs/x'\" (~ is then your home directory), or write out_dir=$HOME/runs/x"),
         ("out_dir=~", "out_dir=~: Hydra can't read a value starting with ~ unquoted; quote it for Hydra, "
          "out_dir=\"'~'\" (~ is then your home directory), or write out_dir=$HOME"),
-        # the home directory itself: .lock, train.log and the rest stayed there, among the user's files
-        ("out_dir='~'", "out_dir={home} is your home directory, where these files would lie among your own; name a "
-         "folder inside it"),
-        ("out_dir=${{oc.env:HOME}}", "out_dir={home} is your home directory, where these files would lie among your "
-         "own; name a folder inside it"),
-        ("data.dir='~'", "data.dir={home} is your home directory, where these files would lie among your own; name "
-         "a folder inside it"),
     ],
 )
-def test_a_tilde_unquoted_or_the_home_directory_itself_is_one_line(
+def test_a_tilde_unquoted_is_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arg: str, says: str
 ) -> None:
     home = tmp_path / "home"
@@ -152,26 +141,10 @@ def test_a_tilde_unquoted_or_the_home_directory_itself_is_one_line(
     assert list(home.iterdir()) == []
 
 
-def test_train_py_refuses_an_out_dir_that_is_a_file_before_hydra_makes_it(tmp_path: Path) -> None:
-    file = tmp_path / "notes.txt"
-    file.write_text("mine")
-    for out_dir, says in [(file, "is a file, not a directory"), (file / "run", f"is inside the file {file}")]:
-        result = run_script("train.py", [f"out_dir={out_dir}"], cwd=tmp_path)
-        assert result.returncode == 2 and result.stderr == f"error: out_dir={out_dir} {says}; name a directory\n"
-    assert file.read_text() == "mine"
-
-
 def test_a_misspelt_key_on_the_command_line_is_one_line_not_hydras_report(tmp_path: Path) -> None:
     result = run_script("sample.py", ["out_dir=x", "temprature=0.5"], cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr == "error: temprature is not a key of this config; did you mean temperature?\n"
-
-
-def test_attention_dir_naming_a_file_fails_before_any_sampling(tmp_path: Path) -> None:
-    file = tmp_path / "maps.txt"
-    file.write_text("")
-    with pytest.raises(ConfigError, match=f"attention_dir={file} is a file, not a directory"):
-        SampleConfig(out_dir="run", attention_dir=str(file))
 
 
 def test_a_prompt_file_that_is_a_directory_or_not_utf8_is_one_line(tmp_path: Path) -> None:
@@ -186,7 +159,7 @@ def test_a_prompt_file_that_is_a_directory_or_not_utf8_is_one_line(tmp_path: Pat
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX's")
 def test_a_pipe_where_a_file_is_expected_is_named_as_such(tmp_path: Path) -> None:
     """It was 'does not exist' (data.input, the HellaSwag file) or 'no such file' (start=FILE:)."""
-    from data.source import input_file
+    from data.prepare import input_file
     from evals.hellaswag import hellaswag_path
 
     fifo = tmp_path / "pipe"
@@ -207,41 +180,6 @@ def test_max_iters_0_writes_the_initial_weights_it_claims(
     result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 0})))
     assert result.iters == 0 and load_checkpoint(tmp_path / "run" / CKPT_NAME).progress.iter == 0
     assert caplog.records[-1].getMessage().endswith(f"; checkpoint {tmp_path / 'run' / CKPT_NAME}")
-
-
-@pytest.mark.parametrize("tamper", ["vocab_size larger", "vocab_size smaller", "token out of range"])
-def test_prepared_data_that_disagrees_with_its_metadata_is_prepared_again(tmp_path: Path, tamper: str) -> None:
-    text = tmp_path / "input.txt"
-    text.write_text("to be or not to be, that is the question\n" * 50)
-    config = DataConfig(input=str(text), dir=str(tmp_path / "data"))
-    good = ensure_prepared(config)
-    meta_path, train_bin = good.dir / "meta.json", good.dir / "train.bin"
-    before = train_bin.read_bytes()
-    if tamper == "token out of range":
-        tokens = bytearray(before)
-        tokens[0:2] = (good.meta["vocab_size"] + 3).to_bytes(2, "little")
-        train_bin.write_bytes(bytes(tokens))
-    else:
-        meta = json.loads(meta_path.read_text())
-        meta["vocab_size"] += 35 if tamper == "vocab_size larger" else -5
-        meta_path.write_text(json.dumps(meta))
-    again = ensure_prepared(config)
-    assert again.meta == good.meta and train_bin.read_bytes() == before
-
-
-def test_float16_on_a_cpu_without_it_warns_once_and_reports_no_mfu(
-    tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.INFO, logger="train")
-    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: False, raising=False)
-    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    assert Runtime(torch.device("cpu"), torch.float16).emulated
-    assert not Runtime(torch.device("cpu"), torch.float32).emulated
-    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **FAST, **{"train.dtype": "float16"})))
-    log = caplog.text
-    assert log.count("dtype=float16: this CPU has no float16 arithmetic") == 1 and "mfu" not in log
-    timed = [r for r in read_records(tmp_path / "run")[0] if "tokens_per_sec" in r]
-    assert timed and not any("mfu" in r for r in timed)
 
 
 def test_mfu_is_left_out_without_a_peak() -> None:
@@ -332,32 +270,8 @@ def test_a_short_text_is_one_line_naming_the_split(
     assert str(info.value).endswith(f"train on more text (or {hint})")
 
 
-def test_data_dir_inside_a_file_is_refused(tmp_path: Path) -> None:
-    file = tmp_path / "f"
-    file.write_text("")
-    with pytest.raises(ConfigError, match=f"data.dir={file / 'd'} is inside the file {file}"):
-        DataConfig(dir=str(file / "d"))
-    assert os.listdir(tmp_path) == ["f"]
-
-
-def test_a_killed_preparation_leaves_no_temporaries_behind_the_next(tmp_path: Path) -> None:
-    text = tmp_path / "input.txt"
-    text.write_text("to be or not to be\n" * 100)
-    config = DataConfig(input=str(text), dir=str(tmp_path / "data"))
-    (tmp_path / "data").mkdir()
-    stale = [tmp_path / "data" / name for name in ("train.bin.4242.tmp", "val.bin.4243.tmp", "meta.json.4242.tmp")]
-    for path in stale:
-        path.write_bytes(b"half written by a killed process")
-    (tmp_path / "data" / "notes.tmp").write_text("the user's")  # not ours: stays
-    (tmp_path / "data" / "build.tmp").mkdir()
-    ensure_prepared(config)
-    assert not any(path.exists() for path in stale)
-    names = sorted(p.name for p in (tmp_path / "data").iterdir())
-    assert names == [".prepare.lock", "build.tmp", "meta.json", "notes.tmp", "train.bin", "val.bin"]
-
-
 def test_data_prepared_inside_the_run_directory_trains(tmp_path: Path, corpus_path: Path) -> None:
-    """The run's lock and the data folder's lock are two files, so one process can hold both."""
+    """The data folder's files move into the run directory, beside the run's own."""
     overrides = tiny_run_overrides(tmp_path, corpus_path, **FAST, **{"data.dir": tmp_path / "run"})
     assert train(compose_config(overrides)).iters == 4
 
@@ -400,8 +314,7 @@ def test_a_reader_that_leaves_early_ends_sample_py_quietly(trained_run: Path, ar
     ],
 )
 def test_a_prompt_is_taken_literally_interpolations_included(override: str, text: object) -> None:
-    from common.cli import literal_text
-    from common.config import typed_config
+    from common.config import literal_text, typed_config
 
     overrides = literal_text(["out_dir=run", override], ("start", "stop"))
     config = typed_config(compose_config(overrides, config_name="sample"), SampleConfig)
@@ -446,56 +359,26 @@ def test_an_integer_of_100000_digits_is_one_line(tmp_path: Path) -> None:
 
 
 def _altered(raw: dict, name: str) -> None:
-    if name == "tokenizer without kind":
-        raw["tokenizer"].pop("kind")
-    elif name == "fewer characters than the model's vocabulary":
-        raw["tokenizer"]["chars"] = raw["tokenizer"]["chars"][:10]
-    elif name == "a weight of another shape":
+    if name == "a weight of another shape":
         raw["model"]["lm_head.weight"] = torch.zeros(3, 3)
     elif name == "a missing weight":
         raw["model"].pop("transformer.ln_f.weight")
     elif name == "model not a mapping":
         raw["model"] = [1, 2]
-    elif name == "an absurd model_config":
-        raw["model_config"].update(n_embd=10**6, n_layer=10**4, n_head=1)
-    elif name == "config a string":
-        raw["config"] = "hello"
-    elif name == "a negative iteration":
-        raw["iter"] = -5
-    elif name == "an evaluation after the last step":
-        raw["last_eval_iter"] = raw["iter"] + 1
-    elif name == "elapsed_s a string":
-        raw["elapsed_s"] = "x"
-    elif name == "optimizer without its state":
-        raw["optimizer"] = {"param_groups": []}
-    elif name == "rng of numbers":
-        raw["rng"] = [1, 2]
-
-
-DAMAGED = "is damaged or wasn't written by train.py: "
 
 
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("tokenizer without kind", "has a tokenizer this version can't rebuild (kind None)"),
-        ("fewer characters than the model's vocabulary", "has a tokenizer of 10 characters for a model of"),
         ("a weight of another shape", "weights don't fit its model_config: size mismatch for lm_head.weight"),
         ("a missing weight", "weights don't fit its model_config: Missing key(s) in state_dict"),
-        ("model not a mapping", "its model is no mapping of weights"),
-        ("an absurd model_config", "GiB in float32), more than this machine's"),
-        ("config a string", DAMAGED + "its config is the str 'hello'"),
-        ("a negative iteration", DAMAGED + "its iter is -5"),
-        ("an evaluation after the last step", DAMAGED + "its last_eval_iter 61 is not between -1 and its iter 60"),
-        ("elapsed_s a string", DAMAGED + "its elapsed_s is the str 'x'"),
-        ("optimizer without its state", DAMAGED + "its optimizer state has no state and param_groups"),
-        ("rng of numbers", DAMAGED + "its random state is no list of generator states"),
+        ("model not a mapping", "weights don't fit its model_config: Expected state_dict to be dict-like"),
     ],
 )
 def test_a_loadable_but_malformed_checkpoint_is_one_line(
     trained_run: Path, tmp_path: Path, name: str, message: str
 ) -> None:
-    """Each was a traceback from sample.py (the absurd model one allocating without limit first)."""
+    """Each was a traceback from sample.py."""
     raw = torch.load(trained_run / CKPT_NAME, weights_only=True)
     _altered(raw, name)
     (tmp_path / "run").mkdir()
@@ -503,20 +386,6 @@ def test_a_loadable_but_malformed_checkpoint_is_one_line(
     result = run_script("sample.py", [f"out_dir={tmp_path / 'run'}", "max_new_tokens=3", "num_samples=1"], tmp_path)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
-
-
-@pytest.mark.parametrize("name", ["config a string", "a negative iteration", "elapsed_s a string"])
-def test_a_malformed_checkpoint_is_one_line_to_eval_and_resume(trained_run: Path, tmp_path: Path, name: str) -> None:
-    """Each was a traceback from eval.py or train.py resume=true (a negative iteration only from the resume)."""
-    run = tmp_path / "run"
-    shutil.copytree(trained_run, run)
-    raw = torch.load(run / CKPT_NAME, weights_only=True)
-    _altered(raw, name)
-    torch.save(raw, run / CKPT_NAME)
-    for script, args in [("eval.py", []), ("train.py", ["resume=true"])]:
-        result = run_script(script, [f"out_dir={run}", *args], tmp_path)
-        assert result.returncode == 2 and DAMAGED in result.stderr, result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_attention_dir_never_overwrites_the_users_files(trained_run: Path, tmp_path: Path) -> None:
@@ -554,7 +423,8 @@ def test_data_dir_never_replaces_a_meta_json_it_did_not_write(tmp_path: Path, co
     (tmp_path / "ours" / "meta.json").write_text("")  # damaged, not someone else's: prepared again
     ensure_prepared(ours)
     changed = DataConfig(input=str(corpus_path), dir=str(tmp_path / "ours"), val_fraction=0.2)
-    assert ensure_prepared(changed).meta["val_fraction"] == 0.2  # its own, from other settings: prepared again
+    with pytest.raises(DataError, match="was prepared from .* val_fraction=0.1, not .* val_fraction=0.2 as asked"):
+        ensure_prepared(changed)  # its own, from other settings: refused, never prepared again
 
 
 def test_the_path_rule_expands_only_a_leading_tilde() -> None:
@@ -562,62 +432,3 @@ def test_the_path_rule_expands_only_a_leading_tilde() -> None:
     config = DataConfig(input="", dir="~nosuchuser_here/data")
     assert (config.input, config.dir) == ("", "~nosuchuser_here/data")
     assert DataConfig(dir="a/./b/").dir == "a/./b/"
-
-
-def _unwritable_folder() -> Path | None:
-    """A folder no one, root included, may create files in: Linux's /sys (sysfs refuses new files)."""
-    from common.files import check_writable
-
-    try:
-        check_writable(Path("/sys"), "probe")
-    except Exception:
-        return Path("/sys")
-    return None
-
-
-UNWRITABLE = _unwritable_folder()
-needs_unwritable = pytest.mark.skipif(UNWRITABLE is None, reason="no folder refuses writes here (Linux's /sys does)")
-
-
-@needs_unwritable
-def test_an_unwritable_out_dir_or_data_dir_stops_train_py_before_any_work(tmp_path: Path, corpus_path: Path) -> None:
-    """As root, permission bits don't stop a write: the check tries one, so a read-only mount is caught too."""
-    where = UNWRITABLE / "gpt_lab_run"
-    result = run_script("train.py", tiny_run_overrides(tmp_path, corpus_path, out_dir=where), tmp_path)
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.startswith(f"error: out_dir={where} is not writable (its folder {UNWRITABLE} can't hold it)")
-    assert list(tmp_path.iterdir()) == []  # nothing prepared, nothing made
-    data_dir = UNWRITABLE / "gpt_lab_data"
-    with pytest.raises(UserError, match=f"^data.dir={data_dir} is not writable"):
-        train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"data.dir": data_dir})))
-    assert not (tmp_path / "run" / "ckpt.pt").exists()
-
-
-@needs_unwritable
-def test_an_unwritable_attention_dir_stops_sample_py_before_sampling(trained_run: Path, tmp_path: Path) -> None:
-    maps = UNWRITABLE / "gpt_lab_maps"
-    args = [f"out_dir={trained_run}", "num_samples=1", "max_new_tokens=5", f"attention_dir={maps}"]
-    result = run_script("sample.py", args, tmp_path)
-    assert result.returncode == 2 and result.stdout == "", result.stdout  # no samples printed first
-    assert result.stderr.startswith(f"error: attention_dir={maps} is not writable")
-
-
-@needs_unwritable
-def test_plot_py_and_export_refuse_an_unwritable_destination_in_one_line(trained_run: Path, tmp_path: Path) -> None:
-    plotted = run_script("plot.py", [str(trained_run), "-o", str(UNWRITABLE / "loss.png")], tmp_path)
-    assert plotted.returncode == 2 and "Traceback" not in plotted.stderr
-    assert plotted.stderr.startswith(f"error: -o {UNWRITABLE / 'loss.png'}: {UNWRITABLE} is not writable")
-    exported = run_script("scripts/export_hf.py", [str(trained_run), str(UNWRITABLE / "hf")], tmp_path)
-    assert exported.returncode == 2 and "Traceback" not in exported.stderr
-    assert exported.stderr.startswith(f"error: HF_DIR={UNWRITABLE / 'hf'} is not writable")
-
-
-@pytest.mark.parametrize(("script", "arg"), [("train.py", "model.qk_norm=yes"), ("sample.py", "check_causal=1")])
-def test_a_switch_takes_true_or_false_only(tmp_path: Path, script: str, arg: str) -> None:
-    """OmegaConf took yes, on and 1 as true: model.qk_norm=yes (meant as a typo test) ran a 2-minute job."""
-    key = arg.partition("=")[0]
-    result = run_script(script, [arg], cwd=tmp_path)
-    assert result.returncode == 2 and result.stderr == (
-        f"error: {arg}: {key} is true or false; write {key}=true or {key}=false\n"
-    )
-    assert list(tmp_path.iterdir()) == []

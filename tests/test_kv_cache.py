@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
-from model.kv_cache import KVCache
+from model.attention import KVCache
 
 CONFIG = dict(vocab_size=40, block_size=24, n_layer=2, n_head=4, n_embd=32)
 

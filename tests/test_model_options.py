@@ -16,10 +16,10 @@ from analysis.causality import check_causality
 from common.errors import ConfigError
 from conftest import MODERN, assert_same_logits_and_gradients, compose_config, tiny_run_overrides
 from model import GPT, GPTConfig
+from model.attention import KVCache
 from model.checkpoint import CKPT_NAME, load_checkpoint
-from model.config import BIGRAM_ROWS
+from model.gpt import BIGRAM_ROWS
 from model.hf_gpt2 import PretrainedError, hf_from_gpt
-from model.kv_cache import KVCache
 from training.run import train
 
 SMALL = dict(vocab_size=50, block_size=16, n_layer=3, n_head=4, n_embd=32)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 import common.files
 import model.checkpoint
@@ -26,7 +27,6 @@ from conftest import REPO, compose_config, run_script, tiny_run_overrides
 from model import GPT, GPTConfig
 from model.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
 from training.run import train
-from training.run_lock import run_lock
 
 
 def _windows_directories(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,10 +115,10 @@ def test_a_replace_that_meets_a_reader_on_windows_is_tried_again(
     monkeypatch.setattr(common.files.sys, "platform", "win32")
     save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
     assert load_checkpoint(tmp_path / CKPT_NAME).model_config.n_embd == 4
-    refusals = iter([True] * 3)  # a reader that never lets go: the last refusal is raised
+    refusals = iter([True] * 10)  # a reader that never lets go: the last refusal is raised
     (tmp_path / "a").write_text("new")
     with pytest.raises(PermissionError):
-        common.files.replace_file(tmp_path / "a", tmp_path / "b", attempts=3)
+        common.files.replace_file(tmp_path / "a", tmp_path / "b")
     monkeypatch.setattr(common.files.sys, "platform", "linux")  # there it means something else: at once
     refusals = iter([True, False])
     with pytest.raises(PermissionError):
@@ -155,15 +155,16 @@ HOLD_THE_LOCK = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from training.run_lock import run_lock
-    with run_lock(Path(sys.argv[1])):
+    from filelock import FileLock
+    Path(sys.argv[1]).mkdir(parents=True, exist_ok=True)
+    with FileLock(Path(sys.argv[1]) / ".lock"):
         print("held", flush=True)
         time.sleep(120)
     """
 )
 
 
-def test_a_second_writer_is_refused_naming_the_holder_until_it_dies(tmp_path: Path, corpus_path: Path) -> None:
+def test_a_second_writer_is_refused_until_the_first_dies(tmp_path: Path, corpus_path: Path) -> None:
     run = tmp_path / "run"
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD_THE_LOCK, str(run)], cwd=REPO, stdout=subprocess.PIPE, text=True
@@ -176,7 +177,7 @@ def test_a_second_writer_is_refused_naming_the_holder_until_it_dies(tmp_path: Pa
         refused = run_script("train.py", args, cwd=tmp_path)
         assert refused.returncode == 2
         assert refused.stderr.strip().splitlines()[-1] == (
-            f"error: out_dir={run} is being written by another run (PID {holder.pid}); "
+            f"error: out_dir={run} is being written by another run; "
             "wait for it to end or stop it, or use another out_dir"
         )
         assert not (run / CKPT_NAME).exists()
@@ -187,7 +188,7 @@ def test_a_second_writer_is_refused_naming_the_holder_until_it_dies(tmp_path: Pa
     (run / f"{CKPT_NAME}.{holder.pid}.tmp").write_bytes(b"half a checkpoint")  # what a killed save leaves
     done = run_script("train.py", args, cwd=tmp_path)  # the kernel released the dead holder's lock
     assert done.returncode == 0, done.stderr
-    assert (run / CKPT_NAME).exists() and not list(run.glob("*.tmp")) and not (run / ".lock.pid").exists()
+    assert (run / CKPT_NAME).exists() and not list(run.glob("*.tmp"))
     assert "train.max_iters=2" in (run / ".hydra" / "overrides.yaml").read_text()  # now the run's own
     again = run_script("train.py", [*args, "train.max_iters=3"], cwd=tmp_path)  # forgot resume=true
     assert again.returncode == 2 and "already holds a run" in again.stderr
@@ -214,11 +215,11 @@ def test_sample_py_reads_a_run_whose_lock_another_process_holds(trained_run: Pat
 def test_under_torchrun_every_rank_stops_when_the_run_is_locked(tmp_path: Path, corpus_path: Path) -> None:
     from test_distributed import torchrun
 
-    with run_lock(tmp_path / "run"):
+    (tmp_path / "run").mkdir()
+    with FileLock(tmp_path / "run" / ".lock"):
         result = torchrun(2, tiny_run_overrides(tmp_path, corpus_path, **{"train.grad_accum": 2}), cwd=tmp_path)
     assert result.returncode != 0
-    refusal = f"is being written by another run (PID {os.getpid()})"
-    assert (result.stdout + result.stderr).count(refusal) == 2  # from both ranks, at once
+    assert f"out_dir={tmp_path / 'run'} is being written by another run" in result.stdout + result.stderr
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc to see open files")
@@ -232,22 +233,10 @@ def test_no_token_file_stays_open_or_mapped_after_a_run(tmp_path: Path, corpus_p
     assert data_dir not in maps and not [f for f in open_files if f.startswith(data_dir)]
 
 
-@pytest.mark.parametrize(
-    ("platform", "triton", "cuda", "expected"),
-    [
-        ("linux", False, True, True),
-        ("win32", False, True, False),
-        ("win32", True, True, True),
-        ("darwin", False, False, False),
-    ],
-)
-def test_compile_is_on_by_default_only_where_it_can_run(
-    monkeypatch: pytest.MonkeyPatch, platform: str, triton: bool, cuda: bool, expected: bool
-) -> None:
-    monkeypatch.setattr(training.run.sys, "platform", platform)
+@pytest.mark.parametrize("triton", [False, True])
+def test_compile_is_on_by_default_on_windows_only_with_triton(monkeypatch: pytest.MonkeyPatch, triton: bool) -> None:
     monkeypatch.setattr(training.run.importlib.util, "find_spec", lambda name: object() if triton else None)
-    runtime = Runtime(torch.device("cuda" if cuda else "mps"), torch.float32)
-    assert training.run.compile_by_default(runtime) is expected
+    assert training.run._compiles_on_windows() is triton
 
 
 @pytest.mark.parametrize(
@@ -286,28 +275,3 @@ def test_flash_equals_math_in_float32_on_this_machines_device() -> None:
     math_.load_state_dict(flash.state_dict())
     idx = torch.randint(50, (2, 32), device=device)
     torch.testing.assert_close(flash(idx)[0], math_(idx)[0], atol=1e-4, rtol=1e-4)
-
-
-def test_a_lock_deleted_by_hand_stops_the_writer_before_its_next_write(tmp_path: Path, corpus_path: Path) -> None:
-    """On POSIX, deleting .lock lets a second writer lock a new file: the first notices at its next write (a
-    metrics line, a checkpoint) and stops with one line, so two runs never write the same files."""
-    from training.errors import RunLocked
-    from training.run_lock import LOCK_NAME, still_held
-
-    run = tmp_path / "run"
-
-    def delete_lock(it: int) -> None:
-        if it == 7:
-            (run / LOCK_NAME).unlink()
-            second = subprocess.run(  # a second writer gets in: a new .lock, locked by another process
-                [sys.executable, "-c", f"from filelock import FileLock; FileLock({str(run / LOCK_NAME)!r}).acquire()"],
-                capture_output=True, text=True, timeout=60,
-            )
-            assert second.returncode == 0, second.stderr
-
-    extra = {"train.max_iters": 20, "train.log_interval": 1}
-    with pytest.raises(RunLocked, match=rf"{LOCK_NAME} was removed or replaced while this run held it"):
-        train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)), before_step=delete_lock)
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert max(r["iter"] for r in records) == 7  # nothing written after the lock was lost
-    still_held(run)  # released: nothing held here any more, nothing to check

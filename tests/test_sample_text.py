@@ -16,11 +16,10 @@ from common.errors import ConfigError
 from common.runtime import make_runtime
 from conftest import REPO, run_script, tiny_encoding
 from data.tokenizers import BpeTokenizer, CharTokenizer
-from inference.sample_text import SEPARATOR, SampleText, stop_strings
-from inference.sampling import Sampler
+from inference.sampling import SEPARATOR, Sampler, SampleText, stop_strings
 from inference.schema import SampleConfig
 from model import GPT, GPTConfig
-from model.decoding import Decoding
+from model.gpt import Decoding
 
 CHARS = CharTokenizer(sorted(set("\n !.:ABDEHNORST") | set("abcdefghijklmnopqrstuvwxyz")))
 BYTES = BpeTokenizer(tiny_encoding())  # ids 0-255 are the single bytes; then merges; then <|endoftext|>

@@ -1,6 +1,5 @@
 """train.py and sample.py as a user runs them: subprocesses, from another working directory."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -100,17 +99,3 @@ def test_cfg_job_shows_the_resolved_config_as_the_readme_says(script: str, tmp_p
     assert result.returncode == 0, result.stderr
     assert ("n_embd: 128" if script == "train.py" else "out_dir: RUN") in result.stdout
     assert not list(tmp_path.iterdir())  # only printed: no run directory
-
-
-@pytest.mark.skipif(not hasattr(os, "wait4"), reason="peak memory of a child process needs os.wait4 (not on Windows)")
-def test_prepare_memory_reports_peak_memory_and_the_tokens_of_each_text(tmp_path: Path) -> None:
-    text = tmp_path / "verse.txt"
-    text.write_text("Shall I compare thee to a summer's day?\n" * 2000)
-    args = ["--text", str(text), "--mb", "1", "--tokenizers", "char", "--tmp", str(tmp_path)]
-    result = run_script("scripts/prepare_memory.py", args, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    size, tokenizer, peak_mb, wall_s, tokens = result.stdout.splitlines()[1].split()
-    copies = -(-(10**6) // len(text.read_bytes()))
-    assert (size, tokenizer, int(tokens.replace(",", ""))) == ("1", "char", copies * len(text.read_text()))
-    assert 20 < int(peak_mb) < 2000 and float(wall_s) > 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["verse.txt"]  # the big text and its tokens are gone

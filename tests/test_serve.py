@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from conftest import ServeProcess, run_script
-from inference.sample_text import SEPARATOR
+from inference.sampling import SEPARATOR
 from inference.serve_run import bind
 
 PROMPT = "ROMEO:"
@@ -232,7 +232,7 @@ def test_the_queue_holds_max_queue_choices_beyond_the_free_rows(served_run: Path
     from common.runtime import make_runtime
     from inference.api import ApiError, CompletionRequest
     from inference.engine import Engine
-    from inference.load import load_model
+    from inference.sampling import load_model
     from inference.schema import ServeConfig
     from inference.server import Service
 

@@ -115,7 +115,7 @@ def test_the_live_page_s_work_is_bounded_so_completions_keep_their_latency(serve
     from common.runtime import make_runtime
     from inference.api import ApiError
     from inference.engine import Engine
-    from inference.load import load_model
+    from inference.sampling import load_model
     from inference.schema import ServeConfig
     from inference.server import PAGE_TASKS, Service
 
@@ -224,7 +224,7 @@ def test_tokenizing_a_huge_prompt_leaves_the_event_loop_free(served_run: Path) -
 
     from common.runtime import make_runtime
     from inference.engine import Engine
-    from inference.load import load_model
+    from inference.sampling import load_model
     from inference.schema import ServeConfig
     from inference.server import Service, create_app
 

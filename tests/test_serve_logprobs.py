@@ -16,7 +16,7 @@ import torch
 from test_serve import PROMPT, Server, sample_py
 
 from evals.hellaswag import Example, ending_scores
-from inference.load import load_model
+from inference.sampling import load_model
 
 NEW = 150  # past the served run's block_size of 96, with the prompt's 6
 

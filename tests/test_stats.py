@@ -18,14 +18,15 @@ from conftest import run_script
 @pytest.fixture(scope="module")
 def seed_sweeps(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
     """Two real sweeps: lr 1e-4 and 3e-3 (30x) over seeds 1-3; and lr 1e-4 again over seeds 4-6 with a key set
-    that changes nothing computed (train.max_consecutive_skips only acts on a non-finite loss)."""
+    that changes nothing computed (train.peak_tflops only scales the MFU)."""
     tmp = tmp_path_factory.mktemp("seeds")
     (tmp / "a").mkdir(), (tmp / "b").mkdir()
     longer = ["train.max_iters=30", "train.eval_interval=30", "train.eval_iters=8"]  # clear of the early noise
-    first = sweep(tmp / "a", corpus_path, *longer, "train.learning_rate=1e-4,3e-3", "seed=1,2,3")
+    peak = "train.peak_tflops=10.0"
+    first = sweep(tmp / "a", corpus_path, *longer, "train.learning_rate=1e-4,3e-3", peak, "seed=1,2,3")
     assert first.returncode == 0, first.stderr
     second = sweep(
-        tmp / "b", corpus_path, *longer, "train.learning_rate=1e-4", "train.max_consecutive_skips=6", "seed=4,5,6"
+        tmp / "b", corpus_path, *longer, "train.learning_rate=1e-4", "train.peak_tflops=6.0", "seed=4,5,6"
     )
     assert second.returncode == 0, second.stderr
     return tmp
@@ -34,16 +35,16 @@ def seed_sweeps(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> 
 def test_a_30x_learning_rate_is_found_and_a_key_that_changes_nothing_is_not(seed_sweeps: Path) -> None:
     out = seed_sweeps / "ab.json"
     args = [str(seed_sweeps / "a" / "sweep"), str(seed_sweeps / "b" / "sweep"), "-o", str(seed_sweeps / "ab.png")]
-    baseline = ["--baseline", "train.learning_rate=1e-4", "train.max_consecutive_skips=10"]
+    baseline = ["--baseline", "train.learning_rate=1e-4", "train.peak_tflops=10.0"]
     result = run_script("plot.py", [*args, *baseline, "--json", str(out)], cwd=seed_sweeps)
     assert result.returncode == 0, result.stderr
     document = json.loads(out.read_text())
     assert document["metric"] == "val_loss"
     groups = document["groups"]
     assert [g["config"] for g in groups] == [  # baseline first, each named by the keys that differ between groups
-        {"train.learning_rate": 1e-4, "train.max_consecutive_skips": 10},
-        {"train.learning_rate": 3e-3, "train.max_consecutive_skips": 10},
-        {"train.learning_rate": 1e-4, "train.max_consecutive_skips": 6},
+        {"train.learning_rate": 1e-4, "train.peak_tflops": 10.0},
+        {"train.learning_rate": 3e-3, "train.peak_tflops": 10.0},
+        {"train.learning_rate": 1e-4, "train.peak_tflops": 6.0},
     ]
     assert [g["n"] for g in groups] == [3, 3, 3]
     for g in groups:  # each run's own final val loss, and the group's statistics from them
@@ -53,7 +54,7 @@ def test_a_30x_learning_rate_is_found_and_a_key_that_changes_nothing_is_not(seed
     strong, null = document["comparisons"]
     assert strong["group"] == groups[1]["config"] and strong["baseline"] == groups[0]["config"]
     assert strong["p_value"] < 0.01 and strong["diff"] < 0 and strong["ci95"][1] < 0  # the CI excludes 0
-    assert strong["verdict"].startswith("train.learning_rate=0.003 train.max_consecutive_skips=10 vs ")
+    assert strong["verdict"].startswith("train.learning_rate=0.003 train.peak_tflops=10.0 vs ")
     assert strong["verdict"].endswith(", 3 seeds each: better")
     assert null["p_value"] >= 0.05 and null["ci95"][0] < 0 < null["ci95"][1]
     assert "no difference detected at 3 seeds; an effect of" in null["verdict"]

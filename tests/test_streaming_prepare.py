@@ -19,9 +19,8 @@ import pytest
 import data.source as source
 import data.text_tokens as prepare
 from conftest import TINY_BPE
-from data.config import DataConfig
 from data.errors import DataError
-from data.prepare import ensure_prepared, source_fingerprint
+from data.prepare import DataConfig, ensure_prepared, source_fingerprint
 from data.source import read_utf8
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer
 
@@ -84,9 +83,7 @@ def _expected_files(path: Path, spec: str, val_fraction: float, source_meta: dic
 
 
 def _prepared_files(data_dir: Path) -> dict[str, bytes]:
-    return {
-        path.name: path.read_bytes() for path in data_dir.iterdir() if path.name not in ("input.txt", ".prepare.lock")
-    }
+    return {path.name: path.read_bytes() for path in data_dir.iterdir() if path.name != "input.txt"}
 
 
 def _prepare(path: Path | None, data_dir: Path, spec: str, url: str | None = None) -> None:

@@ -198,7 +198,7 @@ def test_bpe_run_trains_and_samples(tmp_path: Path, corpus_path: Path) -> None:
     from common.config import typed_config
     from inference.sampling import load_sampler
     from inference.schema import SampleConfig
-    from model.decoding import Decoding
+    from model.gpt import Decoding
 
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"data.tokenizer": TINY_BPE})))
     ckpt = load_checkpoint(tmp_path / "run" / CKPT_NAME)

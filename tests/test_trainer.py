@@ -1,4 +1,4 @@
-"""The Trainer's seams, without running the whole loop: step() on its own, save() and restore()."""
+"""The Trainer's loop and its seams: the schedule, non-finite losses, accumulation, signals, save() and restore()."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ from training.trainer import Trainer
 
 
 def _trainer(tmp_path: Path, corpus: Path, **extra: object) -> Trainer:
+    """A trainer as train() builds it; its run directory made, as train() makes it once every check has passed."""
     config = typed_config(compose_config(tiny_run_overrides(tmp_path, corpus, **extra)), TrainRunConfig)
+    (tmp_path / "run").mkdir(parents=True, exist_ok=True)
     return build_trainer(config, World(), make_runtime("cpu", "float32"))
 
 
@@ -33,64 +35,62 @@ def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
 
-def test_five_steps_are_the_weights_of_a_five_iteration_run(tmp_path: Path, corpus_path: Path) -> None:
-    keys = {"train.max_iters": 5, "train.eval_interval": 100}
-    trainer = _trainer(tmp_path / "a", corpus_path, **keys)
-    losses = []
-    for it in range(5):
-        outcome = trainer.step()
-        assert trainer.progress.iter == it + 1 and not outcome.stop
-        assert outcome.lr == lr_at(it, 1e-3, 1e-4, 2, 5)  # the config's schedule
-        losses.append(outcome.loss.item())
-    assert all(math.isfinite(loss) for loss in losses)
-    wsd = _trainer(tmp_path / "wsd", corpus_path, **keys, **{"train.lr_schedule": "wsd", "train.cooldown_frac": 0.4})
-    assert [wsd.step().lr for _ in range(5)] == [lr_at(it, 1e-3, 1e-4, 2, 5, "wsd", 0.4) for it in range(5)]
-
-    train(compose_config(tiny_run_overrides(tmp_path / "b", corpus_path, **keys)))
-    run = load_checkpoint(tmp_path / "b" / "run" / CKPT_NAME)
-    assert all(torch.equal(run.model[k], v) for k, v in trainer.model.state_dict().items())  # bit for bit
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_step_with_a_nonfinite_loss_never_touches_the_weights(tmp_path: Path, corpus_path: Path) -> None:
-    trainer = _trainer(tmp_path, corpus_path)
+@pytest.mark.parametrize("schedule", [{}, {"train.lr_schedule": "wsd", "train.cooldown_frac": 0.4}])
+def test_each_step_takes_the_learning_rate_of_its_schedule(tmp_path: Path, corpus_path: Path, schedule: dict) -> None:
+    keys = {"train.max_iters": 5, "train.eval_interval": 100, "train.log_interval": 1, **schedule}
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **keys)))
+    logged = [(r["iter"], r["lr"]) for r in _records(tmp_path / "run") if "lr" in r]
+    kind = schedule.get("train.lr_schedule", "cosine")
+    assert logged == [(it + 1, lr_at(it, 1e-3, 1e-4, 2, 5, kind, 0.4)) for it in range(5)]
+
+
+def test_a_nonfinite_loss_never_touches_the_weights(tmp_path: Path, corpus_path: Path) -> None:
+    """on_nonfinite=stop: one line naming the iteration; skip: the step is dropped and the run goes on."""
+    trainer = _trainer(tmp_path / "stop", corpus_path, **{"train.max_iters": 3})
     with torch.no_grad():
         trainer.model.lm_head.weight[0, 0] = math.inf
     before = _weights(trainer)
-    with pytest.raises(TrainingDiverged, match="at iter 0"):
-        trainer.step()
+    with pytest.raises(TrainingDiverged, match=f"the loss is nan at iter 0; no {CKPT_NAME} was written before"):
+        trainer.fit()
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
 
-    with torch.no_grad():
-        trainer.model.lm_head.weight[0, 0] = before["lm_head.weight"][0, 1]  # finite weights again
-    trainer.config.train.on_nonfinite = "skip"
-    accumulate = trainer._accumulate_gradients
-    trainer._accumulate_gradients = lambda it: accumulate(it) * math.nan  # finite weights, a NaN loss
-    before = _weights(trainer)
-    outcome = trainer.step()
-    assert outcome.loss is None and trainer.progress.iter == 1  # counted as an iteration, not applied
-    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    skipping = _trainer(tmp_path / "skip", corpus_path, **{"train.max_iters": 3, "train.on_nonfinite": "skip"})
+    forward = skipping.step_model.forward
+
+    def nan_loss(x: torch.Tensor, y: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits, loss = forward(x, y)
+        return logits, None if loss is None else loss * math.nan  # finite weights, NaN training losses
+
+    skipping.step_model.forward = nan_loss
+    before = _weights(skipping)
+    assert skipping.fit().iters == 3  # counted as iterations, never applied
+    assert all(torch.equal(before[k], v) for k, v in skipping.model.state_dict().items())
 
 
 def test_save_then_restore_gives_back_the_named_state(tmp_path: Path, corpus_path: Path) -> None:
-    first = _trainer(tmp_path, corpus_path, **{"model.dropout": 0.1})
-    for _ in range(3):
-        first.step()
-    first.progress.val_loss, first.progress.best_val_loss, first.progress.last_eval_iter = 2.5, 2.25, 3
+    first = _trainer(tmp_path, corpus_path, **{"model.dropout": 0.1, "train.max_iters": 3, "train.eval_interval": 100})
+    first.fit()
+    first.progress.val_loss, first.progress.best_val_loss = 2.5, 2.25
     first.save()
     after_save = torch.rand(3)  # the dropout stream goes on from the saved state
 
-    second = _trainer(tmp_path, corpus_path, **{"model.dropout": 0.1, "resume": True})
+    extra = {"model.dropout": 0.1, "resume": True, "train.max_iters": 3, "train.eval_interval": 100}
+    second = _trainer(tmp_path, corpus_path, **extra)
     p = second.progress
     assert (p.iter, p.last_eval_iter, p.val_loss, p.best_val_loss) == (3, 3, 2.5, 2.25)
     assert p.elapsed_s > 0
     restored = torch.get_rng_state()
     assert torch.equal(torch.rand(3), after_save)
     assert all(torch.equal(first.model.state_dict()[k], v) for k, v in second.model.state_dict().items())
-    torch.set_rng_state(restored)
-    loss = first.step().loss
-    torch.set_rng_state(restored)
-    assert torch.equal(second.step().loss, loss)  # the same weights, the same dropout masks
-    # and the same optimizer state: the same step (Muon's: test_crash_safety's exact resume)
+    for trainer in (first, second):  # one more step each, from the same random state
+        trainer.config.train.max_iters = 4
+        torch.set_rng_state(restored)
+        trainer.fit()
+    # the same weights, dropout masks and optimizer state give the same step (Muon's: test_crash_safety)
     assert all(torch.equal(first.model.state_dict()[k], v) for k, v in second.model.state_dict().items())
 
 
@@ -114,9 +114,9 @@ def test_two_accumulated_micro_batches_step_as_one_batch_twice_the_size(
     accumulating = _trainer(
         tmp_path / "acc", corpus_path, **{"train.batch_size": 4, "train.grad_accum": 2, "train.optimizer": optimizer}
     )
-    for _ in range(3):
-        losses = big.step().loss, accumulating.step().loss
-        torch.testing.assert_close(*losses, atol=1e-6, rtol=0)
+    for trainer in (big, accumulating):
+        trainer.config.train.max_iters = 3
+        trainer.fit()
     for name, tensor in big.model.state_dict().items():
         torch.testing.assert_close(accumulating.model.state_dict()[name], tensor, atol=1e-5, rtol=0)
 

@@ -1,8 +1,4 @@
-"""torchrun's processes: the process group, which rank does what, and the model wrapped for DDP or FSDP2.
-
-One process (plain `python train.py`) is the World of size 1, whose collectives are the identity, so the
-training loop has one code path; torchrun's processes are a Torchrun World.
-"""
+"""torchrun's processes: the process group, which rank does what, and the model wrapped for DDP or FSDP2."""
 
 from __future__ import annotations
 
@@ -83,8 +79,7 @@ class Torchrun(World):
 
     def wrap(self, model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
         """DDP replicates the model and averages gradients; FSDP2 shards parameters, gradients and optimizer
-        state across the processes (for models that don't fit one GPU). fully_shard works in place: the
-        returned module is `model` itself, now holding DTensor shards."""
+        state across the processes, in place (for models that don't fit one GPU)."""
         if parallel == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -129,9 +124,8 @@ def world_from_env() -> World:
 
 
 def close_process_group() -> None:
-    """Destroy the process groups and free them now, while the interpreter is whole. FSDP2's DeviceMesh keeps
-    its group in a registry that DTensor's caches hold until interpreter exit; a gloo group freed that late
-    lets its worker threads drop tensors after Python is gone, which aborts the process (SIGABRT) now and then."""
+    """Destroy the process groups and free them now, while the interpreter is whole: a gloo group that FSDP2's
+    DeviceMesh registry keeps until interpreter exit can abort the process (SIGABRT) when freed that late."""
     if not dist.is_initialized():
         return
     dist.destroy_process_group()
@@ -158,10 +152,8 @@ def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> tuple[dict, dict]:
     """Unsharded model and optimizer state keyed by parameter name, so a checkpoint written by any number of
-    processes, DDP or FSDP2, loads in one (and in sample.py). Collective under FSDP2: every rank must call it;
-    rank 0 receives the tensors, on CPU."""
-    # Imported here: torch.distributed.checkpoint brings DTensor and sympy, 0.9 s of every train.py start,
-    # which a command stopped by a mistake in its config never needs.
+    processes loads in one. Collective under FSDP2: every rank calls it; rank 0 receives the tensors, on CPU."""
+    # imported here: torch.distributed.checkpoint takes most of a second to import
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=world.distributed)
@@ -171,9 +163,8 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, world: World)
     return model_state, optimizer_state
 
 
-def load_full_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict, optimizer_state: dict | None
-) -> None:
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict,
+                    optimizer_state: dict | None) -> None:
     """The inverse of full_state, on every rank (each shards what it reads); the optimizer state keyed by name."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 

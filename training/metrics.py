@@ -1,29 +1,36 @@
-"""metrics.jsonl, its one owner: one record per log or eval line, to the file, to the console (and train.log),
-and to wandb; and the log line's numbers (mean loss and throughput since the last one)."""
+"""What a run measures and records: each split's loss (and HellaSwag's accuracy) at an evaluation, the log line's
+numbers (mean loss and throughput since the last one), and metrics.jsonl, its one owner: one record per log or eval
+line, to the file, to the console (and train.log), and to wandb."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from common.files import unless_disk_full
+from common.files import open_for_appending, unless_disk_full, write_text_atomically
 from common.runtime import Runtime
-from data.tokenizers import Tokenizer
+from data.batches import EVAL_WINDOWS, TokenFiles, batch_generator, every_window, get_batch
+from data.prepare import PreparedData
+from data.tokenizers import TextScore, Tokenizer, token_sums
+from evals.hellaswag import Example, hellaswag_sums
 from model import GPT
 from model.checkpoint import Progress
-from model.decoding import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
-from training.run_lock import still_held
-from training.schema import WandbConfig
+from model.gpt import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
+from training.distributed import World
+from training.schema import OptimConfig, WandbConfig
 
 log = logging.getLogger("train")
 METRICS_NAME = "metrics.jsonl"
+SPLIT_KEYS = {"train": 0, "val": 1}  # batch_generator's key for each split's own evaluation windows
 
 
 class MetricsLog:
@@ -57,8 +64,7 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.active:
             return
-        still_held(self.path.parent)
-        with unless_disk_full(self.path), open(self.path, "a") as f:
+        with unless_disk_full(self.path), open_for_appending(self.path) as f:
             f.write(json.dumps(_strict(record), allow_nan=False) + "\n")
         log.info(_readable(record, self.max_iters))
         if self.wandb_run is not None:
@@ -68,7 +74,7 @@ class MetricsLog:
         """What the run resolved at start that its config leaves open (Trainer.settings), for plot.py's groups: to
         the file only."""
         if self.active:
-            with open(self.path, "a") as f:
+            with open_for_appending(self.path) as f:
                 f.write(json.dumps({"iter": iter, "settings": settings}) + "\n")
 
     def log_samples(self, step: int, samples: list[list[str]]) -> None:
@@ -111,11 +117,12 @@ def read_records(out_dir: Path) -> tuple[list[dict[str, Any]], int]:
 
 
 def drop_records_after(out_dir: Path, last_iter: int) -> None:
-    """On resume: lines a killed run wrote after its last checkpoint, and damaged lines."""
+    """On resume: lines a killed run wrote after its last checkpoint, and damaged lines. The file is replaced whole,
+    so a kill meanwhile leaves the old history or the new one."""
     path = out_dir / METRICS_NAME
     if path.is_file():
-        kept = [line + b"\n" for line in path.read_bytes().splitlines() if _record(line, last_iter)]
-        path.write_bytes(b"".join(kept))  # each line ended: the next record starts on a line of its own
+        kept = [line.decode() + "\n" for line in path.read_bytes().splitlines() if _record(line, last_iter)]
+        write_text_atomically(path, "".join(kept))  # each line ended: the next record starts on a line of its own
 
 
 def _strict(record: dict[str, Any]) -> dict[str, Any]:
@@ -140,18 +147,10 @@ class LogWindow:
     """The steps since the last log line: their mean loss and, excluding the first step of the process (compiling
     and warming up), training time alone, so tokens/s and MFU leave evaluation and checkpoints out."""
 
-    def __init__(
-        self,
-        progress: Progress,
-        tokens_per_iter: int,
-        flops_per_token: float,
-        peak_flops: float | None,
-        remember_peak: Callable[[float], None] | None = None,
-    ) -> None:
+    def __init__(self, progress: Progress, tokens_per_iter: int, flops_per_token: float, peak_flops: float | None):
         self.first_step, self.tokens_per_iter = progress.iter, tokens_per_iter
-        # peak: all processes together; None where there is none to compare with (MFU left out). remember_peak: a
-        # measured one's (not a datasheet's), called with what training reaches if it ever passes the peak
-        self.flops_per_token, self.peak_flops, self.remember_peak = flops_per_token, peak_flops, remember_peak
+        # peak: all processes together; None where there is none to compare with (MFU left out)
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         # the losses since the last log line (a resumed run's, saved with its progress)
         self.loss_sum: torch.Tensor | float = progress.log_loss_sum
         self.steps = progress.log_steps  # applied steps (a skipped non-finite one doesn't count)
@@ -183,15 +182,7 @@ class LogWindow:
             tokens_per_sec = self.tokens_per_iter * self.timed / self.seconds
             throughput = {"ms_per_iter": 1000 * self.seconds / self.timed, "tokens_per_sec": tokens_per_sec}
             if self.peak_flops is not None:
-                achieved = self.flops_per_token * tokens_per_sec
-                if achieved > self.peak_flops and self.remember_peak is not None:  # measured on a busy CPU
-                    log.warning(
-                        f"MFU: training reaches {achieved / 1e12:.3g} TFLOP/s, above the {self.peak_flops / 1e12:.3g} "
-                        "measured as this machine's peak (it was busier then); MFU is against it from now on"
-                    )
-                    self.peak_flops = achieved
-                    self.remember_peak(achieved)
-                throughput["mfu"] = achieved / self.peak_flops
+                throughput["mfu"] = self.flops_per_token * tokens_per_sec / self.peak_flops
         self.loss_sum, self.steps, self.seconds, self.timed = 0.0, 0, 0.0, 0
         return train_loss, throughput
 
@@ -218,3 +209,94 @@ def _duration(seconds: float) -> str:
     if s >= 3600:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+@dataclass(frozen=True)
+class Losses:
+    train: float
+    val: float
+    val_bpb: float  # val in bits per byte of text: comparable across tokenizers
+
+
+@dataclass
+class Evaluator:
+    """Mean loss over the same eval_iters random windows of each split at every evaluation, or over every block of
+    the val split with train.full_val; and val in bits per byte: the nats of the tokens that are text over their
+    UTF-8 bytes, special tokens such as <|endoftext|> left out of both (as nanochat).
+
+    The batches are the same whatever the number of processes: each rank takes every world.size-th one and the
+    sums are reduced, so the result is the whole set's (not rank 0's share).
+    """
+
+    data: PreparedData
+    opt: OptimConfig
+    seed: int
+    block_size: int
+    byte_lengths: torch.Tensor  # UTF-8 bytes of each token id (0: a special token), float64 on the device
+    runtime: Runtime
+    world: World
+
+    @torch.no_grad()
+    def __call__(self, model: torch.nn.Module) -> Losses:
+        model.eval()
+        train = TextScore.of(self._sums(model, self._batches("train", self.data.train)))
+        val = TextScore.of(self._sums(model, self._batches("val", self.data.val)))
+        model.train()
+        return Losses(train.loss, val.loss, val.bpb)
+
+    def _batches(self, split: str, files: TokenFiles) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if split == "val" and self.opt.full_val:
+            # The result doesn't depend on the batch size; bigger batches keep small models' matmuls efficient.
+            windows = max(self.opt.batch_size, 4096 // self.block_size)  # at least 4096 tokens a batch
+            return every_window(files, windows, self.block_size)
+        generator = batch_generator(self.seed, EVAL_WINDOWS, SPLIT_KEYS[split])
+        return (get_batch(files, self.opt.batch_size, self.block_size, generator) for _ in range(self.opt.eval_iters))
+
+    def _sums(self, model: torch.nn.Module, batches: Iterator) -> list[float]:
+        """Nats and count of all target tokens; nats and UTF-8 bytes of the text ones; over all ranks."""
+        sums = torch.zeros(4, dtype=torch.float64, device=self.runtime.device)
+        for x, y, counted in share_of(batches, self.world):
+            with self.runtime.autocast():
+                logits, _ = model(x.to(self.runtime.device))
+            if counted:
+                sums += token_sums(logits, y.to(self.runtime.device), self.byte_lengths)
+        return self.world.all_reduce_sum(sums).tolist()
+
+
+def share_of(
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]], world: World
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """Every world.size-th batch, starting at this rank's. All ranks run the same number of forward passes
+    (FSDP2 gathers weights collectively): a rank with no batch left in the last round repeats one, uncounted."""
+    while True:
+        round_ = list(itertools.islice(batches, world.size))
+        if not round_:
+            return
+        if world.rank < len(round_):
+            yield (*round_[world.rank], True)
+        else:
+            yield (*round_[0], False)
+
+
+@dataclass
+class HellaSwagEval:
+    """HellaSwag accuracy at the evaluations whose iteration is a multiple of `every` (train.hellaswag_every).
+    Each rank scores every world.size-th example (share_of: the same number of forward passes on every rank,
+    as FSDP2 needs) and the counts are summed over the ranks: the whole set's accuracy, however many processes."""
+
+    examples: list[Example]
+    every: int
+    block_size: int
+    runtime: Runtime
+    world: World
+
+    def due(self, iteration: int) -> bool:
+        return iteration % self.every == 0
+
+    @torch.no_grad()
+    def __call__(self, model: torch.nn.Module) -> dict[str, float]:
+        model.eval()
+        shares = share_of(((example,) for example in self.examples), self.world)
+        sums = hellaswag_sums(model, shares, self.block_size, self.runtime.device, self.runtime.autocast)
+        model.train()
+        correct, correct_norm, count = self.world.all_reduce_sum(sums.to(self.runtime.device)).tolist()
+        return {"hellaswag_acc": correct / count, "hellaswag_acc_norm": correct_norm / count}

@@ -1,12 +1,8 @@
-"""Muon for the hidden weight matrices, AdamW for the rest, as one optimizer (MuonAdamW).
-
-Muon (Keller Jordan's, as in modded-nanogpt): Nesterov momentum on the gradient, then the update's matrix
-orthogonalised by a few Newton-Schulz steps, so every direction of the matrix moves by about as much. It is
-meant for 2-D hidden matrices; embeddings, the output head, norm gains and biases stay with AdamW.
-
-One Optimizer object holds both kinds of group (group["muon"] says which), so everything that works on the
-optimizer works unchanged: GradScaler, gradient clipping, zero_grad, state_dict and the named (distributed)
-state dicts of torch.distributed.checkpoint.
+"""Muon for the hidden weight matrices, AdamW for the rest, as one optimizer (MuonAdamW). Muon (Keller Jordan's,
+as in modded-nanogpt): Nesterov momentum on the gradient, then the update's matrix orthogonalised by a few
+Newton-Schulz steps, so every direction of the matrix moves by about as much; embeddings, the output head, norm
+gains and biases stay with AdamW. One Optimizer holds both kinds of group (group["muon"] says which), so clipping,
+GradScaler and state dicts work unchanged.
 """
 
 from __future__ import annotations
@@ -23,11 +19,8 @@ ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 def newton_schulz(grad: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """A matrix near U V^T (G = U S V^T), in grad's dtype: singular values pushed into roughly 0.7..1.2, not all
-    the way to 1 (faster, and no worse for training). Normalised by the Frobenius norm first, so the spectral
-    norm starts at most 1; computed on the small side's Gram matrix (a tall matrix is transposed).
-
-    grad may be a stack of same-shape matrices (..., rows, cols), each orthogonalised on its own: on a CPU one
-    batched matmul of four small matrices costs about half of four separate ones, with the same values."""
+    the way to 1 (faster, and no worse for training), after a Frobenius normalisation that puts the spectral norm
+    at most 1. grad may be a stack of same-shape matrices (..., rows, cols), each orthogonalised on its own."""
     a, b, c = NS_COEFFICIENTS
     x = grad.reshape(-1, *grad.shape[-2:])
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
@@ -41,9 +34,8 @@ def newton_schulz(grad: torch.Tensor, steps: int = 5) -> torch.Tensor:
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Param groups with group["muon"] True: Muon (MUON_KEYS), for 2-D matrices, orthogonalised in ns_dtype. The
-    others: AdamW (ADAMW_KEYS), bias-corrected, with decoupled weight decay, as torch.optim.AdamW. Each group
-    carries all its keys: there are no defaults."""
+    """Param groups with group["muon"] True: Muon (MUON_KEYS), for 2-D matrices, orthogonalised in ns_dtype; the
+    others AdamW (ADAMW_KEYS), as torch.optim.AdamW. Each group carries all its keys: there are no defaults."""
 
     def __init__(self, param_groups: list[dict[str, Any]], ns_dtype: torch.dtype = torch.float32) -> None:
         super().__init__(param_groups, defaults={})

@@ -1,9 +1,6 @@
 """What `train.py resume=true` continues: the run's own saved settings, with only this command's overrides on top.
-
-A resumed run is the run it names. Today's schema defaults and presets don't replace what it was started with, so
-`python train.py out_dir=RUN resume=true` alone continues it exactly. An override that changes what the run
-trains (its schedule, optimizer settings, data, model) is refused unless resume_with_changes=true asks for it;
-the keys that only change how the run is computed, observed or recorded (CHANGEABLE_ON_RESUME) may change freely.
+An override that changes what the run trains is refused unless resume_with_changes=true asks for it; the keys that
+only change how the run is computed, observed or recorded (CHANGEABLE_ON_RESUME) may change freely.
 """
 
 from __future__ import annotations
@@ -25,37 +22,13 @@ from training.schema import CONFIG_GROUPS
 
 log = logging.getLogger("train")
 
-# Keys a resume may change without resume_with_changes: where and how the steps run, evaluation and logging.
-# `model.attn_impl` computes the same function; `model.zero_init_proj` only shapes a new model's weights.
-CHANGEABLE_ON_RESUME = frozenset(
-    {
-        "out_dir",
-        "device",
-        "model.attn_impl",
-        "model.zero_init_proj",
-        "data.num_proc",
-        *(
-            f"train.{key}"
-            for key in (
-                "eval_interval",
-                "eval_from",
-                "eval_iters",
-                "full_val",
-                "target_val_loss",
-                "keep_best",
-                "log_interval",
-                "compile",
-                "activation_checkpointing",
-                "dtype",
-                "on_nonfinite",
-                "max_consecutive_skips",
-                "parallel",
-                "hellaswag_every",
-                "hellaswag_file",
-            )
-        ),
-    }
-)
+# Keys a resume may change freely: where and how the steps run (attn_impl: the same function), evaluation, logs
+CHANGEABLE_ON_RESUME = frozenset({
+    "out_dir", "device", "model.attn_impl", "model.zero_init_proj", "data.num_proc",
+    *(f"train.{key}" for key in ("eval_interval", "eval_from", "eval_iters", "full_val", "target_val_loss", "keep_best",
+                                 "log_interval", "compile", "activation_checkpointing", "dtype", "on_nonfinite",
+                                 "peak_tflops", "parallel", "hellaswag_every", "hellaswag_file")),
+})
 # model.* keys a checkpoint's weights don't fix (the rest is its shape, never changed: _check_same_shape says so)
 FREE_MODEL_KEYS = ("attn_impl", "dropout", "zero_init_proj")
 
@@ -65,16 +38,10 @@ def _never_changeable(key: str) -> bool:
     return key == "train.optimizer" or (key.startswith("model.") and key.removeprefix("model.") not in FREE_MODEL_KEYS)
 
 
-def changeable_on_resume(key: str) -> bool:
-    """CHANGEABLE_ON_RESUME, and every wandb.* key (where the run is charted)."""
-    return key in CHANGEABLE_ON_RESUME or key.startswith("wandb.")
-
-
 def resumed_config(cfg: DictConfig, overrides: list[str], schema: type) -> DictConfig:
-    """The config to resume with: the checkpoint's saved config, then the command's `key=value` overrides (their
-    values as Hydra composed them into cfg). A config group on the command (experiment=X) must be the run's own,
-    as its .hydra/hydra.yaml recorded it: repeating the start command with resume=true works; another preset is
-    refused. Without a readable checkpoint, cfg as it is: the run's start names the problem."""
+    """The checkpoint's saved config, then the command's `key=value` overrides as Hydra composed them into cfg. A
+    config group on the command must be the one the run started with (.hydra/hydra.yaml). Without a readable
+    checkpoint, cfg as it is: the run's start names the problem."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     out_dir = Path(cfg.out_dir)
@@ -92,10 +59,8 @@ def resumed_config(cfg: DictConfig, overrides: list[str], schema: type) -> DictC
             _check_group(key, override.value(), recorded, out_dir)
             continue
         if override.is_delete():
-            raise ConfigError(
-                f"~{key}: resume=true continues the run with its saved settings, so there is nothing to delete; "
-                f"set {key}=VALUE instead"
-            )
+            raise ConfigError(f"~{key}: resume=true continues the run with its saved settings, so there is nothing "
+                              f"to delete; set {key}=VALUE instead")
         raw = override.value()
         value = raw if isinstance(raw, str) and "${" in raw else OmegaConf.select(cfg, key)  # ${..}: the run's
         OmegaConf.update(base, key, value, merge=False, force_add=True)
@@ -104,33 +69,29 @@ def resumed_config(cfg: DictConfig, overrides: list[str], schema: type) -> DictC
 
 
 def check_resume(checkpoint: Checkpoint, config: Any) -> None:
-    """Before any data is prepared, so a refused resume changes nothing: the checkpoint's optimizer, its model's
-    shape (in its own vocabulary; a finetune's is the pretrained model's, checked once it is loaded), the
-    changes this command makes to what the run trains, and a max_iters it has already passed."""
+    """Before any data is prepared: the checkpoint's optimizer and model shape (a finetune's is checked once loaded),
+    the changes this command makes to what the run trains, and a max_iters it has already passed."""
     _check_same_optimizer(checkpoint.config, config.train.optimizer)
     if config.init_from is None:
         check_same_shape(checkpoint.model_config, config.model.gpt_config(checkpoint.model_config.vocab_size))
     reached = checkpoint.progress.iter
     if config.train.max_iters < reached:
-        raise ConfigError(
-            f"train.max_iters={config.train.max_iters} is below the {reached} iterations the run already took; "
-            f"resume with train.max_iters={reached} or more, or sample and evaluate the run as it is"
-        )
+        raise ConfigError(f"train.max_iters={config.train.max_iters} is below the {reached} iterations the run "
+                          f"already took; resume with train.max_iters={reached} or more, or sample and evaluate the "
+                          "run as it is")
     check_resume_changes(checkpoint.config, dataclasses.asdict(config), config.resume_with_changes)
 
 
 def check_resume_changes(saved: dict[str, Any], current: dict[str, Any], allowed: bool) -> None:
     """Every key that differs from the run's saved value, in one line each; a change outside CHANGEABLE_ON_RESUME
-    is refused unless allowed (resume_with_changes=true). A key the saved config lacks was added to the schema
-    since the run was saved: its default is the old behaviour, so it is no change."""
+    (and wandb.*) is refused unless allowed. A key the saved config lacks keeps the old behaviour: no change."""
     changes = [change for change in _differences(saved, current) if not _never_changeable(change[0])]
-    meaningful = [(key, old, new) for key, old, new in changes if not changeable_on_resume(key)]
+    meaningful = [(key, old, new) for key, old, new in changes
+                  if key not in CHANGEABLE_ON_RESUME and not key.startswith("wandb.")]
     if meaningful and not allowed:
         listed = ", ".join(f"{key} {_shown(old)} -> {_shown(new)}" for key, old, new in meaningful)
-        raise ConfigError(
-            f"resume=true would change what the run trains ({listed}); drop those overrides to continue the run as "
-            "it was, or add resume_with_changes=true to resume with them"
-        )
+        raise ConfigError(f"resume=true would change what the run trains ({listed}); drop those overrides to "
+                          "continue the run as it was, or add resume_with_changes=true to resume with them")
     for key, old, new in changes:
         log.info(f"resume: {key} changed from {_shown(old)} to {_shown(new)}")
 
@@ -177,40 +138,33 @@ def _recorded_choices(out_dir: Path) -> dict[str, Any]:
 def _check_group(group: str, value: Any, recorded: dict[str, Any], out_dir: Path) -> None:
     if group in recorded and recorded[group] == value:
         return  # the start command repeated
-    was = (
-        f"it was started with {group}={_shown(recorded[group])}"
-        if group in recorded
-        else "it has no record of its groups"
-    )
-    raise ConfigError(
-        f"{group}={_shown(value)}: resume=true continues {out_dir} with the settings it was started with, and "
-        f"{was}; drop {group}={_shown(value)} (set the keys you mean to change, with resume_with_changes=true)"
-    )
+    was = "it has no record of its groups"
+    if group in recorded:
+        was = f"it was started with {group}={_shown(recorded[group])}"
+    raise ConfigError(f"{group}={_shown(value)}: resume=true continues {out_dir} with the settings it was started "
+                      f"with, and {was}; drop {group}={_shown(value)} (set the keys you mean to change, with "
+                      "resume_with_changes=true)")
 
 
 def check_same_shape(saved: GPTConfig, current: GPTConfig) -> None:
     old, new = dataclasses.asdict(saved), dataclasses.asdict(current)
     changed = [k for k in new if k not in FREE_MODEL_KEYS and old[k] != new[k]]
     if "vocab_size" in changed:  # the data's, not an override
-        raise CheckpointError(
-            f"resume=true, but the data's vocabulary has {new['vocab_size']} tokens and the checkpoint's model "
-            f"{old['vocab_size']}: resume with the data.* the run was trained on, or start a new run"
-        )
+        raise CheckpointError(f"resume=true, but the data's vocabulary has {new['vocab_size']} tokens and the "
+                              f"checkpoint's model {old['vocab_size']}: resume with the data.* the run was trained on, "
+                              "or start a new run")
     if changed:
         diffs = ", ".join(f"{k}: {old[k]} -> {new[k]}" for k in changed)
-        raise CheckpointError(
-            f"resume=true with a model that differs from the checkpoint's ({diffs}); drop those overrides"
-        )
+        raise CheckpointError(f"resume=true with a model that differs from the checkpoint's ({diffs}); drop those "
+                              "overrides")
 
 
 def _check_same_optimizer(saved: dict[str, Any], optimizer: str) -> None:
-    """One optimizer's state is no start for another's (checkpoints from before train.optimizer: AdamW's)."""
+    """One optimizer's state is no start for another's."""
     before = saved.get("train", {}).get("optimizer", "adamw")
     if before != optimizer:
-        raise CheckpointError(
-            f"resume=true with train.optimizer={optimizer}, but the checkpoint's run was trained with {before}; "
-            f"resume with train.optimizer={before}, or start a new run"
-        )
+        raise CheckpointError(f"resume=true with train.optimizer={optimizer}, but the checkpoint's run was trained "
+                              f"with {before}; resume with train.optimizer={before}, or start a new run")
 
 
 def resume_command(out_dir: Path) -> str:

@@ -1,7 +1,8 @@
-"""train(cfg): a run from its config, in the order a reader follows it: the run directory (locked), the data,
-the model (new, pretrained or resumed) placed for torchrun and compiled, the optimizer, evaluation and metrics;
-then Trainer.fit (training/trainer.py) trains it. The entry point of train.py, bench.py, scripts/gpu_check.py
-and the tests: one process's part of the run, all of it alone or one rank's under torchrun."""
+"""train(cfg): a run from its config, in the order a reader follows it: the checkpoint when resuming, the data, the
+model (new, pretrained or resumed) placed for torchrun and compiled, the optimizer, evaluation and metrics; then,
+every check passed, the run directory (locked, so one writer at a time) and Trainer.fit (training/trainer.py).
+The entry point of train.py, bench.py, scripts/gpu_check.py and the tests: one process's part of the run, all of it
+alone or one rank's under torchrun."""
 
 from __future__ import annotations
 
@@ -13,50 +14,34 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
+from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
 from common.config import typed_config
-from common.cpu_threads import SlowdownWatch, use_free_cores
 from common.errors import CheckpointError, ConfigError
-from common.files import check_writable, discard_temporaries, refuse_links, write_text_atomically
-from common.runtime import Runtime, make_runtime
-from data.prepare import PreparedData, ensure_prepared, in_use
+from common.files import discard_temporaries, open_for_appending, write_text_atomically
+from common.runtime import Runtime, check_memory, datasheet_peak, make_runtime
+from data.prepare import PreparedData, ensure_prepared
 from data.tokenizers import Tokenizer, tokenizer_from_metadata
 from evals.hellaswag import hellaswag_path, load_examples
-from model import GPT
+from model import GPT, GPTConfig, parameter_count
 from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
 from model.hf_gpt2 import SETTINGS as PRETRAINED_SETTINGS
 from model.hf_gpt2 import load_pretrained
-from training.distributed import (
-    World,
-    world_from_env,
-)
+from training.distributed import World, world_from_env
 from training.errors import RunLocked
-from training.evaluation import Evaluator, HellaSwagEval
-from training.machine import Peak, choose_cpu_dtype, peak_flops, remember_higher_peak
-from training.memory import check_fits
-from training.metrics import METRICS_NAME, MetricsLog, forget_metrics
+from training.metrics import METRICS_NAME, Evaluator, HellaSwagEval, MetricsLog, drop_records_after
 from training.optim import make_optimizer, scheduled_lr
 from training.resume import check_resume, check_same_shape
-from training.run_lock import (
-    HOLDER_NAME,
-    LOCK_NAME,
-    LOG_NAME,
-    Made,
-    log_to_run_dir,
-    run_lock,
-    take_back,
-)
 from training.schema import OptimConfig, TrainRunConfig
 from training.trainer import Trainer, TrainResult
 
 log = logging.getLogger("train")
 CONFIG_NAME = "config.yaml"  # the run's resolved config, for reading (plot.py groups runs by it)
-# What a run writes in its directory: none of them may be a symbolic link (common.files.refuse_links)
-RUN_FILES = (CKPT_NAME, BEST_NAME, METRICS_NAME, CONFIG_NAME, LOG_NAME, LOCK_NAME, HOLDER_NAME, ".hydra", "wandb")
+LOG_NAME = "train.log"  # the run's console output, appended to by each resume
+LOCK_NAME = ".lock"  # held by the run writing the directory; the OS releases it however the run ends
 
 
 def train(
@@ -64,73 +49,95 @@ def train(
     before_step: Callable[[int], None] | None = None,
     on_run_opened: Callable[[Path], None] | None = None,
 ) -> TrainResult:
-    """cfg: Hydra's config (typed and checked here, before anything runs) or a TrainRunConfig.
-    before_step: called with the iteration before each optimizer step (a seam for tests).
-    on_run_opened: called on rank 0 with out_dir once it holds the run and every check passed, just before the
-    run's config.yaml is written (train.py writes Hydra's files then). A start that fails before then takes back
-    what it made."""
+    """cfg: Hydra's config or a TrainRunConfig, typed and checked here. Nothing is written in out_dir until every
+    check has passed; then on_run_opened(out_dir) runs on rank 0 (train.py writes Hydra's files) and the run trains.
+    before_step: called with the iteration before each optimizer step (a seam for tests)."""
     world = world_from_env()
     if not world.is_main:
         log.setLevel(logging.WARNING)  # one voice: rank 0's
     config = typed_config(cfg, TrainRunConfig)
-    check_for_world(config.train, world)
     runtime = make_runtime(config.device, config.train.dtype, world.local_rank if world.distributed else None)
-    out_dir = Path(config.out_dir)
-    if world.is_main:
-        check_writable(out_dir, "out_dir")
-    made = Made()
     world.open(runtime.device)
     try:
+        trainer = build_trainer(config, world, runtime, before_step)
         with contextlib.ExitStack() as held:
-            _lock_run(out_dir, world, held, made)
-            trainer = build_trainer(config, world, runtime, before_step)
-            held.enter_context(in_use(trainer.data))  # no other run prepares other tokens over these meanwhile
             if world.is_main:
-                if on_run_opened is not None:
-                    on_run_opened(trainer.out_dir)
-                write_text_atomically(trainer.out_dir / CONFIG_NAME, OmegaConf.to_yaml(trainer.resolved))
-                trainer.metrics.write_settings(trainer.progress.iter, resolved_settings(trainer))
-            made.opened = True
-            if config.wandb.enabled and world.is_main:
-                trainer.metrics.start_wandb(config.wandb, trainer.resolved)
+                open_run_directory(trainer, held, on_run_opened)  # should it fail, torchrun stops the other ranks
+            world.barrier()
             result = trainer.fit()
             world.barrier()  # leave together: none tears its process group down while rank 0 still writes
         return result
-    except BaseException:  # a user's error, Ctrl-C, a bug
-        if not made.opened and world.is_main:
-            take_back(made, out_dir)
-        raise
     finally:
         world.close()
+
+
+def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_opened: Callable | None) -> None:
+    """out_dir made and locked for the run's life (one writer at a time), its log mirrored into train.log, then
+    what the run starts with: the history up to its checkpoint, config.yaml, the resolved settings."""
+    out_dir, config = trainer.out_dir, trainer.config
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        held.enter_context(FileLock(out_dir / LOCK_NAME, timeout=0))
+    except Timeout:
+        raise RunLocked(f"out_dir={out_dir} is being written by another run; wait for it to end or stop it, or use "
+                        "another out_dir") from None
+    handler = logging.StreamHandler(held.enter_context(open_for_appending(out_dir / LOG_NAME)))
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger().addHandler(handler)
+    held.callback(logging.getLogger().removeHandler, handler)
+    for name in (CKPT_NAME, BEST_NAME):
+        discard_temporaries(out_dir / name)  # what killed writers left
+    log_start(trainer)
+    if config.resume:
+        drop_records_after(out_dir, trainer.progress.iter)  # a killed run's lines after its checkpoint
+    else:  # a run that died before its first ckpt.pt left these: not this run's
+        (out_dir / METRICS_NAME).unlink(missing_ok=True)
+        (out_dir / BEST_NAME).unlink(missing_ok=True)
+    if on_run_opened is not None:
+        on_run_opened(out_dir)
+    write_text_atomically(out_dir / CONFIG_NAME, OmegaConf.to_yaml(trainer.resolved))
+    runtime = trainer.runtime  # what the config left to the machine, for plot.py (threads change float sums)
+    compiled = hasattr(trainer.step_model, "_orig_mod")  # what torch.compile returns has it
+    settings = {"device": runtime.device.type, "train.dtype": runtime.dtype_name, "train.compile": compiled}
+    trainer.metrics.write_settings(trainer.progress.iter, {**settings, "threads": torch.get_num_threads()})
+    if config.wandb.enabled:
+        trainer.metrics.start_wandb(config.wandb, trainer.resolved)
 
 
 def build_trainer(
     config: TrainRunConfig, world: World, runtime: Runtime, before_step: Callable[[int], None] | None = None
 ) -> Trainer:
-    """Everything the run needs, restored from ckpt.pt when config.resume. The run's clock starts here."""
+    """Everything the run needs, restored from ckpt.pt when config.resume; it writes nothing. The run's clock
+    starts here."""
     started = time.perf_counter()
+    check_for_world(config.train, world)
     # Each rank's Hydra resolved ${now:} on its own clock: all write to rank 0's directory.
     config = dataclasses.replace(config, out_dir=world.broadcast(config.out_dir))
     out_dir, opt = Path(config.out_dir), config.train
-    checkpoint = _open_run_dir(out_dir, config.resume, world)
-    if checkpoint is not None:
+    checkpoint = None
+    if config.resume:
+        checkpoint = load_checkpoint(out_dir / CKPT_NAME)
         check_resume(checkpoint, config)  # before any data is prepared: a refused resume changes nothing
+    elif (out_dir / CKPT_NAME).exists():
+        raise ConfigError(f"out_dir={out_dir} already holds a run; pass resume=true to continue it, or another out_dir")
     torch.manual_seed(config.seed)  # the same initial weights on every rank (FSDP2 shards each rank's own)
-    data = _prepared_data(config, world)
+    data = ensure_prepared(config.data) if world.is_main else None
+    world.barrier()  # rank 0 prepares; the others then read what it made
+    data = data or ensure_prepared(config.data, prepare=False)
     tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
-    model = _build_model(config, checkpoint, data, runtime, world)
+    model = _build_model(config, checkpoint, data, runtime)
     if world.rank:  # then each rank its own dropout masks (nanoGPT's seed offset); rank 0's stream goes on
         torch.manual_seed(config.seed + world.rank)
     num_params, flops_per_token = model.num_params(), model.flops_per_token()  # before sharding
     model.activation_checkpointing = opt.activation_checkpointing
-    if runtime.device.type == "cpu" and not world.distributed and (note := use_free_cores()):
-        log.warning(note)  # before anything is timed: with the threads the run will use
-    trained_in = None if checkpoint is None else checkpoint.dtype
-    runtime, precision_note = choose_cpu_dtype(model, opt.batch_size, opt.dtype, runtime, world, trained_in)
-    wrapped = _place(model, opt.parallel, world, runtime)
-    use_compile = compile_by_default(runtime) if opt.compile is None else opt.compile
+    if not (world.distributed and opt.parallel == "fsdp"):  # FSDP2 moves each rank's shards to its device itself
+        model.to(runtime.device)
+    wrapped = world.wrap(model, opt.parallel, runtime.device)
+    use_compile = runtime.is_cuda if opt.compile is None else opt.compile
+    if use_compile and sys.platform == "win32" and opt.compile is None:
+        use_compile = _compiles_on_windows()
     byte_lengths = torch.from_numpy(tokenizer.token_byte_lengths()).to(runtime.device, torch.float64)
-    peak = None if runtime.emulated else peak_flops(runtime.device, runtime.dtype)
+    peak = opt.peak_tflops * 1e12 if opt.peak_tflops else datasheet_peak(runtime.device, runtime.dtype)
     trainer = Trainer(
         config=config,
         world=world,
@@ -139,7 +146,6 @@ def build_trainer(
         data=data,
         tokenizer=tokenizer,
         model=model,
-        wrapped=wrapped,
         step_model=torch.compile(wrapped) if use_compile else wrapped,
         optimizer=make_optimizer(model, opt, runtime),
         scaler=torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16),
@@ -147,126 +153,96 @@ def build_trainer(
         hellaswag=_hellaswag(opt, tokenizer, model.config.block_size, runtime, world) if opt.hellaswag_every else None,
         metrics=MetricsLog(out_dir, active=world.is_main, max_iters=opt.max_iters),
         flops_per_token=flops_per_token,
-        peak_flops=None if peak is None else peak.flops * world.size,
-        remember_peak=_peak_keeper(peak, runtime, world),
+        peak_flops=None if peak is None else peak * world.size,
         started=started,
         before_step=before_step,
-        slowdown=SlowdownWatch() if runtime.device.type == "cpu" and not world.distributed else None,
     )
     if checkpoint is not None:
         trainer.restore(checkpoint)
         if not opt.keep_best and (out_dir / BEST_NAME).is_file() and world.is_main:
             log.warning(f"{BEST_NAME} stays as it is: this resume has train.keep_best=false")
-    log.info(
-        f"{num_params / 1e6:.2f}M parameters, {data.meta['vocab_size']} tokens in the vocabulary, "
-        f"{_machinery(runtime, world, opt.parallel, use_compile)}, out_dir {out_dir}"
+    processes = f", {world.size} processes ({opt.parallel})" if world.distributed else ""
+    trainer.summary = (
+        f"{num_params / 1e6:.2f}M parameters, {data.meta['vocab_size']} tokens in the vocabulary, device "
+        f"{runtime.device}, {runtime.dtype_name}, compile {use_compile}{processes}, out_dir {out_dir}"
     )
-    if precision_note is not None:
-        log.info(precision_note)
+    return trainer
+
+
+def log_start(trainer: Trainer) -> None:
+    """What the run is: its size and machinery, a schedule that doesn't end with the run, MFU's peak."""
+    opt = trainer.config.train
+    log.info(trainer.summary)
     if opt.max_iters and opt.decay_iters != opt.max_iters:
         log.info(_schedule_note(opt))
     if opt.max_iters and 0 < opt.decay_iters <= opt.warmup_iters:
         log.warning(_warmup_note(opt))
-    if peak is not None:
-        log.info(f"MFU against {peak.flops / 1e12:.3g} TFLOP/s per process ({peak.source})")
-    elif world.is_main:
-        log.warning(_emulated_note(runtime))
-    return trainer
-
-
-def resolved_settings(trainer: Trainer) -> dict[str, Any]:
-    """What the config leaves to the machine, as this process resolved it: train.dtype=auto's precision,
-    train.compile=null's choice, the device's type and the CPU threads (which change float sums' order)."""
-    return {
-        "device": trainer.runtime.device.type,
-        "train.dtype": trainer.runtime.dtype_name,
-        "train.compile": trainer.step_model is not trainer.wrapped,
-        "threads": torch.get_num_threads(),
-    }
+    if trainer.peak_flops is not None:
+        log.info(f"MFU against {trainer.peak_flops / trainer.world.size / 1e12:.3g} TFLOP/s per process")
 
 
 def check_for_world(opt: OptimConfig, world: World) -> None:
     """The checks that need the number of processes."""
+    if opt.grad_accum % world.size or (world.distributed and opt.parallel == "fsdp" and opt.optimizer == "muon"):
+        raise ConfigError(_world_conflict(opt, world))
+
+
+def _world_conflict(opt: OptimConfig, world: World) -> str:
     if opt.grad_accum % world.size:
-        raise ConfigError(
+        return (
             f"train.grad_accum={opt.grad_accum} (micro-batches per step, all processes together) is not divisible "
             f"by the {world.size} processes; use a multiple of {world.size}"
         )
-    if world.distributed and opt.parallel == "fsdp" and opt.optimizer == "muon":
-        raise ConfigError(
-            "train.optimizer=muon needs each hidden matrix whole, and train.parallel=fsdp shards them; "
-            "use train.parallel=ddp (or train.optimizer=adamw)"
-        )
+    return (
+        "train.optimizer=muon needs each hidden matrix whole, and train.parallel=fsdp shards them; "
+        "use train.parallel=ddp (or train.optimizer=adamw)"
+    )
 
 
-def _lock_run(out_dir: Path, world: World, held: contextlib.ExitStack, made: Made) -> None:
-    """Rank 0 writes the run, so it alone holds the lock; if it can't (or fails trying), every rank stops. Then
-    no other writer is mid-save: a killed one's checkpoint temporaries go."""
-    error = None
-    if world.is_main:
-        try:
-            refuse_links(out_dir, RUN_FILES, "out_dir")  # before the lock: opening .lock truncates it
-            held.enter_context(run_lock(out_dir, made))
-            held.enter_context(log_to_run_dir(out_dir, made))
-            for name in (CKPT_NAME, BEST_NAME):
-                discard_temporaries(out_dir / name)
-        except Exception as err:
-            error = err
-    message = world.broadcast(None if error is None else str(error))
-    if error is not None:
-        raise error
-    if message is not None:  # the other ranks
-        raise RunLocked(message)
-
-
-def _open_run_dir(out_dir: Path, resume: bool, world: World) -> Checkpoint | None:
-    """The checkpoint to resume, or None for a new run; a new run never writes over another's."""
-    if resume:
-        checkpoint = load_checkpoint(out_dir / CKPT_NAME)
-    elif (out_dir / CKPT_NAME).exists():
-        raise ConfigError(f"out_dir={out_dir} already holds a run; pass resume=true to continue it, or another out_dir")
-    else:
-        checkpoint = None
-    world.barrier()  # every rank has looked for a checkpoint before rank 0 writes anything
-    if world.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if checkpoint is None:
-            forget_metrics(out_dir)
-            (out_dir / BEST_NAME).unlink(missing_ok=True)  # a run that died before its first ckpt.pt: not ours
-    return checkpoint
-
-
-def _prepared_data(config: TrainRunConfig, world: World) -> PreparedData:
-    """Rank 0 tokenizes; the others then only read the prepared files."""
-    if world.is_main:
-        data = ensure_prepared(config.data)
-    world.barrier()
-    if not world.is_main:
-        data = ensure_prepared(config.data, prepare=False)
-    return data
-
-
-def _build_model(
-    config: TrainRunConfig, checkpoint: Checkpoint | None, data: PreparedData, runtime: Runtime, world: World
-) -> GPT:
+def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: PreparedData, runtime: Runtime) -> GPT:
     """A new model from model.*, init_from's pretrained one, or (resume) one of the checkpoint's shape."""
-    if config.init_from is not None and checkpoint is None:
+    if checkpoint is not None:
+        model_config = _resumed_model_config(config, checkpoint, data)
+    elif config.init_from is not None:
         model = _pretrained_model(config, data.meta["vocab_size"])
         _check_data_fits(data, model.config.block_size)
         return model
-    if config.init_from is not None:  # resuming a finetune: the shape is the pretrained model's, as saved
-        # What init_from took from the config: a change of those that shape the model is refused below.
+    else:
+        model_config = config.model.gpt_config(data.meta["vocab_size"])
+    _check_data_fits(data, model_config.block_size)  # the plainer mistake first
+    check_fits(model_config, config.train, runtime.device)  # before allocating it
+    return GPT(model_config)
+
+
+def _resumed_model_config(config: TrainRunConfig, checkpoint: Checkpoint, data: PreparedData) -> GPTConfig:
+    """The checkpoint's model, with the settings its weights leave open from the config; another shape or
+    tokenizer is refused."""
+    if config.init_from is not None:  # a finetune: the shape is the pretrained model's, as saved
         settings = {k: getattr(config.model, k) for k in ("block_size", *PRETRAINED_SETTINGS)}
         model_config = dataclasses.replace(checkpoint.model_config, **settings)
     else:
         model_config = config.model.gpt_config(data.meta["vocab_size"])
-    if checkpoint is not None:
-        check_same_shape(checkpoint.model_config, model_config)
-        if checkpoint.tokenizer_for_decoding(Path(config.out_dir) / CKPT_NAME) != data.meta["tokenizer"]:
-            raise CheckpointError("resume=true with data tokenized differently from the checkpoint's; use its data")
-    _check_data_fits(data, model_config.block_size)  # the plainer mistake first
-    check_fits(model_config, config.train, runtime.device, world)  # before allocating it
-    return GPT(model_config)
+    check_same_shape(checkpoint.model_config, model_config)
+    if checkpoint.tokenizer_for_decoding(Path(config.out_dir) / CKPT_NAME) != data.meta["tokenizer"]:
+        raise CheckpointError("resume=true with data tokenized differently from the checkpoint's; use its data")
+    return model_config
+
+
+def check_fits(model: GPTConfig, opt: OptimConfig, device: torch.device) -> None:
+    """A run that can't fit is refused before anything is allocated. Its need is bounded from below, so nothing
+    that fits is refused: 8 bytes a parameter (float32 weights and gradients), and for one micro-batch bfloat16
+    activations of at least 38 bytes per token, layer and unit of width (4 with activation checkpointing) and the
+    logits' 6 bytes per token and vocabulary entry. bench.py memory has the detailed estimate."""
+    per_layer = 4 if opt.activation_checkpointing else 38
+    tokens = opt.batch_size * model.block_size
+    need = 8 * parameter_count(model) + tokens * (per_layer * model.n_embd * model.n_layer + 6 * model.vocab_size)
+    check_memory(
+        need,
+        device,
+        f"train.batch_size={opt.batch_size} with a model of {parameter_count(model):,} parameters",
+        "lower train.batch_size (train.grad_accum keeps the tokens per step), set train.activation_checkpointing="
+        "true, or train a smaller model",
+    )
 
 
 def _pretrained_model(config: TrainRunConfig, vocab_size: int) -> GPT:
@@ -288,36 +264,21 @@ def _pretrained_model(config: TrainRunConfig, vocab_size: int) -> GPT:
 
 
 def _check_data_fits(data: PreparedData, block_size: int) -> None:
+    """Every split has a file longer than a window (windows don't span files)."""
     for split, files in (("train", data.train), ("val", data.val)):
-        n = max(files.lengths)  # windows don't span files
-        if n <= block_size:
-            if data.meta.get("sharded"):
-                more = " (or raise data.shard_tokens)"
-            else:
-                more = f" (or {'raise' if split == 'val' else 'lower'} data.val_fraction)"
-            raise ConfigError(
-                f"the {split} split's longest token file has {n} tokens, too few for model.block_size={block_size}; "
-                f"lower model.block_size or train on more text{more}"
-            )
+        if max(files.lengths) <= block_size:
+            raise ConfigError(_too_short(data, split, max(files.lengths), block_size))
 
 
-def _place(model: GPT, parallel: str, world: World, runtime: Runtime) -> torch.nn.Module:
-    """On the device, wrapped for DDP; or sharded in place by FSDP2, which moves each rank's shards to its device
-    itself (no GPU ever holds the whole model)."""
-    if not (world.distributed and parallel == "fsdp"):
-        model.to(runtime.device)
-    return world.wrap(model, parallel, runtime.device)
-
-
-def compile_by_default(runtime: Runtime) -> bool:
-    """train.compile=null: on for CUDA, where it pays, if torch.compile can run there. On Windows its GPU
-    backend needs triton, which PyTorch doesn't bring: off without it, saying so."""
-    if not runtime.is_cuda:
-        return False
-    if sys.platform == "win32" and importlib.util.find_spec("triton") is None:
-        log.info("train.compile: off (torch.compile on Windows needs triton: pip install triton-windows)")
-        return False
-    return True
+def _too_short(data: PreparedData, split: str, n: int, block_size: int) -> str:
+    if data.meta.get("sharded"):
+        more = " (or raise data.shard_tokens)"
+    else:
+        more = f" (or {'raise' if split == 'val' else 'lower'} data.val_fraction)"
+    return (
+        f"the {split} split's longest token file has {n} tokens, too few for model.block_size={block_size}; "
+        f"lower model.block_size or train on more text{more}"
+    )
 
 
 def _hellaswag(
@@ -335,34 +296,18 @@ def _hellaswag(
     return HellaSwagEval(examples, opt.hellaswag_every, block_size, runtime, world)
 
 
-def _peak_keeper(peak: Peak | None, runtime: Runtime, world: World) -> Callable[[float], None] | None:
-    """A measured peak that training passes is raised to what it reached, and remembered by rank 0 (per process);
-    a datasheet's stands."""
-    if peak is None or not peak.measured:
-        return None
-    return lambda flops: (
-        remember_higher_peak(runtime.device, runtime.dtype, flops / world.size) if world.is_main else None
-    )
-
-
-def _machinery(runtime: Runtime, world: World, parallel: str, use_compile: bool) -> str:
-    processes = f", {world.size} processes ({parallel})" if world.distributed else ""
-    return f"device {runtime.device}, {runtime.dtype_name}, compile {use_compile}{processes}"
-
-
 def _schedule_note(opt: OptimConfig) -> str:
-    """One line when the decay is set apart from max_iters: the learning rate then doesn't end at min_lr with the
-    run (shorter: it stays at min_lr for the last iterations; longer: it is still high when the run stops)."""
-    end = scheduled_lr(opt, opt.max_iters - 1)
+    """The decay set apart from max_iters: the learning rate then doesn't end at min_lr with the run."""
     where = "before" if opt.decay_iters < opt.max_iters else "after"
     return (
         f"train.lr_decay_iters={opt.decay_iters} ends {where} train.max_iters={opt.max_iters}: the last step's "
-        f"learning rate is {end:.3g} (min_lr {opt.min_lr:.3g}); lr_decay_iters=null follows max_iters"
+        f"learning rate is {scheduled_lr(opt, opt.max_iters - 1):.3g} (min_lr {opt.min_lr:.3g}); "
+        "lr_decay_iters=null follows max_iters"
     )
 
 
 def _warmup_note(opt: OptimConfig) -> str:
-    """A warm-up as long as the schedule (nanoGPT's 100 iterations in a 60-iteration run) never decays: said."""
+    """A warm-up as long as the schedule (nanoGPT's 100 iterations in a 60-iteration run) never decays."""
     end = "train.max_iters" if opt.lr_decay_iters is None else "train.lr_decay_iters"
     return (
         f"train.warmup_iters={opt.warmup_iters} is not below {end}={opt.decay_iters}: the learning rate only warms "
@@ -371,9 +316,9 @@ def _warmup_note(opt: OptimConfig) -> str:
     )
 
 
-def _emulated_note(runtime: Runtime) -> str:
-    name = runtime.dtype_name
-    return (
-        f"dtype={name}: this CPU has no {name} arithmetic, so torch emulates it, many times slower than float32 "
-        "(and MFU is left out); use dtype=float32"
-    )
+def _compiles_on_windows() -> bool:
+    """torch.compile's GPU backend on Windows needs triton, which PyTorch doesn't bring: off without it, said."""
+    if importlib.util.find_spec("triton") is None:
+        log.info("train.compile: off (torch.compile on Windows needs triton: pip install triton-windows)")
+        return False
+    return True

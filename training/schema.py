@@ -2,8 +2,8 @@
 
 Each key's allowed values are declared once, beside it (common.config.option); common.config.typed_config turns
 Hydra's DictConfig into these dataclasses, and building them checks every value: one ConfigError naming the key.
-The `model.*` keys come from model/config.py, the `data.*` keys from data/config.py; sample.py's, eval.py's and
-serve.py's schemas live with them, in inference/schema.py.
+The `model.*` keys come from model/gpt.py's GPTConfig, the `data.*` keys from data/prepare.py; sample.py's,
+eval.py's and serve.py's schemas live in inference/schema.py.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from hydra.core.config_store import ConfigStore
 from common.config import SEED_MAX, check_fields, option
 from common.errors import ConfigError
 from common.runtime import DEVICES, DTYPES
-from data.config import DataConfig, register_prepare_schema
-from model.config import GPTConfig
+from data.prepare import DataConfig, register_prepare_schema
+from model import GPTConfig
 from training.optim import LR_SCHEDULES, OPTIMIZERS
 
 ON_NONFINITE = ("stop", "skip")
@@ -98,10 +98,10 @@ class OptimConfig:
     # recompute each block's activations in backward instead of keeping them: far less memory for long contexts
     # and deep models, for about one more forward pass of compute (bench.py memory)
     activation_checkpointing: bool = False
-    dtype: str = option("auto", choices=DTYPES)
+    dtype: str = option("auto", choices=DTYPES)  # auto: bfloat16 on CUDA GPUs that have it, else float32
+    # MFU's denominator, per process; null: the GPU's datasheet peak where it is known, else no MFU
+    peak_tflops: float | None = option(None, above=0.0)
     on_nonfinite: str = option("stop", choices=ON_NONFINITE)  # a NaN/Inf loss: stop (ckpt.pt stays) | skip the step
-    # with on_nonfinite=skip: stop after this many skipped steps in a row (and at once if the weights are non-finite)
-    max_consecutive_skips: int = option(10, at_least=1)
     parallel: str = option("ddp", choices=PARALLEL)  # under torchrun: ddp (replicas) | fsdp (FSDP2: sharded)
     # HellaSwag at the evaluations whose iteration is a multiple of this (BPE data only); 0: never
     hellaswag_every: int = option(0, at_least=0, hint="0 means never; use a multiple of train.eval_interval")
@@ -144,7 +144,7 @@ class WandbConfig:
 
 @dataclass
 class TrainRunConfig:
-    out_dir: str = option("outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}", directory=True)
+    out_dir: str = option("outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}", path=True)
     device: str = option("auto", choices=DEVICES)
     seed: int = option(1337, at_least=0, at_most=SEED_MAX)
     resume: bool = False  # continue the run in out_dir from its ckpt.pt, with its saved settings

@@ -1,0 +1,1 @@
+"""bench.py's larger sections, each in a module of its own."""

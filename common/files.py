@@ -55,9 +55,13 @@ def open_temporary(path: Path) -> BinaryIO:
 
 def write_text_atomically(path: Path, text: str) -> None:
     tmp = temporary_beside(path)
-    with open_temporary(tmp) as f:
-        f.write(text.encode("utf-8"))
-    replace_file(tmp, path)
+    try:
+        with unless_disk_full(path), open_temporary(tmp) as f:
+            f.write(text.encode("utf-8"))
+        replace_file(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def replace_file(source: Path, target: Path) -> None:
@@ -101,5 +105,5 @@ def fsync_directory(directory: Path) -> None:
 
 def open_for_appending(path: Path) -> TextIO:
     """A log file to append to; a symbolic link there is refused (ELOOP), never written through."""
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
     return open(os.open(path, flags, 0o644), "a", encoding="utf-8")

@@ -5,6 +5,7 @@ settings is refused. Runs on first use from train.py; on its own: `python -m dat
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -252,17 +253,24 @@ def _prepared(
 
 
 def _new_folder_beside(out_dir: Path) -> Path:
-    """A new folder beside out_dir, this preparation's own: made by mkdir, so never one another process made."""
-    into = out_dir.parent / f".{out_dir.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    """A new folder beside out_dir (inside it, where only out_dir is writable), this preparation's own: made by
+    mkdir, so never one another process made."""
+    name = f".{out_dir.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        into.mkdir()
+        try:
+            (out_dir.parent / name).mkdir()
+            return out_dir.parent / name
+        except PermissionError:
+            if not out_dir.is_dir():
+                raise
+        (out_dir / name).mkdir()
+        return out_dir / name
     except PermissionError as err:
         where = err.filename or out_dir.parent
         raise DataError(
             f"data.dir={out_dir} is not writable ({err.strerror}: {where}); name a folder you can write to"
         ) from None
-    return into
 
 
 def _move_in(
@@ -287,7 +295,12 @@ def _move_in(
             if stale.name not in ours:
                 stale.unlink()
     for path in sorted(into.iterdir(), key=lambda path: path.name == "meta.json"):
-        replace_file(path, out_dir / path.name)
+        try:
+            replace_file(path, out_dir / path.name)
+        except OSError as err:
+            if err.errno != errno.EXDEV:
+                raise
+            shutil.move(path, out_dir / path.name)  # out_dir on another disk (a mount, a link): copied
     return PreparedData(out_dir, meta)
 
 

@@ -263,3 +263,24 @@ def test_a_text_that_changes_during_preparation_is_named_as_such(tmp_path: Path,
     with pytest.raises(DataError, match=r"input\.txt changed while it was being prepared; prepare again once"):
         write_dataset(text, tokenizer, tmp_path / "data", 0.1, {})
     assert not (tmp_path / "data" / "meta.json").exists()  # nothing that counts as prepared
+
+
+def test_a_data_folder_on_another_disk_is_prepared_by_copying(
+    tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """data.dir a mount point or a link to another disk: the files can't be renamed in (EXDEV), so they are moved."""
+    import errno
+
+    import data.prepare
+
+    def across_disks(source: Path, target: Path) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(data.prepare, "replace_file", across_disks)
+    folder = tmp_path / "mounted"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("the user's own")  # a folder in use: its files are moved in one by one
+    prepared = ensure_prepared(DataConfig(input=str(corpus_path), dir=str(folder)))
+    assert prepared.train.num_tokens > 0 and (folder / "meta.json").is_file()
+    assert (folder / "notes.txt").read_text() == "the user's own"
+    assert [p.name for p in tmp_path.iterdir()] == ["mounted"]  # no temporary folder left

@@ -94,3 +94,30 @@ def test_an_evaluation_with_a_nonfinite_val_loss_keeps_the_previous_checkpoint(
     assert load_checkpoint(tmp_path / "run" / CKPT_NAME).progress.iter == 3
     assert any("val loss is nan at iter 6: keeping the previous checkpoint" in m for m in caplog.messages)
     assert sum(m.startswith("skipped iter") for m in caplog.messages) == 2
+
+
+def test_a_signal_after_a_skipped_step_keeps_the_last_good_checkpoint(
+    tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under on_nonfinite=skip the weights may already be NaN when a signal comes: the stop writes nothing over
+    ckpt.pt when its step was skipped, and says what ckpt.pt holds."""
+    import signal
+
+    extra = {"train.max_iters": 100, "train.eval_interval": 2, "train.on_nonfinite": "skip"}
+    config = typed_config(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)), TrainRunConfig)
+    (tmp_path / "run").mkdir()
+    trainer = build_trainer(config, World(), make_runtime("cpu", "float32"))
+
+    def poison_then_signal(it: int) -> None:
+        if it == 3:
+            with torch.no_grad():
+                trainer.model.lm_head.weight.fill_(math.nan)
+            signal.raise_signal(signal.SIGTERM)
+
+    trainer.before_step = poison_then_signal
+    with caplog.at_level(logging.WARNING, logger="train"):
+        result = trainer.fit()
+    assert result.stopped_by == "SIGTERM" and result.iters == 4
+    assert load_checkpoint(tmp_path / "run" / CKPT_NAME).progress.iter == 2
+    assert any(m.startswith("stopped by SIGTERM at iter 4;") and "keeps iter 2, the last good state" in m
+               for m in caplog.messages)

@@ -275,3 +275,18 @@ def test_flash_equals_math_in_float32_on_this_machines_device() -> None:
     math_.load_state_dict(flash.state_dict())
     idx = torch.randint(50, (2, 32), device=device)
     torch.testing.assert_close(flash(idx)[0], math_(idx)[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_resume_refused_by_the_lock_changes_nothing_in_the_run(tmp_path: Path, corpus_path: Path) -> None:
+    """A second process resuming a run that is still training (a scheduler's requeue) writes nothing there: the
+    live run's metrics since its last checkpoint stay."""
+    from training.errors import RunLocked
+
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 2})))
+    run = tmp_path / "run"
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"iter": 3, "train_loss": 1.0}\n')  # the live run's, after its checkpoint
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    with FileLock(run / ".lock"), pytest.raises(RunLocked):
+        train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, **{"train.max_iters": 2})))
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import logging
+import logging.handlers
 import sys
 import time
 from collections.abc import Callable
@@ -58,20 +59,25 @@ def train(
     config = typed_config(cfg, TrainRunConfig)
     runtime = make_runtime(config.device, config.train.dtype, world.local_rank if world.distributed else None)
     world.open(runtime.device)
+    start_lines = logging.handlers.MemoryHandler(capacity=10_000, flushLevel=logging.CRITICAL + 1)
+    logging.getLogger().addHandler(start_lines)  # what the start logs, for train.log once the run holds out_dir
     try:
         trainer = build_trainer(config, world, runtime, before_step)
         with contextlib.ExitStack() as held:
-            if world.is_main:
-                open_run_directory(trainer, held, on_run_opened)  # should it fail, torchrun stops the other ranks
+            if world.is_main:  # should this fail, torchrun stops the other ranks
+                open_run_directory(trainer, held, on_run_opened, start_lines)
             world.barrier()
             result = trainer.fit()
             world.barrier()  # leave together: none tears its process group down while rank 0 still writes
         return result
     finally:
+        logging.getLogger().removeHandler(start_lines)
         world.close()
 
 
-def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_opened: Callable | None) -> None:
+def open_run_directory(
+    trainer: Trainer, held: contextlib.ExitStack, on_run_opened: Callable | None, start_lines: logging.Handler
+) -> None:
     """out_dir made and locked for the run's life (one writer at a time), its log mirrored into train.log, then
     what the run starts with: the history up to its checkpoint, config.yaml, the resolved settings."""
     out_dir, config = trainer.out_dir, trainer.config
@@ -83,9 +89,12 @@ def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_open
                         "another out_dir") from None
     handler = logging.StreamHandler(held.enter_context(open_for_appending(out_dir / LOG_NAME)))
     handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger().removeHandler(start_lines)
+    start_lines.setTarget(handler)
+    start_lines.close()  # flushed into train.log
     logging.getLogger().addHandler(handler)
     held.callback(logging.getLogger().removeHandler, handler)
-    for name in (CKPT_NAME, BEST_NAME):
+    for name in (CKPT_NAME, BEST_NAME, METRICS_NAME, CONFIG_NAME):
         discard_temporaries(out_dir / name)  # what killed writers left
     log_start(trainer)
     if config.resume:
@@ -125,7 +134,7 @@ def build_trainer(
     world.barrier()  # rank 0 prepares; the others then read what it made
     data = data or ensure_prepared(config.data, prepare=False)
     tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
-    model = _build_model(config, checkpoint, data, runtime)
+    model = _build_model(config, checkpoint, data, runtime, world)
     if world.rank:  # then each rank its own dropout masks (nanoGPT's seed offset); rank 0's stream goes on
         torch.manual_seed(config.seed + world.rank)
     num_params, flops_per_token = model.num_params(), model.flops_per_token()  # before sharding
@@ -199,7 +208,9 @@ def _world_conflict(opt: OptimConfig, world: World) -> str:
     )
 
 
-def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: PreparedData, runtime: Runtime) -> GPT:
+def _build_model(
+    config: TrainRunConfig, checkpoint: Checkpoint | None, data: PreparedData, runtime: Runtime, world: World
+) -> GPT:
     """A new model from model.*, init_from's pretrained one, or (resume) one of the checkpoint's shape."""
     if checkpoint is not None:
         model_config = _resumed_model_config(config, checkpoint, data)
@@ -210,7 +221,7 @@ def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: Pr
     else:
         model_config = config.model.gpt_config(data.meta["vocab_size"])
     _check_data_fits(data, model_config.block_size)  # the plainer mistake first
-    check_fits(model_config, config.train, runtime.device)  # before allocating it
+    check_fits(model_config, config.train, runtime.device, world)  # before allocating it
     return GPT(model_config)
 
 
@@ -228,14 +239,16 @@ def _resumed_model_config(config: TrainRunConfig, checkpoint: Checkpoint, data: 
     return model_config
 
 
-def check_fits(model: GPTConfig, opt: OptimConfig, device: torch.device) -> None:
+def check_fits(model: GPTConfig, opt: OptimConfig, device: torch.device, world: World) -> None:
     """A run that can't fit is refused before anything is allocated. Its need is bounded from below, so nothing
     that fits is refused: 8 bytes a parameter (float32 weights and gradients), and for one micro-batch bfloat16
     activations of at least 38 bytes per token, layer and unit of width (4 with activation checkpointing) and the
     logits' 6 bytes per token and vocabulary entry. bench.py memory has the detailed estimate."""
     per_layer = 4 if opt.activation_checkpointing else 38
     tokens = opt.batch_size * model.block_size
-    need = 8 * parameter_count(model) + tokens * (per_layer * model.n_embd * model.n_layer + 6 * model.vocab_size)
+    shards = world.size if world.distributed and opt.parallel == "fsdp" else 1  # FSDP2 splits weights and gradients
+    activations = tokens * (per_layer * model.n_embd * model.n_layer + 6 * model.vocab_size)
+    need = 8 * parameter_count(model) / shards + activations
     check_memory(
         need,
         device,

@@ -25,7 +25,7 @@ from model import GPT
 from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, Progress, save_checkpoint
 from training.distributed import World, full_state, gradient_sync, load_full_state
 from training.errors import TrainingDiverged
-from training.metrics import Evaluator, HellaSwagEval, LogWindow, Losses, MetricsLog, drop_records_after, sample_table
+from training.metrics import Evaluator, HellaSwagEval, LogWindow, Losses, MetricsLog, sample_table
 from training.optim import group_hyperparameters, set_hyperparameters
 from training.resume import resume_command
 from training.schema import TrainRunConfig
@@ -141,7 +141,7 @@ class Trainer:
                 p.iter += 1
                 self.log_step(began, lr)
                 if stopping:
-                    stopped_by = self.stop(stop.signal)
+                    stopped_by = self.stop(stop.signal, save=bool(torch.isfinite(loss)))
                     break
         return self.finish(stopped_by)
 
@@ -285,8 +285,6 @@ class Trainer:
         self.checkpointed_iter = checkpoint.progress.iter
         self.elapsed_before = checkpoint.progress.elapsed_s
         self.restore_rng(checkpoint.rng)
-        if self.world.is_main:
-            drop_records_after(self.out_dir, self.progress.iter)  # written after the checkpoint by a killed run
         log.info(f"resuming {self.out_dir} at iter {self.progress.iter}")
 
     def rng_state(self) -> dict[str, Any]:
@@ -304,12 +302,17 @@ class Trainer:
         if state["cuda"] and self.runtime.is_cuda:
             torch.cuda.set_rng_state(state["cuda"][0], self.runtime.device)
 
-    def stop(self, received: signal.Signals | None) -> str:
-        self.save()
+    def stop(self, received: signal.Signals | None, save: bool) -> str:
+        """A checkpoint, unless the last step was skipped for a non-finite loss (its weights may be NaN already)."""
+        if save:
+            self.save()
         self.world.barrier()  # none exits before rank 0 has written: torchrun stops the others when one exits
         name = (received or signal.SIGTERM).name  # another rank's signal, forwarded by World.agree_on_step
-        log.warning(f"stopped by {name} at iter {self.progress.iter}; checkpoint {self.out_dir / CKPT_NAME}. "
-                    f"Resume with: {resume_command(self.out_dir)}")
+        where = f"checkpoint {self.out_dir / CKPT_NAME}" if save else self.kept()
+        resume = "Nothing to resume"
+        if self.checkpointed_iter is not None:
+            resume = f"Resume with: {resume_command(self.out_dir)}"
+        log.warning(f"stopped by {name} at iter {self.progress.iter}; {where}. {resume}")
         return name
 
     def finish(self, stopped_by: str | None) -> TrainResult:

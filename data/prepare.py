@@ -45,10 +45,8 @@ class DataConfig:
     val_fraction: float = option(0.1, above=0.0, below=1.0)  # a text's last part kept for val
     hf_dataset: str | None = None  # a Hugging Face dataset to stream, e.g. HuggingFaceFW/fineweb-edu (pip ".[hf]")
     hf_name: str | None = None  # its configuration, e.g. sample-10BT
-    # tokens per shard of a corpus (llm.c's and nanoGPT's 100M)
     shard_tokens: int = option(100_000_000, at_least=1, hint="it counts tokens per shard (100M in llm.c)")
     max_tokens: int | None = option(None, at_least=1, hint="null means the whole corpus")  # stop a corpus early
-    # processes encoding a corpus; null: the CPUs available less one
     num_proc: int | None = option(None, at_least=1, hint="null means the CPUs available less one")
 
     def __post_init__(self) -> None:
@@ -56,9 +54,7 @@ class DataConfig:
         if self.hf_name and not self.hf_dataset:
             raise ConfigError(f"data.hf_name={self.hf_name} needs data.hf_dataset (say HuggingFaceFW/fineweb-edu)")
         if self.hf_dataset and self.input:
-            raise ConfigError(
-                f"data.input and data.hf_dataset={self.hf_dataset} are both set; keep one (data.hf_dataset=null)"
-            )
+            raise ConfigError(f"data.input and data.hf_dataset={self.hf_dataset} are both set; keep one")
 
 
 @dataclass
@@ -244,7 +240,11 @@ def _prepared(
     if prepared:
         return prepared
     _refuse_other(out_dir, fingerprint, made_from)
-    _refuse_unless(prepare, out_dir)
+    if not prepare:  # a torchrun rank other than 0 only reads what rank 0 prepared
+        raise DataError(
+            f"no prepared dataset in {out_dir} matches data.*, though rank 0 prepared it: put data.dir on a "
+            "filesystem every node shares, or run python -m data.prepare on each node first"
+        )
     into = _new_folder_beside(out_dir)
     try:
         return _move_in(into, out_dir, make(into), fingerprint, made_from)
@@ -253,8 +253,7 @@ def _prepared(
 
 
 def _new_folder_beside(out_dir: Path) -> Path:
-    """A new folder beside out_dir (inside it, where only out_dir is writable), this preparation's own: made by
-    mkdir, so never one another process made."""
+    """This preparation's own new folder (mkdir), beside out_dir, or inside it where only out_dir is writable."""
     name = f".{out_dir.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -267,10 +266,8 @@ def _new_folder_beside(out_dir: Path) -> Path:
         (out_dir / name).mkdir()
         return out_dir / name
     except PermissionError as err:
-        where = err.filename or out_dir.parent
-        raise DataError(
-            f"data.dir={out_dir} is not writable ({err.strerror}: {where}); name a folder you can write to"
-        ) from None
+        why = f"{err.strerror}: {err.filename or out_dir.parent}"
+        raise DataError(f"data.dir={out_dir} is not writable ({why}); name a folder you can write to") from None
 
 
 def _move_in(
@@ -305,9 +302,8 @@ def _move_in(
 
 
 def _refuse_other(out_dir: Path, fingerprint: dict[str, Any], made_from: dict[str, str]) -> None:
-    """A folder prepared from another source or with other settings is never prepared again: a run may be reading
-    it. A meta.json this project didn't write (another tool's, or the user's own) is never replaced either: ours
-    always names its source and tokenizer spec. No meta.json, or a damaged one: the folder is prepared again."""
+    """A folder prepared from another source or with other settings (a run may be reading it), or holding a
+    meta.json this project didn't write (ours names its source and tokenizer spec), is never prepared again."""
     meta = _read_meta(out_dir)
     if meta is None:
         return
@@ -337,15 +333,6 @@ def _described(meta: dict[str, Any]) -> str:
         what = str(source.get("url"))
     keys = ("tokenizer_spec", "val_fraction", "shard_tokens", "max_tokens")
     return f"{what} with " + ", ".join(f"{key.removesuffix('_spec')}={meta[key]}" for key in keys if key in meta)
-
-
-def _refuse_unless(prepare: bool, out_dir: Path) -> None:
-    """prepare=False: a torchrun rank other than 0, which only reads what rank 0 prepared."""
-    if not prepare:
-        raise DataError(
-            f"no prepared dataset in {out_dir} matches data.*, though rank 0 prepared it: put data.dir on a "
-            "filesystem every node shares, or run python -m data.prepare on each node first"
-        )
 
 
 def _reusable(out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData | None:

@@ -17,6 +17,7 @@ from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
 from training.distributed import World
 from training.run import build_trainer, train
 from training.schema import TrainRunConfig
+from training.trainer import Trainer
 
 
 def _all_finite(checkpoint: Checkpoint) -> bool:
@@ -72,15 +73,20 @@ def test_a_diverging_resume_stops_in_one_line_with_the_good_checkpoints_intact(
     assert sampled.returncode == 0, sampled.stderr
 
 
+def _skipping_trainer(tmp_path: Path, corpus_path: Path, max_iters: int, eval_interval: int) -> Trainer:
+    """A trainer with on_nonfinite=skip as train() builds it, its run directory made."""
+    extra = {"train.max_iters": max_iters, "train.eval_interval": eval_interval, "train.on_nonfinite": "skip"}
+    config = typed_config(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)), TrainRunConfig)
+    (tmp_path / "run").mkdir()
+    return build_trainer(config, World(), make_runtime("cpu", "float32"))
+
+
 def test_an_evaluation_with_a_nonfinite_val_loss_keeps_the_previous_checkpoint(
     tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Weights gone NaN under on_nonfinite=skip: each later step is skipped, and the evaluation at the end saves
     nothing, so ckpt.pt stays the last good state."""
-    extra = {"train.max_iters": 6, "train.eval_interval": 3, "train.on_nonfinite": "skip"}
-    config = typed_config(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)), TrainRunConfig)
-    (tmp_path / "run").mkdir()
-    trainer = build_trainer(config, World(), make_runtime("cpu", "float32"))
+    trainer = _skipping_trainer(tmp_path, corpus_path, max_iters=6, eval_interval=3)
 
     def poison(it: int) -> None:
         if it == 4:
@@ -103,10 +109,7 @@ def test_a_signal_after_a_skipped_step_keeps_the_last_good_checkpoint(
     ckpt.pt when its step was skipped, and says what ckpt.pt holds."""
     import signal
 
-    extra = {"train.max_iters": 100, "train.eval_interval": 2, "train.on_nonfinite": "skip"}
-    config = typed_config(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)), TrainRunConfig)
-    (tmp_path / "run").mkdir()
-    trainer = build_trainer(config, World(), make_runtime("cpu", "float32"))
+    trainer = _skipping_trainer(tmp_path, corpus_path, max_iters=100, eval_interval=2)
 
     def poison_then_signal(it: int) -> None:
         if it == 3:

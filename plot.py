@@ -2,12 +2,16 @@
 each difference is bigger than seed noise.
 
     python plot.py RUN_DIR [RUN_DIR ...] -o loss.png            # runs, or sweep directories holding runs
+    python plot.py multirun/2026-11-29/10-00-00                 # the picture: multirun/2026-11-29/10-00-00/loss.png
     python plot.py multirun/2026-11-29/10-00-00 --x time        # x axis: iter (default), time or tokens
     python plot.py multirun/DATE/TIME --baseline model.qk_norm=true --json ab.json   # groups of seeds, A/B tests
 
 The legend names each run by the config keys that differ between the runs; the best val loss is marked. Runs that
 differ only by seed form a group (analysis/stats.py): its mean curve with the runs' min-max band, its metric's mean
-and 95 % interval, and each group against the baseline by Welch's t-test.
+and 95 % interval, and each group against the baseline by Welch's t-test. Without -o, the picture goes into the folder
+given (several: the deepest folder holding them all). A run plot.py can't read (a value that isn't a number, a log
+line without its loss, a config.yaml that isn't YAML, a metrics.jsonl that isn't a regular file) is skipped with
+one warning.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import textwrap
@@ -22,11 +27,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
-from analysis.stats import Comparison, Group, compare, find_baseline, group_runs, run_value
+from analysis.stats import Comparison, Damaged, Group, Loaded, compare, find_baseline, group_runs, load_run, run_value
 from common.cli import fail
-from training.metrics import METRICS_NAME, read_records
+from training.metrics import METRICS_NAME
 
 IGNORED_KEYS = ("out_dir", "resume", "resume_with_changes")  # differ between runs without saying anything about them
 KEYS_WIDTH = 60  # the table's "differing keys" column wraps at this width, the legend at twice it
@@ -40,6 +43,11 @@ def find_runs(paths: list[Path]) -> list[Path]:
             fail(f"no metrics.jsonl in or under {path}; pass train.py run directories or a sweep directory")
         runs += found
     return runs
+
+
+def sweep_folder(paths: list[Path]) -> Path:
+    """Where the picture goes without -o: the folder given, or the deepest one holding all those given."""
+    return paths[0] if len(paths) == 1 else Path(os.path.commonpath([p.absolute() for p in paths]))
 
 
 def picture_path(out: Path) -> Path:
@@ -61,20 +69,23 @@ def picture_path(out: Path) -> Path:
     return out
 
 
-def load_run(run: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The run's flat config (key.sub: value), with the settings it resolved at start, and its records."""
-    records, damaged = read_records(run)
-    if damaged:
-        print(f"warning: {run / METRICS_NAME}: left out {damaged} damaged line(s)", file=sys.stderr)
-    config = OmegaConf.to_container(OmegaConf.load(run / "config.yaml")) if (run / "config.yaml").is_file() else {}
-
-    def walk(node: Any, prefix: str) -> dict[str, Any]:
-        if isinstance(node, dict):
-            return {k: v for key, value in node.items() for k, v in walk(value, f"{prefix}{key}.").items()}
-        return {prefix[:-1]: node}
-
-    settings = [r["settings"] for r in records if isinstance(r.get("settings"), dict)]
-    return {**walk(config, ""), **(settings[-1] if settings else {})}, records
+def load_runs(runs: list[Path], needed: tuple[str, ...]) -> list[Loaded]:
+    """The runs that can be read; one warning for each that can't, or one line and status 2 if none can."""
+    loaded, problems = [], []
+    for run in runs:
+        try:
+            loaded.append(load_run(run, needed))
+        except Damaged as err:
+            problems.append(str(err))
+    if not loaded:
+        fail(f"{problems[0]}; nothing left to plot" if len(problems) == 1 else
+             f"all {len(problems)} runs are damaged, the first: {problems[0]}; fix or leave them out")
+    for run, _, _, damaged in loaded:
+        if damaged:
+            print(f"warning: {run / METRICS_NAME}: left out {damaged} damaged line(s)", file=sys.stderr)
+    for problem in problems:
+        print(f"warning: {problem}; run skipped", file=sys.stderr)
+    return loaded
 
 
 def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
@@ -218,9 +229,11 @@ def plot(summaries: list[dict[str, Any]], x_axis: str, out: Path, groups: list[G
 
     lines = len(groups) if groups else len(summaries)
     fig, ax = plt.subplots(figsize=(9, 5 + 0.4 * lines), layout="constrained")
+    legend_title = None
     if groups:
         _draw_groups(ax, groups, {s["run"]: s for s in summaries}, x_of, metric)
-        title = f"{len(groups)} group{'s' if len(groups) > 1 else ''} of {len(summaries)} runs"
+        title = f"{len(groups)} group{'s' if len(groups) > 1 else ''}, {len(summaries)} runs in all"
+        legend_title = f"each group: n runs, {metric}: mean ± 95% CI half-width"  # as the table's 95% CI of the mean
         ax.set_ylabel("loss: each group's mean (faint: train, dots: val; bands: its runs' min-max)")
     else:
         _draw_runs(ax, summaries, x_of)
@@ -235,8 +248,11 @@ def plot(summaries: list[dict[str, Any]], x_axis: str, out: Path, groups: list[G
     ax.set_xlabel({"iter": "iteration", "time": "wall time (s)", "tokens": "training tokens"}[x_axis])
     ax.set_title(f"{title}: loss against {x_axis}")
     ax.grid(True, which="both", alpha=0.3)
-    fig.legend(loc="outside lower center", fontsize=7)
-    fig.savefig(out, dpi=110)
+    legend = fig.legend(loc="outside lower center", fontsize=7, title=legend_title, title_fontsize=7)
+    # a PNG carries its title and legend as text, for whoever reads the file without looking (and the tests)
+    described = "\n".join(t.get_text() for t in [legend.get_title(), *legend.get_texts()] if t.get_text())
+    metadata = {"Title": ax.get_title(), "Description": described} if out.suffix.lower() == ".png" else None
+    fig.savefig(out, dpi=110, metadata=metadata)
     plt.close(fig)
 
 
@@ -290,7 +306,8 @@ def _across_runs(runs: list[dict[str, Any]], key: str, value: str, x_of: Any) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="*", type=Path, help="run directories, or directories holding runs")
-    parser.add_argument("-o", "--out", type=Path, default=Path("loss.png"))
+    parser.add_argument("-o", "--out", type=Path, help="the picture (default: loss.png in the folder given, or the "
+                        "deepest folder holding all those given)")
     parser.add_argument("--x", choices=["iter", "time", "tokens"], default="iter", help="the x axis")
     parser.add_argument("--metric", default="val_loss",
                         help="what the groups compare: val_loss (the last evaluation's), best_val_loss, "
@@ -305,12 +322,12 @@ def main() -> None:
         args.baseline = [item for item in args.baseline if "=" in item] or None
     if not args.runs:
         fail("no run directory given; pass train.py run directories or a sweep directory")
-    out = picture_path(args.out)
+    found = find_runs(args.runs)
+    out = picture_path(args.out or sweep_folder(args.runs) / "loss.png")
     if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
         fail(f"--json {args.json}: name a file in an existing directory")
-    runs = find_runs(args.runs)
-    loaded = [load_run(run) for run in runs]
-    configs, records = [c for c, _ in loaded], [r for _, r in loaded]
+    loaded = load_runs(found, ("elapsed_s",) if args.x == "time" else ())
+    runs, configs, records = ([item[i] for item in loaded] for i in range(3))
     keys = differing_keys(configs)
     summaries = [summarize(run, c, r, keys) for run, c, r in zip(runs, configs, records, strict=True)]
     distinct_labels(summaries)

@@ -89,7 +89,7 @@ Keys set most:
   out_dir=RUN             a train.py run directory (or init_from=gpt2 for OpenAI's GPT-2)
   start=TEXT              the prompt; start=FILE:prompt.txt reads it from a file
   num_samples=N           samples drawn side by side (default 3; one when decoding is greedy)
-  max_new_tokens=N        tokens per sample (default 500)
+  max_new_tokens=N        tokens per sample (default 500, at most 1,000,000)
   temperature=X           0 is greedy; default 0.8 (and top_k=200, top_p=, min_p=)
   seed=N                  the same seed, the same samples
   stop=[...]              end each sample before the first of these strings

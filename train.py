@@ -1,11 +1,5 @@
-"""Train a GPT. Examples:
-
-python train.py experiment=shakespeare_char_cpu        # CPU, a few minutes
-python train.py model=shakespeare train.max_iters=5000  # GPU
-python train.py --cfg job                              # show the resolved config
-python train.py -m train.learning_rate=1e-3,3e-3       # a sweep: one run directory per job under multirun/
-torchrun --standalone --nproc_per_node=8 train.py experiment=gpt2   # 8 GPUs (DDP; train.parallel=fsdp: FSDP2)
-"""
+"""Train a GPT: `python train.py experiment=shakespeare_char_cpu` (a CPU, minutes). `--help`: settings, presets,
+examples; `-m`: a sweep; torchrun: several GPUs (docs/scaling.md)."""
 
 import logging
 import signal
@@ -20,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from common.cli import presets
 from common.config import exit_on_user_error, run_hydra
-from common.files import write_text_atomically
+from common.runtime import write_text_atomically
 from training.resume import resumed_config
 from training.run import train
 from training.schema import CONFIG_GROUPS, TrainRunConfig, register_schemas

@@ -15,6 +15,7 @@ fills in its data, one JSON object in <script id="explorer-data" type="applicati
                  holds their allowed cells, packed like `weights`, in that order
     diagnostics  {names: [str], values: (n_layer, n_head, len(names)) nested lists, null for an undefined value}
     stepsNote    null, or str: why there are no steps (the sample outgrew block_size, or use_cache=false)
+    contextNote  null, or str: that the tokens are the last block_size of a longer text (shown under the title)
     causality    null, or {tokens: [str], position: int, changes: {attn_impl: [float] per position}, verdict: str}
 """
 
@@ -97,7 +98,7 @@ def causality_data(report: CausalityReport, tokens: list[str]) -> dict:
 
 def page_data(title: str, tokens: list[str], weights: np.ndarray, mask: np.ndarray, windows: list[int | None],
               diagnostics: np.ndarray, steps: np.ndarray | None = None, causality: dict | None = None,
-              steps_note: str | None = None) -> dict:
+              steps_note: str | None = None, context_note: str | None = None) -> dict:
     """The page's JSON (the module docstring): weights (n_layer, n_head, T, T) and mask (n_layer, T, T) as in
     attention.npz; steps (n_steps, n_layer, n_head, T) from decode_step_weights, for the last n_steps tokens."""
     n_layer, n_head, T, _ = weights.shape
@@ -108,7 +109,7 @@ def page_data(title: str, tokens: list[str], weights: np.ndarray, mask: np.ndarr
         "nLayer": n_layer, "nHead": n_head, "T": T, "windows": list(windows),
         "weights": base64.b64encode(pack(matrix, mask)).decode("ascii"), "steps": None,
         "diagnostics": {"names": list(DIAGNOSTIC_NAMES), "values": values}, "causality": causality,
-        "stepsNote": steps_note,
+        "stepsNote": steps_note, "contextNote": context_note,
     }
     if steps is not None and len(steps):
         first = T - len(steps)
@@ -136,9 +137,10 @@ def render_page(data: dict) -> str:
 
 
 def live_page(model: GPT, ids: list[int], tokens: list[str], n_prompt: int, title: str,
-              induction: np.ndarray | None = None) -> str:
+              induction: np.ndarray | None = None, context_note: str | None = None) -> str:
     """The page for a sequence held in memory (serve.py's live page): its last block_size tokens and the decode
-    steps of the generated ones among them. tokens: each id's text. induction: induction_scores(model), if known."""
+    steps of the generated ones among them. tokens: each id's text. induction: induction_scores(model), if known.
+    context_note: the line saying the text was cropped to the model's context, if it was."""
     config = model.config
     T = min(len(ids), config.block_size)
     weights, mask = attention_arrays(model, ids[-T:])
@@ -146,7 +148,8 @@ def live_page(model: GPT, ids: list[int], tokens: list[str], n_prompt: int, titl
     if len(ids) > n_prompt and (config.rolls or len(ids) <= config.block_size):  # generated tokens, decoded cached
         steps = decode_step_weights(model, ids, n_prompt, last=T)
     diagnostics = head_diagnostics(model, weights, induction)
-    return render_page(page_data(title, tokens[-T:], weights, mask, config.layer_windows(), diagnostics, steps))
+    return render_page(page_data(title, tokens[-T:], weights, mask, config.layer_windows(), diagnostics, steps,
+                                 context_note=context_note))
 
 
 def save_explorer(model: GPT, sample: list[int], n_prompt: int, out_dir: Path, title: str,

@@ -1,7 +1,8 @@
 """Runs as replicates: is a difference between configs bigger than seed noise? Runs whose configs differ only by
 `seed` (and NEUTRAL_KEYS) form a group, with its metric's mean, standard deviation and Student-t 95 % interval;
 each other group is compared with a baseline group by Welch's t-test, and when nothing is detected, the seeds per
-arm the observed effect would need are estimated. plot.py prints, draws and writes (--json) what this computes.
+arm the observed effect would need are estimated. plot.py prints, draws and writes (--json) what this computes, from
+the runs load_run reads: a run whose files train.py can't have written is Damaged, not a traceback.
 """
 
 from __future__ import annotations
@@ -9,13 +10,18 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import stat
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+from omegaconf._utils import get_yaml_loader  # the loader OmegaConf.load uses: 1e-3 is a number, as in a run
 from scipy import stats
+
+from training.metrics import METRICS_NAME, read_records
 
 # Keys that never change what is trained or measured: runs that differ only in these are replicates.
 NEUTRAL_KEYS = ("seed", "out_dir", "resume", "resume_with_changes", "data.dir", "train.log_interval", "train.keep_best")
@@ -244,9 +250,98 @@ def run_value(records: list[dict[str, Any]], metric: str) -> float | None:
     if metric == "tokens_per_sec":
         values = [r[metric] for r in records if _finite(r.get(metric))]
         return statistics.median(values) if values else None
-    values = [r[metric] for r in records if isinstance(r.get(metric), int | float) and not isinstance(r[metric], bool)]
+    values = [r[metric] for r in records if _is_number(r.get(metric))]
     return values[-1] if values else None
 
 
 def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return _is_number(value) and math.isfinite(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+# --- reading a run as train.py wrote it, or refusing it as damaged ---
+
+# Far past what train.py writes (a log line is ~200 bytes: a million of them, 200 MB; a config, a few kB), and far
+# short of what memory holds: a file past them isn't a run's.
+MAX_BYTES = {METRICS_NAME: 1 << 30, "config.yaml": 1 << 20}
+TOKEN_KEYS = ("train.batch_size", "train.grad_accum", "model.block_size")  # --x tokens multiplies these
+FILE_KINDS = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device",
+              stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}
+
+
+class Damaged(Exception):
+    """A run plot.py can't read; the message names the file and the problem."""
+
+
+Loaded = tuple[Path, dict[str, Any], list[dict[str, Any]], int]  # a run, its config, records and damaged lines
+
+
+def load_run(run: Path, needed: tuple[str, ...] = ()) -> Loaded:
+    """The run's flat config (key.sub: value), with the settings it resolved at start, its records and how many
+    lines were cut short; Damaged if a file can't be read or holds what train.py never writes. needed: keys every
+    log and eval line must hold."""
+    path = run / METRICS_NAME
+    regular_file(path)
+    try:
+        records, damaged = read_records(run)
+    except OSError as err:
+        raise Damaged(f"{path}: can't read it ({err.strerror or err})") from None
+    for r in records:
+        wanted = (("train_loss",) if "lr" in r else ()) + (needed if "lr" in r or "val_loss" in r else ())
+        missing = [key for key in wanted if key not in r]
+        if missing:
+            raise Damaged(f"{path}: the line of iter {r['iter']} has no {missing[0]}")
+        for key, value in r.items():
+            if key != "settings" and not _is_number(value):
+                raise Damaged(f"{path}: the line of iter {r['iter']} has {key}={value!r}, not a number")
+
+    def walk(node: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(node, dict):
+            return {k: v for key, value in node.items() for k, v in walk(value, f"{prefix}{key}.").items()}
+        return {prefix[:-1]: node}
+
+    settings = [r["settings"] for r in records if isinstance(r.get("settings"), dict)]
+    config = {**walk(read_config(run / "config.yaml"), ""), **(settings[-1] if settings else {})}
+    for key in TOKEN_KEYS:
+        if key in config and (not isinstance(config[key], int) or isinstance(config[key], bool)):
+            raise Damaged(f"{run / 'config.yaml'}: {key}={config[key]!r}, not a whole number")
+    return run, config, records, damaged
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """config.yaml's mapping; {} when the run has none."""
+    if not os.path.lexists(path):
+        return {}
+    regular_file(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+        config = yaml.load(text, Loader=get_yaml_loader())  # OmegaConf's loader: safe_load's, subclassed
+    except OSError as err:
+        raise Damaged(f"{path}: can't read it ({err.strerror or err})") from None
+    except UnicodeDecodeError as err:
+        raise Damaged(f"{path}: not UTF-8 text (byte {err.start} is {err.object[err.start]:#x})") from None
+    except yaml.YAMLError as err:
+        mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None) or "unreadable"
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise Damaged(f"{path}: not YAML ({where}{problem})") from None
+    if not isinstance(config, dict):
+        raise Damaged(f"{path}: not a mapping of keys (a {type(config).__name__})")
+    return config
+
+
+def regular_file(path: Path) -> None:
+    """Damaged unless `path` (its target, for a link) is a regular file within MAX_BYTES: reading a FIFO waits for
+    a writer, a device such as /dev/zero never ends."""
+    try:
+        info = os.stat(path)  # follows links, as the read would
+    except OSError as err:
+        raise Damaged(f"{path}: can't read it ({err.strerror or err})") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = next((name for test, name in FILE_KINDS.items() if test(info.st_mode)), "a special file")
+        raise Damaged(f"{path}: {kind}{' behind a link' if path.is_symlink() else ''}, not a regular file")
+    if info.st_size > MAX_BYTES[path.name]:
+        raise Damaged(f"{path}: {info.st_size:,} bytes, more than a run's {path.name} holds "
+                      f"({MAX_BYTES[path.name]:,} at most)")

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import difflib
 import math
+import operator
 import os
 import re
 import signal
@@ -29,6 +30,9 @@ from omegaconf.errors import ValidationError
 from common.errors import ConfigError, UserError
 
 Config = TypeVar("Config")
+# option()'s bounds: the word a message uses, and the test a value passes
+BOUNDS = {"at_least": (">=", operator.ge), "above": (">", operator.gt), "below": ("<", operator.lt),
+          "at_most": ("<=", operator.le)}
 SEED_MAX = 2**63 - 1  # torch's generators take 64 bits; sample i of sample.py draws from seed + i
 
 
@@ -149,32 +153,17 @@ def _refuse_unknown_keys(cfg: Any, schema: type, prefix: str = "") -> None:
             _refuse_unknown_keys(cfg[key], hints[key], f"{prefix}{key}.")
 
 
-
-def _problem(
-    value: Any,
-    choices: Sequence[str] | None = None,
-    at_least: float | None = None,
-    above: float | None = None,
-    below: float | None = None,
-    at_most: float | None = None,
-    hint: str = "",
-) -> str:
-    bounded = any(bound is not None for bound in (at_least, above, below, at_most))
-    if bounded and isinstance(value, float) and not math.isfinite(value):
-        problem = "must be a finite number"
+def _problem(value: Any, choices: Sequence[str] | None = None, hint: str = "", **bounds: float | None) -> str:
+    """What is wrong with `value` under a field's rules, in words ("must be >= 1"); "" if nothing."""
+    broken = [f"must be {BOUNDS[name][0]} {bound}" for name, bound in bounds.items()
+              if bound is not None and not BOUNDS[name][1](value, bound)]
+    if bounds and isinstance(value, float) and not math.isfinite(value):
+        broken = ["must be a finite number"]
     elif choices is not None and value not in choices:
-        problem = f"is unknown; use one of {', '.join(choices)}"
-    elif at_least is not None and value < at_least:
-        problem = f"must be >= {at_least}"
-    elif above is not None and value <= above:
-        problem = f"must be > {above}"
-    elif below is not None and value >= below:
-        problem = f"must be < {below}"
-    elif at_most is not None and value > at_most:
-        problem = f"must be <= {at_most}"
-    else:
+        broken = [f"is unknown; use one of {', '.join(choices)}"]
+    if not broken:
         return ""
-    return f"{problem}; {hint}" if hint else problem
+    return f"{broken[0]}; {hint}" if hint else broken[0]
 
 
 @contextlib.contextmanager
@@ -206,10 +195,9 @@ def stdout_reader_may_leave() -> Iterator[None]:
 def run_hydra(
     main: Callable[[], None], schema: type, groups: tuple[str, ...] = (), usage: Callable[[], str] = str
 ) -> None:
-    """Runs a script's @hydra.main. The command's overrides are checked only when Hydra refuses them (its reports
-    are several lines, and tell a misspelt key to add itself with `+`): then check_overrides says why in one line,
-    or Hydra's own reason is that line. Dashed arguments (argparse's own report), `hydra.job.chdir` and sweeps
-    (every job's values before the first runs) are checked first. A bug keeps its traceback."""
+    """Runs a script's @hydra.main. When Hydra refuses the overrides (its reports are several lines, and tell a
+    misspelt key to add `+`), check_overrides says why in one line; dashed arguments, `hydra.job.chdir` and sweeps
+    are checked first. A bug keeps its traceback."""
     args = sys.argv[1:]
     if "-h" in args or "--help" in args:
         with stdout_reader_may_leave():

@@ -1,15 +1,24 @@
-"""Where the model runs and in which precision: device detection, autocast, TF32."""
+"""What a run gets from the machine: the device and the precision (autocast, TF32), memory, and files written on its
+disk whole: beside the target under this process's own temporary name, then renamed over it, so a reader or a crash
+sees the old file or the new one, never half of either."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, TextIO
 
 import torch
 
-from common.errors import ConfigError
+from common.errors import ConfigError, DiskFull
 
 DEVICES = ("auto", "cpu", "cuda", "mps")  # the `device` key's values; auto: cuda > mps > cpu
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,6 +38,8 @@ GPU_PEAKS: tuple[tuple[str, float, float], ...] = (
     ("L4", 121e12, 60e12),
     ("RTX 4090", 165e12, 82.6e12),
 )
+FULL_ERRNOS = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # no space left, a spent quota
+NEARLY_FULL = 1 << 20  # free bytes under which a failed write counts as a full disk's
 
 
 @dataclass(frozen=True)
@@ -83,16 +94,11 @@ def make_runtime(device: str, dtype: str, gpu_index: int | None = None) -> Runti
 
 
 def _resolve_device(name: str) -> torch.device:
+    available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
     if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but no CUDA GPU is available; use device=cpu or device=auto")
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError("device=mps but MPS is not available; use device=cpu or device=auto")
+        return torch.device(next(kind for kind, there in available.items() if there))
+    if not available[name]:
+        raise ConfigError(f"device={name} is not available on this machine; use device=cpu or device=auto")
     return torch.device(name)
 
 
@@ -126,3 +132,97 @@ def datasheet_peak(device: torch.device, dtype: torch.dtype) -> float | None:
         if re.search(rf"\b{re.escape(model)}\b", name):
             return half if dtype in (torch.bfloat16, torch.float16) else tf32
     return None
+
+
+@contextlib.contextmanager
+def unless_disk_full(path: Path) -> Iterator[None]:
+    """Around writing `path`: a full disk (or a spent quota) is DiskFull, one line naming the free space. numpy's
+    tofile and torch.save don't always say ENOSPC: their failure with the disk nearly full counts too."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else NEARLY_FULL
+        if getattr(err, "errno", None) not in FULL_ERRNOS and free >= NEARLY_FULL:
+            raise
+        where = f"the disk holding {path.parent} is full ({free / 2**20:,.1f} MiB free)"
+        raise DiskFull(f"{path} not written: {where}") from None
+
+
+def temporary_beside(path: Path) -> Path:
+    """This process's temporary for `path`: another writer, even one that bypassed a lock, never renames it."""
+    return path.with_name(f"{path.name}.{os.getpid()}.tmp")
+
+
+def discard_temporaries(path: Path) -> None:
+    """Remove what killed writers left of `path` (their temporary_beside files), holding the run's lock."""
+    pattern = re.compile(rf"{re.escape(path.name)}\.\d+\.tmp")
+    for stale in path.parent.glob(f"{path.name}.*.tmp"):
+        if pattern.fullmatch(stale.name):
+            stale.unlink(missing_ok=True)
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """write(f) fills this process's temporary beside `path` (made exclusively: a leftover is removed, never written
+    through), which is synced and renamed over it: a reader or a crash sees the old file or the new one."""
+    tmp = temporary_beside(path)
+    try:
+        with unless_disk_full(path):
+            tmp.unlink(missing_ok=True)
+            with open(tmp, "xb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+        replace_file(tmp, path)
+    except BaseException:  # a full disk, a second Ctrl-C: the previous file stays as it was
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    write_atomically(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def replace_file(source: Path, target: Path) -> None:
+    """os.replace, the atomic step on every platform."""
+    try:
+        os.replace(source, target)
+    except PermissionError:
+        if sys.platform != "win32":
+            raise
+        _replace_on_windows(source, target)
+
+
+def _replace_on_windows(source: Path, target: Path, attempts: int = 10) -> None:
+    """Windows refuses to replace a file another process has open (a sample.py reading the checkpoint); a reader
+    holds it briefly, so try again, waiting longer."""
+    for attempt in range(1, attempts):
+        time.sleep(0.05 * attempt)
+        try:
+            os.replace(source, target)
+            return
+        except PermissionError:
+            if attempt == attempts - 1:
+                raise
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename in `directory` durable where the platform can: Windows can't open a directory, some
+    filesystems can't fsync one; any other error (EIO: the rename may be lost) is raised."""
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except PermissionError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF):
+            raise
+    finally:
+        os.close(handle)
+
+
+def open_for_appending(path: Path) -> TextIO:
+    """A log file to append to; a symbolic link there is refused (ELOOP), never written through."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    return open(os.open(path, flags, 0o644), "a", encoding="utf-8")

@@ -20,17 +20,20 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tiktoken
 from tqdm import tqdm
 
-from common.files import write_text_atomically
+from common.runtime import write_text_atomically
 from data.errors import DataError
 from data.shards import write_shard
 from data.source import read_utf8
 from data.tokenizers import BpeTokenizer
+
+if TYPE_CHECKING:  # data.prepare imports this module
+    from data.prepare import DataConfig
 
 DOCUMENT_SUFFIXES = (".txt", ".jsonl")
 _CHUNKSIZE = 16  # documents per task sent to a worker, as in llm.c's fineweb.py
@@ -107,6 +110,25 @@ def source_fingerprint(input: str | None, hf_dataset: str | None, hf_name: str |
     root = Path(os.path.expanduser(input))  # type: ignore[arg-type]
     listing = [(p.relative_to(root).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in document_files(root)]
     return {"files_sha256": hashlib.sha256(json.dumps(listing).encode()).hexdigest(), "files": len(listing)}
+
+
+def fingerprint(config: DataConfig) -> dict[str, Any]:
+    """What a corpus's shards are made from and how: meta.json's record, against which a folder is reused."""
+    return {
+        "source": source_fingerprint(config.input, config.hf_dataset, config.hf_name),
+        "tokenizer_spec": config.tokenizer,
+        "shard_tokens": config.shard_tokens,
+        "max_tokens": config.max_tokens,
+    }
+
+
+def prepare_corpus(config: DataConfig, fingerprint: dict[str, Any], into: Path) -> dict[str, Any]:
+    """The corpus's shards written into the folder `into`; their meta."""
+    bpe = corpus_tokenizer(config.tokenizer)
+    hf = config.hf_dataset
+    documents = hf_documents(hf, config.hf_name) if hf else local_documents(Path(config.input))  # type: ignore[arg-type]
+    procs = config.num_proc or default_num_proc()
+    return write_corpus(documents, bpe, into, config.shard_tokens, config.max_tokens, procs, fingerprint)
 
 
 def corpus_tokenizer(spec: str) -> BpeTokenizer:

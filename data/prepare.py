@@ -1,7 +1,7 @@
-"""The `data.*` keys, and a dataset folder prepared once and reused: train.bin / val.bin (uint16 token streams) from
-a text, or shards from a corpus, and meta.json, written last, which says what they were made from. Token files are
-never rewritten in place: a preparation writes a new folder beside and moves its files in; a folder asked for other
-settings is refused. Runs on first use from train.py; on its own: `python -m data.prepare data=shakespeare`."""
+"""The `data.*` keys; a dataset folder prepared once and reused: train.bin / val.bin (uint16 token streams) from a
+text, or shards from a corpus, and meta.json, written last, which says what they were made from; and the training
+windows read from them. Token files are never rewritten in place: a preparation writes a new folder beside and
+moves its files in; a folder asked for other settings is refused. On its own: `python -m data.prepare`."""
 
 from __future__ import annotations
 
@@ -13,18 +13,21 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 from common.config import check_fields, option
 from common.errors import ConfigError
-from common.files import replace_file
+from common.runtime import replace_file
 from data import corpus
-from data.batches import TokenFiles
 from data.errors import DataError
+from data.shards import map_shard, read_shard
 from data.source import TextFile, download, why_not_a_file
 from data.text_tokens import make_tokenizer, write_dataset
 
@@ -72,6 +75,72 @@ DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
 # The token files PreparedData.split reads: an unfinished preparation's go before another's move in
 _TOKEN_FILES = ("train.bin", "val.bin", "train_[0-9]*.bin", "val_[0-9]*.bin")
 Make = Callable[[Path], dict[str, Any]]  # writes a dataset into the folder given; its meta
+
+
+@dataclass(frozen=True)
+class TokenFiles:
+    """A split as an ordered list of token files: raw uint16 streams, or shards with a header.
+
+    Files are opened per call: a long-lived memmap keeps every page it touched resident.
+    """
+
+    paths: tuple[Path, ...]
+    sharded: bool = False
+
+    def open(self, index: int) -> np.ndarray:
+        path = self.paths[index]
+        if self.sharded:  # its header was checked once, by lengths
+            return map_shard(path, self.lengths[index])
+        return np.memmap(path, dtype=np.uint16, mode="r")
+
+    @cached_property
+    def lengths(self) -> tuple[int, ...]:
+        """Read once: get_batch needs them on every call, and opening 100 shards costs milliseconds."""
+        if self.sharded:
+            return tuple(len(read_shard(path)) for path in self.paths)
+        return tuple(path.stat().st_size // 2 for path in self.paths)  # uint16 tokens; an empty file is 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+
+TRAIN_WINDOWS, EVAL_WINDOWS = 0, 1  # batch_generator's second key: what the windows are for
+
+
+def batch_generator(*keys: int) -> torch.Generator:
+    """A generator determined by (seed, purpose, step, ...) alone, so batches don't depend on history:
+    a resumed run sees exactly the windows the uninterrupted one would."""
+    seed = int(np.random.SeedSequence(keys).generate_state(1, np.uint64)[0] >> 1)
+    return torch.Generator().manual_seed(seed)
+
+
+def get_batch(
+    files: TokenFiles, batch_size: int, block_size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) int64 tensors of shape (batch_size, block_size), y shifted by one token. Window starts are drawn
+    uniformly over all files' starts (no window spans two files), from the generator alone."""
+    valid = np.maximum(np.asarray(files.lengths) - block_size, 0)  # starts in each file
+    ends = np.cumsum(valid)
+    starts = torch.randint(int(ends[-1]), (batch_size,), generator=generator).numpy()
+    file_of = np.searchsorted(ends, starts, side="right")
+    opened = {int(i): files.open(int(i)) for i in np.unique(file_of)}
+    windows = [
+        opened[int(f)][s - (ends[f] - valid[f]) :][: block_size + 1] for f, s in zip(file_of, starts, strict=True)
+    ]
+    batch = torch.from_numpy(np.stack(windows).astype(np.int64))
+    return batch[:, :-1], batch[:, 1:]
+
+
+def every_window(files: TokenFiles, batch_size: int, block_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """All consecutive non-overlapping windows of each file, in order and in batches: a full-split loss."""
+    for index in range(len(files.paths)):
+        data = files.open(index)
+        n_windows = (len(data) - 1) // block_size
+        for first in range(0, n_windows, batch_size):
+            count = min(batch_size, n_windows - first)
+            tokens = torch.from_numpy(data[first * block_size : (first + count) * block_size + 1].astype(np.int64))
+            yield tokens[:-1].view(count, block_size), tokens[1:].view(count, block_size)
 
 
 @dataclass(frozen=True)
@@ -135,31 +204,20 @@ def source_fingerprint(input_path: str | None, url: str | None) -> dict[str, str
 
 
 def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData:
-    """The dataset folder's token files, prepared first if the folder holds none; a DataError if it holds some
-    made from another source or with other settings.
-
-    A text file (or the download) gives train.bin / val.bin; a directory of documents or a Hugging Face dataset
-    gives shards. prepare=False (a torchrun rank other than 0) only reads what rank 0 prepared.
-    """
+    """The dataset folder's token files, prepared first if it holds none (a text gives train.bin / val.bin, a
+    directory of documents or a Hugging Face dataset gives shards); a DataError if they were made from another
+    source or with other settings. prepare=False (a torchrun rank other than 0) only reads what rank 0 made."""
     out_dir = dataset_dir(config.name, config.dir)
-    if config.hf_dataset or (config.input and Path(os.path.expanduser(config.input)).is_dir()):
+    if config.hf_dataset or (config.input and Path(config.input).is_dir()):
         return _ensure_corpus(out_dir, config, prepare)
-    if config.input and not os.path.exists(config.input):  # DataConfig expanded its ~ already
-        prepared = _prepared_from_a_gone_text(out_dir, config)
+    settings = {"tokenizer_spec": config.tokenizer, "val_fraction": config.val_fraction}
+    gone = config.input and not os.path.exists(config.input)  # DataConfig expanded its ~ already
+    if gone or not (config.input or (out_dir / "input.txt").is_file()):
+        prepared = _prepared_before(out_dir, config, settings)
         if prepared:
             return prepared
-    fingerprint = {
-        "source": source_fingerprint(config.input, config.url),
-        "tokenizer_spec": config.tokenizer,
-        "val_fraction": config.val_fraction,
-    }
+    fingerprint = {"source": source_fingerprint(config.input, config.url), **settings}
     made_from = {"input": str(Path(config.input).absolute())} if config.input else {}  # said when refused or reused
-
-    if not config.input and not (out_dir / "input.txt").is_file():
-        prepared = _prepared_from_any_text(out_dir, fingerprint, config.url)
-        if prepared:
-            return prepared
-
     make = functools.partial(_prepare_text, config, out_dir, {**fingerprint, **made_from})
     return _prepared(out_dir, fingerprint, made_from, prepare, make)
 
@@ -175,61 +233,35 @@ def _prepare_text(config: DataConfig, out_dir: Path, meta: dict[str, Any], into:
     return write_dataset(text, tokenizer, into, config.val_fraction, meta)
 
 
-def _prepared_from_any_text(out_dir: Path, fingerprint: dict[str, Any], url: str | None) -> PreparedData | None:
-    """With no data.input and nothing downloaded, a whole dataset prepared here from a file (data.input on an
-    earlier command) is used rather than downloading: a run, its resume and a sweep work offline without repeating
-    data.input. Its tokenizer and split must be the ones asked for. A copy of the URL's own text is said in
-    passing; any other text with a warning, since it is not what the preset names."""
+def _prepared_before(out_dir: Path, config: DataConfig, settings: dict[str, Any]) -> PreparedData | None:
+    """This folder's dataset from a text named on an earlier command, where none is at hand: data.input gone (moved,
+    or on a disk not mounted now) and prepared from that very path; or no data.input and nothing downloaded, and
+    prepared from any file (offline runs, resumes and sweeps need not repeat data.input)."""
     meta = _read_meta(out_dir)
     source = meta.get("source") if isinstance(meta, dict) else None
     if not isinstance(source, dict) or "input_sha256" not in source:
         return None
-    prepared = _reusable(out_dir, {**fingerprint, "source": source})
+    if config.input and meta.get("input") != str(Path(config.input).absolute()):
+        return None
+    prepared = _reusable(out_dir, {**settings, "source": source})
     if prepared is None:
         return None
-    made_from = prepared.meta.get("input", "an earlier data.input")
-    if source["input_sha256"] == KNOWN_TEXTS.get(url):
-        log.info(f"data: using {out_dir}, prepared from {made_from}, a copy of {url}")
+    made_from = meta.get("input", "an earlier data.input")
+    if config.input:
+        log.warning(f"data.input={config.input} is gone; using the data prepared from it in {out_dir}")
+    elif source["input_sha256"] == KNOWN_TEXTS.get(config.url):
+        log.info(f"data: using {out_dir}, prepared from {made_from}, a copy of {config.url}")
     else:
         log.warning(
-            f"data: {out_dir} holds the text of {made_from}, not {url}; training on it (data.input=FILE prepares "
-            "another text; another data.name keeps both)"
+            f"data: {out_dir} holds the text of {made_from}, not {config.url}; training on it (data.input=FILE "
+            "prepares another text; another data.name keeps both)"
         )
-    return prepared
-
-
-def _prepared_from_a_gone_text(out_dir: Path, config: DataConfig) -> PreparedData | None:
-    """data.input names a file that is gone (moved, or on a disk not mounted now), and this folder was prepared
-    from that very path: its tokens stand for it (a resume restores data.input from the run's config)."""
-    meta = _read_meta(out_dir)
-    if not isinstance(meta, dict) or meta.get("input") != str(Path(config.input).absolute()):
-        return None
-    prepared = _reusable(out_dir, {"tokenizer_spec": config.tokenizer, "val_fraction": config.val_fraction})
-    if prepared is None:
-        return None
-    log.warning(f"data.input={config.input} is gone; using the data prepared from it in {out_dir}")
     return prepared
 
 
 def _ensure_corpus(out_dir: Path, config: DataConfig, prepare: bool) -> PreparedData:
-    fingerprint = {
-        "source": corpus.source_fingerprint(config.input, config.hf_dataset, config.hf_name),
-        "tokenizer_spec": config.tokenizer,
-        "shard_tokens": config.shard_tokens,
-        "max_tokens": config.max_tokens,
-    }
-
-    def prepare_corpus(into: Path) -> dict[str, Any]:
-        bpe = corpus.corpus_tokenizer(config.tokenizer)
-        documents = (
-            corpus.hf_documents(config.hf_dataset, config.hf_name)
-            if config.hf_dataset
-            else corpus.local_documents(Path(config.input))
-        )
-        procs = config.num_proc or corpus.default_num_proc()
-        return corpus.write_corpus(documents, bpe, into, config.shard_tokens, config.max_tokens, procs, fingerprint)
-
-    return _prepared(out_dir, fingerprint, {}, prepare, prepare_corpus)
+    fingerprint = corpus.fingerprint(config)
+    return _prepared(out_dir, fingerprint, {}, prepare, functools.partial(corpus.prepare_corpus, config, fingerprint))
 
 
 def _prepared(
@@ -253,21 +285,14 @@ def _prepared(
 
 
 def _new_folder_beside(out_dir: Path) -> Path:
-    """This preparation's own new folder (mkdir), beside out_dir, or inside it where only out_dir is writable."""
-    name = f".{out_dir.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    """This preparation's own new folder, beside out_dir."""
+    into = out_dir.parent / f".{out_dir.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            (out_dir.parent / name).mkdir()
-            return out_dir.parent / name
-        except PermissionError:
-            if not out_dir.is_dir():
-                raise
-        (out_dir / name).mkdir()
-        return out_dir / name
+        into.mkdir(parents=True)
     except PermissionError as err:
         why = f"{err.strerror}: {err.filename or out_dir.parent}"
         raise DataError(f"data.dir={out_dir} is not writable ({why}); name a folder you can write to") from None
+    return into
 
 
 def _move_in(
@@ -367,32 +392,7 @@ def _read_meta(out_dir: Path) -> Any:
         return None
 
 
-if __name__ == "__main__":
-    import hydra
-    from omegaconf import DictConfig
+if __name__ == "__main__":  # python -m data.prepare
+    from data.prepare_command import main
 
-    from common.cli import presets
-    from common.config import exit_on_user_error, run_hydra, typed_config
-
-    register_prepare_schema()
-
-    @hydra.main(version_base="1.3", config_path="../configs", config_name="prepare")
-    def main(cfg: DictConfig) -> None:
-        with exit_on_user_error():
-            data = ensure_prepared(typed_config(cfg, PrepareConfig).data)
-        m = data.meta
-        shards = f" in {m['train_shards'] + m['val_shards']} shards" if m.get("sharded") else ""
-        print(
-            f"{data.dir}: {m['train_tokens']:,} train and {m['val_tokens']:,} val tokens{shards}, "
-            f"vocabulary {m['vocab_size']}"
-        )
-
-    usage = (
-        "Tokenize a text or a corpus into data/cache/NAME (train.py does it when needed). Settings: key=value.\n\n"
-        f"  data=NAME               {', '.join(presets('data'))}\n"
-        "  data.input=FILE|DIR     your own UTF-8 text, or a directory of .txt / .jsonl documents\n"
-        "  data.tokenizer=NAME     char, or a tiktoken encoding such as r50k_base (GPT-2's)\n\n"
-        "Examples:\n  python -m data.prepare data=shakespeare\n"
-        "  python -m data.prepare data.input=my_text.txt data.name=mine\n"
-    )
-    run_hydra(main, PrepareConfig, ("data",), lambda: usage)
+    main()

@@ -11,13 +11,13 @@ import json
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import regex
 from tqdm import tqdm
 
-from common.files import replace_file, temporary_beside, write_text_atomically
+from common.runtime import write_atomically, write_text_atomically
 from data.errors import DataError
 from data.source import TextFile
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer
@@ -74,20 +74,18 @@ def _split(pieces: Iterator[str], at: int) -> tuple[Iterator[str], Iterator[str]
 
 
 def _write_tokens(path: Path, pieces: Iterable[str], tokenizer: Tokenizer, bar: tqdm) -> int:
-    """Encode piece by piece, appending the ids to a temporary that replaces `path` once whole; the token count."""
-    tmp = temporary_beside(path)
+    """Encode piece by piece into `path`, written whole (write_atomically); the token count."""
     count = 0
-    try:
-        with open(tmp, "xb") as f:  # exclusive: never through a link planted there
-            for piece in pieces:
-                ids = np.asarray(tokenizer.encode(piece), dtype=np.uint16)
-                ids.tofile(f)
-                count += len(ids)
-                bar.update(len(piece))
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # an error or Ctrl-C: leave no partial file behind
-        raise
-    replace_file(tmp, path)
+
+    def write(f: BinaryIO) -> None:
+        nonlocal count
+        for piece in pieces:
+            ids = np.asarray(tokenizer.encode(piece), dtype=np.uint16)
+            ids.tofile(f)
+            count += len(ids)
+            bar.update(len(piece))
+
+    write_atomically(path, write)
     return count
 
 

@@ -32,19 +32,20 @@ def add_page(app: FastAPI, service: Service, authorised: Callable[..., Any]) -> 
 
     @app.post("/page/tokens", dependencies=[Depends(authorised)])
     async def page_tokens(text: PageText) -> dict[str, Any]:
-        ids, n_prompt = await asyncio.to_thread(tokens_on_page, service, text)
-        return {"tokens": [service.tokenizer.decode([i]) for i in ids], "prompt_tokens": n_prompt}
+        ids, n_prompt, note = await asyncio.to_thread(tokens_on_page, service, text)
+        return {"tokens": [service.tokenizer.decode([i]) for i in ids], "prompt_tokens": n_prompt, "note": note}
 
     @app.post("/page/attention", dependencies=[Depends(authorised)], response_class=HTMLResponse)
     async def page_attention(text: PageText) -> HTMLResponse:
         """The attention explorer's page (analysis/explorer.py) for the text on screen."""
-        ids, n_prompt = await asyncio.to_thread(tokens_on_page, service, text)
+        ids, n_prompt, note = await asyncio.to_thread(tokens_on_page, service, text)
         tokens = [service.tokenizer.decode([i]) for i in ids]
         engine = service.engine
         if service.induction is None:
             service.induction = await service.call(lambda: induction_scores(engine.model))
         title = f"{service.model_id} (live)"
-        task = functools.partial(live_page, engine.model, ids, tokens, max(1, n_prompt), title, service.induction)
+        task = functools.partial(live_page, engine.model, ids, tokens, max(1, n_prompt), title, service.induction,
+                                 note)
         return HTMLResponse(await service.call(task))
 
     @app.post("/page/causality", dependencies=[Depends(authorised)])
@@ -60,8 +61,9 @@ def add_page(app: FastAPI, service: Service, authorised: Callable[..., Any]) -> 
                 "mask_held": report.mask_held, "verdict": verdict(report)}
 
 
-def tokens_on_page(service: Service, page: PageText) -> tuple[list[int], int]:
-    """The text's last block_size tokens (all the page shows), and how many of them are the prompt's."""
+def tokens_on_page(service: Service, page: PageText) -> tuple[list[int], int, str | None]:
+    """The text's last block_size tokens (all the page shows), how many of them are the prompt's, and, when the
+    text is longer, the line saying so: the page would otherwise start mid-text, unexplained."""
     if not page.text:
         raise ApiError(400, "text is empty; generate something first", "text")
     prompt = page.text[: max(0, page.prompt_chars)]
@@ -71,12 +73,14 @@ def tokens_on_page(service: Service, page: PageText) -> tuple[list[int], int]:
     except UserError as err:
         raise ApiError(400, f"text: {err}", "text") from None
     cut = max(0, len(ids) - service.block_size)
-    return ids[cut:], max(0, n_prompt - cut)
+    note = (f"showing the last {service.block_size} of the text's {len(ids)} tokens: the model's context "
+            f"(block_size={service.block_size})") if cut else None
+    return ids[cut:], max(0, n_prompt - cut), note
 
 
 def checked_change(service: Service, change: PageChange) -> tuple[list[int], int]:
     """The page's tokens and the one token that replaces token `position`, checked."""
-    ids, _ = tokens_on_page(service, change)
+    ids, _, _ = tokens_on_page(service, change)
     if not 0 <= change.position < len(ids):
         raise ApiError(400, f"position={change.position} is not a token of the text (0 to {len(ids) - 1})",
                        "position")

@@ -12,6 +12,8 @@ from common.errors import ConfigError
 from common.runtime import DEVICES, DTYPES
 from model.gpt import ATTN_IMPLS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 
+MAX_NEW_TOKENS = 1_000_000
+
 
 @dataclass
 class ModelChoice:
@@ -32,7 +34,9 @@ class ModelChoice:
 class SampleConfig(ModelChoice):
     start: str = "\n"  # the prompt, or FILE:path to read it from a file
     num_samples: int = option(3, at_least=1)
-    max_new_tokens: int = option(500, at_least=1)
+    # at most a million: hours of generation on a CPU and a few MB of text a sample, past any real use; 1e10 would
+    # run for days while its text filled the memory
+    max_new_tokens: int = option(500, at_least=1, at_most=MAX_NEW_TOKENS)
     temperature: float = option(
         DEFAULT_TEMPERATURE, at_least=0.0, hint="0 means greedy decoding (the most likely token)"
     )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import pickle
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 from common.errors import CheckpointError, ConfigError
-from common.files import fsync_directory, open_temporary, replace_file, temporary_beside, unless_disk_full
+from common.runtime import write_atomically
 from model.gpt import GPT, GPTConfig
 
 CKPT_NAME = "ckpt.pt"  # the latest state, to resume from
@@ -112,19 +111,8 @@ def _upgraded(old: dict[str, Any]) -> dict[str, Any]:
 
 
 def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
-    """Write beside the target, fsync, then rename over it: a crash leaves the old or the new file. The
-    temporary name is this process's own, so no other writer can rename a half-written file of ours."""
-    tmp = temporary_beside(path)
-    try:
-        with unless_disk_full(path), open_temporary(tmp) as f:
-            torch.save(checkpoint.to_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        replace_file(tmp, path)
-    except BaseException:  # a full disk (DiskFull), a second Ctrl-C: the previous checkpoint stays as it was
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_directory(path.parent)
+    """Written whole or not at all (write_atomically): a crash or a full disk leaves the previous file as it was."""
+    write_atomically(path, lambda f: torch.save(checkpoint.to_dict(), f))
 
 
 def load_checkpoint(path: Path) -> Checkpoint:

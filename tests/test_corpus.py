@@ -19,9 +19,8 @@ import torch
 import data.corpus as corpus
 from common.errors import ConfigError
 from conftest import REPO, TINY_BPE, compose_config, tiny_encoding
-from data.batches import TokenFiles, every_window, get_batch
 from data.errors import DataError
-from data.prepare import DataConfig, PreparedData, ensure_prepared
+from data.prepare import DataConfig, PreparedData, TokenFiles, ensure_prepared, every_window, get_batch
 from data.shards import HEADER_BYTES, MAGIC, VERSION, read_shard, write_shard
 from data.tokenizers import BpeTokenizer, CharTokenizer
 

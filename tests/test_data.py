@@ -12,15 +12,16 @@ import torch
 
 import data.text_tokens as prepare
 from conftest import REPO, TINY_BPE, tiny_encoding
-from data.batches import TokenFiles, get_batch
 from data.errors import DataError
 from data.prepare import (
     KNOWN_TEXTS,
     SHAKESPEARE_URL,
     DataConfig,
     PreparedData,
+    TokenFiles,
     ensure_prepared,
     file_sha256,
+    get_batch,
     text_file,
 )
 from data.source import read_utf8

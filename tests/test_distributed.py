@@ -22,7 +22,7 @@ from common.errors import ConfigError
 from conftest import REPO, compose_config, run_script, tiny_run_overrides
 from model.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
-from training.metrics import share_of
+from training.metrics import split_across_ranks
 from training.run import check_for_world, train
 from training.schema import TrainRunConfig
 
@@ -168,33 +168,33 @@ def test_fsdp_checkpoint_loads_in_one_process_resumes_and_samples(
 
 
 def test_grad_accum_is_global_and_must_divide_among_the_processes() -> None:
-    opt = typed_config(compose_config(["train.grad_accum=3"]), TrainRunConfig).train
-    check_for_world(opt, World(size=1))
+    train = typed_config(compose_config(["train.grad_accum=3"]), TrainRunConfig).train
+    check_for_world(train, World(size=1))
     with pytest.raises(ConfigError, match=r"train.grad_accum=3 .* not divisible by the 2 processes"):
-        check_for_world(opt, World(rank=1, size=2))
+        check_for_world(train, World(rank=1, size=2))
     with pytest.raises(ConfigError, match="train.parallel=zero is unknown; use one of ddp, fsdp"):
         typed_config(compose_config(["train.parallel=zero"]), TrainRunConfig)
 
 
 def test_muon_refuses_fsdp_which_would_shard_its_matrices() -> None:
-    opt = typed_config(
+    train = typed_config(
         compose_config(["train.optimizer=muon", "train.parallel=fsdp", "train.grad_accum=2"]), TrainRunConfig
     ).train
-    check_for_world(opt, World(size=1))  # one process: nothing is sharded
+    check_for_world(train, World(size=1))  # one process: nothing is sharded
     line = (
         "train.optimizer=muon needs each hidden matrix whole, and train.parallel=fsdp shards them; "
         "use train.parallel=ddp (or train.optimizer=adamw)"
     )
     with pytest.raises(ConfigError, match=f"^{re.escape(line)}$"):
-        check_for_world(opt, World(rank=1, size=2))
-    opt.parallel = "ddp"
-    check_for_world(opt, World(rank=1, size=2))
+        check_for_world(train, World(rank=1, size=2))
+    train.parallel = "ddp"
+    check_for_world(train, World(rank=1, size=2))
 
 
 @pytest.mark.parametrize("batches", [0, 1, 4, 5, 7])
 def test_eval_batches_are_shared_once_each_with_equal_passes(batches: int) -> None:
     items = [(torch.tensor([i]), torch.tensor([i])) for i in range(batches)]
-    shares = [list(share_of(iter(items), World(rank=r, size=3))) for r in range(3)]
+    shares = [list(split_across_ranks(iter(items), World(rank=r, size=3))) for r in range(3)]
     assert len({len(s) for s in shares}) == 1  # FSDP2: every rank runs the same number of forward passes
     counted = sorted(int(x) for share in shares for x, _, keep in share if keep)
     assert counted == list(range(batches))

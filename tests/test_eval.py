@@ -29,7 +29,7 @@ from inference.schema import EvalConfig
 from model import GPT, GPTConfig
 from model.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
-from training.metrics import Evaluator, share_of
+from training.metrics import Evaluator, split_across_ranks
 from training.run import train
 from training.schema import OptimConfig, TrainRunConfig
 
@@ -130,9 +130,9 @@ def test_eval_py_with_disjoint_windows_is_the_training_loops_full_val_loss(train
     checkpoint = load_checkpoint(trained_run / CKPT_NAME)
     model = checkpoint.build_model().eval()
     data = ensure_prepared(DataConfig(**checkpoint.config["data"]), prepare=False)
-    opt = OptimConfig(full_val=True, eval_iters=1, batch_size=8)
+    train = OptimConfig(full_val=True, eval_iters=1, batch_size=8)
     ones = torch.ones(checkpoint.model_config.vocab_size, dtype=torch.float64)  # characters: a byte each (ASCII)
-    evaluator = Evaluator(data, opt, 0, 32, ones, make_runtime("cpu", "float32"), World())
+    evaluator = Evaluator(data, train, 0, 32, ones, make_runtime("cpu", "float32"), World())
     full_val = evaluator(model).val
     val = data.val.open(0)
     targets = len(val) - 1
@@ -259,8 +259,8 @@ def test_hellaswag_scores_equal_a_per_ending_loop(tmp_path: Path) -> None:
         torch.testing.assert_close(got_means, torch.tensor(means, dtype=torch.float64), atol=1e-5, rtol=1e-6)
     one = hellaswag_sums(model, ((e, True) for e in examples), 24, torch.device("cpu"))
     assert one.tolist() == [*correct, len(examples)]
-    # Two ranks, each its share (share_of, as training does): the same sums, the same number of passes each.
-    shares = [list(share_of(((e,) for e in examples), World(rank=r, size=2))) for r in range(2)]
+    # Two ranks, each its share (split_across_ranks, as training does): the same sums, the same number of passes each.
+    shares = [list(split_across_ranks(((e,) for e in examples), World(rank=r, size=2))) for r in range(2)]
     assert len(shares[0]) == len(shares[1]) == 3
     assert sum(hellaswag_sums(model, share, 24, torch.device("cpu")) for share in shares).tolist() == one.tolist()
 

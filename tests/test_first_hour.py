@@ -172,9 +172,9 @@ def test_the_schedule_follows_max_iters_in_every_preset(preset: str) -> None:
     lr_decay_iters at their own max_iters."""
     iters = compose_config([f"experiment={preset}"]).train.warmup_iters + 500
     config = typed_config(compose_config([f"experiment={preset}", f"train.max_iters={iters}"]), TrainRunConfig)
-    opt = config.train
-    assert opt.decay_iters == iters
-    assert scheduled_lr(opt, iters - 1) == pytest.approx(opt.min_lr, rel=0.01, abs=1e-7)
+    train = config.train
+    assert train.decay_iters == iters
+    assert scheduled_lr(train, iters - 1) == pytest.approx(train.min_lr, rel=0.01, abs=1e-7)
 
 
 def test_a_decay_set_apart_from_max_iters_is_said_at_start(

@@ -179,7 +179,8 @@ def test_max_iters_0_writes_the_initial_weights_it_claims(
     caplog.set_level(logging.INFO, logger="train")
     result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 0})))
     assert result.iters == 0 and load_checkpoint(tmp_path / "run" / CKPT_NAME).progress.iter == 0
-    assert caplog.records[-1].getMessage().endswith(f"; checkpoint {tmp_path / 'run' / CKPT_NAME}")
+    done = caplog.records[-1].getMessage()
+    assert done.startswith("done: 0 iters") and f"{tmp_path / 'run' / CKPT_NAME} keeps iter 0" in done
 
 
 def test_mfu_is_left_out_without_a_peak() -> None:

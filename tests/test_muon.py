@@ -151,23 +151,23 @@ def test_muon_ns_steps_sets_the_newton_schulz_iterations(monkeypatch: pytest.Mon
 
 
 def test_every_group_gets_its_step_hyperparameters_from_the_iteration() -> None:
-    opt = OptimConfig(optimizer="muon", learning_rate=1e-3, muon_lr=0.02, warmup_iters=10, max_iters=1000)
-    optimizer = make_optimizer(_tiny_gpt(), opt, CPU)
+    train = OptimConfig(optimizer="muon", learning_rate=1e-3, muon_lr=0.02, warmup_iters=10, max_iters=1000)
+    optimizer = make_optimizer(_tiny_gpt(), train, CPU)
     *adamw, muon = optimizer.param_groups
     for step, momentum in ((0, 0.85), (150, 0.90), (300, 0.95), (900, 0.95)):  # muon_momentum_warmup=300
-        lr = set_hyperparameters(optimizer, opt, step)
-        assert lr == lr_at(step, 1e-3, opt.min_lr, 10, 1000) == adamw[0]["lr"] == adamw[1]["lr"]
+        lr = set_hyperparameters(optimizer, train, step)
+        assert lr == lr_at(step, 1e-3, train.min_lr, 10, 1000) == adamw[0]["lr"] == adamw[1]["lr"]
         assert muon["lr"] == pytest.approx(20 * lr) and muon["momentum"] == pytest.approx(momentum)
-    opt.muon_momentum_warmup = 0
-    set_hyperparameters(optimizer, opt, 0)
+    train.muon_momentum_warmup = 0
+    set_hyperparameters(optimizer, train, 0)
     assert muon["momentum"] == 0.95
 
 
 def test_named_state_round_trips_and_loading_it_leaves_the_weights_alone() -> None:
     """set_optimizer_state_dict initialises an optimizer without state by a step with zero gradients at lr 0."""
-    opt = OptimConfig(optimizer="muon")
+    train = OptimConfig(optimizer="muon")
     trained = _tiny_gpt()
-    optimizer = make_optimizer(trained, opt, CPU)
+    optimizer = make_optimizer(trained, train, CPU)
     for _ in range(2):
         trained(torch.randint(65, (2, 16)), torch.randint(65, (2, 16)))[1].backward()
         optimizer.step()
@@ -176,7 +176,7 @@ def test_named_state_round_trips_and_loading_it_leaves_the_weights_alone() -> No
 
     fresh = _tiny_gpt()
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
-    loaded = make_optimizer(fresh, opt, CPU)
+    loaded = make_optimizer(fresh, train, CPU)
     set_optimizer_state_dict(fresh, loaded, state)
     assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
     again = get_optimizer_state_dict(fresh, loaded)

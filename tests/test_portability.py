@@ -19,7 +19,7 @@ import pytest
 import torch
 from filelock import FileLock
 
-import common.files
+import common.runtime
 import model.checkpoint
 import training.run
 from common.runtime import Runtime, make_runtime
@@ -38,7 +38,7 @@ def _windows_directories(monkeypatch: pytest.MonkeyPatch) -> None:
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr(model.checkpoint.os, "open", refusing)
+    monkeypatch.setattr(common.runtime.os, "open", refusing)
 
 
 def _val_losses(run: Path) -> list[float]:
@@ -70,7 +70,7 @@ def test_a_filesystem_that_refuses_to_fsync_a_directory_still_gets_the_checkpoin
             raise OSError(22, "Invalid argument")
         real_fsync(fd)
 
-    monkeypatch.setattr(model.checkpoint.os, "fsync", refusing)
+    monkeypatch.setattr(common.runtime.os, "fsync", refusing)
     checkpoint = _checkpoint()
     save_checkpoint(tmp_path / CKPT_NAME, checkpoint)
     assert load_checkpoint(tmp_path / CKPT_NAME).model.keys() == checkpoint.model.keys()
@@ -86,7 +86,7 @@ def test_a_directory_is_fsynced_where_it_can_be_and_an_io_error_is_not_swallowed
         synced.append(os.path.isdir(f"/proc/self/fd/{fd}"))
         real_fsync(fd)
 
-    monkeypatch.setattr(model.checkpoint.os, "fsync", spying)
+    monkeypatch.setattr(common.runtime.os, "fsync", spying)
     save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
     assert synced == [False, True]  # the file, then the directory holding the rename
 
@@ -95,7 +95,7 @@ def test_a_directory_is_fsynced_where_it_can_be_and_an_io_error_is_not_swallowed
             raise OSError(errno.EIO, "Input/output error")
         real_fsync(fd)
 
-    monkeypatch.setattr(model.checkpoint.os, "fsync", failing)
+    monkeypatch.setattr(common.runtime.os, "fsync", failing)
     with pytest.raises(OSError, match="Input/output error"):
         save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
 
@@ -111,25 +111,25 @@ def test_a_replace_that_meets_a_reader_on_windows_is_tried_again(
             raise PermissionError(13, "The process cannot access the file", str(dst))
         real_replace(src, dst)
 
-    monkeypatch.setattr(model.checkpoint.os, "replace", windows_replace)
-    monkeypatch.setattr(common.files.sys, "platform", "win32")
+    monkeypatch.setattr(common.runtime.os, "replace", windows_replace)
+    monkeypatch.setattr(common.runtime.sys, "platform", "win32")
     save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
     assert load_checkpoint(tmp_path / CKPT_NAME).model_config.n_embd == 4
     refusals = iter([True] * 10)  # a reader that never lets go: the last refusal is raised
     (tmp_path / "a").write_text("new")
     with pytest.raises(PermissionError):
-        common.files.replace_file(tmp_path / "a", tmp_path / "b")
-    monkeypatch.setattr(common.files.sys, "platform", "linux")  # there it means something else: at once
+        common.runtime.replace_file(tmp_path / "a", tmp_path / "b")
+    monkeypatch.setattr(common.runtime.sys, "platform", "linux")  # there it means something else: at once
     refusals = iter([True, False])
     with pytest.raises(PermissionError):
-        common.files.replace_file(tmp_path / "a", tmp_path / "b")
+        common.runtime.replace_file(tmp_path / "a", tmp_path / "b")
 
 
 def test_each_writer_writes_its_own_temporary_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     renamed: list[str] = []
     real_replace = os.replace
     monkeypatch.setattr(
-        model.checkpoint.os, "replace", lambda src, dst: (renamed.append(Path(src).name), real_replace(src, dst))
+        common.runtime.os, "replace", lambda src, dst: (renamed.append(Path(src).name), real_replace(src, dst))
     )
     save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
     assert renamed == [f"{CKPT_NAME}.{os.getpid()}.tmp"]

@@ -233,7 +233,7 @@ def _saved_hf_model(tmp_path: Path, vocab_size: int) -> Path:
 
 def test_pretrained_init_from_trains_from_the_hf_weights_and_resumes(tmp_path: Path, corpus_path: Path) -> None:
     """init_from: the first evaluation is the HF model's own loss on the val split; then it finetunes and resumes."""
-    from data.batches import TokenFiles, every_window
+    from data.prepare import TokenFiles, every_window
 
     hf_dir = _saved_hf_model(tmp_path, tiny_encoding().n_vocab)
     extra = {"data.tokenizer": TINY_BPE, "init_from": hf_dir, "train.full_val": True, "train.max_iters": 4}

@@ -17,7 +17,7 @@ from common.runtime import make_runtime
 from conftest import REPO, run_script, tiny_encoding
 from data.tokenizers import BpeTokenizer, CharTokenizer
 from inference.sampling import SEPARATOR, Sampler, SampleText, stop_strings
-from inference.schema import SampleConfig
+from inference.schema import MAX_NEW_TOKENS, SampleConfig
 from model import GPT, GPTConfig
 from model.gpt import Decoding
 
@@ -216,3 +216,10 @@ def test_sample_py_streams_by_default_to_a_terminal(trained_run: Path, tmp_path:
     assert process.wait(timeout=120) == 0, process.stderr.read()
     piped = run_script("sample.py", [*args, "stream=false"], cwd=tmp_path)
     assert shown.decode().replace("\r\n", "\n") == piped.stdout
+
+
+def test_sample_py_refuses_a_max_new_tokens_past_its_bound_in_one_line(trained_run: Path, tmp_path: Path) -> None:
+    """max_new_tokens=1e10 once started a sample that would run for days, its text filling the memory."""
+    result = run_script("sample.py", [f"out_dir={trained_run}", "max_new_tokens=10000000000"], cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == f"error: max_new_tokens=10000000000 must be <= {MAX_NEW_TOKENS}\n"

@@ -111,3 +111,36 @@ def test_the_page_streams_text_follows_it_with_the_explorer_and_shows_the_mask_o
     assert browser.execute_script("return document.getElementById('change-chart').toDataURL()") != blank
     errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
     assert errors == []
+
+
+LONG = "ROMEO:\n" + "What light through yonder window breaks? " * 3  # 127 characters, past block_size 96
+
+
+def test_the_page_endpoints_say_when_the_text_is_cropped_to_the_context(server: ServeProcess) -> None:
+    note = f"showing the last 96 of the text's {len(LONG)} tokens: the model's context (block_size=96)"
+    answer = server.post({"text": LONG, "prompt_chars": len(LONG)}, "/page/tokens").json()
+    assert answer["note"] == note and "".join(answer["tokens"]) == LONG[-96:]
+    assert server.post({"text": PROMPT, "prompt_chars": len(PROMPT)}, "/page/tokens").json()["note"] is None
+    page = server.post({"text": LONG, "prompt_chars": len(LONG)}, "/page/attention").text
+    assert f'"contextNote":"{note}"' in page and 'id="context-note"' in page
+
+
+def test_the_page_shows_the_cropping_line_above_the_tokens_and_in_the_explorer(browser, server: ServeProcess) -> None:
+    from selenium.webdriver.common.by import By
+
+    browser.get(server.url + "/")
+    assert not browser.find_element(By.ID, "tokens-note").is_displayed()
+    prompt = browser.find_element(By.ID, "prompt")
+    prompt.clear()
+    prompt.send_keys(LONG)
+    for field, value in (("max-tokens", "3"), ("temperature", "0")):
+        browser.find_element(By.ID, field).clear()
+        browser.find_element(By.ID, field).send_keys(value)
+    browser.find_element(By.ID, "generate").click()
+    _wait(browser, "return window.servePage.state.done")
+    shown = browser.find_element(By.ID, "tokens-note")
+    assert shown.is_displayed() and shown.text == (
+        f"showing the last 96 of the text's {len(LONG) + 3} tokens: the model's context (block_size=96)"
+    )
+    in_explorer = "const d = document.getElementById('explorer').contentDocument.getElementById('context-note');"
+    assert browser.execute_script(in_explorer + "return [d.hidden, d.textContent]") == [False, shown.text]

@@ -3,7 +3,10 @@ hand-made run directories."""
 
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,7 @@ from scipy import stats as scipy_stats
 from test_experiments import sweep
 
 from analysis.stats import Group, compare, find_baseline, group_runs, run_value, seeds_per_arm
-from conftest import run_script
+from conftest import REPO, run_script
 
 
 @pytest.fixture(scope="module")
@@ -289,3 +292,83 @@ def test_plot_py_refuses_a_diverged_final_evaluation_when_asked(tmp_path: Path) 
     assert quiet.returncode == 0 and "no statistics" in quiet.stderr and "95% CI" not in quiet.stdout
     best = _plot(tmp_path, str(sweep_dir), "--metric", "best_val_loss")
     assert best.returncode == 0, best.stderr
+
+
+def _plot_in(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """plot.py with a timeout short enough that a read that blocks (a FIFO) fails the test."""
+    return subprocess.run([sys.executable, str(REPO / "plot.py"), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=60)
+
+
+def _damage(sweep_dir: Path) -> dict[str, str]:
+    """One run of each kind plot.py must skip, and what its warning says: {run name: problem}."""
+    string_loss = _fake_run(sweep_dir / "string_loss", {"k": 9, "seed": 1}, [3.0, 2.0])
+    text = (string_loss / "metrics.jsonl").read_text().replace('"val_loss": 2.0', '"val_loss": "2.0"')
+    (string_loss / "metrics.jsonl").write_text(text)
+    no_train_loss = _fake_run(sweep_dir / "no_train_loss", {"k": 9, "seed": 2}, [3.0])
+    with (no_train_loss / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"iter": 15, "lr": 1e-3, "elapsed_s": 4.0}) + "\n")
+    bad_utf8 = _fake_run(sweep_dir / "bad_utf8", {"k": 9, "seed": 3}, [3.0])
+    (bad_utf8 / "config.yaml").write_bytes(b"k: caf\xe9\n")
+    not_yaml = _fake_run(sweep_dir / "not_yaml", {"k": 9, "seed": 4}, [3.0])
+    (not_yaml / "config.yaml").write_text("k: [1, 2\n")
+    (sweep_dir / "fifo").mkdir()
+    os.mkfifo(sweep_dir / "fifo" / "metrics.jsonl")
+    (sweep_dir / "zero").mkdir()
+    (sweep_dir / "zero" / "metrics.jsonl").symlink_to("/dev/zero")
+    return {
+        "string_loss": "metrics.jsonl: the line of iter 5 has val_loss='2.0', not a number",
+        "no_train_loss": "metrics.jsonl: the line of iter 15 has no train_loss",
+        "bad_utf8": "config.yaml: not UTF-8 text (byte 6 is 0xe9)",
+        "not_yaml": "config.yaml: not YAML (",
+        "fifo": "metrics.jsonl: a FIFO, not a regular file",
+        "zero": "metrics.jsonl: a character device behind a link, not a regular file",
+    }
+
+
+def test_plot_py_skips_each_damaged_run_with_one_warning_and_plots_the_rest(tmp_path: Path) -> None:
+    sweep_dir = _values_sweep(tmp_path, {"a": ({"k": 1}, [1.0, 1.1])})
+    problems = _damage(sweep_dir)
+    result = _plot_in(tmp_path, str(sweep_dir))
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == len(problems) and "Traceback" not in result.stderr
+    for run, problem in problems.items():
+        (line,) = [w for w in warnings if w.startswith(f"warning: {sweep_dir / run}/")]
+        assert problem in line and line.endswith("; run skipped"), line
+    table = result.stdout.split("\n\n")[0]
+    assert str(sweep_dir / "a_1") in table and str(sweep_dir / "a_2") in table
+    assert not any(str(sweep_dir / run) in table for run in problems)
+    assert (sweep_dir / "loss.png").is_file()
+
+
+def test_plot_py_with_every_run_damaged_is_one_line_and_status_2(tmp_path: Path) -> None:
+    problems = _damage(tmp_path / "sweep")
+    result = _plot_in(tmp_path, str(tmp_path / "sweep"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: all {len(problems)} runs are damaged, the first: {tmp_path / 'sweep'}/")
+    alone = _plot_in(tmp_path, str(tmp_path / "sweep" / "fifo"))
+    assert alone.returncode == 2 and alone.stderr == (
+        f"error: {tmp_path / 'sweep' / 'fifo' / 'metrics.jsonl'}: a FIFO, not a regular file; nothing left to plot\n"
+    )
+
+
+def test_plot_py_writes_its_picture_into_the_sweep_folder_titled_with_groups_and_runs(tmp_path: Path) -> None:
+    """Not into the current directory; the title counts groups and runs; the legend says what ± is."""
+    from PIL import Image
+
+    sweep_dir = _values_sweep(tmp_path, {"a": ({"k": 1}, [1.0, 1.1, 1.2]), "b": ({"k": 2}, [1.5, 1.6, 1.7])})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = _plot_in(elsewhere, str(sweep_dir))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().endswith(f"wrote {sweep_dir / 'loss.png'}") and not list(elsewhere.iterdir())
+    text = Image.open(sweep_dir / "loss.png").text
+    assert text["Title"] == "2 groups, 6 runs in all: loss against iter"
+    legend = text["Description"].splitlines()
+    assert legend[0] == "each group: n runs, val_loss: mean ± 95% CI half-width"
+    half = (scipy_stats.t.ppf(0.975, 2) * 0.1 / math.sqrt(3))  # the table's interval, [mean - half, mean + half]
+    assert legend[1] == f"k=1 (baseline): n=3, val_loss 1.1000 ± {half:.4f}"
+    two = _plot_in(elsewhere, str(sweep_dir / "a_1"), str(sweep_dir / "b_1"))  # several: the folder holding them
+    assert two.returncode == 0 and two.stderr.strip().endswith(f"wrote {sweep_dir / 'loss.png'}")

@@ -264,7 +264,7 @@ def test_training_stops_at_the_target_val_loss(tmp_path: Path, corpus_path: Path
 
 
 def test_full_val_uses_every_block_of_the_split(tmp_path: Path, corpus_path: Path) -> None:
-    from data.batches import TokenFiles, every_window
+    from data.prepare import TokenFiles, every_window
 
     extra = {"train.full_val": True, "train.max_iters": 10}
     result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)))

@@ -13,7 +13,7 @@ import torch
 from common.config import typed_config
 from common.runtime import make_runtime
 from conftest import compose_config, tiny_run_overrides
-from data.batches import TRAIN_WINDOWS, get_batch
+from data.prepare import TRAIN_WINDOWS, get_batch
 from model.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
 from training.errors import TrainingDiverged

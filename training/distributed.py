@@ -25,8 +25,7 @@ class World:
 
     @property
     def is_main(self) -> bool:
-        """Rank 0 alone logs, writes metrics and checkpoints, and talks to wandb."""
-        return self.rank == 0
+        return self.rank == 0  # rank 0 alone logs, writes metrics and checkpoints, and talks to wandb
 
     @property
     def distributed(self) -> bool:
@@ -57,8 +56,7 @@ class World:
         return tensor
 
     def agree_on_step(self, step_loss: torch.Tensor, stop_requested: bool) -> tuple[torch.Tensor, bool]:
-        """The step's loss averaged over the ranks, and whether any rank was asked to stop: every rank then skips
-        a non-finite step, or stops, at the same step."""
+        """The loss averaged over the ranks, and whether any was asked to stop: all skip or stop at the same step."""
         return step_loss, stop_requested
 
 
@@ -140,20 +138,15 @@ def close_process_group() -> None:
 @contextlib.contextmanager
 def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
     """Reduce gradients across processes only on the last micro-batch of a step: the others accumulate locally."""
-    no_sync = getattr(module, "no_sync", None)  # DDP
-    if no_sync is not None and not enabled:
-        with no_sync():
-            yield
-        return
     if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
         module.set_requires_gradient_sync(enabled)
-    yield
+    with module.no_sync() if hasattr(module, "no_sync") and not enabled else contextlib.nullcontext():  # DDP
+        yield
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> tuple[dict, dict]:
     """Unsharded model and optimizer state keyed by parameter name, so a checkpoint written by any number of
     processes loads in one. Collective under FSDP2: every rank calls it; rank 0 receives the tensors, on CPU."""
-    # imported here: torch.distributed.checkpoint takes most of a second to import
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=world.distributed)

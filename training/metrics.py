@@ -16,10 +16,8 @@ from typing import Any
 
 import torch
 
-from common.files import open_for_appending, unless_disk_full, write_text_atomically
-from common.runtime import Runtime
-from data.batches import EVAL_WINDOWS, TokenFiles, batch_generator, every_window, get_batch
-from data.prepare import PreparedData
+from common.runtime import Runtime, open_for_appending, unless_disk_full, write_text_atomically
+from data.prepare import EVAL_WINDOWS, PreparedData, TokenFiles, batch_generator, every_window, get_batch
 from data.tokenizers import TextScore, Tokenizer, token_sums
 from evals.hellaswag import Example, hellaswag_sums
 from model import GPT
@@ -71,8 +69,7 @@ class MetricsLog:
             self.wandb_run.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
     def write_settings(self, iter: int, settings: dict[str, Any]) -> None:
-        """What the run resolved at start that its config leaves open (Trainer.settings), for plot.py's groups: to
-        the file only."""
+        """What the run resolved that its config leaves open, for plot.py's groups: to the file only."""
         if self.active:
             with open_for_appending(self.path) as f:
                 f.write(json.dumps({"iter": iter, "settings": settings}) + "\n")
@@ -149,22 +146,18 @@ class LogWindow:
 
     def __init__(self, progress: Progress, tokens_per_iter: int, flops_per_token: float, peak_flops: float | None):
         self.first_step, self.tokens_per_iter = progress.iter, tokens_per_iter
-        # peak: all processes together; None where there is none to compare with (MFU left out)
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
-        # the losses since the last log line (a resumed run's, saved with its progress)
-        self.loss_sum: torch.Tensor | float = progress.log_loss_sum
-        self.steps = progress.log_steps  # applied steps (a skipped non-finite one doesn't count)
-        self.seconds, self.timed = 0.0, 0
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops  # peak: all processes'; None: no MFU
+        self.loss_sum: torch.Tensor | float = progress.log_loss_sum  # since the last line (a resumed run's saved)
+        self.steps, self.seconds, self.timed = progress.log_steps, 0.0, 0  # steps applied (a skipped one isn't)
 
     def saved(self) -> dict[str, float | int]:
         """The Progress fields a checkpoint keeps of the line under way: a resumed run logs the same mean."""
         return {"log_loss_sum": float(self.loss_sum), "log_steps": self.steps}
 
-    def add(self, loss: torch.Tensor | None) -> None:
-        """One step's loss (0-dim, on the device: no sync here), or None for a skipped step."""
-        if loss is not None:
-            self.loss_sum = self.loss_sum + loss
-            self.steps += 1
+    def add(self, loss: torch.Tensor) -> None:
+        """An applied step's loss (0-dim, on the device: no sync here)."""
+        self.loss_sum = self.loss_sum + loss
+        self.steps += 1
 
     def end_step(self, step: int, began: float, log_now: bool) -> tuple[float, dict[str, float]] | None:
         """Call after step `step` (0-based), begun at perf_counter() `began`. If log_now (and a step counted): the
@@ -228,7 +221,7 @@ class Evaluator:
     """
 
     data: PreparedData
-    opt: OptimConfig
+    train: OptimConfig
     seed: int
     block_size: int
     byte_lengths: torch.Tensor  # UTF-8 bytes of each token id (0: a special token), float64 on the device
@@ -244,17 +237,18 @@ class Evaluator:
         return Losses(train.loss, val.loss, val.bpb)
 
     def _batches(self, split: str, files: TokenFiles) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if split == "val" and self.opt.full_val:
+        if split == "val" and self.train.full_val:
             # The result doesn't depend on the batch size; bigger batches keep small models' matmuls efficient.
-            windows = max(self.opt.batch_size, 4096 // self.block_size)  # at least 4096 tokens a batch
+            windows = max(self.train.batch_size, 4096 // self.block_size)  # at least 4096 tokens a batch
             return every_window(files, windows, self.block_size)
         generator = batch_generator(self.seed, EVAL_WINDOWS, SPLIT_KEYS[split])
-        return (get_batch(files, self.opt.batch_size, self.block_size, generator) for _ in range(self.opt.eval_iters))
+        batch_size = self.train.batch_size
+        return (get_batch(files, batch_size, self.block_size, generator) for _ in range(self.train.eval_iters))
 
     def _sums(self, model: torch.nn.Module, batches: Iterator) -> list[float]:
         """Nats and count of all target tokens; nats and UTF-8 bytes of the text ones; over all ranks."""
         sums = torch.zeros(4, dtype=torch.float64, device=self.runtime.device)
-        for x, y, counted in share_of(batches, self.world):
+        for x, y, counted in split_across_ranks(batches, self.world):
             with self.runtime.autocast():
                 logits, _ = model(x.to(self.runtime.device))
             if counted:
@@ -262,25 +256,18 @@ class Evaluator:
         return self.world.all_reduce_sum(sums).tolist()
 
 
-def share_of(
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]], world: World
-) -> Iterator[tuple[torch.Tensor, torch.Tensor, bool]]:
-    """Every world.size-th batch, starting at this rank's. All ranks run the same number of forward passes
-    (FSDP2 gathers weights collectively): a rank with no batch left in the last round repeats one, uncounted."""
-    while True:
-        round_ = list(itertools.islice(batches, world.size))
-        if not round_:
-            return
-        if world.rank < len(round_):
-            yield (*round_[world.rank], True)
-        else:
-            yield (*round_[0], False)
+def split_across_ranks(items: Iterator[tuple], world: World) -> Iterator[tuple]:
+    """Every world.size-th item, starting at this rank's, flagged True. All ranks run as many forward passes (FSDP2
+    gathers weights collectively): in the last round a rank with no item left repeats one, flagged False."""
+    while round_ := list(itertools.islice(items, world.size)):
+        mine = world.rank < len(round_)
+        yield (*round_[world.rank if mine else 0], mine)
 
 
 @dataclass
 class HellaSwagEval:
     """HellaSwag accuracy at the evaluations whose iteration is a multiple of `every` (train.hellaswag_every).
-    Each rank scores every world.size-th example (share_of: the same number of forward passes on every rank,
+    Each rank scores every world.size-th example (split_across_ranks: the same number of forward passes on every rank,
     as FSDP2 needs) and the counts are summed over the ranks: the whole set's accuracy, however many processes."""
 
     examples: list[Example]
@@ -295,7 +282,7 @@ class HellaSwagEval:
     @torch.no_grad()
     def __call__(self, model: torch.nn.Module) -> dict[str, float]:
         model.eval()
-        shares = share_of(((example,) for example in self.examples), self.world)
+        shares = split_across_ranks(((example,) for example in self.examples), self.world)
         sums = hellaswag_sums(model, shares, self.block_size, self.runtime.device, self.runtime.autocast)
         model.train()
         correct, correct_norm, count = self.world.all_reduce_sum(sums.to(self.runtime.device)).tolist()

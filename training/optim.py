@@ -22,37 +22,37 @@ FROM_CONFIG = tuple(dict.fromkeys(ADAMW_KEYS + MUON_KEYS))  # a param group's ke
 MUON_MOMENTUM_START = 0.85  # where Muon's momentum starts its warmup (train.muon_momentum_warmup)
 
 
-def make_optimizer(model: nn.Module, opt: OptimConfig, runtime: Runtime) -> torch.optim.Optimizer:
-    """train.optimizer's, its param groups' hyperparameters from the config (restore() keeps them on resume).
-    Muon's Newton-Schulz runs in bfloat16 when the run autocasts to it, else in float32: bfloat16 leaves the same
-    singular values and is faster where the hardware has it (python bench.py muon), but it rounds: the weights of
-    a batch of 8 and of 2 accumulated batches of 4 part by 5e-3 in 12 steps, 6e-7 in float32."""
-    hidden = hidden_matrices(model) if opt.optimizer == "muon" else {}
+def make_optimizer(model: nn.Module, train: OptimConfig, runtime: Runtime) -> torch.optim.Optimizer:
+    """train.optimizer's, its param groups' hyperparameters from the config (restore() keeps them on resume)."""
+    hidden = hidden_matrices(model) if train.optimizer == "muon" else {}
     rest = [p for name, p in model.named_parameters() if p.requires_grad and name not in hidden]
     groups = [
-        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": opt.weight_decay},  # matmuls, embeddings
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": train.weight_decay},  # matmuls, embeddings
         {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},  # biases, norms
     ]
-    if opt.optimizer == "muon":
-        return _muon(groups, hidden, opt, runtime)
+    if train.optimizer == "muon":
+        return _muon(groups, hidden, train, runtime)
     # The fused kernel: one pass over all parameters (CUDA; on CPU about 4% faster per step here).
-    betas = (opt.beta1, opt.beta2)
-    return torch.optim.AdamW(groups, lr=opt.learning_rate, betas=betas, fused=runtime.device.type in ("cuda", "cpu"))
+    betas = (train.beta1, train.beta2)
+    return torch.optim.AdamW(groups, lr=train.learning_rate, betas=betas, fused=runtime.device.type in ("cuda", "cpu"))
 
 
 def _muon(
-    groups: list[dict[str, Any]], hidden: dict[str, nn.Parameter], opt: OptimConfig, runtime: Runtime
+    groups: list[dict[str, Any]], hidden: dict[str, nn.Parameter], train: OptimConfig, runtime: Runtime
 ) -> MuonAdamW:
-    """Muon for the hidden matrices, AdamW for the rest (`groups`)."""
-    adamw = {"muon": False, "lr": opt.learning_rate, "betas": (opt.beta1, opt.beta2), "eps": 1e-8}
+    """Muon for the hidden matrices, AdamW for the rest (`groups`). Newton-Schulz runs in bfloat16 when the run
+    autocasts to it, else in float32: bfloat16 leaves the same singular values and is faster where the hardware
+    has it (python bench.py muon), but it rounds: the weights of a batch of 8 and of 2 accumulated batches of 4
+    part by 5e-3 in 12 steps, 6e-7 in float32."""
+    adamw = {"muon": False, "lr": train.learning_rate, "betas": (train.beta1, train.beta2), "eps": 1e-8}
     muon = {
         "muon": True,
         "params": list(hidden.values()),
-        "lr": opt.muon_lr,
-        "momentum": opt.muon_momentum,
+        "lr": train.muon_lr,
+        "momentum": train.muon_momentum,
         "nesterov": True,
-        "ns_steps": opt.muon_ns_steps,
-        "weight_decay": opt.weight_decay,  # decoupled, as AdamW's
+        "ns_steps": train.muon_ns_steps,
+        "weight_decay": train.weight_decay,  # decoupled, as AdamW's
     }
     return MuonAdamW(
         [*({**adamw, **g} for g in groups), muon],
@@ -71,24 +71,23 @@ def hidden_matrices(model: nn.Module) -> dict[str, nn.Parameter]:
     }
 
 
-def set_hyperparameters(optimizer: torch.optim.Optimizer, opt: OptimConfig, step: int) -> float:
-    """The step's learning rate on every group (Muon's scaled to train.muon_lr) and Muon's momentum, functions
-    of the iteration alone, so a resumed run steps exactly as the uninterrupted one. Returns AdamW's lr."""
-    lr = scheduled_lr(opt, step)
+def set_hyperparameters(optimizer: torch.optim.Optimizer, train: OptimConfig, step: int) -> float:
+    """The step's learning rate on every group (Muon's scaled to train.muon_lr) and Muon's momentum, functions of
+    the iteration alone (a resumed run steps as the uninterrupted one); AdamW's lr."""
+    lr = scheduled_lr(train, step)
     for group in optimizer.param_groups:
         if group.get("muon"):
-            group["lr"] = opt.muon_lr * lr / opt.learning_rate
-            group["momentum"] = muon_momentum_at(step, opt.muon_momentum, opt.muon_momentum_warmup)
+            group["lr"] = train.muon_lr * lr / train.learning_rate
+            group["momentum"] = muon_momentum_at(step, train.muon_momentum, train.muon_momentum_warmup)
         else:
             group["lr"] = lr
     return lr
 
 
-def scheduled_lr(opt: OptimConfig, step: int) -> float:
+def scheduled_lr(train: OptimConfig, step: int) -> float:
     """AdamW's learning rate at `step` under the config's schedule."""
-    return lr_at(
-        step, opt.learning_rate, opt.min_lr, opt.warmup_iters, opt.decay_iters, opt.lr_schedule, opt.cooldown_frac
-    )
+    t = train
+    return lr_at(step, t.learning_rate, t.min_lr, t.warmup_iters, t.decay_iters, t.lr_schedule, t.cooldown_frac)
 
 
 def muon_momentum_at(step: int, momentum: float, warmup_iters: int) -> float:
@@ -107,18 +106,10 @@ def group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, An
 LR_SCHEDULES = ("cosine", "wsd")
 
 
-def lr_at(
-    step: int,
-    learning_rate: float,
-    min_lr: float,
-    warmup_iters: int,
-    decay_iters: int,
-    schedule: str = "cosine",
-    cooldown_frac: float = 0.2,
-) -> float:
-    """Linear warmup to learning_rate, then down to min_lr at decay_iters, then min_lr. cosine: a half cosine
-    from the end of warmup. wsd: learning_rate held until the last cooldown_frac of decay_iters, then a straight
-    line (the cooldown, which a run can start at any point: the plateau needs no end fixed in advance)."""
+def lr_at(step: int, learning_rate: float, min_lr: float, warmup_iters: int, decay_iters: int,
+          schedule: str = "cosine", cooldown_frac: float = 0.2) -> float:
+    """Linear warmup to learning_rate, then down to min_lr at decay_iters. cosine: a half cosine from the end of
+    warmup. wsd: learning_rate until the last cooldown_frac of decay_iters, then a straight line down."""
     if step < warmup_iters:
         return learning_rate * (step + 1) / (warmup_iters + 1)
     if step >= decay_iters:

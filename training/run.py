@@ -22,8 +22,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from common.config import typed_config
 from common.errors import CheckpointError, ConfigError
-from common.files import discard_temporaries, open_for_appending, write_text_atomically
-from common.runtime import Runtime, check_memory, datasheet_peak, make_runtime
+from common.runtime import (
+    Runtime,
+    check_memory,
+    datasheet_peak,
+    discard_temporaries,
+    make_runtime,
+    open_for_appending,
+    write_text_atomically,
+)
 from data.prepare import PreparedData, ensure_prepared
 from data.tokenizers import Tokenizer, tokenizer_from_metadata
 from evals.hellaswag import hellaswag_path, load_examples
@@ -45,14 +52,10 @@ LOG_NAME = "train.log"  # the run's console output, appended to by each resume
 LOCK_NAME = ".lock"  # held by the run writing the directory; the OS releases it however the run ends
 
 
-def train(
-    cfg: DictConfig | TrainRunConfig,
-    before_step: Callable[[int], None] | None = None,
-    on_run_opened: Callable[[Path], None] | None = None,
-) -> TrainResult:
-    """cfg: Hydra's config or a TrainRunConfig, typed and checked here. Nothing is written in out_dir until every
-    check has passed; then on_run_opened(out_dir) runs on rank 0 (train.py writes Hydra's files) and the run trains.
-    before_step: called with the iteration before each optimizer step (a seam for tests)."""
+def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] | None = None,
+          on_run_opened: Callable[[Path], None] | None = None) -> TrainResult:
+    """cfg: Hydra's config or a TrainRunConfig. Nothing is written in out_dir until every check has passed; then
+    on_run_opened(out_dir) runs on rank 0 (train.py writes Hydra's files). before_step(iter): a seam for tests."""
     world = world_from_env()
     if not world.is_main:
         log.setLevel(logging.WARNING)  # one voice: rank 0's
@@ -75,9 +78,8 @@ def train(
         world.close()
 
 
-def open_run_directory(
-    trainer: Trainer, held: contextlib.ExitStack, on_run_opened: Callable | None, start_lines: logging.Handler
-) -> None:
+def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_opened: Callable | None,
+                       start_lines: logging.Handler) -> None:
     """out_dir made and locked for the run's life (one writer at a time), its log mirrored into train.log, then
     what the run starts with: the history up to its checkpoint, config.yaml, the resolved settings."""
     out_dir, config = trainer.out_dir, trainer.config
@@ -96,7 +98,6 @@ def open_run_directory(
     held.callback(logging.getLogger().removeHandler, handler)
     for name in (CKPT_NAME, BEST_NAME, METRICS_NAME, CONFIG_NAME):
         discard_temporaries(out_dir / name)  # what killed writers left
-    log_start(trainer)
     if config.resume:
         drop_records_after(out_dir, trainer.progress.iter)  # a killed run's lines after its checkpoint
     else:  # a run that died before its first ckpt.pt left these: not this run's
@@ -113,16 +114,15 @@ def open_run_directory(
         trainer.metrics.start_wandb(config.wandb, trainer.resolved)
 
 
-def build_trainer(
-    config: TrainRunConfig, world: World, runtime: Runtime, before_step: Callable[[int], None] | None = None
-) -> Trainer:
+def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime,
+                  before_step: Callable[[int], None] | None = None) -> Trainer:
     """Everything the run needs, restored from ckpt.pt when config.resume; it writes nothing. The run's clock
     starts here."""
     started = time.perf_counter()
     check_for_world(config.train, world)
     # Each rank's Hydra resolved ${now:} on its own clock: all write to rank 0's directory.
     config = dataclasses.replace(config, out_dir=world.broadcast(config.out_dir))
-    out_dir, opt = Path(config.out_dir), config.train
+    out_dir, train = Path(config.out_dir), config.train
     checkpoint = None
     if config.resume:
         checkpoint = load_checkpoint(out_dir / CKPT_NAME)
@@ -138,15 +138,15 @@ def build_trainer(
     if world.rank:  # then each rank its own dropout masks (nanoGPT's seed offset); rank 0's stream goes on
         torch.manual_seed(config.seed + world.rank)
     num_params, flops_per_token = model.num_params(), model.flops_per_token()  # before sharding
-    model.activation_checkpointing = opt.activation_checkpointing
-    if not (world.distributed and opt.parallel == "fsdp"):  # FSDP2 moves each rank's shards to its device itself
+    model.activation_checkpointing = train.activation_checkpointing
+    if not (world.distributed and train.parallel == "fsdp"):  # FSDP2 moves each rank's shards to its device itself
         model.to(runtime.device)
-    wrapped = world.wrap(model, opt.parallel, runtime.device)
-    use_compile = runtime.is_cuda if opt.compile is None else opt.compile
-    if use_compile and sys.platform == "win32" and opt.compile is None:
+    wrapped = world.wrap(model, train.parallel, runtime.device)
+    use_compile = runtime.is_cuda if train.compile is None else train.compile
+    if use_compile and sys.platform == "win32" and train.compile is None:
         use_compile = _compiles_on_windows()
     byte_lengths = torch.from_numpy(tokenizer.token_byte_lengths()).to(runtime.device, torch.float64)
-    peak = opt.peak_tflops * 1e12 if opt.peak_tflops else datasheet_peak(runtime.device, runtime.dtype)
+    peak = train.peak_tflops * 1e12 if train.peak_tflops else datasheet_peak(runtime.device, runtime.dtype)
     trainer = Trainer(
         config=config,
         world=world,
@@ -156,11 +156,13 @@ def build_trainer(
         tokenizer=tokenizer,
         model=model,
         step_model=torch.compile(wrapped) if use_compile else wrapped,
-        optimizer=make_optimizer(model, opt, runtime),
+        optimizer=make_optimizer(model, train, runtime),
         scaler=torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16),
-        evaluator=Evaluator(data, opt, config.seed, model.config.block_size, byte_lengths, runtime, world),
-        hellaswag=_hellaswag(opt, tokenizer, model.config.block_size, runtime, world) if opt.hellaswag_every else None,
-        metrics=MetricsLog(out_dir, active=world.is_main, max_iters=opt.max_iters),
+        evaluator=Evaluator(data, train, config.seed, model.config.block_size, byte_lengths, runtime, world),
+        hellaswag=_hellaswag(train, tokenizer, model.config.block_size, runtime, world)
+        if train.hellaswag_every
+        else None,
+        metrics=MetricsLog(out_dir, active=world.is_main, max_iters=train.max_iters),
         flops_per_token=flops_per_token,
         peak_flops=None if peak is None else peak * world.size,
         started=started,
@@ -168,38 +170,33 @@ def build_trainer(
     )
     if checkpoint is not None:
         trainer.restore(checkpoint)
-        if not opt.keep_best and (out_dir / BEST_NAME).is_file() and world.is_main:
-            log.warning(f"{BEST_NAME} stays as it is: this resume has train.keep_best=false")
-    processes = f", {world.size} processes ({opt.parallel})" if world.distributed else ""
-    trainer.summary = (
-        f"{num_params / 1e6:.2f}M parameters, {data.meta['vocab_size']} tokens in the vocabulary, device "
-        f"{runtime.device}, {runtime.dtype_name}, compile {use_compile}{processes}, out_dir {out_dir}"
-    )
+    processes = f", {world.size} processes ({train.parallel})" if world.distributed else ""
+    log.info(f"{num_params / 1e6:.2f}M parameters, {data.meta['vocab_size']} tokens in the vocabulary, device "
+             f"{runtime.device}, {runtime.dtype_name}, compile {use_compile}{processes}, out_dir {out_dir}")
+    log_schedule(train)
+    if peak is not None:
+        log.info(f"MFU against {peak / 1e12:.3g} TFLOP/s per process")
     return trainer
 
 
-def log_start(trainer: Trainer) -> None:
-    """What the run is: its size and machinery, a schedule that doesn't end with the run, MFU's peak."""
-    opt = trainer.config.train
-    log.info(trainer.summary)
-    if opt.max_iters and opt.decay_iters != opt.max_iters:
-        log.info(_schedule_note(opt))
-    if opt.max_iters and 0 < opt.decay_iters <= opt.warmup_iters:
-        log.warning(_warmup_note(opt))
-    if trainer.peak_flops is not None:
-        log.info(f"MFU against {trainer.peak_flops / trainer.world.size / 1e12:.3g} TFLOP/s per process")
+def log_schedule(train: OptimConfig) -> None:
+    """A learning-rate schedule that doesn't end with the run, said."""
+    if train.max_iters and train.decay_iters != train.max_iters:
+        log.info(_schedule_note(train))
+    if train.max_iters and 0 < train.decay_iters <= train.warmup_iters:
+        log.warning(_warmup_note(train))
 
 
-def check_for_world(opt: OptimConfig, world: World) -> None:
+def check_for_world(train: OptimConfig, world: World) -> None:
     """The checks that need the number of processes."""
-    if opt.grad_accum % world.size or (world.distributed and opt.parallel == "fsdp" and opt.optimizer == "muon"):
-        raise ConfigError(_world_conflict(opt, world))
+    if train.grad_accum % world.size or (world.distributed and train.parallel == "fsdp" and train.optimizer == "muon"):
+        raise ConfigError(_world_conflict(train, world))
 
 
-def _world_conflict(opt: OptimConfig, world: World) -> str:
-    if opt.grad_accum % world.size:
+def _world_conflict(train: OptimConfig, world: World) -> str:
+    if train.grad_accum % world.size:
         return (
-            f"train.grad_accum={opt.grad_accum} (micro-batches per step, all processes together) is not divisible "
+            f"train.grad_accum={train.grad_accum} (micro-batches per step, all processes together) is not divisible "
             f"by the {world.size} processes; use a multiple of {world.size}"
         )
     return (
@@ -208,9 +205,8 @@ def _world_conflict(opt: OptimConfig, world: World) -> str:
     )
 
 
-def _build_model(
-    config: TrainRunConfig, checkpoint: Checkpoint | None, data: PreparedData, runtime: Runtime, world: World
-) -> GPT:
+def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: PreparedData, runtime: Runtime,
+                 world: World) -> GPT:
     """A new model from model.*, init_from's pretrained one, or (resume) one of the checkpoint's shape."""
     if checkpoint is not None:
         model_config = _resumed_model_config(config, checkpoint, data)
@@ -239,23 +235,18 @@ def _resumed_model_config(config: TrainRunConfig, checkpoint: Checkpoint, data: 
     return model_config
 
 
-def check_fits(model: GPTConfig, opt: OptimConfig, device: torch.device, world: World) -> None:
-    """A run that can't fit is refused before anything is allocated. Its need is bounded from below, so nothing
-    that fits is refused: 8 bytes a parameter (float32 weights and gradients), and for one micro-batch bfloat16
-    activations of at least 38 bytes per token, layer and unit of width (4 with activation checkpointing) and the
-    logits' 6 bytes per token and vocabulary entry. bench.py memory has the detailed estimate."""
-    per_layer = 4 if opt.activation_checkpointing else 38
-    tokens = opt.batch_size * model.block_size
-    shards = world.size if world.distributed and opt.parallel == "fsdp" else 1  # FSDP2 splits weights and gradients
+def check_fits(model: GPTConfig, train: OptimConfig, device: torch.device, world: World) -> None:
+    """A run that can't fit is refused before allocating. Its need is bounded from below (nothing that fits is
+    refused): 8 bytes a parameter (float32 weights, gradients), and for one micro-batch 38 bytes per token, layer
+    and unit of width (4 with activation checkpointing) and 6 per token and logit. bench.py memory: the detail."""
+    per_layer = 4 if train.activation_checkpointing else 38
+    tokens = train.batch_size * model.block_size
+    shards = world.size if world.distributed and train.parallel == "fsdp" else 1  # FSDP2 splits weights and gradients
     activations = tokens * (per_layer * model.n_embd * model.n_layer + 6 * model.vocab_size)
     need = 8 * parameter_count(model) / shards + activations
-    check_memory(
-        need,
-        device,
-        f"train.batch_size={opt.batch_size} with a model of {parameter_count(model):,} parameters",
-        "lower train.batch_size (train.grad_accum keeps the tokens per step), set train.activation_checkpointing="
-        "true, or train a smaller model",
-    )
+    check_memory(need, device, f"train.batch_size={train.batch_size} with a model of {parameter_count(model):,} "
+                 "parameters", "lower train.batch_size (train.grad_accum keeps the tokens per step), set "
+                 "train.activation_checkpointing=true, or train a smaller model")
 
 
 def _pretrained_model(config: TrainRunConfig, vocab_size: int) -> GPT:
@@ -295,37 +286,37 @@ def _too_short(data: PreparedData, split: str, n: int, block_size: int) -> str:
 
 
 def _hellaswag(
-    opt: OptimConfig, tokenizer: Tokenizer, block_size: int, runtime: Runtime, world: World
+    train: OptimConfig, tokenizer: Tokenizer, block_size: int, runtime: Runtime, world: World
 ) -> HellaSwagEval:
     """train.hellaswag_every's examples, read at start so a missing file stops the run before it trains. Rank 0
     downloads them (once, into the cache) while the others wait, then read its copy."""
     if world.is_main:
-        path = hellaswag_path(opt.hellaswag_file, "train.hellaswag_file")
+        path = hellaswag_path(train.hellaswag_file, "train.hellaswag_file")
     world.barrier()
     if not world.is_main:
-        path = hellaswag_path(opt.hellaswag_file, "train.hellaswag_file")
+        path = hellaswag_path(train.hellaswag_file, "train.hellaswag_file")
     examples = load_examples(path, tokenizer)
-    log.info(f"HellaSwag: {len(examples):,} examples from {path}, every {opt.hellaswag_every} iterations")
-    return HellaSwagEval(examples, opt.hellaswag_every, block_size, runtime, world)
+    log.info(f"HellaSwag: {len(examples):,} examples from {path}, every {train.hellaswag_every} iterations")
+    return HellaSwagEval(examples, train.hellaswag_every, block_size, runtime, world)
 
 
-def _schedule_note(opt: OptimConfig) -> str:
+def _schedule_note(train: OptimConfig) -> str:
     """The decay set apart from max_iters: the learning rate then doesn't end at min_lr with the run."""
-    where = "before" if opt.decay_iters < opt.max_iters else "after"
+    where = "before" if train.decay_iters < train.max_iters else "after"
     return (
-        f"train.lr_decay_iters={opt.decay_iters} ends {where} train.max_iters={opt.max_iters}: the last step's "
-        f"learning rate is {scheduled_lr(opt, opt.max_iters - 1):.3g} (min_lr {opt.min_lr:.3g}); "
+        f"train.lr_decay_iters={train.decay_iters} ends {where} train.max_iters={train.max_iters}: the last step's "
+        f"learning rate is {scheduled_lr(train, train.max_iters - 1):.3g} (min_lr {train.min_lr:.3g}); "
         "lr_decay_iters=null follows max_iters"
     )
 
 
-def _warmup_note(opt: OptimConfig) -> str:
+def _warmup_note(train: OptimConfig) -> str:
     """A warm-up as long as the schedule (nanoGPT's 100 iterations in a 60-iteration run) never decays."""
-    end = "train.max_iters" if opt.lr_decay_iters is None else "train.lr_decay_iters"
+    end = "train.max_iters" if train.lr_decay_iters is None else "train.lr_decay_iters"
     return (
-        f"train.warmup_iters={opt.warmup_iters} is not below {end}={opt.decay_iters}: the learning rate only warms "
-        f"up (to {scheduled_lr(opt, opt.max_iters - 1):.3g} at the last step) and never decays; use a "
-        f"train.warmup_iters below {opt.decay_iters}"
+        f"train.warmup_iters={train.warmup_iters} is not below {end}={train.decay_iters}: the learning rate only warms "
+        f"up (to {scheduled_lr(train, train.max_iters - 1):.3g} at the last step) and never decays; use a "
+        f"train.warmup_iters below {train.decay_iters}"
     )
 
 

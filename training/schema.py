@@ -23,6 +23,7 @@ from model import GPTConfig
 from training.optim import LR_SCHEDULES, OPTIMIZERS
 
 ON_NONFINITE = ("stop", "skip")
+MAX_GRAD_ACCUM = 65536  # micro-batches per step: past any recipe (GPT-2 on one GPU: 40), short of endless
 PARALLEL = ("ddp", "fsdp")
 CONFIG_GROUPS = ("experiment", "model", "data")  # train.py's Hydra groups: configs/<group>/NAME.yaml, as group=NAME
 # The schema's defaults for the model's shape: the baby model (configs/model/baby.yaml), not GPTConfig's GPT-2.
@@ -31,15 +32,12 @@ SCHEMA_SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64}
 
 
 def _model_keys() -> type:
-    """`model.*`: GPTConfig's fields less vocab_size (the data's), with their defaults and allowed values, so the
-    keys can't drift from the model. Building one checks it as GPTConfig would, naming keys as model.KEY."""
-    hints = typing.get_type_hints(GPTConfig)
-    gpt_fields = {f.name: f for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size"}
-    order = [*SCHEMA_SHAPE, *(name for name in gpt_fields if name not in SCHEMA_SHAPE)]
-    keys = []
-    for name in order:
-        default = SCHEMA_SHAPE.get(name, gpt_fields[name].default)
-        keys.append((name, hints[name], field(default=default, metadata=gpt_fields[name].metadata)))
+    """`model.*`: GPTConfig's fields less vocab_size (the data's), with their defaults and rules, so the keys can't
+    drift from the model. Building one checks it as GPTConfig would, naming keys as model.KEY."""
+    hints, gpt_fields = typing.get_type_hints(GPTConfig), {f.name: f for f in dataclasses.fields(GPTConfig)}
+    names = [*SCHEMA_SHAPE, *(name for name in gpt_fields if name not in SCHEMA_SHAPE and name != "vocab_size")]
+    keys = [(name, hints[name], field(default=SCHEMA_SHAPE.get(name, gpt_fields[name].default),
+                                      metadata=gpt_fields[name].metadata)) for name in names]
 
     def gpt_config(self: Any, vocab_size: int) -> GPTConfig:
         """The model these keys describe, for the data's vocabulary."""
@@ -51,8 +49,7 @@ def _model_keys() -> type:
         except ConfigError as err:
             raise ConfigError(f"model.{err}") from None
 
-    namespace = {"gpt_config": gpt_config, "__post_init__": check}
-    cls = dataclasses.make_dataclass("ModelConfig", keys, namespace=namespace)
+    cls = dataclasses.make_dataclass("ModelConfig", keys, namespace={"gpt_config": gpt_config, "__post_init__": check})
     cls.__module__ = __name__  # importable by name, like a class written here
     return cls
 
@@ -65,7 +62,8 @@ class OptimConfig:
     """`train.*`: the optimizer, its schedule, evaluation, logging and the step's machinery."""
 
     batch_size: int = option(12, at_least=1)  # sequences per micro-batch, in each process
-    grad_accum: int = option(1, at_least=1)  # micro-batches per optimizer step, all processes together
+    # micro-batches per optimizer step, all processes together; a larger step wants a larger batch_size
+    grad_accum: int = option(1, at_least=1, at_most=MAX_GRAD_ACCUM, hint="raise train.batch_size instead")
     learning_rate: float = option(1e-3, above=0.0)
     min_lr: float = option(1e-4, at_least=0.0)  # the schedule (cosine or wsd) ends at this
     max_iters: int = option(2000, at_least=0)
@@ -111,14 +109,10 @@ class OptimConfig:
     def __post_init__(self) -> None:
         check_fields(self, "train.")
         if self.hellaswag_every % self.eval_interval:
-            raise ConfigError(
-                f"train.hellaswag_every={self.hellaswag_every} is not a multiple of train.eval_interval="
-                f"{self.eval_interval}: HellaSwag runs at evaluations"
-            )
+            raise ConfigError(f"train.hellaswag_every={self.hellaswag_every} is not a multiple of "
+                              f"train.eval_interval={self.eval_interval}: HellaSwag runs at evaluations")
         if self.hellaswag_file is not None and not self.hellaswag_every:
-            raise ConfigError(
-                f"train.hellaswag_file={self.hellaswag_file} is read only with train.hellaswag_every > 0; set it"
-            )
+            raise ConfigError(f"train.hellaswag_file={self.hellaswag_file} is read only with train.hellaswag_every > 0")
 
     @property
     def decay_iters(self) -> int:

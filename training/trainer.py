@@ -18,8 +18,7 @@ from torch import nn
 
 from common.errors import DiskFull
 from common.runtime import Runtime
-from data.batches import TRAIN_WINDOWS, batch_generator, every_window, get_batch
-from data.prepare import PreparedData
+from data.prepare import TRAIN_WINDOWS, PreparedData, batch_generator, every_window, get_batch
 from data.tokenizers import Tokenizer
 from model import GPT
 from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, Progress, save_checkpoint
@@ -95,24 +94,23 @@ class Trainer:
     checkpointed_iter: int | None = None  # the iteration ckpt.pt holds (None: none written yet), for messages
     window: LogWindow | None = None  # the log line under way: its losses so far are saved with progress
     paced_from: tuple[float, int] | None = None  # perf_counter() and iter at the first timed log line: the ETA's
-    summary: str = ""  # the start-up line: size, device, precision; logged once the run holds its directory
 
     def fit(self) -> TrainResult:
         """nanoGPT's loop: the learning rate, evaluate and save when due, the micro-batches (forward, backward),
         clip, step, zero the gradients, log. A signal stops the run after the current step, with a checkpoint."""
-        p, opt = self.progress, self.config.train
+        p, train = self.progress, self.config.train
         if p.last_eval_iter == p.iter and self.reaches_target(p.val_loss):  # a resumed run that had stopped there
             return self.finish(None)
         self.window = LogWindow(p, self.tokens_per_iter(), self.flops_per_token, self.peak_flops)
-        accum = opt.grad_accum // self.world.size  # this process's share of the step's micro-batches
+        accum = train.grad_accum // self.world.size  # this process's share of the step's micro-batches
         stopped_by = None
         self.model.train()
         with StopRequests(second_quits=not self.world.distributed) as stop:
             while True:
-                lr = set_hyperparameters(self.optimizer, opt, p.iter)
+                lr = set_hyperparameters(self.optimizer, train, p.iter)
                 if self.eval_due() and self.evaluate_and_save():
                     break  # the target is reached
-                if p.iter >= opt.max_iters:
+                if p.iter >= train.max_iters:
                     break
                 if self.before_step is not None:
                     self.before_step(p.iter)
@@ -129,9 +127,9 @@ class Trainer:
                 # a signal usually arrives during forward and backward: this step is then every rank's last
                 loss, stopping = self.world.agree_on_step(loss, stop.signal is not None)
                 if torch.isfinite(loss):  # never a non-finite loss into the weights
-                    if opt.grad_clip > 0:
+                    if train.grad_clip > 0:
                         self.scaler.unscale_(self.optimizer)
-                        torch.nn.utils.clip_grad_norm_(self.model.parameters(), opt.grad_clip)
+                        torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip)
                     self.scaler.step(self.optimizer)
                     self.scaler.update()
                     self.window.add(loss)
@@ -156,12 +154,12 @@ class Trainer:
         """train.on_nonfinite for a NaN or inf loss: stop (ckpt.pt keeps the last good state) or skip the step."""
         if self.config.train.on_nonfinite == "stop":
             raise TrainingDiverged(
-                f"the loss is {loss.item()} at iter {it}; {self.kept()}. Lower train.learning_rate (or keep "
+                f"the loss is {loss.item()} at iter {it}; {self.last_checkpoint()}. Lower train.learning_rate (or keep "
                 "train.grad_clip on), or set train.on_nonfinite=skip to drop such steps"
             )
         log.warning(f"skipped iter {it}: the loss is {loss.item()}")
 
-    def kept(self) -> str:
+    def last_checkpoint(self) -> str:
         """What the run directory holds now: the words of every message about the last good state."""
         if self.checkpointed_iter is None:
             return f"no {CKPT_NAME} was written before"
@@ -169,10 +167,10 @@ class Trainer:
 
     def evaluate_and_save(self) -> bool:
         """An eval line, and a checkpoint unless the val loss is non-finite; True if it reached the target."""
-        p, opt = self.progress, self.config.train
+        p, train = self.progress, self.config.train
         losses = self.evaluate()
         # against best.pt's own val loss, not best_val_loss: that may come from before keep_best was turned on
-        best = opt.keep_best and losses.val < p.kept_best_val_loss
+        best = train.keep_best and losses.val < p.kept_best_val_loss
         if best:
             p.kept_best_val_loss = losses.val
         p.val_loss, p.last_eval_iter = losses.val, p.iter
@@ -185,22 +183,21 @@ class Trainer:
         if reached:
             record["time_to_target_s"] = record["elapsed_s"]
         self.metrics.write(record)
+        if reached:
+            log.info(f"reached val loss {losses.val:.4f} <= {train.target_val_loss} at iter {p.iter}")
         if not math.isfinite(losses.val):
             log.warning(f"val loss is {losses.val} at iter {p.iter}: keeping the previous checkpoint")
-        elif p.iter > 0 or p.iter >= opt.max_iters or best:  # at iter 0 only best.pt (or max_iters=0's end)
-            self.save(latest=p.iter > 0 or p.iter >= opt.max_iters, best=best)
-        if reached:
-            log.info(f"reached val loss {losses.val:.4f} <= {opt.target_val_loss} at iter {p.iter}, "
-                     f"{record['elapsed_s']:.1f} s after the start")
+        elif p.iter > 0 or p.iter >= train.max_iters or best:  # at iter 0 only best.pt (or max_iters=0's end)
+            self.save(latest=p.iter > 0 or p.iter >= train.max_iters, best=best)
         return reached
 
     def evaluate(self) -> Losses:
         return self.evaluator(self.step_model)
 
     def eval_due(self) -> bool:
-        p, opt = self.progress, self.config.train
-        scheduled = p.iter % opt.eval_interval == 0 and p.iter >= opt.eval_from
-        return (scheduled or p.iter == opt.max_iters) and p.last_eval_iter != p.iter
+        p, train = self.progress, self.config.train
+        scheduled = p.iter % train.eval_interval == 0 and p.iter >= train.eval_from
+        return (scheduled or p.iter == train.max_iters) and p.last_eval_iter != p.iter
 
     def reaches_target(self, val_loss: float) -> bool:
         target = self.config.train.target_val_loss
@@ -212,7 +209,7 @@ class Trainer:
         return dataclasses.asdict(self.config)
 
     def log_step(self, began: float, lr: float) -> None:
-        """Every train.log_interval steps: the mean loss since the last line, speed, MFU and the time left."""
+        """Every train.log_interval steps: the mean loss since the last line, speed, MFU, the time left."""
         due = self.progress.iter % self.config.train.log_interval == 0
         line = self.window.end_step(self.progress.iter - 1, began, due)
         if line is None:
@@ -238,24 +235,23 @@ class Trainer:
         return round(self.elapsed_before + time.perf_counter() - self.started, 3)
 
     def tokens_per_iter(self) -> int:
-        opt = self.config.train
-        return opt.batch_size * opt.grad_accum * self.model.config.block_size  # all processes together
+        train = self.config.train
+        return train.batch_size * train.grad_accum * self.model.config.block_size  # all processes together
 
     def save(self, latest: bool = True, best: bool = False) -> None:
-        """ckpt.pt (latest) and/or best.pt (best) from the run's named state; best.pt first, so a run killed in
-        between resumes from the previous ckpt.pt and writes best.pt again. Collective (every rank gathers under
-        FSDP2); rank 0 writes."""
+        """ckpt.pt and/or best.pt from the run's named state (best.pt first: a run killed between the two resumes
+        from the previous ckpt.pt and writes best.pt again). Every rank gathers under FSDP2; rank 0 writes."""
         model_state, optimizer_state = full_state(self.model, self.optimizer, self.world)
         rng = self.world.all_gather(self.rng_state())  # each rank's dropout stream
         if not self.world.is_main:
             return
-        self.progress.elapsed_s = self.elapsed()
+        line_so_far = self.window.saved() if self.window else {}
         checkpoint = Checkpoint(
             model_config=self.model.config,
             model=model_state,
             tokenizer=self.data.meta["tokenizer"],
             config=self.resolved,
-            progress=dataclasses.replace(self.progress, **self.window.saved() if self.window else {}),
+            progress=dataclasses.replace(self.progress, elapsed_s=self.elapsed(), **line_so_far),
             optimizer=optimizer_state,
             scaler=self.scaler.state_dict(),
             rng=rng,
@@ -269,7 +265,8 @@ class Trainer:
                 save_checkpoint(self.out_dir / CKPT_NAME, checkpoint)
                 self.checkpointed_iter = self.progress.iter
         except DiskFull as err:
-            raise DiskFull(f"{err}; {self.kept()}. Free space, then resume: {resume_command(self.out_dir)}") from None
+            then = f"Free space, then resume: {resume_command(self.out_dir)}"
+            raise DiskFull(f"{err}; {self.last_checkpoint()}. {then}") from None
 
     def restore(self, checkpoint: Checkpoint) -> None:
         """Continue a saved run exactly: weights, optimizer and GradScaler, progress, random state, metrics. The
@@ -286,6 +283,8 @@ class Trainer:
         self.elapsed_before = checkpoint.progress.elapsed_s
         self.restore_rng(checkpoint.rng)
         log.info(f"resuming {self.out_dir} at iter {self.progress.iter}")
+        if not self.config.train.keep_best and (self.out_dir / BEST_NAME).is_file() and self.world.is_main:
+            log.warning(f"{BEST_NAME} stays as it is: this resume has train.keep_best=false")
 
     def rng_state(self) -> dict[str, Any]:
         """Dropout draws from torch's global generators; batches and evaluation use their own."""
@@ -308,7 +307,7 @@ class Trainer:
             self.save()
         self.world.barrier()  # none exits before rank 0 has written: torchrun stops the others when one exits
         name = (received or signal.SIGTERM).name  # another rank's signal, forwarded by World.agree_on_step
-        where = f"checkpoint {self.out_dir / CKPT_NAME}" if save else self.kept()
+        where = f"checkpoint {self.out_dir / CKPT_NAME}" if save else self.last_checkpoint()
         resume = "Nothing to resume"
         if self.checkpointed_iter is not None:
             resume = f"Resume with: {resume_command(self.out_dir)}"
@@ -317,15 +316,17 @@ class Trainer:
 
     def finish(self, stopped_by: str | None) -> TrainResult:
         p = self.progress
-        sharded = self.world.distributed and self.config.train.parallel == "fsdp"
-        # generate() can't run on one rank's shards, and a preempted run has no time to spare
-        if self.metrics.wandb_run is not None and stopped_by is None and not sharded:
-            first = int(next(every_window(self.data.val, 1, 1))[0][0, 0])  # the val split's first token
-            self.metrics.log_samples(p.iter, sample_table(self.model, self.tokenizer, first, self.runtime))
+        if self.metrics.wandb_run is not None and stopped_by is None:  # a preempted run has no time to spare
+            self.log_samples()
         self.metrics.close()
         if stopped_by is None:
-            where = f"checkpoint {self.out_dir / CKPT_NAME}" if self.checkpointed_iter == p.iter else self.kept()
             log.info(f"done: {p.iter} iters, val loss {p.val_loss:.4f} (best {p.best_val_loss:.4f}), "
-                     f"{self.elapsed():.1f} s; {where}")
-        dtype = self.runtime.dtype_name
-        return TrainResult(self.out_dir, p.iter, p.val_loss, p.best_val_loss, self.elapsed(), stopped_by, dtype)
+                     f"{self.elapsed():.1f} s; {self.last_checkpoint()}")
+        return TrainResult(self.out_dir, p.iter, p.val_loss, p.best_val_loss, self.elapsed(), stopped_by,
+                           self.runtime.dtype_name)
+
+    def log_samples(self) -> None:
+        """A few samples to wandb, to see what the numbers mean (generate() can't run on one rank's shards)."""
+        if not (self.world.distributed and self.config.train.parallel == "fsdp"):
+            first = int(next(every_window(self.data.val, 1, 1))[0][0, 0])  # the val split's first token
+            self.metrics.log_samples(self.progress.iter, sample_table(self.model, self.tokenizer, first, self.runtime))

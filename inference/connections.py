@@ -1,6 +1,7 @@
-"""What a flood of connections can't take from serve.py: at most max_connections open at once (past it the oldest
-idle one is closed, else the new one), a connection without a whole request's headers within header_timeout_s is
-closed, and each kind of refusal is logged once a minute at most, in one line."""
+"""What a flood of connections can't take from serve.py: at most max_connections open at once (past it the one
+waiting longest on its client is closed, else the new one), a connection without a whole request, body included,
+within header_timeout_s (of its opening or its last answer) is closed, and each kind of refusal is logged once a
+minute at most, in one line."""
 
 from __future__ import annotations
 
@@ -62,38 +63,48 @@ class Refusals:
 
 
 def guarded_protocol(max_connections: int, header_timeout_s: float, refusals: Refusals) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with the cap and the header timeout."""
+    """uvicorn's h11 protocol with the cap and the request timeout."""
 
     class Guarded(H11Protocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            # (cycle, idle) at the last check: a new connection counts as idle from the start
-            self._opened, self._seen, self._timer = time.monotonic(), (None, True), None
+            self._asked, self._timer = time.monotonic(), None
             open_ = [c for c in self.connections if not c.transport.is_closing()]  # aborted ones leave later
-            if len(open_) > max_connections:  # the oldest not being answered goes, else this one
+            if len(open_) > max_connections:  # the one waiting longest on its client goes, else this one
                 idle = [c for c in open_ if c is not self and c._idle()]
-                oldest = min(idle, key=lambda c: c._opened) if idle else self
+                oldest = min(idle, key=lambda c: c._asked) if idle else self
                 refusals.note(f"connection closed: {max_connections} open already (max_connections)")
                 oldest._close()
                 if oldest is self:
                     return
-            self._timer = self.loop.call_later(header_timeout_s, self._check_progress)
+            self._arm()
 
         def _idle(self) -> bool:
-            return self.cycle is None or self.cycle.response_complete
+            """Waiting on its client: for a request, or for the rest of one's body."""
+            return self.cycle is None or self.cycle.response_complete or self.cycle.more_body
+
+        def _arm(self) -> None:
+            """A whole request, body included, is due within header_timeout_s from now."""
+            self._asked = time.monotonic()
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self.loop.call_later(header_timeout_s, self._check_progress)
 
         def _close(self) -> None:
             """At once if it never had a request; after what is buffered for it if it had (an answer's end)."""
             self.transport.abort() if self.cycle is None else self.transport.close()
 
         def _check_progress(self) -> None:
-            """Closed if it was idle at the last check too, with no request since."""
-            seen, self._seen = self._seen, (self.cycle, self._idle())
-            if self._seen == seen and self._idle():
+            """Closed if still waiting on its client; one being answered is due again after its answer."""
+            self._timer = None
+            if self._idle() and not self.transport.is_closing():
                 refusals.note(f"connection closed: no whole request within {header_timeout_s:g} s (header_timeout_s)")
                 self._close()
-                return
-            self._timer = self.loop.call_later(header_timeout_s, self._check_progress)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._timer is not None:

@@ -1,8 +1,8 @@
 """Continuous batching: many completions decoded by one forward pass a step, each as if it ran alone.
 
 Prompts that arrive together run through a KVCache as one batch when they are of one length (the same prefill
-as sample.py's for its samples), then each completion joins
-the running batch (BatchKVCache), where every step feeds each row its own newest token at its own position.
+as sample.py's for its samples), then each completion joins the running batch (BatchKVCache), where every step
+feeds each row its own newest token at its own position.
 A learned-position model's row that outgrows block_size goes on as sample.py does, each step recomputing its
 last block_size tokens, batched with the other such rows ("cropped"). Between steps finished or cancelled rows
 leave and waiting ones join. Tokens are picked by Decoding with a random generator per row, so a row's draws
@@ -11,13 +11,16 @@ strings and split characters behave as in sample.py. With logprobs, each token's
 with it (Scored), and with echo the prompt's too.
 
 The engine runs on its own thread (torch releases the GIL while it computes); callers submit Completions from
-any thread and hear back through each Completion's `on_update`.
+any thread and hear back through each Completion's `on_update`. Other work on the model (the live page's, an
+echoed prompt's scoring a forward pass at a time) runs as tasks between steps, and after each the rows get as
+much time before the next: whatever comes, a completion decodes at half its speed at least.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -116,18 +119,16 @@ class Engine:
     """Owns the model while running: nothing else may call it then."""
 
     def __init__(self, model: GPT, tokenizer: Tokenizer, runtime: Runtime, max_batch: int) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.runtime = runtime
-        self.max_batch = max_batch
+        self.model, self.tokenizer, self.runtime, self.max_batch = model, tokenizer, runtime, max_batch
         self.waiting: deque[Completion] = deque()
-        self.tasks: deque[tuple[Callable[[], Any], Future]] = deque()  # call()'s, run between steps
+        self.tasks: deque[tuple[Callable[[], Any], Future]] = deque()  # call()'s and scoring's, between steps
+        self.scoring: list[Completion] = []  # admitted, their prompts being scored (echo) before their prefill
+        self._owed = 0.0  # seconds of tasks the rows have not yet had back in steps: no task until repaid
         self.active: list[Completion] = []  # row i of the batch cache is active[i]
         self.cropped: list[Completion] = []  # past a learned-position model's block_size: recomputed each step
         self.cache = BatchKVCache(model.config)
         self._wake = threading.Condition()
-        self._closing = False
-        self._failed = False  # the thread died: nothing more is taken
+        self._closing, self._failed = False, False  # _failed: the thread died, nothing more is taken
         self._thread: threading.Thread | None = None
         self.steps = 0  # decode steps run
         self.finished: Counter[str] = Counter()  # completions ended, by finish_reason (GET /health shows them)
@@ -151,9 +152,13 @@ class Engine:
     def call(self, task: Callable[[], Any]) -> Future:
         """Run `task` on the engine's thread between two steps (anything else that uses the model, such as the
         live page's attention maps, which switch its attention layers to capturing); its result or error."""
+        with self._wake:  # (its lock is reentrant)
+            self._check_open()
+            return self._queue(task)
+
+    def _queue(self, task: Callable[[], Any]) -> Future:
         future: Future = Future()
         with self._wake:
-            self._check_open()
             self.tasks.append((task, future))
             self._wake.notify()
         return future
@@ -168,8 +173,8 @@ class Engine:
 
     @property
     def load(self) -> tuple[int, int]:
-        """(running, waiting) completions."""
-        return len(self.active) + len(self.cropped), len(self.waiting)
+        """(running, waiting) completions; those whose prompts are being scored run."""
+        return len(self.active) + len(self.cropped) + len(self.scoring), len(self.waiting)
 
     def close(self) -> None:
         """Finish what is running and waiting, then stop the thread."""
@@ -194,8 +199,8 @@ class Engine:
             log.exception("the engine stopped")
             with self._wake:
                 self._failed = True
-                held, tasks = [*self.running, *self.waiting], list(self.tasks)
-                self.active, self.cropped = [], []
+                held, tasks = [*self.running, *self.scoring, *self.waiting], list(self.tasks)
+                self.active, self.cropped, self.scoring = [], [], []
                 self.waiting.clear()
                 self.tasks.clear()
             self._fail(held)
@@ -207,9 +212,10 @@ class Engine:
 
     @torch.inference_mode()
     def run_once(self) -> None:
-        """Tasks, then admit what fits, then one decode step for every row (a test can drive the engine with this
-        alone)."""
-        while self.tasks:
+        """A task unless the rows are owed time, then admit what fits, then one decode step for every row (a test
+        can drive the engine with this alone)."""
+        if self.tasks and (self._owed <= 0 or not self.running):
+            began = time.perf_counter()
             with self._wake:
                 task, future = self.tasks.popleft()
             if future.set_running_or_notify_cancel():
@@ -217,16 +223,10 @@ class Engine:
                     future.set_result(task())
                 except Exception as err:  # the caller's to handle: the engine goes on
                     future.set_exception(err)
+            self._owed = time.perf_counter() - began
+        began = time.perf_counter()
         self._drop_cancelled()
-        admitted: list[Completion] = []
-        while len(self.active) + len(self.cropped) + len(admitted) < self.max_batch:
-            with self._wake:
-                if not self.waiting:
-                    break
-                completion = self.waiting.popleft()
-            if not completion.cancelled:
-                admitted.append(completion)
-        for group in _prefill_groups(admitted, self.model.config.block_size):
+        for group in _prefill_groups(self._admit(), self.model.config.block_size):
             try:
                 self._prefill(group)
             except Exception:  # these prompts (too long for memory, say): the others go on
@@ -241,8 +241,54 @@ class Engine:
                 failed, self.active, self.cropped = self.running, [], []
                 self.cache = BatchKVCache(self.model.config)
                 self._fail(failed)
+        self._owed = max(0.0, self._owed - (time.perf_counter() - began)) if self.running else 0.0
         if self.after_step is not None:
             self.after_step(len(self.active) + len(self.cropped) + len(self.waiting))
+
+    def _admit(self) -> list[Completion]:
+        """Waiting completions while rows are free, PREFILL_CHUNK prompt tokens a step (one prompt at least); those
+        whose prompts are to be scored start that instead."""
+        admitted: list[Completion] = []
+        tokens = 0  # of the admitted prompts
+        while len(self.active) + len(self.cropped) + len(self.scoring) + len(admitted) < self.max_batch:
+            with self._wake:
+                if not self.waiting or (admitted and tokens + len(self.waiting[0].prompt) > PREFILL_CHUNK):
+                    break
+                completion = self.waiting.popleft()
+            if completion.cancelled:
+                continue
+            if completion.score_prompt and completion.prompt_scores is None:
+                self._score(completion)
+            else:
+                admitted.append(completion)
+                tokens += len(completion.prompt)
+        return admitted
+
+    def _score(self, completion: Completion) -> None:
+        """Its prompt scored one forward pass a task, behind the other tasks; then it waits for its prefill, first
+        in line, or ends (max_new_tokens=0)."""
+        passes, scores = prompt_scores(self.model, self.runtime, completion.prompt, completion.logprobs or 0), []
+
+        def next_pass() -> None:
+            try:
+                part = None if completion.cancelled else next(passes, None)
+            except Exception:  # this prompt (too long for memory, say): the others go on
+                log.exception("a prompt failed")
+                part, completion.finish_reason = None, "error"
+            if part is not None:
+                scores.extend(part)
+                self._queue(next_pass)
+                return
+            self.scoring.remove(completion)
+            completion.prompt_scores = scores
+            if completion.done or completion.cancelled or completion.max_new_tokens == 0:
+                self._end(completion, completion.finish_reason or ("cancelled" if completion.cancelled else "length"))
+            else:
+                with self._wake:
+                    self.waiting.appendleft(completion)
+
+        self.scoring.append(completion)
+        self._queue(next_pass)
 
     @property
     def running(self) -> list[Completion]:
@@ -255,16 +301,11 @@ class Engine:
 
     def _prefill(self, group: list[Completion]) -> None:
         """Prompts of one length run together through one KVCache, as sample.py runs its samples' prompt; their
-        first tokens; then each a row of its own unless already done. Scored first where echo asks it; a prompt
-        past the context starts cropped (its first token comes with the next step)."""
+        first tokens; then each a row of its own unless already done. A prompt past the context starts cropped
+        (its first token comes with the next step)."""
         plain = []
         for completion in group:
-            if completion.score_prompt:
-                completion.prompt_scores = prompt_scores(self.model, self.runtime, completion.prompt,
-                                                         completion.logprobs or 0, lambda c=completion: c.cancelled)
-            if completion.cancelled:  # its client left (or timed out) while a long prompt was scored
-                self._end(completion, "cancelled")
-            elif completion.max_new_tokens == 0:  # echo alone: the prompt scored, nothing generated
+            if completion.max_new_tokens == 0:  # echo alone, nothing generated
                 self._end(completion, "length")
             elif self._past_context(completion):
                 self.cropped.append(completion)
@@ -327,9 +368,8 @@ class Engine:
             completion.on_update(piece, completion.done)
 
     def _fail(self, completions: list[Completion]) -> None:
-        for completion in completions:
-            if not completion.done:
-                self._end(completion, "error")
+        for completion in [c for c in completions if not c.done]:
+            self._end(completion, "error")
 
     def _drop_cancelled(self) -> None:
         for row in reversed(range(len(self.active))):

@@ -4,7 +4,7 @@ prompt's, scored as the model would have generated it (echo)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +14,6 @@ from common.runtime import Runtime
 from model import GPT
 from model.attention import KVCache
 from model.gpt import PREFILL_CHUNK
-
-WINDOWS_AT_ONCE = 16  # a prompt past a learned-position model's context: tokens scored per forward pass
 
 
 @dataclass
@@ -36,26 +34,23 @@ def score(logits: torch.Tensor, tokens: list[int], top: int) -> list[Scored]:
                                                                         strict=True)]
 
 
-def prompt_scores(model: GPT, runtime: Runtime, prompt: list[int], top: int,
-                  cancelled: Callable[[], bool]) -> list[Scored]:
+def prompt_scores(model: GPT, runtime: Runtime, prompt: list[int], top: int) -> Iterator[list[Scored]]:
     """Each prompt token's score (but the first's) given the tokens before it, at most block_size of them for a
-    learned-position model, all for a rolling one; PREFILL_CHUNK positions at a time, until cancelled()."""
+    learned-position model, all for a rolling one: one forward pass an item, of PREFILL_CHUNK tokens at most (or
+    one block_size window), so that the engine can decode between them."""
     config, device = model.config, runtime.device
-    scores: list[Scored] = []
     cache, block = KVCache(config), config.block_size
     first = len(prompt) if config.rolls else min(len(prompt), block)
-    with runtime.autocast():
-        for start in range(0, first, PREFILL_CHUNK):  # the first window's tokens (a rolling model's: all)
-            chunk = torch.tensor([prompt[start : min(first, start + PREFILL_CHUNK)]], device=device)
+    for start in range(0, first, PREFILL_CHUNK):  # the first window's tokens (a rolling model's: all)
+        chunk = torch.tensor([prompt[start : min(first, start + PREFILL_CHUNK)]], device=device)
+        with runtime.autocast():
             logits = model.logits(model.hidden(chunk, cache)[0])
-            targets = prompt[start + 1 : start + 1 + chunk.size(1)]
-            scores += score(logits[: len(targets)], targets, top)
-        later = range(block + 1, len(prompt)) if not config.rolls else range(0)
-        for start in later[::WINDOWS_AT_ONCE]:  # each later token from the block_size tokens before it
-            if cancelled():  # (block_size forward passes per WINDOWS_AT_ONCE tokens: may be long)
-                break
-            ends = range(start, min(start + WINDOWS_AT_ONCE, len(prompt)))
-            windows = torch.tensor([prompt[end - block : end] for end in ends], device=device)
+        targets = prompt[start + 1 : start + 1 + chunk.size(1)]
+        yield score(logits[: len(targets)], targets, top)
+    at_once = max(1, PREFILL_CHUNK // block)  # windows a pass
+    for start in range(block + 1, 0 if config.rolls else len(prompt), at_once):  # each from the block before it
+        ends = range(start, min(start + at_once, len(prompt)))
+        windows = torch.tensor([prompt[end - block : end] for end in ends], device=device)
+        with runtime.autocast():
             logits = model.logits(model.hidden(windows)[:, -1, :])
-            scores += score(logits, [prompt[end] for end in ends], top)
-    return scores
+        yield score(logits, [prompt[end] for end in ends], top)

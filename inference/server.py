@@ -45,7 +45,9 @@ from model.gpt import Decoding, row_generators
 log = logging.getLogger("serve")
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI takes up to 4; each is searched for after every token
 MAX_LOGPROBS = 5  # OpenAI's limit on the alternatives reported per token
-PAGE_TASKS = 2  # the live page's tasks (attention maps, causality) the engine may hold at once: one running, one next
+# the live page's tasks (attention maps, causality) the engine may hold at once: they wait their turns, which
+# leave the rows as much time as they take (Engine.run_once), so that pages open together aren't refused
+PAGE_TASKS = 16
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]
 
 
@@ -176,7 +178,7 @@ class Service:
         return choices
 
     async def call(self, task: Callable[[], Any]) -> Any:
-        """`task` on the engine's thread, between steps; 503 past PAGE_TASKS, as each delays every completion."""
+        """`task` on the engine's thread, in its turn between steps; 503 past PAGE_TASKS waiting."""
         if self.page_tasks >= PAGE_TASKS:
             raise ApiError(503, f"the live page's work is busy ({self.page_tasks} tasks); retry shortly",
                            kind="server_busy", headers={"Retry-After": "1"})

@@ -235,7 +235,8 @@ def test_echo_scores_a_text_as_decoding_scored_it_when_it_generated_it(
     echoed = _completion(made.prompt + made.tokens, Decoding(0.0))
     echoed.max_new_tokens, echoed.logprobs, echoed.score_prompt = 0, 3, True
     engine.submit(echoed)
-    engine.run_once()
+    while not echoed.done:
+        engine.run_once()
     assert echoed.done and echoed.tokens == [] and echoed.finish_reason == "length"
     assert len(echoed.prompt_scores) == len(echoed.prompt) - 1
     again = echoed.prompt_scores[len(made.prompt) - 1 :]
@@ -316,3 +317,74 @@ def test_a_prefill_group_that_fails_half_way_leaves_no_row_running(monkeypatch: 
     while engine.running or engine.waiting:
         engine.run_once()
     assert again.tokens == _alone(model, PROMPTS[0], Decoding(0.0))
+
+
+def test_tasks_take_turns_with_the_rows_so_a_completion_runs_at_half_speed_at_least(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A page client that keeps two tasks queued (each 5 ms on a fake clock, a step 1 ms): after each task the
+    rows get as much time before the next, so the completion ends in about twice its steps, and the tasks go on."""
+    import types
+
+    import inference.engine as engine_module
+
+    now = [0.0]
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    engine = Engine(_model("gpt2"), Letters(), make_runtime("cpu", "float32"), max_batch=4)
+    events: list[str] = []
+    step = engine._step
+    monkeypatch.setattr(engine, "_step", lambda: (events.append("S"), now.__setitem__(0, now[0] + 0.001), step()))
+
+    def render() -> None:
+        events.append("T")
+        now[0] += 0.005
+        if events.count("T") < 100:
+            engine.call(render)
+
+    engine.call(render)
+    engine.call(render)
+    row = _completion(PROMPTS[0], Decoding(0.0))
+    engine.submit(row)
+    while not row.done:
+        engine.run_once()
+    during = "".join(events)
+    assert during.count("S") == NEW - 1 and 6 <= during.count("T") <= NEW // 5 + 1, during  # prefill: token 1
+    assert all(len(between) >= 5 for between in during.split("T")[1:-1]), during  # 5 ms of steps per task
+    assert row.tokens == _alone(engine.model, PROMPTS[0], Decoding(0.0))
+    while engine.tasks:  # idle rows: the page's work runs on, one task a run_once
+        engine.run_once()
+    assert events.count("T") >= 100
+
+
+def test_an_echoed_prompt_is_scored_in_bounded_passes_between_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prompt past the context, echoed with logprobs and max_tokens=0, scored PREFILL_CHUNK positions a pass
+    as tasks between steps: a completion submitted after it ends first, and the scores equal one pass's."""
+    import inference.scoring as scoring
+
+    model = _model("short")  # block_size 16
+    prompt = [(7 * i) % 50 for i in range(300)]
+    whole = [s.logprob for part in scoring.prompt_scores(model, make_runtime("cpu", "float32"), prompt, 2)
+             for s in part]
+    monkeypatch.setattr(scoring, "PREFILL_CHUNK", 32)  # 2 windows of 16 a pass
+    engine = Engine(model, Letters(), make_runtime("cpu", "float32"), max_batch=4)
+    sizes: list[int] = []
+    hidden = model.hidden
+    monkeypatch.setattr(model, "hidden", lambda idx, *cache: sizes.append(idx.numel()) or hidden(idx, *cache))
+    echoed, gone = _completion(prompt, Decoding(0.0)), _completion(prompt, Decoding(0.0))
+    for row in (echoed, gone):
+        row.max_new_tokens, row.logprobs, row.score_prompt = 0, 2, True
+    short = _completion(PROMPTS[0], Decoding(0.0))
+    for row in (echoed, gone, short):
+        engine.submit(row)
+    assert engine.load == (0, 3)
+    engine.run_once()
+    assert engine.load == (3, 0) and engine.scoring == [echoed, gone]  # scoring holds its place in the batch
+    gone.cancelled = True  # its client left: it ends at its next turn
+    while not short.done:
+        engine.run_once()
+    assert gone.finish_reason == "cancelled" and not echoed.done and max(sizes) <= 32
+    while not echoed.done:
+        engine.run_once()
+    assert echoed.finish_reason == "length" and engine.load == (0, 0)
+    assert [s.logprob for s in echoed.prompt_scores] == pytest.approx(whole, abs=1e-5)
+    assert short.tokens == _alone(model, PROMPTS[0], Decoding(0.0))

@@ -109,7 +109,7 @@ def test_a_top_p_that_rounds_to_zero_decodes_as_greedy(served_run: Path, top_p: 
 
 def test_the_live_page_s_work_is_bounded_so_completions_keep_their_latency(served_run: Path) -> None:
     """In-process, the engine's thread not started: past PAGE_TASKS waiting, the page's work gets 503 at once;
-    once the engine runs them, there is room again."""
+    the engine runs them one a run_once, and then there is room again."""
     import asyncio
 
     from common.runtime import make_runtime
@@ -126,10 +126,13 @@ def test_the_live_page_s_work_is_bounded_so_completions_keep_their_latency(serve
     async def scenario() -> None:
         held = [asyncio.create_task(service.call(lambda i=i: i)) for i in range(PAGE_TASKS)]
         await asyncio.sleep(0)
-        with pytest.raises(ApiError, match=r"the live page's work is busy \(2 tasks\)") as refused:
+        with pytest.raises(ApiError, match=rf"the live page's work is busy \({PAGE_TASKS} tasks\)") as refused:
             await service.call(lambda: "one too many")
         assert refused.value.status == 503 and len(engine.tasks) == PAGE_TASKS
         await asyncio.to_thread(engine.run_once)
+        assert len(engine.tasks) == PAGE_TASKS - 1  # one a run_once
+        for _ in range(PAGE_TASKS - 1):
+            await asyncio.to_thread(engine.run_once)
         assert await asyncio.gather(*held) == list(range(PAGE_TASKS)) and service.page_tasks == 0
         again = asyncio.create_task(service.call(lambda: "room again"))
         await asyncio.sleep(0)
@@ -212,6 +215,41 @@ def test_a_flood_of_partial_headers_is_capped_timed_out_and_logged_once(served_r
     refused = [line for line in stderr.splitlines() if "(max_connections)" in line]
     timed_out = [line for line in stderr.splitlines() if "(header_timeout_s)" in line]
     assert len(refused) == 1 and len(timed_out) == 1, stderr
+
+
+def test_connections_stalled_in_their_body_are_evicted_and_timed_out(served_run: Path) -> None:
+    """max_connections connections that sent their headers and half a body, against header_timeout_s=1: a new
+    client is answered at once (the oldest stalled one makes room), and every stalled one is closed at the
+    timeout, with no traceback in the log."""
+    import select
+    import socket
+    import time
+
+    server = Server(served_run, "max_connections=4", "header_timeout_s=1")
+    host, port = server.url.removeprefix("http://").split(":")
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            "Content-Length: 100\r\n\r\n{\"prompt\": ").encode()
+    stalled = []
+    try:
+        for _ in range(4):
+            sock = socket.create_connection((host, int(port)))
+            sock.sendall(head)
+            stalled.append(sock)
+        time.sleep(0.1)
+        began = time.monotonic()
+        response = server.post({"prompt": PROMPT, "max_tokens": 2})
+        assert response.status_code == 200 and time.monotonic() - began < 0.5, response.text
+        assert select.select(stalled[:1], [], [], 0)[0] == stalled[:1]  # the oldest went
+        assert select.select(stalled[1:], [], [], 0)[0] == []
+        while len(select.select(stalled, [], [], 0.05)[0]) < len(stalled) and time.monotonic() - began < 3:
+            pass
+        assert len(select.select(stalled, [], [], 0)[0]) == len(stalled)  # the rest, at the timeout
+        assert 0.8 < time.monotonic() - began < 1.6
+    finally:
+        for sock in stalled:
+            sock.close()
+        _, stderr = server.stop()
+    assert "Traceback" not in stderr and "(header_timeout_s)" in stderr, stderr
 
 
 def test_tokenizing_a_huge_prompt_leaves_the_event_loop_free(served_run: Path) -> None:

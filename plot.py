@@ -252,8 +252,10 @@ def plot(summaries: list[dict[str, Any]], x_axis: str, out: Path, groups: list[G
     # a PNG carries its title and legend as text, for whoever reads the file without looking (and the tests)
     described = "\n".join(t.get_text() for t in [legend.get_title(), *legend.get_texts()] if t.get_text())
     metadata = {"Title": ax.get_title(), "Description": described} if out.suffix.lower() == ".png" else None
-    fig.savefig(out, dpi=110, metadata=metadata)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=110, metadata=metadata)
+    finally:  # closed even when the write fails: main() may run again in the same process
+        plt.close(fig)
 
 
 def _draw_runs(ax: Any, summaries: list[dict[str, Any]], x_of: Any) -> None:
@@ -303,7 +305,8 @@ def _across_runs(runs: list[dict[str, Any]], key: str, value: str, x_of: Any) ->
     return xs, [[b[it][value] for b in by_iter] for it in iters]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command: argv as the command line holds it (default: sys.argv's), so tests can call it in-process."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="*", type=Path, help="run directories, or directories holding runs")
     parser.add_argument("-o", "--out", type=Path, help="the picture (default: loss.png in the folder given, or the "
@@ -316,7 +319,7 @@ def main() -> None:
     parser.add_argument("--baseline", nargs="+", action="extend", metavar="KEY=VALUE",
                         help="the group the others are compared with (default: the first group)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the groups and comparisons as JSON")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.baseline:  # `--baseline K=V RUN_DIR`: a run directory after the pairs is a run directory
         args.runs += [Path(item) for item in args.baseline if "=" not in item]
         args.baseline = [item for item in args.baseline if "=" in item] or None

@@ -1,6 +1,4 @@
-"""Generate text from a trained run: the samples, drawn side by side as one batch, go to stdout one after another.
-attention_dir=DIR writes the first sample's attention maps and a page to explore them; check_causal=true changes
-one token and shows that no earlier position's logits move. `python sample.py --help` lists the keys set most."""
+"""Generate text from a trained run, the samples drawn as one batch: `python sample.py --help` lists the keys."""
 
 import sys
 from pathlib import Path

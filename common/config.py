@@ -181,9 +181,8 @@ def exit_on_user_error(job: str | None = None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def stdout_reader_may_leave() -> Iterator[None]:
-    """For the commands whose output is their stdout (sample.py, eval.py): a reader that leaves (`| head`) ends
-    the command quietly, with the status a SIGPIPE would give. Only around code whose one pipe is stdout: a
-    broken pipe elsewhere (a socket, a worker's pipe) is an error to show."""
+    """Around a command whose one pipe is its stdout (sample.py, eval.py): a reader that leaves (`| head`) ends it
+    quietly, with the status a SIGPIPE would give."""
     try:
         yield
     except BrokenPipeError:  # nothing to say, and nobody to say it to
@@ -217,9 +216,8 @@ def run_hydra(
 
 
 def literal_text(args: list[str], keys: tuple[str, ...]) -> list[str]:
-    """The overrides with `${` escaped in the values of `keys`, which are text (a prompt, stop strings), not
-    config: Hydra would otherwise resolve `start='Cost: ${price}'` as an interpolation (a traceback for an
-    unknown key, and a silent substitution for a known one such as ${seed})."""
+    """The overrides with `${` escaped in the values of `keys`, which are text (a prompt, stop strings): Hydra would
+    otherwise resolve `start='Cost: ${price}'` as an interpolation."""
     escaped = []
     for arg in args:
         key, sep, value = arg.partition("=")

@@ -172,10 +172,9 @@ class Sampler:
             warn(f"the prompt has {len(ids)} tokens; the model sees only its last {block_size} (block_size)")
         return ids
 
-    def generate(
-        self, prompt: list[int], num_samples: int, max_new_tokens: int, decoding: Decoding, *, use_cache: bool = True,
-        stop: Sequence[str] = (), stream: TextIO | None = None, seed: int | None = None,
-    ) -> list[Sample]:
+    def generate(self, prompt: list[int], num_samples: int, max_new_tokens: int, decoding: Decoding, *,
+                 use_cache: bool = True, stop: Sequence[str] = (), stream: TextIO | None = None,
+                 seed: int | None = None) -> list[Sample]:
         config = self.model.config  # checked before allocating: every sample has its KV cache and its logits
         per_sample = 8 * config.n_layer * config.block_size * config.n_embd + 16 * config.vocab_size
         check_memory(num_samples * per_sample, self.runtime.device, f"num_samples={num_samples}", "lower num_samples")

@@ -64,6 +64,9 @@ _TINY_MERGES = [
 
 training.schema.register_schemas()
 inference.schema.register_schemas()
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: each worker, and every command it starts, on one thread
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 # A reduction's last bits depend on the thread count: pinned here (and so in every command a test starts), runs
 # that tests compare bit for bit use the same count.
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))

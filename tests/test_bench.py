@@ -91,10 +91,11 @@ def test_checkpointing_fits_larger_batches_and_the_largest_batch_fits() -> None:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the measurement reads /proc/self/status")
-@pytest.mark.parametrize("probe", [memory.MEMORY_PROBES["cpu"][i] for i in (5, 3, 6)])
+@pytest.mark.parametrize("probe", [memory.MEMORY_PROBES["cpu"][i] for i in (3, 6)])
 def test_the_predicted_peak_is_within_15_percent_of_a_measured_one(probe: tuple[int, ...]) -> None:
     """bench.py memory's probe: two AdamW steps in a process of its own, peak RSS above the RSS before the model;
-    GPT-2's vocabulary too, where the head's logits and their gradients dominate."""
+    with activation checkpointing, and with GPT-2's vocabulary, where the head's logits and their gradients
+    dominate (the plain case: the GPU check's dry run, test_gpu_check_dry_run_passes_on_cpu)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(REPO / "bench.py"), "--device", "cpu", "--memory-probe", *map(str, probe)]
     measured = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout)

@@ -3,14 +3,16 @@
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
+import matplotlib
 import matplotlib.image
+import matplotlib.pyplot as plt
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import REPO, run_script
+import plot
+from conftest import run_script
 
 TINY = [
     "model.n_embd=32",
@@ -34,6 +36,25 @@ def sweep(tmp_path: Path, corpus: Path, *params: str) -> subprocess.CompletedPro
         *params,  # last, so they win over TINY's
     ]
     return run_script("train.py", args, cwd=tmp_path)
+
+
+def plot_ok(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[str, str]:
+    """`python plot.py ARGS` in this process, without an interpreter's start and imports: its stdout and stderr. A
+    refusal (SystemExit) fails the test, its stderr in the report."""
+    capsys.readouterr()
+    plot.main(list(args))
+    assert matplotlib.get_backend().lower() == "agg" and not plt.get_fignums()  # no window, no figure left open
+    return capsys.readouterr()
+
+
+def plot_refused(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """`python plot.py ARGS` in this process, which must refuse them with status 2: its stderr."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        plot.main(list(args))
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err
+    return err
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +104,12 @@ def test_a_sweep_value_out_of_range_stops_the_sweep_before_its_first_job(tmp_pat
 
 
 @pytest.mark.parametrize("x_axis", ["iter", "time", "tokens"])
-def test_plot_py_draws_a_sweep_and_prints_a_summary(two_run_sweep: Path, tmp_path: Path, x_axis: str) -> None:
+def test_plot_py_draws_a_sweep_and_prints_a_summary(
+    two_run_sweep: Path, tmp_path: Path, x_axis: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "loss.png"
-    result = subprocess.run(
-        [sys.executable, str(REPO / "plot.py"), str(two_run_sweep), "-o", str(out), "--x", x_axis],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    header, *rows = result.stdout.strip().splitlines()
+    stdout, _ = plot_ok(capsys, str(two_run_sweep), "-o", str(out), "--x", x_axis)
+    header, *rows = stdout.strip().splitlines()
     assert header.split()[:3] == ["run", "differing", "keys"] and len(rows) == 2
     assert "model.n_layer=1" in rows[0] and "model.n_layer=2" in rows[1]
     for row, job in zip(rows, ("0", "1"), strict=True):
@@ -103,25 +120,24 @@ def test_plot_py_draws_a_sweep_and_prints_a_summary(two_run_sweep: Path, tmp_pat
     assert image.shape[0] > 300 and image.shape[1] > 500
 
 
-def test_plot_py_says_when_there_is_no_run(tmp_path: Path) -> None:
-    result = run_script("plot.py", [str(tmp_path)], cwd=tmp_path)
-    assert result.returncode == 2 and result.stderr.startswith("error: no metrics.jsonl in or under")
+def test_plot_py_says_when_there_is_no_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert plot_refused(capsys, str(tmp_path)).startswith("error: no metrics.jsonl in or under")
 
 
-def test_plot_py_names_the_file_it_writes_and_refuses_what_it_cant(two_run_sweep: Path, tmp_path: Path) -> None:
+def test_plot_py_names_the_file_it_writes_and_refuses_what_it_cant(
+    two_run_sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """-o without an extension gets .png, and says so; an unknown extension, a directory or a missing directory
     is one line and status 2, before any work."""
-    result = run_script("plot.py", [str(two_run_sweep), "-o", str(tmp_path / "curves")], cwd=tmp_path)
-    assert result.returncode == 0 and result.stderr.strip().endswith(f"wrote {tmp_path / 'curves.png'}")
-    assert (tmp_path / "curves.png").is_file()
+    _, stderr = plot_ok(capsys, str(two_run_sweep), "-o", str(tmp_path / "curves"))
+    assert stderr.strip().endswith(f"wrote {tmp_path / 'curves.png'}") and (tmp_path / "curves.png").is_file()
     for out, message in [
         (tmp_path / "curves.xyz", "can't write .xyz pictures; use one of"),
         (tmp_path, "is a directory; name a file such as"),
         (tmp_path / "missing" / "loss.png", "no directory"),
     ]:
-        result = run_script("plot.py", [str(two_run_sweep), "-o", str(out)], cwd=tmp_path)
-        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1
+        stderr = plot_refused(capsys, str(two_run_sweep), "-o", str(out))
+        assert message in stderr and "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
 
 
 def test_a_sweep_written_in_a_config_runs_its_grid(tmp_path: Path, corpus_path: Path) -> None:
@@ -131,7 +147,9 @@ def test_a_sweep_written_in_a_config_runs_its_grid(tmp_path: Path, corpus_path: 
     assert rates == [1e-3, 3e-3]
 
 
-def test_plot_py_skips_non_finite_val_losses_when_marking_the_best(tmp_path: Path) -> None:
+def test_plot_py_skips_non_finite_val_losses_when_marking_the_best(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = tmp_path / "run"
     run.mkdir()
     records = [
@@ -140,12 +158,13 @@ def test_plot_py_skips_non_finite_val_losses_when_marking_the_best(tmp_path: Pat
         {"iter": 5, "train_loss": 3.0, "val_loss": 3.5, "elapsed_s": 3.0},
     ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    result = run_script("plot.py", [str(run), "-o", str(tmp_path / "loss.png")], cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "3.5000" in result.stdout and (tmp_path / "loss.png").is_file()
+    stdout, _ = plot_ok(capsys, str(run), "-o", str(tmp_path / "loss.png"))
+    assert "3.5000" in stdout and (tmp_path / "loss.png").is_file()
 
 
-def test_plot_py_tells_repeats_apart_wraps_long_keys_and_reports_wall_time(tmp_path: Path) -> None:
+def test_plot_py_tells_repeats_apart_wraps_long_keys_and_reports_wall_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Two runs of one config once shared a label; a sweep over many keys made the table wider than a screen."""
     long_keys = {f"key_number_{i}": i for i in range(12)}
     for name, config in (("seed_a", {"seed": 1}), ("seed_b", {"seed": 1}), ("wide", {"seed": 2, **long_keys})):
@@ -157,9 +176,8 @@ def test_plot_py_tells_repeats_apart_wraps_long_keys_and_reports_wall_time(tmp_p
             {"iter": 10, "train_loss": 2.5, "val_loss": 2.75, "elapsed_s": 12.5},
         ]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    result = run_script("plot.py", [str(tmp_path), "-o", str(tmp_path / "loss.png")], cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    runs_table, statistics = result.stdout.split("\n\n", 1)  # seed_a and seed_b: a group of two, tested after
+    stdout, _ = plot_ok(capsys, str(tmp_path), "-o", str(tmp_path / "loss.png"))
+    runs_table, statistics = stdout.split("\n\n", 1)  # seed_a and seed_b: a group of two, tested after
     header, *rows = runs_table.splitlines()
     assert header.split()[-2:] == ["wall", "time"]
     assert statistics.splitlines()[0].split()[:2] == ["group", "n"]

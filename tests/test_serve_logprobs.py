@@ -4,19 +4,12 @@ lm-evaluation-harness's local-completions scoring a multiple-choice task through
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from test_serve import PROMPT, Server, sample_py
-
-from evals.hellaswag import Example, ending_scores
-from inference.sampling import load_model
 
 NEW = 150  # past the served run's block_size of 96, with the prompt's 6
 
@@ -113,72 +106,6 @@ def test_a_long_echo_is_scored_between_steps_and_a_short_completion_ends_meanwhi
     choices = echoed[0].json()["choices"]
     assert [c["finish_reason"] for c in choices] == ["length"] * 2
     assert all(len(c["logprobs"]["token_logprobs"]) == len(long) for c in choices)
-
-
-TASK = """task: shakespeare_lines
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{endings}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-"""
-
-
-def _task(corpus: str, count: int = 24) -> list[dict]:
-    """Lines of the corpus cut in two: the true second half against three other lines' (a test's own task)."""
-    lines = [line for line in corpus.splitlines()
-             if 30 <= len(line) <= 60 and line == line.strip() and " " in line[10:-1]][: count * 4]
-    docs = []
-    for i in range(count):
-        cut = lines[i].index(" ", 10)
-        endings = [lines[i][cut + 1 :]] + [lines[j][lines[j].index(" ", 10) + 1 :] for j in (i + count,
-                                                                                              i + 2 * count,
-                                                                                              i + 3 * count)]
-        label = i % 4
-        endings[0], endings[label] = endings[label], endings[0]
-        docs.append({"context": lines[i][:cut], "endings": endings, "label": label})
-    return docs
-
-
-def test_lm_eval_scores_a_task_through_the_server_as_the_project_does_directly(
-    server: Server, served_run: Path, corpus_path: Path, tmp_path: Path
-) -> None:
-    """lm-evaluation-harness's local-completions (tokenizer found through /tokenizer_info): its accuracy equals
-    the project's own multiple-choice scoring (evals/hellaswag.py's summed log-likelihood) of the same task."""
-    docs = _task(corpus_path.read_text(encoding="utf-8"))
-    data = tmp_path / "lines.jsonl"
-    data.write_text("".join(json.dumps(doc) + "\n" for doc in docs), encoding="utf-8")
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "shakespeare_lines.yaml").write_text(TASK.format(data=data), encoding="utf-8")
-    command = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
-               f"model=run,base_url={server.url}/v1/completions", "--tasks", "shakespeare_lines",
-               "--include_path", str(tmp_path / "tasks"), "--output_path", str(tmp_path / "out"), "--log_samples"]
-    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
-           "PATH": "/usr/bin:/bin"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())
-    lm_eval_acc = report["results"]["shakespeare_lines"]["acc,none"]
-
-    samples = [json.loads(line) for line in next((tmp_path / "out").rglob("samples_*.jsonl")).read_text().splitlines()]
-    theirs = {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] for s in samples}  # per ending: its log-lik.
-
-    loaded = load_model(str(served_run), None, "latest", None)
-    model, tokenizer = loaded.model.eval(), loaded.tokenizer
-    correct = 0
-    for i, doc in enumerate(docs):
-        example = Example(tokenizer.encode(doc["context"]), [tokenizer.encode(" " + e) for e in doc["endings"]],
-                          doc["label"])
-        sums, _ = ending_scores(model, example, model.config.block_size, torch.device("cpu"))
-        assert theirs[i] == pytest.approx(sums.tolist(), abs=1e-4)
-        correct += int(sums.argmax()) == doc["label"]
-    assert lm_eval_acc == pytest.approx(correct / len(docs), abs=1e-9)
 
 
 def test_tokenize_gives_end_of_text_its_one_token_as_vllm_does() -> None:

@@ -11,36 +11,39 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from pytest import CaptureFixture
 from scipy import stats as scipy_stats
-from test_experiments import sweep
+from test_experiments import TINY, plot_ok, plot_refused
 
 from analysis.stats import Group, compare, find_baseline, group_runs, run_value, seeds_per_arm
-from conftest import REPO, run_script
+from conftest import REPO, compose_config
+from training.run import train
 
 
 @pytest.fixture(scope="module")
 def seed_sweeps(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
-    """Two real sweeps: lr 1e-4 and 3e-3 (30x) over seeds 1-3; and lr 1e-4 again over seeds 4-6 with a key set
-    that changes nothing computed (train.peak_tflops only scales the MFU)."""
+    """Two sweeps of real runs: lr 1e-4 and 3e-3 (30x) over seeds 1-3 in a/sweep; and lr 1e-4 again over seeds 4-6
+    with a key set that changes nothing computed (train.peak_tflops only scales the MFU) in b/sweep. In-process, as
+    a sweep lays its jobs out (test_experiments runs Hydra's): two train.py starts cost more than the nine runs."""
     tmp = tmp_path_factory.mktemp("seeds")
-    (tmp / "a").mkdir(), (tmp / "b").mkdir()
     longer = ["train.max_iters=30", "train.eval_interval=30", "train.eval_iters=8"]  # clear of the early noise
-    peak = "train.peak_tflops=10.0"
-    first = sweep(tmp / "a", corpus_path, *longer, "train.learning_rate=1e-4,3e-3", peak, "seed=1,2,3")
-    assert first.returncode == 0, first.stderr
-    second = sweep(
-        tmp / "b", corpus_path, *longer, "train.learning_rate=1e-4", "train.peak_tflops=6.0", "seed=4,5,6"
-    )
-    assert second.returncode == 0, second.stderr
+    jobs = {"a": [(lr, 10.0, seed) for lr in ("1e-4", "3e-3") for seed in (1, 2, 3)],
+            "b": [("1e-4", 6.0, seed) for seed in (4, 5, 6)]}
+    for name, settings in jobs.items():
+        for job, (lr, peak, seed) in enumerate(settings):
+            keys = [f"train.learning_rate={lr}", f"train.peak_tflops={peak}", f"seed={seed}"]
+            out = f"out_dir={tmp / name / 'sweep' / str(job)}"
+            train(compose_config([*TINY, f"data.input={corpus_path}", f"data.dir={tmp / 'data'}", out, *longer, *keys]))
     return tmp
 
 
-def test_a_30x_learning_rate_is_found_and_a_key_that_changes_nothing_is_not(seed_sweeps: Path) -> None:
+def test_a_30x_learning_rate_is_found_and_a_key_that_changes_nothing_is_not(
+    seed_sweeps: Path, capsys: CaptureFixture[str]
+) -> None:
     out = seed_sweeps / "ab.json"
     args = [str(seed_sweeps / "a" / "sweep"), str(seed_sweeps / "b" / "sweep"), "-o", str(seed_sweeps / "ab.png")]
     baseline = ["--baseline", "train.learning_rate=1e-4", "train.peak_tflops=10.0"]
-    result = run_script("plot.py", [*args, *baseline, "--json", str(out)], cwd=seed_sweeps)
-    assert result.returncode == 0, result.stderr
+    stdout, _ = plot_ok(capsys, *args, *baseline, "--json", str(out))
     document = json.loads(out.read_text())
     assert document["metric"] == "val_loss"
     groups = document["groups"]
@@ -62,7 +65,7 @@ def test_a_30x_learning_rate_is_found_and_a_key_that_changes_nothing_is_not(seed
     assert null["p_value"] >= 0.05 and null["ci95"][0] < 0 < null["ci95"][1]
     assert "no difference detected at 3 seeds; an effect of" in null["verdict"]
     assert f"about {null['seeds_needed']:,} seeds per arm" in null["verdict"] and null["seeds_needed"] > 3
-    assert strong["verdict"] in result.stdout and null["verdict"] in result.stdout
+    assert strong["verdict"] in stdout and null["verdict"] in stdout
     assert (seed_sweeps / "ab.png").is_file()
 
 
@@ -99,8 +102,9 @@ def _values_sweep(tmp_path: Path, arms: dict[str, tuple[dict, list[float]]]) -> 
     return tmp_path / "sweep"
 
 
-def _plot(tmp_path: Path, *args: str):
-    return run_script("plot.py", [*args, "-o", str(tmp_path / "loss.png")], cwd=tmp_path)
+def _plot(capsys: CaptureFixture[str], tmp_path: Path, *args: str) -> tuple[str, str]:
+    """plot.py in-process, its picture in tmp_path: stdout and stderr."""
+    return plot_ok(capsys, *args, "-o", str(tmp_path / "loss.png"))
 
 
 def test_welch_difference_interval_and_p_value_follow_the_formulas() -> None:
@@ -163,15 +167,16 @@ def test_groups_form_on_the_training_config_and_what_the_runs_resolved(tmp_path:
     assert groups[0].label == "model.n_layer=1 train.dtype=float32 train.learning_rate=0.001"
 
 
-def test_plot_py_groups_on_the_recorded_precision_not_the_typed_auto(tmp_path: Path) -> None:
+def test_plot_py_groups_on_the_recorded_precision_not_the_typed_auto(
+    tmp_path: Path, capsys: CaptureFixture[str]
+) -> None:
     for seed, dtype in enumerate(["float32", "float32", "bfloat16", "bfloat16"]):
         settings = {"device": "cpu", "train.dtype": dtype, "train.compile": False, "threads": 2}
         _fake_run(tmp_path / "sweep" / str(seed), {"seed": seed, "train": {"dtype": "auto"}}, [3.0, 2 + seed], settings)
-    result = _plot(tmp_path, str(tmp_path / "sweep"))
-    assert result.returncode == 0, result.stderr
-    assert re.search(r"^train.dtype=float32 \(baseline\) +2 ", result.stdout, re.M)
-    assert re.search(r"^train.dtype=bfloat16 +2 ", result.stdout, re.M)
-    assert "train.dtype=bfloat16 vs train.dtype=float32: +2 val_loss" in result.stdout
+    stdout, _ = _plot(capsys, tmp_path, str(tmp_path / "sweep"))
+    assert re.search(r"^train.dtype=float32 \(baseline\) +2 ", stdout, re.M)
+    assert re.search(r"^train.dtype=bfloat16 +2 ", stdout, re.M)
+    assert "train.dtype=bfloat16 vs train.dtype=float32: +2 val_loss" in stdout
 
 
 def test_baseline_values_match_as_the_config_holds_them() -> None:
@@ -213,7 +218,7 @@ def test_run_value_picks_each_metric() -> None:
     assert run_value(records, "hellaswag_acc") is None
 
 
-def test_plot_py_refuses_what_it_cannot_test_in_one_line(tmp_path: Path) -> None:
+def test_plot_py_refuses_what_it_cannot_test_in_one_line(tmp_path: Path, capsys: CaptureFixture[str]) -> None:
     sweep_dir = _values_sweep(tmp_path, {"a": ({"k": 1}, [1.0, 1.1]), "b": ({"k": 2}, [1.2, 1.3])})
     for args, message in [
         (["--baseline", "k=3"], "error: --baseline k=3 matches no group; the groups: k=1; k=2"),
@@ -221,18 +226,17 @@ def test_plot_py_refuses_what_it_cannot_test_in_one_line(tmp_path: Path) -> None
         (["--metric", "time_to_target_s"], "error: --metric time_to_target_s: 4 of 4 runs recorded none ("),
         (["--json", str(tmp_path / "missing" / "x.json")], "error: --json "),
     ]:
-        result = _plot(tmp_path, str(sweep_dir), *args)
-        assert result.returncode == 2 and result.stderr.startswith(message), result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+        stderr = plot_refused(capsys, str(sweep_dir), *args, "-o", str(tmp_path / "loss.png"))
+        assert stderr.startswith(message), stderr
+        assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
 
 
-def test_plot_py_warns_for_groups_of_one_and_compares_the_rest(tmp_path: Path) -> None:
+def test_plot_py_warns_for_groups_of_one_and_compares_the_rest(tmp_path: Path, capsys: CaptureFixture[str]) -> None:
     arms = {"a": ({"k": 1}, [1.0, 1.1, 1.05]), "b": ({"k": 2}, [1.5, 1.6, 1.55]), "c": ({"k": 3}, [1.0])}
     out = tmp_path / "ab.json"
-    result = _plot(tmp_path, str(_values_sweep(tmp_path, arms)), "--json", str(out))
-    assert result.returncode == 0, result.stderr
-    assert "warning: k=3 has one run: no interval and no test; repeat it over seeds" in result.stderr
-    assert re.search(r"^k=3 +1 +1.0000 +- +- \(one run\)$", result.stdout, re.M)
+    stdout, stderr = _plot(capsys, tmp_path, str(_values_sweep(tmp_path, arms)), "--json", str(out))
+    assert "warning: k=3 has one run: no interval and no test; repeat it over seeds" in stderr
+    assert re.search(r"^k=3 +1 +1.0000 +- +- \(one run\)$", stdout, re.M)
     document = json.loads(out.read_text())
     assert set(document) == {"metric", "groups", "comparisons"}
     assert [g["ci95"] is None for g in document["groups"]] == [False, False, True]
@@ -243,65 +247,58 @@ def test_plot_py_warns_for_groups_of_one_and_compares_the_rest(tmp_path: Path) -
     assert comparison["diff"] == pytest.approx(0.5) and comparison["p_value"] < 0.01
 
 
-def test_plot_py_without_replicates_prints_no_statistics(tmp_path: Path) -> None:
+def test_plot_py_without_replicates_prints_no_statistics(tmp_path: Path, capsys: CaptureFixture[str]) -> None:
     """Runs that all differ are compared run by run, as before; with repeats a group picture is drawn."""
     sweep_dir = _values_sweep(tmp_path, {"a": ({"k": 1}, [1.0]), "b": ({"k": 2}, [1.2])})
-    result = _plot(tmp_path, str(sweep_dir))
-    assert result.returncode == 0 and "95% CI" not in result.stdout and "warning" not in result.stderr
-    single = _plot(tmp_path, str(sweep_dir / "a_1"), "--metric", "best_val_loss")  # asked: one group, no test
-    assert single.returncode == 0 and re.search(r"^all runs +1 +1.0000 ", single.stdout, re.M)
+    stdout, stderr = _plot(capsys, tmp_path, str(sweep_dir))
+    assert "95% CI" not in stdout and "warning" not in stderr
+    single, _ = _plot(capsys, tmp_path, str(sweep_dir / "a_1"), "--metric", "best_val_loss")  # asked: one group
+    assert re.search(r"^all runs +1 +1.0000 ", single, re.M)
 
 
-def test_plot_py_draws_identical_replicates_and_groups_sharing_no_evaluation(tmp_path: Path) -> None:
+def test_plot_py_draws_identical_replicates_and_groups_sharing_no_evaluation(
+    tmp_path: Path, capsys: CaptureFixture[str]
+) -> None:
     """Reruns of one seed are bit-identical on a CPU: three equal values once made a negative error bar."""
     _values_sweep(tmp_path / "same", {"a": ({"k": 1}, [1.6, 1.6, 1.6]), "b": ({"k": 2}, [1.7, 1.7, 1.7])})
-    result = _plot(tmp_path, str(tmp_path / "same" / "sweep"))
-    assert result.returncode == 0, result.stderr
+    stdout, _ = _plot(capsys, tmp_path, str(tmp_path / "same" / "sweep"))
     assert "k=2 vs k=1: +0.1 val_loss [+0.1, +0.1], p < 0.0001, 3 seeds each: the runs of each group are identical" in (
-        result.stdout
+        stdout
     )
     apart = tmp_path / "apart"
     _fake_run(apart / "r1", {"k": 1, "seed": 1}, [3.0, 2.0])
     run2 = _fake_run(apart / "r2", {"k": 1, "seed": 2}, [3.0, 2.1])
     lines = (run2 / "metrics.jsonl").read_text().replace('"iter": 0,', '"iter": 1,').replace('"iter": 5,', '"iter": 6,')
     (run2 / "metrics.jsonl").write_text(lines)
-    result = _plot(tmp_path, str(apart), "--json", str(tmp_path / "apart.json"))
-    assert result.returncode == 0, result.stderr
-    assert "warning: the runs of all runs share no evaluation's iteration: not drawn" in result.stderr
+    _, stderr = _plot(capsys, tmp_path, str(apart), "--json", str(tmp_path / "apart.json"))
+    assert "warning: the runs of all runs share no evaluation's iteration: not drawn" in stderr
 
 
-def test_plot_py_baseline_pairs_before_the_runs_lists_and_absent_keys(tmp_path: Path) -> None:
+def test_plot_py_baseline_pairs_before_the_runs_lists_and_absent_keys(
+    tmp_path: Path, capsys: CaptureFixture[str]
+) -> None:
     """`--baseline K=V DIR`: DIR is a run directory; a list matches as its label writes it; a key that older runs
     lack is a value of its own, not null."""
     for i, (config, final) in enumerate([({"w": [1, 2]}, 1.0), ({"w": [1, 2]}, 1.1), ({"w": [3]}, 2.0)]):
         _fake_run(tmp_path / "sweep" / f"r{i}", {**config, "seed": i}, [3.0, final])
     _fake_run(tmp_path / "sweep" / "r3", {"w": [3], "seed": 3}, [3.0, 2.2])
     _fake_run(tmp_path / "old" / "r4", {"seed": 4}, [3.0, 2.5])
-    result = _plot(tmp_path, "--baseline", "w=[1,2]", str(tmp_path / "sweep"), str(tmp_path / "old"))
-    assert result.returncode == 0, result.stderr
-    assert re.search(r"^w=\[1,2\] \(baseline\) +2 ", result.stdout, re.M)
-    assert re.search(r"^w=<absent> +1 ", result.stdout, re.M) and "w=[3] vs w=[1,2]: +1.05 val_loss" in result.stdout
+    stdout, _ = _plot(capsys, tmp_path, "--baseline", "w=[1,2]", str(tmp_path / "sweep"), str(tmp_path / "old"))
+    assert re.search(r"^w=\[1,2\] \(baseline\) +2 ", stdout, re.M)
+    assert re.search(r"^w=<absent> +1 ", stdout, re.M) and "w=[3] vs w=[1,2]: +1.05 val_loss" in stdout
 
 
-def test_plot_py_refuses_a_diverged_final_evaluation_when_asked(tmp_path: Path) -> None:
+def test_plot_py_refuses_a_diverged_final_evaluation_when_asked(tmp_path: Path, capsys: CaptureFixture[str]) -> None:
     sweep_dir = _values_sweep(tmp_path, {"a": ({"k": 1}, [1.0, 1.1]), "b": ({"k": 2}, [1.2, math.nan])})
-    result = _plot(tmp_path, str(sweep_dir), "--baseline", "k=1")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.startswith("error: --metric val_loss: 1 run(s) ended with NaN or inf (")
-    quiet = _plot(tmp_path, str(sweep_dir))  # not asked: the curves as before, a warning, no statistics
-    assert quiet.returncode == 0 and "no statistics" in quiet.stderr and "95% CI" not in quiet.stdout
-    best = _plot(tmp_path, str(sweep_dir), "--metric", "best_val_loss")
-    assert best.returncode == 0, best.stderr
-
-
-def _plot_in(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    """plot.py with a timeout short enough that a read that blocks (a FIFO) fails the test."""
-    return subprocess.run([sys.executable, str(REPO / "plot.py"), *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=60)
+    stderr = plot_refused(capsys, str(sweep_dir), "--baseline", "k=1", "-o", str(tmp_path / "loss.png"))
+    assert stderr.startswith("error: --metric val_loss: 1 run(s) ended with NaN or inf (") and "Traceback" not in stderr
+    stdout, stderr = _plot(capsys, tmp_path, str(sweep_dir))  # not asked: the curves, a warning, no statistics
+    assert "no statistics" in stderr and "95% CI" not in stdout
+    _plot(capsys, tmp_path, str(sweep_dir), "--metric", "best_val_loss")  # status 0: compared on the best
 
 
 def _damage(sweep_dir: Path) -> dict[str, str]:
-    """One run of each kind plot.py must skip, and what its warning says: {run name: problem}."""
+    """One run of each kind of damaged regular file plot.py must skip, and what its warning says: {run: problem}."""
     string_loss = _fake_run(sweep_dir / "string_loss", {"k": 9, "seed": 1}, [3.0, 2.0])
     text = (string_loss / "metrics.jsonl").read_text().replace('"val_loss": 2.0', '"val_loss": "2.0"')
     (string_loss / "metrics.jsonl").write_text(text)
@@ -312,63 +309,91 @@ def _damage(sweep_dir: Path) -> dict[str, str]:
     (bad_utf8 / "config.yaml").write_bytes(b"k: caf\xe9\n")
     not_yaml = _fake_run(sweep_dir / "not_yaml", {"k": 9, "seed": 4}, [3.0])
     (not_yaml / "config.yaml").write_text("k: [1, 2\n")
-    (sweep_dir / "fifo").mkdir()
-    os.mkfifo(sweep_dir / "fifo" / "metrics.jsonl")
-    (sweep_dir / "zero").mkdir()
-    (sweep_dir / "zero" / "metrics.jsonl").symlink_to("/dev/zero")
     return {
         "string_loss": "metrics.jsonl: the line of iter 5 has val_loss='2.0', not a number",
         "no_train_loss": "metrics.jsonl: the line of iter 15 has no train_loss",
         "bad_utf8": "config.yaml: not UTF-8 text (byte 6 is 0xe9)",
         "not_yaml": "config.yaml: not YAML (",
-        "fifo": "metrics.jsonl: a FIFO, not a regular file",
-        "zero": "metrics.jsonl: a character device behind a link, not a regular file",
     }
 
 
-def test_plot_py_skips_each_damaged_run_with_one_warning_and_plots_the_rest(tmp_path: Path) -> None:
-    sweep_dir = _values_sweep(tmp_path, {"a": ({"k": 1}, [1.0, 1.1])})
-    problems = _damage(sweep_dir)
-    result = _plot_in(tmp_path, str(sweep_dir))
-    assert result.returncode == 0, result.stderr
-    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
-    assert len(warnings) == len(problems) and "Traceback" not in result.stderr
+def _skipped(stderr: str, sweep_dir: Path, problems: dict[str, str]) -> None:
+    """One warning per damaged run, naming it and its problem."""
+    warnings = [line for line in stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == len(problems) and "Traceback" not in stderr
     for run, problem in problems.items():
         (line,) = [w for w in warnings if w.startswith(f"warning: {sweep_dir / run}/")]
         assert problem in line and line.endswith("; run skipped"), line
-    table = result.stdout.split("\n\n")[0]
+
+
+def test_plot_py_skips_each_damaged_run_with_one_warning_and_plots_the_rest(
+    tmp_path: Path, capsys: CaptureFixture[str]
+) -> None:
+    sweep_dir = _values_sweep(tmp_path, {"a": ({"k": 1}, [1.0, 1.1])})
+    problems = _damage(sweep_dir)
+    stdout, stderr = plot_ok(capsys, str(sweep_dir))
+    _skipped(stderr, sweep_dir, problems)
+    table = stdout.split("\n\n")[0]
     assert str(sweep_dir / "a_1") in table and str(sweep_dir / "a_2") in table
     assert not any(str(sweep_dir / run) in table for run in problems)
     assert (sweep_dir / "loss.png").is_file()
 
 
-def test_plot_py_with_every_run_damaged_is_one_line_and_status_2(tmp_path: Path) -> None:
+def test_plot_py_with_every_run_damaged_is_one_line_and_status_2(tmp_path: Path, capsys: CaptureFixture[str]) -> None:
     problems = _damage(tmp_path / "sweep")
-    result = _plot_in(tmp_path, str(tmp_path / "sweep"))
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    (line,) = result.stderr.splitlines()
+    stderr = plot_refused(capsys, str(tmp_path / "sweep"))
+    (line,) = stderr.splitlines()
     assert line.startswith(f"error: all {len(problems)} runs are damaged, the first: {tmp_path / 'sweep'}/")
-    alone = _plot_in(tmp_path, str(tmp_path / "sweep" / "fifo"))
+    assert "Traceback" not in stderr
+
+
+def _plot_in(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """plot.py with a timeout short enough that a read that blocks (a FIFO) fails the test."""
+    return subprocess.run([sys.executable, str(REPO / "plot.py"), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_plot_py_command_skips_a_fifo_and_a_device_behind_a_link_and_refuses_a_fifo_alone(tmp_path: Path) -> None:
+    """The command end to end, in a subprocess: a read that would block (a FIFO) or never end (/dev/zero) fails
+    this test by its timeout rather than hanging the suite; a run that can't be read alone is one line, status 2."""
+    sweep_dir = _values_sweep(tmp_path, {"a": ({"k": 1}, [1.0, 1.1])})
+    (sweep_dir / "fifo").mkdir()
+    os.mkfifo(sweep_dir / "fifo" / "metrics.jsonl")
+    (sweep_dir / "zero").mkdir()
+    (sweep_dir / "zero" / "metrics.jsonl").symlink_to("/dev/zero")
+    problems = {
+        "fifo": "metrics.jsonl: a FIFO, not a regular file",
+        "zero": "metrics.jsonl: a character device behind a link, not a regular file",
+    }
+    result = _plot_in(tmp_path, str(sweep_dir))
+    assert result.returncode == 0, result.stderr
+    _skipped(result.stderr, sweep_dir, problems)
+    table = result.stdout.split("\n\n")[0]
+    assert str(sweep_dir / "a_1") in table and not any(str(sweep_dir / run) in table for run in problems)
+    alone = _plot_in(tmp_path, str(sweep_dir / "fifo"))
     assert alone.returncode == 2 and alone.stderr == (
-        f"error: {tmp_path / 'sweep' / 'fifo' / 'metrics.jsonl'}: a FIFO, not a regular file; nothing left to plot\n"
+        f"error: {sweep_dir / 'fifo' / 'metrics.jsonl'}: a FIFO, not a regular file; nothing left to plot\n"
     )
 
 
-def test_plot_py_writes_its_picture_into_the_sweep_folder_titled_with_groups_and_runs(tmp_path: Path) -> None:
+def test_plot_py_writes_its_picture_into_the_sweep_folder_titled_with_groups_and_runs(
+    tmp_path: Path, capsys: CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Not into the current directory; the title counts groups and runs; the legend says what ± is."""
     from PIL import Image
 
     sweep_dir = _values_sweep(tmp_path, {"a": ({"k": 1}, [1.0, 1.1, 1.2]), "b": ({"k": 2}, [1.5, 1.6, 1.7])})
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    result = _plot_in(elsewhere, str(sweep_dir))
-    assert result.returncode == 0, result.stderr
-    assert result.stderr.strip().endswith(f"wrote {sweep_dir / 'loss.png'}") and not list(elsewhere.iterdir())
-    text = Image.open(sweep_dir / "loss.png").text
+    monkeypatch.chdir(elsewhere)
+    _, stderr = plot_ok(capsys, str(sweep_dir))
+    assert stderr.strip().endswith(f"wrote {sweep_dir / 'loss.png'}") and not list(elsewhere.iterdir())
+    with Image.open(sweep_dir / "loss.png") as image:
+        text = image.text
     assert text["Title"] == "2 groups, 6 runs in all: loss against iter"
     legend = text["Description"].splitlines()
     assert legend[0] == "each group: n runs, val_loss: mean ± 95% CI half-width"
     half = (scipy_stats.t.ppf(0.975, 2) * 0.1 / math.sqrt(3))  # the table's interval, [mean - half, mean + half]
     assert legend[1] == f"k=1 (baseline): n=3, val_loss 1.1000 ± {half:.4f}"
-    two = _plot_in(elsewhere, str(sweep_dir / "a_1"), str(sweep_dir / "b_1"))  # several: the folder holding them
-    assert two.returncode == 0 and two.stderr.strip().endswith(f"wrote {sweep_dir / 'loss.png'}")
+    _, two = plot_ok(capsys, str(sweep_dir / "a_1"), str(sweep_dir / "b_1"))  # several: the folder holding them
+    assert two.strip().endswith(f"wrote {sweep_dir / 'loss.png'}")

@@ -99,7 +99,7 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
     for _ in range(n):
         nanogpt_step()
     reference = n * tokens_per_iter / timed(nanogpt_step, runtime.device, n)
-    peak = datasheet_peak(runtime.device, runtime.dtype)
+    peak = datasheet_peak(runtime.device, runtime.dtype) if runtime.is_cuda else None
     source = "datasheet" if peak else f"measured {runtime.dtype_name} matmul"
     peak = peak or matmul_flops(runtime.device, runtime.dtype)
     return [

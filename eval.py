@@ -1,7 +1,5 @@
-"""Score a model beyond the training loop's val loss: sliding-window loss, perplexity and bits per byte of a text
-(or of a run's own val split), and HellaSwag accuracy (evals/). Readable lines, then one JSON object as the last
-line, go to stdout; progress bars to stderr. usage() lists the keys set most.
-"""
+"""Score a model: sliding-window loss, perplexity and bits per byte of a text (or a run's val split), and HellaSwag
+accuracy (evals/). Readable lines, then one JSON line, go to stdout; progress to stderr. usage(): the keys set most."""
 
 import json
 import math
@@ -9,7 +7,7 @@ import math
 import hydra
 from omegaconf import DictConfig
 
-from common.config import exit_on_user_error, run_hydra, stdout_reader_may_leave, typed_config
+from common.config import end_quietly_when_stdout_closes, exit_on_user_error, run_hydra, typed_config
 from inference.eval_run import readable, run_eval
 from inference.schema import EvalConfig, register_schemas
 
@@ -38,11 +36,11 @@ Every key: docs/reference.md. Hydra's own flags: --hydra-help."""
 def main(dict_cfg: DictConfig) -> None:
     with exit_on_user_error():
         record = run_eval(typed_config(dict_cfg, EvalConfig))  # checked: one line for a bad value
-    with stdout_reader_may_leave():
-        for line in readable(record):
-            print(line)
-        # NaN (bits per byte of a text that is all special tokens) isn't JSON: null
-        print(json.dumps({k: None if isinstance(v, float) and math.isnan(v) else v for k, v in record.items()}))
+    end_quietly_when_stdout_closes()
+    for line in readable(record):
+        print(line)
+    # NaN (bits per byte of a text that is all special tokens) isn't JSON: null
+    print(json.dumps({k: None if isinstance(v, float) and math.isnan(v) else v for k, v in record.items()}))
 
 
 if __name__ == "__main__":

@@ -141,8 +141,7 @@ def print_rows(rows: list[list[str]]) -> None:
 
 def replicate_groups(runs: list[Path], configs: list[dict[str, Any]], records: list[list[dict[str, Any]]],
                      args: argparse.Namespace) -> list[Group] | None:
-    """The groups of runs repeated over seeds, the baseline first; None when no run has a replicate and no
-    statistics were asked for."""
+    """The replicate groups, baseline first; None when no run has a replicate and no statistics were asked for."""
     asked = bool(args.baseline or args.json or args.metric != "val_loss")
     values = [run_value(r, args.metric) for r in records]
     groups = group_runs(runs, configs, values)  # type: ignore[arg-type]  # checked next, if they matter
@@ -273,8 +272,7 @@ def _draw_runs(ax: Any, summaries: list[dict[str, Any]], x_of: Any) -> None:
 
 
 def _draw_groups(ax: Any, groups: list[Group], by_run: dict[Path, dict[str, Any]], x_of: Any, metric: str) -> None:
-    """Faint: the mean train loss; dots: the mean val loss with its runs' min-max as a band and a bar, at the
-    iterations every run of the group recorded."""
+    """Faint: mean train loss; dots: mean val loss with the runs' min-max as band and bar, at shared iterations."""
     for i, g in enumerate(groups):
         color = f"C{i % 10}"
         runs = [by_run[run] for run in g.runs]

@@ -6,18 +6,18 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from common.config import exit_on_user_error, literal_text, run_hydra, stdout_reader_may_leave, typed_config
+from common.config import end_quietly_when_stdout_closes, exit_on_user_error, literal_text, run_hydra, typed_config
 from inference.sampling import SEPARATOR, Sampler, load_sampler, stop_strings, warn
 from inference.schema import SampleConfig, register_schemas
 from model.gpt import Decoding
 
 register_schemas()
-TEXT_KEYS = ("start", "stop")  # taken literally: a prompt's ${...} is text, not an interpolation
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="sample")
 def main(dict_cfg: DictConfig) -> None:
-    with exit_on_user_error(), stdout_reader_may_leave():
+    end_quietly_when_stdout_closes()
+    with exit_on_user_error():
         cfg = typed_config(dict_cfg, SampleConfig)
         if cfg.attention_dir:  # before any work: nothing of the user's is overwritten
             from analysis.attention_maps import check_output_dir
@@ -27,8 +27,7 @@ def main(dict_cfg: DictConfig) -> None:
         decoding = Decoding(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
         count = 1 if decoding.greedy else cfg.num_samples
         if count < cfg.num_samples:
-            print(f"greedy decoding: the {cfg.num_samples} samples would be the same text, so one is drawn",
-                  file=sys.stderr)
+            warn(f"greedy decoding: the {cfg.num_samples} samples would be the same text, so one is drawn")
         stream = sys.stdout.isatty() if cfg.stream is None else cfg.stream
         stop = stop_strings(cfg.stop, sampler.tokenizer)
         samples = sampler.generate(prompt, count, cfg.max_new_tokens, decoding, use_cache=cfg.use_cache, stop=stop,
@@ -104,5 +103,6 @@ Every key: docs/reference.md. Hydra's own flags: --hydra-help."""
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = literal_text(sys.argv[1:], TEXT_KEYS)
+    if any("${" in arg for arg in sys.argv[1:]):  # a prompt's ${...} is text, not an interpolation
+        sys.argv[1:] = literal_text(sys.argv[1:], ("start", "stop"))
     run_hydra(main, SampleConfig, usage=usage)

@@ -1,7 +1,5 @@
-"""Serve a trained model through OpenAI's completions API, with continuous batching, and a live page; usage()
-lists the keys set most. Any OpenAI client works. Greedy text equals sample.py's at temperature=0, and a request's
-seed S gives choice i the draws of sample.py's sample i with seed=S.
-"""
+"""Serve a model through OpenAI's completions API (continuous batching) and a live page; usage() lists the keys set
+most. Greedy text equals sample.py's at temperature=0; seed S gives choice i sample.py's sample i at seed=S."""
 
 import hydra
 from omegaconf import DictConfig

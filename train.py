@@ -1,9 +1,12 @@
-"""Train a GPT: `python train.py experiment=shakespeare_char_cpu` (a CPU, minutes). `--help`: settings, presets,
-examples; `-m`: a sweep; torchrun: several GPUs (docs/scaling.md)."""
+"""Train a GPT: `python train.py experiment=shakespeare_char_cpu`; --help: settings; torchrun: docs/scaling.md."""
 
 import logging
+import multiprocessing
+import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,11 +63,9 @@ Every key: docs/reference.md. Hydra's own flags: --hydra-help."""
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
-    job = None
-    if hydra_cfg.mode == RunMode.MULTIRUN:
-        job = f"job {hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)})"
-        if not any(o.lstrip("+").startswith("out_dir=") for o in hydra_cfg.overrides.task):
-            cfg.out_dir = hydra_cfg.runtime.output_dir  # one run directory per job, under the sweep directory
+    job = _sweep_job(cfg, hydra_cfg) if hydra_cfg.mode == RunMode.MULTIRUN else None
+    if multiprocessing.parent_process() is not None:  # a joblib sweep's worker
+        _stop_with_the_sweep()
     if hydra_cfg.mode == RunMode.RUN and not hydra_cfg.overrides.task:
         log.info(_defaults_note(cfg, hydra_cfg.runtime.choices))
     with exit_on_user_error(job):
@@ -72,7 +73,37 @@ def main(cfg: DictConfig) -> None:
             cfg = resumed_config(cfg, list(hydra_cfg.overrides.task), TrainRunConfig)
         result = train(cfg, on_run_opened=_hydra_files(cfg, hydra_cfg))
     if result.stopped_by is not None:
-        sys.exit(128 + signal.Signals[result.stopped_by].value)  # the shell's convention for "killed by"
+        _exit(128 + signal.Signals[result.stopped_by].value)  # the shell's convention for "killed by"
+
+
+def _exit(code: int) -> None:
+    """A joblib sweep's worker ends here: the sweep's process, its parent, is gone."""
+    if multiprocessing.parent_process() is None:
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _stop_with_the_sweep() -> None:
+    """A joblib sweep's worker: once the sweep's process is gone (SIGTERM to it alone), the job stops as on SIGTERM."""
+    sweep = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == sweep:  # loky's workers have no sentinel of their parent to wait on
+            time.sleep(0.2)
+        requests = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)  # the loop's StopRequests
+        if requests is None or requests.signal is None:  # before the loop: as SIGTERM would, with nothing to save
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _sweep_job(cfg: DictConfig, hydra_cfg: DictConfig) -> str:
+    """A sweep job's name for its messages; its run directory is its own, under the sweep's, unless out_dir is set."""
+    if not any(o.lstrip("+").startswith("out_dir=") for o in hydra_cfg.overrides.task):
+        cfg.out_dir = hydra_cfg.runtime.output_dir
+    return f"job {hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)})"
 
 
 def _defaults_note(cfg: DictConfig, choices: DictConfig) -> str:
@@ -85,20 +116,16 @@ def _defaults_note(cfg: DictConfig, choices: DictConfig) -> str:
 
 
 def _hydra_files(cfg: DictConfig, hydra_cfg: DictConfig) -> Callable[[Path], None]:
-    """Hydra's record of the command (.hydra/: config.yaml, hydra.yaml, overrides.yaml), written once this
-    process holds the run and the run accepted the command (configs/config.yaml keeps Hydra from writing)."""
-    records = {
-        "config.yaml": OmegaConf.create(OmegaConf.to_container(cfg)),  # as composed, interpolations unresolved
-        "hydra.yaml": OmegaConf.create({"hydra": hydra_cfg}),
-        "overrides.yaml": OmegaConf.create(list(hydra_cfg.overrides.task)),
-    }
+    """Hydra's record of the command in .hydra/, written once the run holds out_dir (Hydra itself doesn't)."""
+    records = {"config.yaml": cfg, "hydra.yaml": {"hydra": hydra_cfg}, "overrides.yaml": hydra_cfg.overrides.task}
+    records = {name: OmegaConf.to_yaml(record) for name, record in records.items()}  # interpolations unresolved
 
     def save(out_dir: Path) -> None:
         if cfg.resume and (out_dir / ".hydra" / "hydra.yaml").is_file():
             return  # the record of the command that started the run stays: a resume reads its config groups
         (out_dir / ".hydra").mkdir(exist_ok=True)
-        for name, record in records.items():
-            write_text_atomically(out_dir / ".hydra" / name, OmegaConf.to_yaml(record))
+        for name, text in records.items():
+            write_text_atomically(out_dir / ".hydra" / name, text)
 
     return save
 

@@ -1,9 +1,5 @@
-"""Attention weights of a trained model, saved as numbers (attention.npz) and pictures (one PNG per layer).
-
-How to read a picture: one heat map per head; row i is query position i, column j key position j, and the
-colour is how much token i attends to token j (a row sums to 1). The masked cells (above the diagonal, and outside
-a sliding window's band) are exactly 0 and drawn in grey, apart from small weights, which run from black up.
-"""
+"""Attention weights of a trained model, saved as numbers (attention.npz) and pictures (one PNG per layer, a heat map
+per head: row i is query i, column j key j, a row sums to 1). Masked cells, exactly 0, are grey; small weights black."""
 
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ import numpy as np
 import torch
 
 from analysis.diagnostics import DIAGNOSTIC_NAMES, head_diagnostics
-from data.errors import DataError
+from common.errors import DataError
 from model import GPT, causal_mask
 
 EXPLORER_MARK = "<!-- The attention explorer."  # the first comment of analysis/explorer_page.html
@@ -45,8 +41,7 @@ OURS = re.compile(r"attention\.npz|index\.html|attention_layer\d+\.png")  # ever
 
 
 def check_output_dir(out_dir: Path, key: str = "attention_dir") -> None:
-    """Before any work: the directory is new, empty, or holds only what an earlier attention_dir=... wrote, and
-    its index.html, if any, is the explorer's. Anything else is the user's, never overwritten: DataError."""
+    """Before any work: DataError unless out_dir is new, empty or holds only what an earlier attention_dir wrote."""
     if not out_dir.is_dir():
         return
     strangers = [p.name for p in sorted(out_dir.iterdir()) if not OURS.fullmatch(p.name) or not p.is_file()]

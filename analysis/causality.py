@@ -1,7 +1,5 @@
-"""The end-to-end proof of masked attention: change one token and watch which logits move. With a causal mask the
-logits before the changed position p stay exactly the same and those from it on change; with sliding windows in
-every layer the change reaches p .. p + receptive_field - 1 and no further. Both attention paths, the same weights.
-"""
+"""The end-to-end proof of masked attention: change token p and watch which logits move. Those before p stay exactly
+the same; with sliding windows in every layer, none past p + receptive_field - 1 move. Both paths, the same weights."""
 
 from __future__ import annotations
 
@@ -45,9 +43,8 @@ class CausalityReport:
 
 def check_causality(model: GPT, ids: list[int], position: int | None = None,
                     replacement: int | None = None) -> CausalityReport:
-    """Perturb token `position` (to `replacement`; by default the next token id) and compare logits, for every
-    attention path. The default position is the middle token, or, when the receptive field ends inside the
-    sequence, the one that centres the field's span, so that unchanged positions show on both sides."""
+    """Change token `position` (to `replacement`, default the next id) and compare logits on every attention path.
+    Default position: the middle, or the one centring the receptive field's span, so unchanged ones show either side."""
     if position is None:
         field = model.config.receptive_field
         position = len(ids) // 2 if field is None or len(ids) < field + 2 else (len(ids) - field) // 2

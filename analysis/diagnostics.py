@@ -1,5 +1,5 @@
-"""Per-head numbers that say what a head does, so a reader can find the interesting heads without looking at all
-of them: TransformerLens's definitions (formulas in docs/attention_explorer.md)."""
+"""What each head does: per-head numbers (TransformerLens's definitions, formulas in docs/attention_explorer.md), and
+the weights each KV-cache decode step used (the mask at work during generation, not the full matrix replayed)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from model import GPT
+from model.attention import KVCache
 
 DIAGNOSTIC_NAMES = ("entropy", "mean_distance", "first_token", "previous_token", "induction")
 INDUCTION_REPEAT = 50  # random tokens per repeat (fewer when block_size can't hold two)
@@ -39,9 +40,8 @@ def pattern_scores(weights: np.ndarray) -> np.ndarray:
 
 @torch.no_grad()
 def induction_scores(model: GPT) -> np.ndarray:
-    """(n_layer, n_head): R random tokens repeated twice; the mean, over the second repeat's queries i, of the
-    weight on key i - R + 1, the token that followed the current token's previous occurrence (the stripe of
-    TransformerLens's main demo, without its BOS token). NaN when block_size can't hold two repeats of 2."""
+    """(n_layer, n_head): R random tokens repeated twice; mean weight of the second repeat's queries i on key i - R + 1,
+    the token after the current one's previous occurrence (TransformerLens's stripe, no BOS). NaN if block_size < 4."""
     config = model.config
     repeat = min(config.block_size // 2, INDUCTION_REPEAT)
     if repeat < 2:
@@ -52,3 +52,41 @@ def induction_scores(model: GPT) -> np.ndarray:
     weights = model.attention_weights(idx)[:, 0].float().cpu().numpy()  # (n_layer, n_head, 2R, 2R)
     stripe = np.diagonal(weights, offset=1 - repeat, axis1=-2, axis2=-1)  # (i, i - R + 1) for i = R - 1 .. 2R - 1
     return stripe[..., 1:].mean(-1)  # queries R .. 2R - 1: the second repeat
+
+
+@torch.no_grad()
+def decode_step_weights(model: GPT, ids: list[int], n_prefill: int, last: int | None = None) -> np.ndarray:
+    """Run `ids` as generation does (n_prefill prompt tokens in one pass, then a cached step per token): (steps,
+    n_layer, n_head, last), the last `last` tokens' steps (default: all) over the last `last` keys, 0 where none cached.
+    Captured on the math path from the same queries and cached keys: the fused path doesn't return its weights."""
+    T = len(ids)
+    if not 1 <= n_prefill <= T:
+        raise ValueError(f"n_prefill={n_prefill} must be between 1 and the {T} tokens")
+    last = T if last is None else min(last, T)
+    start = T - last  # the first key position kept
+    first_step = max(n_prefill, start)
+    idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    attentions = [block.attn for block in model.transformer.h]
+    captured: list[torch.Tensor] = []
+    steps = np.zeros((T - first_step, len(attentions), model.config.n_head, last), dtype=np.float32)
+    cache = KVCache(model.config)
+
+    def capture(on: bool) -> None:
+        for attn in attentions:
+            attn.captured = captured if on else None
+
+    try:
+        model.hidden(idx[:, :n_prefill], cache)  # the prompt on the model's own path: no T x T weights kept
+        for t in range(n_prefill, T):
+            capture(t >= first_step)
+            captured.clear()
+            model.hidden(idx[:, t : t + 1], cache)
+            if t < first_step:
+                continue
+            for layer, weights in enumerate(captured):  # (1, n_head, 1, keys the cache returned, ending at t)
+                row = weights[0, :, 0].float().cpu().numpy()
+                lo = t - row.shape[-1] + 1  # the first key's position
+                steps[t - first_step, layer, :, max(lo, start) - start : t + 1 - start] = row[:, max(0, start - lo) :]
+    finally:
+        capture(False)
+    return steps

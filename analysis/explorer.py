@@ -1,6 +1,5 @@
-"""The attention explorer: DIR/index.html, one self-contained page to point at a token and see where it looks, flip
-through layers and heads, and step through generation. The page's code is analysis/explorer_page.html; this module
-fills in its data, one JSON object in <script id="explorer-data" type="application/json">:
+"""The attention explorer, DIR/index.html: analysis/explorer_page.html, self-contained, showing where each token
+looks, per layer and head and through generation. Its data: one JSON object in <script id="explorer-data" ...>:
 
     version      1
     title        str: what was sampled (shown as the page's title)
@@ -9,10 +8,9 @@ fills in its data, one JSON object in <script id="explorer-data" type="applicati
     nLayer, nHead, T
     windows      [int | null] per layer: query i attends to keys lo(i) .. i, lo(i) = max(0, i - window + 1) (0: null)
     weights      base64 of uint8 cells q ≈ 255 w (quantise): for each layer, head and query row i, the keys lo(i) .. i
-    steps        null, or {first, differ, weights}: the weights the KV-cache decode steps of tokens first .. T - 1
-                 used. Most equal the matrix's row t once quantised and are not stored again: `differ` lists the
-                 rows that aren't, as (layer * nHead + head) * (T - first) + (t - first), ascending, and `weights`
-                 holds their allowed cells, packed like `weights`, in that order
+    steps        null, or {first, differ, weights}: the KV-cache decode steps' weights for tokens first .. T - 1, stored
+                 only where a row differs from the matrix's row t once quantised: `differ` lists those rows, ascending,
+                 as (layer * nHead + head) * (T - first) + (t - first); `weights` their allowed cells, packed likewise
     diagnostics  {names: [str], values: (n_layer, n_head, len(names)) nested lists, null for an undefined value}
     stepsNote    null, or str: why there are no steps (the sample outgrew block_size, or use_cache=false)
     contextNote  null, or str: that the tokens are the last block_size of a longer text (shown under the title)
@@ -32,9 +30,8 @@ import numpy as np
 
 from analysis.attention_maps import attention_arrays, load_attention_maps
 from analysis.causality import CausalityReport, verdict
-from analysis.decode_steps import decode_step_weights
-from analysis.diagnostics import DIAGNOSTIC_NAMES, head_diagnostics
-from model import GPT, causal_mask
+from analysis.diagnostics import DIAGNOSTIC_NAMES, decode_step_weights, head_diagnostics
+from model import GPT
 
 PAGE = Path(__file__).with_name("explorer_page.html")
 DATA_SLOT = "__EXPLORER_DATA__"
@@ -42,8 +39,7 @@ TITLE_SLOT = "__EXPLORER_TITLE__"
 
 
 def quantise(weights: np.ndarray) -> np.ndarray:
-    """uint8 255 w, each row (the last axis) rounded by largest remainder, so that a softmax row's cells add up
-    to exactly 255: floor(255 w), then one more to the cells that lost most. An exact 0 stays 0."""
+    """uint8 ≈ 255 w, rows (last axis) rounded by largest remainder: a softmax row sums to exactly 255; 0 stays 0."""
     scaled = np.asarray(weights, dtype=np.float64).clip(0, 1) * 255
     q = np.floor(scaled)
     short = np.rint(scaled.sum(-1, keepdims=True)) - q.sum(-1, keepdims=True)  # units the floors lost, per row
@@ -57,39 +53,6 @@ def pack(cells: np.ndarray, mask: np.ndarray) -> bytes:
     return b"".join(cells[layer, head][mask[layer]].tobytes() for layer in range(n_layer) for head in range(n_head))
 
 
-def unpack(data: bytes, mask: np.ndarray, n_head: int) -> np.ndarray:
-    """The inverse of pack, dequantised: (n_layer, n_head, rows, T) float32, 0 where the mask forbids."""
-    n_layer, rows, T = mask.shape
-    out = np.zeros((n_layer, n_head, rows, T), dtype=np.float32)
-    flat = np.frombuffer(data, dtype=np.uint8)
-    start = 0
-    for layer in range(n_layer):
-        n = int(mask[layer].sum())
-        for head in range(n_head):
-            out[layer, head][mask[layer]] = flat[start : start + n] / 255
-            start += n
-    return out
-
-
-def unpack_steps(data: dict) -> np.ndarray | None:
-    """The page's decode-step rows as its script reads them, dequantised: (n_steps, n_layer, n_head, T)."""
-    steps = data["steps"]
-    if steps is None:
-        return None
-    n_head, T, first = data["nHead"], data["T"], steps["first"]
-    n_steps = T - first
-    mask = np.stack([causal_mask(T, T, window=w).numpy() for w in data["windows"]])
-    rows = unpack(base64.b64decode(data["weights"]), mask, n_head)[:, :, first:]  # the matrix's rows first ..
-    stored, at = np.frombuffer(base64.b64decode(steps["weights"]), dtype=np.uint8), 0
-    for index in steps["differ"]:
-        layer, head, step = index // n_steps // n_head, index // n_steps % n_head, index % n_steps
-        allowed = mask[layer, first + step]
-        rows[layer, head, step] = 0
-        rows[layer, head, step][allowed] = stored[at : at + allowed.sum()] / 255
-        at += allowed.sum()
-    return rows.transpose(2, 0, 1, 3)
-
-
 def causality_data(report: CausalityReport, tokens: list[str]) -> dict:
     """The chart's data: per-position largest |change| of the logits on each path, and the verdict line."""
     changes = {impl: [float(x) for x in change] for impl, change in report.changes.items()}
@@ -99,8 +62,7 @@ def causality_data(report: CausalityReport, tokens: list[str]) -> dict:
 def page_data(title: str, tokens: list[str], weights: np.ndarray, mask: np.ndarray, windows: list[int | None],
               diagnostics: np.ndarray, steps: np.ndarray | None = None, causality: dict | None = None,
               steps_note: str | None = None, context_note: str | None = None) -> dict:
-    """The page's JSON (the module docstring): weights (n_layer, n_head, T, T) and mask (n_layer, T, T) as in
-    attention.npz; steps (n_steps, n_layer, n_head, T) from decode_step_weights, for the last n_steps tokens."""
+    """The page's JSON (module docstring): weights and mask as in attention.npz, steps as from decode_step_weights."""
     n_layer, n_head, T, _ = weights.shape
     matrix = quantise(weights)
     values = [[[None if math.isnan(v) else float(v) for v in head] for head in layer] for layer in diagnostics]
@@ -138,9 +100,8 @@ def render_page(data: dict) -> str:
 
 def live_page(model: GPT, ids: list[int], tokens: list[str], n_prompt: int, title: str,
               induction: np.ndarray | None = None, context_note: str | None = None) -> str:
-    """The page for a sequence held in memory (serve.py's live page): its last block_size tokens and the decode
-    steps of the generated ones among them. tokens: each id's text. induction: induction_scores(model), if known.
-    context_note: the line saying the text was cropped to the model's context, if it was."""
+    """serve.py's live page for a sequence in memory: its last block_size tokens, with the generated ones' decode steps.
+    tokens: each id's text; induction: induction_scores(model), if known; context_note: the cropped-context line."""
     config = model.config
     T = min(len(ids), config.block_size)
     weights, mask = attention_arrays(model, ids[-T:])
@@ -154,8 +115,7 @@ def live_page(model: GPT, ids: list[int], tokens: list[str], n_prompt: int, titl
 
 def save_explorer(model: GPT, sample: list[int], n_prompt: int, out_dir: Path, title: str,
                   causality: dict | None = None, use_cache: bool = True) -> Path:
-    """Write out_dir/index.html from the attention.npz save_attention_maps wrote there for the window of `sample`
-    (n_prompt tokens of prompt, then the generated ones), with the decode steps of the generated ones, if any."""
+    """Write out_dir/index.html from its attention.npz, with the decode steps of `sample`'s tokens after n_prompt."""
     saved = load_attention_maps(out_dir)
     T, config = len(saved["tokens"]), model.config
     generated = min(T, len(sample) - n_prompt)

@@ -1,9 +1,5 @@
-"""Runs as replicates: is a difference between configs bigger than seed noise? Runs whose configs differ only by
-`seed` (and NEUTRAL_KEYS) form a group, with its metric's mean, standard deviation and Student-t 95 % interval;
-each other group is compared with a baseline group by Welch's t-test, and when nothing is detected, the seeds per
-arm the observed effect would need are estimated. plot.py prints, draws and writes (--json) what this computes, from
-the runs load_run reads: a run whose files train.py can't have written is Damaged, not a traceback.
-"""
+"""For plot.py: is a config difference bigger than seed noise? Runs differing only in NEUTRAL_KEYS form a group (mean,
+std, Student-t 95 % interval) compared with a baseline by Welch's t-test; if undetected, the seeds per arm it needs."""
 
 from __future__ import annotations
 
@@ -141,9 +137,8 @@ def compare(group: Group, baseline: Group, metric: str) -> Comparison:
 
 
 def seeds_per_arm(diff: float, sd_a: float, sd_b: float, alpha: float = ALPHA, power: float = POWER) -> int | None:
-    """The fewest runs per arm (both arms alike) for which Welch's two-sided test at `alpha` detects a true
-    difference `diff` between arms of these standard deviations with probability `power`: the noncentral t, with
-    Welch's degrees of freedom. None past MAX_SEEDS."""
+    """The fewest runs per arm (both alike) for which Welch's two-sided test at `alpha` detects a true `diff` between
+    arms of these standard deviations with probability `power` (noncentral t, Welch's df); None past MAX_SEEDS."""
     va, vb = sd_a**2, sd_b**2
 
     def reached(n: int) -> bool:
@@ -165,8 +160,7 @@ def seeds_per_arm(diff: float, sd_a: float, sd_b: float, alpha: float = ALPHA, p
 
 
 def find_baseline(groups: list[Group], wanted: list[str]) -> Group:
-    """The one group whose config holds every KEY=VALUE of `wanted` (values compared as the config holds them:
-    1e-3 matches 0.001); a ValueError naming what matched otherwise."""
+    """The one group whose config holds every KEY=VALUE of `wanted` (1e-3 matches 0.001); else a ValueError."""
     pairs = []
     for item in wanted:
         key, sep, value = item.partition("=")
@@ -241,9 +235,8 @@ def _p(p: float) -> str:
 
 
 def run_value(records: list[dict[str, Any]], metric: str) -> float | None:
-    """One run's metric from its metrics.jsonl records: best_val_loss is the lowest finite val_loss, tokens_per_sec
-    the median of the log lines', any other key its last value (val_loss: the final evaluation's, NaN if the run
-    diverged there); None if the run recorded none."""
+    """One run's metric from its records: best_val_loss the lowest finite val_loss, tokens_per_sec the median, any
+    other key its last value (val_loss: NaN if the final evaluation diverged); None if the run recorded none."""
     if metric == "best_val_loss":
         values = [r["val_loss"] for r in records if _finite(r.get("val_loss"))]
         return min(values) if values else None
@@ -264,9 +257,7 @@ def _is_number(value: Any) -> bool:
 
 # --- reading a run as train.py wrote it, or refusing it as damaged ---
 
-# Far past what train.py writes (a log line is ~200 bytes: a million of them, 200 MB; a config, a few kB), and far
-# short of what memory holds: a file past them isn't a run's.
-MAX_BYTES = {METRICS_NAME: 1 << 30, "config.yaml": 1 << 20}
+MAX_BYTES = {METRICS_NAME: 1 << 30, "config.yaml": 1 << 20}  # far past a run's files (~200 B a log line), short of RAM
 TOKEN_KEYS = ("train.batch_size", "train.grad_accum", "model.block_size")  # --x tokens multiplies these
 FILE_KINDS = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device",
               stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}
@@ -280,9 +271,8 @@ Loaded = tuple[Path, dict[str, Any], list[dict[str, Any]], int]  # a run, its co
 
 
 def load_run(run: Path, needed: tuple[str, ...] = ()) -> Loaded:
-    """The run's flat config (key.sub: value), with the settings it resolved at start, its records and how many
-    lines were cut short; Damaged if a file can't be read or holds what train.py never writes. needed: keys every
-    log and eval line must hold."""
+    """The run's flat config (key.sub: value, with the settings resolved at start), records and cut-short line count;
+    Damaged if a file is unreadable or unlike what train.py writes. needed: keys every log and eval line must hold."""
     path = run / METRICS_NAME
     regular_file(path)
     try:
@@ -333,8 +323,7 @@ def read_config(path: Path) -> dict[str, Any]:
 
 
 def regular_file(path: Path) -> None:
-    """Damaged unless `path` (its target, for a link) is a regular file within MAX_BYTES: reading a FIFO waits for
-    a writer, a device such as /dev/zero never ends."""
+    """Damaged unless `path` (or a link's target) is a regular file within MAX_BYTES: a FIFO or /dev/zero never ends."""
     try:
         info = os.stat(path)  # follows links, as the read would
     except OSError as err:

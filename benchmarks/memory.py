@@ -1,11 +1,11 @@
-"""A training step's peak memory, predicted (training_memory: what fits on 24-141 GB GPUs) and measured against the
-prediction in processes of their own: `python bench.py memory`. Training itself only refuses, with a lower bound, a
-run that can't fit (training/run.py check_fits)."""
+"""A training step's peak memory, predicted (training_memory) and measured in a process of its own: bench.py memory."""
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from model import GPT, GPTConfig, parameter_count
+from model import GPT, GPTConfig
 
 BENCH = Path(__file__).resolve().parent.parent / "bench.py"
 GIB = 2**30
@@ -23,29 +23,26 @@ GPT2_SHAPES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large
 GPU_GIB = (24, 40, 80, 141)  # a 4090 or 3090, an A100 40GB, an A100/H100 80GB, an H200
 GPU_USABLE = 0.9  # of a GPU's memory for tensors: the CUDA context and the allocator's fragmentation take the rest
 STEP_TOKENS = 491_520  # nanoGPT's GPT-2 step (12 x 1024 x 40): grad_accum reaches it from the largest batch
-# (n_layer, n_embd, block_size, batch_size, activation checkpointing, vocab_size, bf16), measured in seconds on CPU
-MEMORY_PROBES = {
-    "cpu": [(6, 384, 256, 16, 0, 65, 0), (6, 384, 256, 16, 1, 65, 0), (8, 128, 512, 16, 0, 65, 0),
-            (8, 128, 512, 16, 1, 65, 0), (12, 256, 512, 8, 1, 65, 0), (4, 256, 256, 32, 0, 65, 0),
-            (2, 128, 256, 8, 0, 50257, 0), (2, 128, 256, 8, 0, 50257, 1), (2, 128, 256, 8, 1, 50257, 1),
+MEMORY_PROBES = {  # (n_layer, n_embd, block_size, batch_size, checkpointing, vocab_size, bf16), seconds each on CPU
+    "cpu": [(2, 128, 256, 8, 0, 50257, 0), (8, 128, 512, 16, 1, 65, 0), (6, 384, 256, 16, 0, 65, 0),
+            (6, 384, 256, 16, 1, 65, 0), (8, 128, 512, 16, 0, 65, 0), (12, 256, 512, 8, 1, 65, 0),
+            (4, 256, 256, 32, 0, 65, 0), (2, 128, 256, 8, 0, 50257, 1), (2, 128, 256, 8, 1, 50257, 1),
             (4, 256, 256, 16, 0, 65, 1)],
     "cuda": [(12, 768, 1024, 16, 0, 50257, 1), (12, 768, 1024, 16, 1, 50257, 1)],
 }
 
 
 def training_memory(config: GPTConfig, batch_size: int, bf16: bool, checkpointing: bool = False) -> int:
-    """A training step's peak memory in bytes with AdamW, predicted: float32 weights, gradients and AdamW's two
-    moments (16 bytes a parameter) and one micro-batch's activations, at backward's start (every activation and
-    backward's largest transient) or after it (every gradient), whichever is larger.
-
-    Per token and layer a GPT-2 block keeps 17C elements for backward (C = n_embd; fused attention keeps no T x T
-    matrix): 9C up to c_fc's input, 4C each for GELU's input and the MLP's c_proj input: 68C bytes in float32, 46C
-    under bf16 autocast (its casts included). Dropout adds a byte mask per residual branch. Checkpointed, a block
-    keeps only its float32 input (4C), and backward holds one block's activations and their gradients. The head
-    keeps its input, the logits and cross-entropy's float32 log-probabilities; backward's transient is two float32
-    logits-sized gradients and half a block. bf16 autocast also keeps a copy of each weight matrix."""
+    """Predicted peak bytes of an AdamW training step: float32 weights, gradients and two moments (16 bytes a parameter)
+    plus one micro-batch's activations, at backward's start (all activations and its largest transient) or after it
+    (all gradients), whichever is larger. Per token and layer a GPT-2 block keeps 17C elements for backward (C =
+    n_embd; fused attention keeps no T x T matrix): 9C up to c_fc's input, 4C each for GELU's and the MLP c_proj's
+    inputs: 68C bytes in float32, 46C under bf16 autocast (casts included); dropout adds a byte mask per residual
+    branch. Checkpointed, a block keeps only its float32 input (4C); backward holds one block's activations and their
+    gradients. The head keeps its input, the logits and cross-entropy's float32 log-probabilities; backward's transient
+    is two float32 logits-sized gradients and half a block. bf16 autocast also keeps a copy of each weight matrix."""
     C, V, L = config.n_embd, config.vocab_size, config.n_layer
-    n = parameter_count(config)
+    n = _parameters(dataclasses.astuple(config))
     layer = (46 if bf16 else 68) * C + (2 * C if config.dropout > 0 else 0)
     blocks = L * 4 * C + 2 * layer if checkpointing else L * layer
     head = 4 * C + (2 if bf16 else 4) * (C + V) + 4 * V
@@ -53,6 +50,13 @@ def training_memory(config: GPTConfig, batch_size: int, bf16: bool, checkpointin
     kept = tokens * (blocks + head + 4 * C) + (2 * (12 * L * C * C + V * C) if bf16 else 0)  # 4C: the embeddings
     transient = tokens * (8 * V + layer // 2)
     return 12 * n + max(kept + transient, 4 * n)
+
+
+@functools.lru_cache(maxsize=64)
+def _parameters(shape: tuple) -> int:
+    """GPT(GPTConfig(*shape))'s parameter count, from a model on the meta device: shapes alone, nothing allocated."""
+    with torch.device("meta"):
+        return GPT(GPTConfig(*shape)).num_params(non_embedding=False)
 
 
 def largest_batch(config: GPTConfig, budget: float, bf16: bool, checkpointing: bool) -> int:

@@ -1,6 +1,4 @@
-"""bench.py serve: serve.py under streaming clients, against sample.py's one sample and the engine alone; and
-(python -m benchmarks.serve) a short completion's time alone and under the abusive loads of issue 49.
-"""
+"""bench.py serve: serve.py's streaming vs sample.py and the engine; python -m benchmarks.serve: bench_serve_abuse."""
 
 from __future__ import annotations
 
@@ -154,7 +152,7 @@ async def _load(url: str, body: dict, clients: int, requests: int) -> dict:
     return {"latencies": latencies, "first": first, "tokens": tokens, "seconds": seconds, "cpu": cpu}
 
 
-SHORT = [("300-token greedy", 300), ("5-token greedy", 5)]  # issue 49's short completions
+SHORT = [("300-token greedy", 300), ("5-token greedy", 5)]  # the short completions timed under each load
 ABUSE_LOADS = {"page": "1 client looping on /page/attention", "page10": "10 clients looping on /page/attention",
                "page5x2": "5 clients sending 2 /page/attention at once",
                "stalled": "20 connections stalled mid-body (max_connections=20)",
@@ -216,7 +214,7 @@ async def _under(url: str, load: str | None, requests: int) -> tuple[list[list[f
         workers = {None: [], "page": [page_loop], "page10": [page_loop] * 10, "page5x2": [page_loop] * 10,
                    "stalled": [stalled] * 20, "echo": [echo]}
         tasks = [asyncio.create_task(worker()) for worker in workers[load]]
-        await asyncio.sleep(2.0 if tasks else 0)  # as the issue's: the load first, then the short completions
+        await asyncio.sleep(2.0 if tasks else 0)  # the load first, then the short completions
         times: list[list[float]] = [[] for _ in SHORT]
         try:
             for _ in range(requests):

@@ -1,6 +1,4 @@
-"""Why a command line was refused, in one line: run_hydra (common/config.py) calls check_overrides only once Hydra
-or OmegaConf refused the command, or for dashed arguments and sweeps. A misspelt key gets a did-you-mean, a value
-of the wrong kind or range its key and the rule, Hydra's grammar the quoting that works."""
+"""Why a command line was refused, in one line: a did-you-mean, a bad value's key and rule, or quoting that works."""
 
 from __future__ import annotations
 
@@ -9,6 +7,7 @@ import difflib
 import re
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
 
 from hydra._internal.utils import get_args_parser
@@ -17,7 +16,7 @@ from hydra.core.override_parser.types import ChoiceSweep, Override
 from hydra.errors import HydraException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
 
-from common.config import check_key, check_override, exit_on_user_error
+from common.config import check_key, check_override, end_quietly_when_stdout_closes, exit_on_user_error
 from common.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # Hydra's config groups are its folders
@@ -30,8 +29,7 @@ def fail(message: str) -> typing.NoReturn:
 
 
 def refused_by_hydra(err: Exception) -> None:
-    """A command Hydra refuses for a reason check_overrides doesn't know (a sweep without -m, `+key` for a key that
-    is there): Hydra's reason, on one line, status 2."""
+    """Hydra's reason on one line, status 2, for refusals check_overrides can't explain (a sweep without -m, ...)."""
     if not isinstance(err, HydraException | OmegaConfBaseException):
         return
     cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else None
@@ -39,10 +37,18 @@ def refused_by_hydra(err: Exception) -> None:
     fail(" ".join(lines) or type(err).__name__)
 
 
+def check_arguments(args: list[str], schema: type, groups: tuple[str, ...], usage: Callable[[], str]) -> None:
+    """Before Hydra sees them: --help prints `usage`; dashed keys, hydra.job.chdir and sweeps are checked."""
+    if "-h" in args or "--help" in args:
+        end_quietly_when_stdout_closes()
+        print(usage().strip())
+        sys.exit(0)
+    check_overrides(args, schema, groups)
+
+
 def check_overrides(args: list[str], schema: type, groups: tuple[str, ...] = ()) -> None:
-    """Why Hydra refused the command: every `key=value` parses, names a key of the schema and has a value of its
-    type and range, and every config group in `groups` names one of its presets, or the command fails here. hydra.*
-    is Hydra's to judge, and so are range() and interval() sweeps (each job checks its own)."""
+    """Fail unless every `key=value` parses and names a schema key with a value of its type and range, and every group
+    in `groups` a preset. hydra.* and range()/interval() sweeps are Hydra's to judge (each job checks its own)."""
     if get_args_parser().parse_known_args(args)[0].shell_completion:
         return  # `-sc install=bash` and its queries are not overrides
     _refuse_dashed_keys(args, schema, groups)
@@ -83,8 +89,7 @@ def _check_preset(group: str, value: object) -> None:
 
 
 def _refuse_dashed_keys(args: list[str], schema: type, groups: tuple[str, ...]) -> None:
-    """`--max_iters=100` or `--experiment x`, argparse's style: one line with the override to write instead.
-    Only Hydra's own flags, spelt out in full, pass (argparse would take --experiment for --experimental-rerun)."""
+    """`--max_iters=100`: fail with the override to write. Only Hydra's flags in full pass (argparse takes prefixes)."""
     hydra_flags = {flag for action in get_args_parser()._actions for flag in action.option_strings}
     for i, arg in enumerate(args):
         if not arg.startswith("--") or arg in hydra_flags or arg.partition("=")[0] in hydra_flags:
@@ -131,8 +136,7 @@ def _not_an_override(text: str, schema: type, groups: tuple[str, ...]) -> str:
 
 
 def _parse(args: list[str], schema: type, groups: tuple[str, ...]) -> list[Override]:
-    """Hydra's grammar rejects unquoted values with commas, spaces or symbols: say how to quote them; a bare word
-    is no override at all: say what it may have meant."""
+    """The overrides parsed; else one line saying how to quote a value, or what a bare word may have meant."""
     overrides = _overrides(args)
     bare = next((o for o in overrides if "=" not in o and not o.startswith(("~", "+"))), None)
     split_by_the_shell = any(q in o for o in overrides for q in "'\"") or any(o.endswith(",") for o in overrides)

@@ -1,11 +1,5 @@
-"""Typed configs whose fields carry their own allowed values.
-
-A key's choices or range are declared once, beside the key (`option`); each config dataclass checks itself in
-its __post_init__ (most with `check_fields`), so building one checks it. `typed_config` builds them from Hydra's
-DictConfig: the config is typed and checked once, at start, and a bad value is one ConfigError naming the key,
-the value and what is allowed. `run_hydra` runs a command: a user's error is one line on stderr and exit status 2,
-Ctrl-C status 130, a closed stdout (`sample.py | head`) 141, as SIGPIPE would.
-"""
+"""Typed configs whose fields carry their allowed values (`option`), built at start by typed_config: a bad value is one
+ConfigError naming the key. run_hydra runs a command: a user's error is one line on stderr and exit status 2."""
 
 from __future__ import annotations
 
@@ -37,9 +31,7 @@ SEED_MAX = 2**63 - 1  # torch's generators take 64 bits; sample i of sample.py d
 
 
 def option(default: Any, *, path: bool = False, hint: str = "", **rules: Any) -> Any:
-    """A dataclass field with a default and the values it accepts, as rules: choices, or bounds at_least, above,
-    below, at_most (None always passes: the type allows it or OmegaConf refuses it first). path: a file system path,
-    `~` expanded once, here, so every use sees the same path. `hint` is appended to the error: what to do instead."""
+    """A field and its rules: choices, or bounds at_least, above, below, at_most; path: `~` expanded; hint: the fix."""
     return dataclasses.field(default=default, metadata={"rules": {**rules, "hint": hint}, "path": path})
 
 
@@ -57,22 +49,25 @@ def check_fields(config: Any, prefix: str = "") -> None:
 
 
 def typed_config(cfg: DictConfig | Config, schema: type[Config]) -> Config:
-    """The schema's dataclasses, interpolations such as ${now:} resolved, every value checked as they are built.
-    cfg: Hydra's config, a plain one (a saved config.yaml) or an instance of the schema."""
-    if not OmegaConf.has_resolver("now"):  # Hydra's, registered once Hydra composes: ${now:%H-%M-%S}
+    """cfg (Hydra's, a saved config.yaml or the schema's) as the schema's dataclasses, each checked as it is built."""
+    if isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is schema:  # as Hydra composes it
+        _refuse_unknown_keys(cfg, schema)
+        return OmegaConf.to_object(cfg)
+    return _typed_from_plain(cfg, schema)
+
+
+def _typed_from_plain(cfg: Any, schema: type[Config]) -> Config:
+    """typed_config of a schema instance or a plain config (a saved config.yaml), ${now:} resolved as Hydra does."""
+    if not OmegaConf.has_resolver("now"):
         OmegaConf.register_new_resolver("now", lambda pattern: datetime.now().strftime(pattern), use_cache=True)
     if isinstance(cfg, schema):
-        cfg = OmegaConf.structured(cfg)
-    else:
-        _refuse_unknown_keys(cfg, schema)
-    if OmegaConf.get_type(cfg) is not schema:
-        cfg = OmegaConf.merge(OmegaConf.structured(schema), cfg)
-    return OmegaConf.to_object(cfg)
+        return OmegaConf.to_object(OmegaConf.structured(cfg))
+    _refuse_unknown_keys(cfg, schema)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), cfg))
 
 
 def check_key(schema: type, key: str) -> tuple[type, str, Any]:
-    """The dataclass holding `key` (a dotted path), the field's name in it and its type; a ConfigError naming the
-    closest real key if there is none."""
+    """The dataclass holding the dotted `key`, its field's name and type; else a ConfigError naming the closest key."""
     owner, prefix = schema, ""
     *parents, name = key.split(".")
     for part in parents:
@@ -89,8 +84,7 @@ def check_key(schema: type, key: str) -> tuple[type, str, Any]:
 
 
 def check_override(schema: type, key: str, value: Any) -> None:
-    """A command-line `key=value` (common.cli.check_overrides): the key must exist, the value must have the key's
-    type and pass its rules. One ConfigError naming the key, not Hydra's report (whose advice is `+key`)."""
+    """Check a `key=value`: known key, its type and rules; else a ConfigError naming it (not Hydra's `+key` advice)."""
     owner, name, hint = check_key(schema, key)
     if isinstance(value, str) and "${" in value:
         return  # an interpolation: judged once resolved
@@ -143,8 +137,7 @@ def _unknown_key(key: str, hints: dict[str, Any], prefix: str) -> str:
 
 
 def _refuse_unknown_keys(cfg: Any, schema: type, prefix: str = "") -> None:
-    """Hydra's `+key=value` adds a key even to a typed config: refuse one the schema lacks, as Hydra refuses a
-    misspelt key without `+`, naming the closest real one."""
+    """Hydra's `+key=value` adds a key even to a typed config: refused, naming the closest real key."""
     hints = typing.get_type_hints(schema)
     for key in cfg:
         if key not in hints:
@@ -161,9 +154,7 @@ def _problem(value: Any, choices: Sequence[str] | None = None, hint: str = "", *
         broken = ["must be a finite number"]
     elif choices is not None and value not in choices:
         broken = [f"is unknown; use one of {', '.join(choices)}"]
-    if not broken:
-        return ""
-    return f"{broken[0]}; {hint}" if hint else broken[0]
+    return (f"{broken[0]}; {hint}" if hint else broken[0]) if broken else ""
 
 
 @contextlib.contextmanager
@@ -179,33 +170,20 @@ def exit_on_user_error(job: str | None = None) -> Iterator[None]:
         sys.exit(130)
 
 
-@contextlib.contextmanager
-def stdout_reader_may_leave() -> Iterator[None]:
-    """Around a command whose one pipe is its stdout (sample.py, eval.py): a reader that leaves (`| head`) ends it
-    quietly, with the status a SIGPIPE would give."""
-    try:
-        yield
-    except BrokenPipeError:  # nothing to say, and nobody to say it to
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush doesn't fail again
-        sys.exit(128 + signal.SIGPIPE)
+def end_quietly_when_stdout_closes() -> None:
+    """A reader that leaves (`sample.py | head`) ends the command as it ends `cat`: by SIGPIPE, without a word."""
+    if hasattr(signal, "SIGPIPE"):  # not on Windows
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
-def run_hydra(
-    main: Callable[[], None], schema: type, groups: tuple[str, ...] = (), usage: Callable[[], str] = str
-) -> None:
-    """Runs a script's @hydra.main. When Hydra refuses the overrides (its reports are several lines, and tell a
-    misspelt key to add `+`), check_overrides says why in one line; dashed arguments, `hydra.job.chdir` and sweeps
-    are checked first. A bug keeps its traceback."""
+def run_hydra(main: Callable[[], None], schema: type, groups: tuple[str, ...] = (),
+              usage: Callable[[], str] = str) -> None:
+    """A script's @hydra.main; overrides Hydra refuses are explained in one line (check_overrides), bugs aren't."""
+    from common.cli import check_arguments, check_overrides, refused_by_hydra
+
     args = sys.argv[1:]
-    if "-h" in args or "--help" in args:
-        with stdout_reader_may_leave():
-            print(usage().strip())
-        sys.exit(0)
-    from common.cli import check_overrides, refused_by_hydra  # the error path's
-
     if any(arg.startswith(("-", "hydra.job.chdir", "hydra.mode")) for arg in args):
-        check_overrides(args, schema, groups)
+        check_arguments(args, schema, groups, usage)  # --help, dashed keys, chdir, sweeps: before Hydra runs
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting
     try:
         main()
@@ -216,8 +194,7 @@ def run_hydra(
 
 
 def literal_text(args: list[str], keys: tuple[str, ...]) -> list[str]:
-    """The overrides with `${` escaped in the values of `keys`, which are text (a prompt, stop strings): Hydra would
-    otherwise resolve `start='Cost: ${price}'` as an interpolation."""
+    """`${` escaped in the text values of `keys`, so Hydra doesn't resolve `start='Cost: ${price}'`."""
     escaped = []
     for arg in args:
         key, sep, value = arg.partition("=")

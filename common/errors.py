@@ -1,8 +1,4 @@
-"""Errors a user can cause: the commands print them as one line and exit with status 2, without a traceback.
-
-Each layer defines its own (DataError, PretrainedError, CheckpointError, ...) as a subclass of UserError, so the
-commands catch them all without importing every layer.
-"""
+"""Errors a user can cause, all UserError: the commands catch them, print one line (no traceback), exit status 2."""
 
 
 class UserError(ValueError):
@@ -19,3 +15,15 @@ class CheckpointError(UserError):
 
 class DiskFull(UserError):
     """No space left (or the quota spent) on the disk a file was being written to: the user's to free."""
+
+
+class DataError(UserError):
+    """A problem with the user's data or where it lives."""
+
+
+class TrainingDiverged(UserError):
+    """The loss became NaN or infinite."""
+
+
+class RunLocked(UserError):
+    """Another process is training in the same run directory."""

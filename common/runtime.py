@@ -1,6 +1,4 @@
-"""What a run gets from the machine: the device and the precision (autocast, TF32), memory, and files written on its
-disk whole: beside the target under this process's own temporary name, then renamed over it, so a reader or a crash
-sees the old file or the new one, never half of either."""
+"""Device, precision (autocast, TF32), memory, whole-file writes (a temporary renamed over the target: old or new)."""
 
 from __future__ import annotations
 
@@ -22,8 +20,7 @@ from common.errors import ConfigError, DiskFull
 
 DEVICES = ("auto", "cpu", "cuda", "mps")  # the `device` key's values; auto: cuda > mps > cpu
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# the `dtype` keys' values; auto: bf16 autocast on CUDA GPUs that support it, float32 elsewhere
-DTYPES = ("auto", *_TORCH_DTYPES)
+DTYPES = ("auto", *_TORCH_DTYPES)  # `dtype` values; auto: bf16 autocast on CUDA GPUs that support it, else float32
 # Dense (no sparsity) tensor-core peaks in FLOP/s, (bf16/fp16, tf32), from NVIDIA's datasheets: MFU's denominator.
 # Matched against torch.cuda.get_device_name() as whole words, most specific first; elsewhere train.peak_tflops.
 GPU_PEAKS: tuple[tuple[str, float, float], ...] = (
@@ -53,7 +50,8 @@ class Runtime:
 
     @property
     def dtype_name(self) -> str:
-        return dtype_name(self.dtype)
+        """float32, bfloat16, float16: the dtype keys' names."""
+        return str(self.dtype).removeprefix("torch.")
 
     def synchronize(self) -> None:
         synchronize(self.device)
@@ -62,11 +60,6 @@ class Runtime:
         if self.dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """float32, bfloat16, float16: the dtype keys' names."""
-    return str(dtype).removeprefix("torch.")
 
 
 def synchronize(device: torch.device) -> None:
@@ -78,43 +71,28 @@ def synchronize(device: torch.device) -> None:
 
 
 def make_runtime(device: str, dtype: str, gpu_index: int | None = None) -> Runtime:
-    """device and dtype: names from DEVICES and DTYPES (the config checked them); gpu_index: the GPU of a
-    torchrun process (its local rank)."""
-    dev = _resolve_device(device)
-    if dev.type == "cuda" and gpu_index is not None:
-        dev = torch.device("cuda", gpu_index)
-    if dtype == "auto":
-        native_bf16 = dev.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)  # Ampere on
-        resolved = torch.bfloat16 if native_bf16 else torch.float32
-    else:
-        resolved = _TORCH_DTYPES[dtype]
+    """device and dtype: the keys' values; gpu_index: a torchrun process's GPU (its local rank)."""
+    available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
+    if device == "auto":
+        device = next(kind for kind, there in available.items() if there)
+    elif not available[device]:
+        raise ConfigError(f"device={device} is not available on this machine; use device=cpu or device=auto")
+    dev = torch.device("cuda", gpu_index) if device == "cuda" and gpu_index is not None else torch.device(device)
+    bf16 = dtype == "auto" and dev.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if dev.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls
-    return Runtime(dev, resolved)
-
-
-def _resolve_device(name: str) -> torch.device:
-    available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
-    if name == "auto":
-        return torch.device(next(kind for kind, there in available.items() if there))
-    if not available[name]:
-        raise ConfigError(f"device={name} is not available on this machine; use device=cpu or device=auto")
-    return torch.device(name)
+    return Runtime(dev, torch.bfloat16 if bf16 else _TORCH_DTYPES.get(dtype, torch.float32))
 
 
 def memory_bytes(device: torch.device) -> int | None:
-    """The most memory a run on `device` can have: a GPU's own, else this machine's RAM; None where unknown."""
+    """The most memory a run on `device` can have: a GPU's own, else this machine's RAM (None: not POSIX)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # not POSIX
-        return None
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
 
 
 def check_memory(need: float, device: torch.device, what: str, fix: str) -> None:
-    """A ConfigError, before allocating, when `need` bytes (what `what` is predicted to take) outgrow the device's
-    memory (memory_bytes); `fix` says what to lower."""
+    """A ConfigError before allocating when `need` bytes (for `what`) outgrow memory_bytes; `fix`: what to lower."""
     memory = memory_bytes(device)
     if memory is not None and need > memory:
         where = "the GPU's" if device.type == "cuda" else "this machine's"
@@ -124,9 +102,7 @@ def check_memory(need: float, device: torch.device, what: str, fix: str) -> None
 
 
 def datasheet_peak(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The GPU's datasheet peak in FLOP/s for `dtype` (GPU_PEAKS), or None where none is known."""
-    if device.type != "cuda":
-        return None
+    """The CUDA GPU's datasheet peak in FLOP/s for `dtype` (GPU_PEAKS), or None where none is known."""
     name = torch.cuda.get_device_name(device)
     for model, half, tf32 in GPU_PEAKS:
         if re.search(rf"\b{re.escape(model)}\b", name):
@@ -136,8 +112,7 @@ def datasheet_peak(device: torch.device, dtype: torch.dtype) -> float | None:
 
 @contextlib.contextmanager
 def unless_disk_full(path: Path) -> Iterator[None]:
-    """Around writing `path`: a full disk (or a spent quota) is DiskFull, one line naming the free space. numpy's
-    tofile and torch.save don't always say ENOSPC: their failure with the disk nearly full counts too."""
+    """A full disk while writing `path` is one line (numpy and torch.save don't always say ENOSPC: nearly full)."""
     try:
         yield
     except (OSError, RuntimeError) as err:
@@ -153,17 +128,8 @@ def temporary_beside(path: Path) -> Path:
     return path.with_name(f"{path.name}.{os.getpid()}.tmp")
 
 
-def discard_temporaries(path: Path) -> None:
-    """Remove what killed writers left of `path` (their temporary_beside files), holding the run's lock."""
-    pattern = re.compile(rf"{re.escape(path.name)}\.\d+\.tmp")
-    for stale in path.parent.glob(f"{path.name}.*.tmp"):
-        if pattern.fullmatch(stale.name):
-            stale.unlink(missing_ok=True)
-
-
 def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """write(f) fills this process's temporary beside `path` (made exclusively: a leftover is removed, never written
-    through), which is synced and renamed over it: a reader or a crash sees the old file or the new one."""
+    """write(f) fills a new temporary beside `path`, synced, then renamed over it: a reader sees one whole file."""
     tmp = temporary_beside(path)
     try:
         with unless_disk_full(path):
@@ -188,14 +154,13 @@ def replace_file(source: Path, target: Path) -> None:
     try:
         os.replace(source, target)
     except PermissionError:
-        if sys.platform != "win32":
-            raise
         _replace_on_windows(source, target)
 
 
 def _replace_on_windows(source: Path, target: Path, attempts: int = 10) -> None:
-    """Windows refuses to replace a file another process has open (a sample.py reading the checkpoint); a reader
-    holds it briefly, so try again, waiting longer."""
+    """Windows won't replace a file another process has open (sample.py reading it); readers are brief, so retry."""
+    if sys.platform != "win32":
+        raise
     for attempt in range(1, attempts):
         time.sleep(0.05 * attempt)
         try:
@@ -207,8 +172,7 @@ def _replace_on_windows(source: Path, target: Path, attempts: int = 10) -> None:
 
 
 def fsync_directory(directory: Path) -> None:
-    """Make a rename in `directory` durable where the platform can: Windows can't open a directory, some
-    filesystems can't fsync one; any other error (EIO: the rename may be lost) is raised."""
+    """Make a rename in `directory` durable; Windows can't open a directory, some filesystems can't fsync one."""
     try:
         handle = os.open(directory, os.O_RDONLY)
     except PermissionError:

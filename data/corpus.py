@@ -1,9 +1,6 @@
-"""A corpus of documents -> token shards: val_000000.bin first, then train_000000.bin, train_000001.bin, ...
-
-Documents come from a local directory (each .txt file, or each .jsonl line's "text") or stream from a Hugging Face
-dataset. Each is encoded as <|endoftext|> + its tokens by a pool of processes, in document order, and the stream is
-cut into shards of a fixed size, byte for byte as llm.c's fineweb.py does. No torch here: fresh workers import little.
-"""
+"""A corpus -> token shards val_000000.bin, train_000000.bin, ... Documents (a directory's .txt files and .jsonl lines'
+"text", or a streamed Hugging Face dataset) become <|endoftext|> + their tokens, encoded by a process pool in order and
+cut into fixed-size shards byte for byte as llm.c's fineweb.py does. No torch here: fresh workers import little."""
 
 from __future__ import annotations
 
@@ -26,14 +23,51 @@ import numpy as np
 import tiktoken
 from tqdm import tqdm
 
+from common.errors import DataError
 from common.runtime import write_text_atomically
-from data.errors import DataError
-from data.shards import write_shard
 from data.source import read_utf8
 from data.tokenizers import BpeTokenizer
 
 if TYPE_CHECKING:  # data.prepare imports this module
     from data.prepare import DataConfig
+
+# Token shard files: a 256-int32 header (magic, version, token count), then the tokens as uint16: llm.c's FineWeb
+# shards' layout (dev/data/fineweb.py), so each reads the other's.
+MAGIC = 20240520
+VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * np.dtype(np.int32).itemsize
+
+
+def write_shard(path: Path, tokens: np.ndarray) -> None:
+    """Write beside the target and rename: a killed preparation never leaves a short shard."""
+    if len(tokens) and int(tokens.max()) > np.iinfo(np.uint16).max:
+        raise DataError(f"token id {int(tokens.max())} does not fit in a uint16 shard")
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = (MAGIC, VERSION, len(tokens))
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "xb") as f:  # exclusive: never through a link planted there
+        f.write(header.tobytes())
+        f.write(tokens.astype(np.uint16, copy=False).tobytes())
+    os.replace(tmp, path)
+
+
+def read_shard(path: Path) -> np.memmap:
+    """The shard's tokens, memory-mapped, after checking the header against the file's size."""
+    size = path.stat().st_size
+    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS) if size >= HEADER_BYTES else None
+    if header is None or header[0] != MAGIC or header[1] != VERSION:
+        raise DataError(f"{path} is not a token shard (version {VERSION}); prepare the data again")
+    count = int(header[2])
+    if size != HEADER_BYTES + 2 * count:
+        raise DataError(f"{path} holds {(size - HEADER_BYTES) // 2} tokens, its header says {count}; prepare again")
+    return map_shard(path, count)
+
+
+def map_shard(path: Path, count: int) -> np.memmap:
+    """The tokens of a shard already checked by read_shard, without reading its header again."""
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(count,))
+
 
 DOCUMENT_SUFFIXES = (".txt", ".jsonl")
 _CHUNKSIZE = 16  # documents per task sent to a worker, as in llm.c's fineweb.py
@@ -65,8 +99,7 @@ def local_documents(root: Path) -> Iterator[str]:
 
 
 def _jsonl_documents(path: Path) -> Iterator[str]:
-    """Line by line (a .jsonl can be gigabytes), split at newlines only: str.splitlines would also cut at
-    U+2028 and the like, which JSON strings may hold unescaped."""
+    """Line by line, split at newlines only (str.splitlines also cuts at U+2028, which JSON strings may hold raw)."""
     number = 0
     try:
         with open(path, encoding="utf-8", newline="\n") as lines:
@@ -103,8 +136,7 @@ def _rows_text(rows: Iterator[dict[str, Any]], label: str) -> Iterator[str]:
 
 
 def source_fingerprint(input: str | None, hf_dataset: str | None, hf_name: str | None) -> dict[str, Any]:
-    """What the shards were made from: a directory's files' paths, sizes and modification times (not their
-    contents: a corpus can be gigabytes), or a dataset's name."""
+    """What the shards were made from: a dataset's name, or the files' paths, sizes and mtimes (not their contents)."""
     if hf_dataset:
         return {"hf_dataset": hf_dataset, "hf_name": hf_name}
     root = Path(os.path.expanduser(input))  # type: ignore[arg-type]
@@ -204,8 +236,7 @@ def _init_worker(encoding_args: dict[str, Any], main: int) -> None:
 
 
 def exit_with_parent(main: int, every_s: float = 0.5) -> None:
-    """A worker ends itself once the process that made its pool (`main`, not getppid: a forkserver's workers have
-    the forkserver for a parent) is gone, killed without stopping its pool."""
+    """End this worker once `main`, its pool's maker, is gone (not getppid: a forkserver is its workers' parent)."""
 
     def gone() -> bool:
         try:
@@ -236,8 +267,7 @@ def _encode(encoding: tiktoken.Encoding, eot: int, doc: str) -> np.ndarray:
 def write_shards(
     token_docs: Iterable[np.ndarray], out_dir: Path, shard_tokens: int, max_tokens: int | None
 ) -> dict[str, int]:
-    """Fill shards of shard_tokens tokens, the first val, the last maybe short, stopping after max_tokens tokens;
-    the counts for meta.json."""
+    """Shards of shard_tokens tokens (the first val, the last maybe short) up to max_tokens; counts for meta.json."""
     buffer = np.empty(shard_tokens, dtype=np.uint16)
     filled = shards = documents = total = 0
     counts = {"val_tokens": 0, "train_tokens": 0}

@@ -1,7 +1,4 @@
-"""The `data.*` keys; a dataset folder prepared once and reused: train.bin / val.bin (uint16 token streams) from a
-text, or shards from a corpus, and meta.json, written last, which says what they were made from; and the training
-windows read from them. Token files are never rewritten in place: a preparation writes a new folder beside and
-moves its files in; a folder asked for other settings is refused. On its own: `python -m data.prepare`."""
+"""The `data.*` keys; a dataset folder (token files, meta.json last) prepared once and reused; its training windows."""
 
 from __future__ import annotations
 
@@ -23,11 +20,10 @@ import numpy as np
 import torch
 
 from common.config import check_fields, option
-from common.errors import ConfigError
+from common.errors import ConfigError, DataError
 from common.runtime import replace_file
 from data import corpus
-from data.errors import DataError
-from data.shards import map_shard, read_shard
+from data.corpus import map_shard, read_shard
 from data.source import TextFile, download, why_not_a_file
 from data.text_tokens import make_tokenizer, write_dataset
 
@@ -41,8 +37,7 @@ KNOWN_TEXTS = {SHAKESPEARE_URL: "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e8
 class DataConfig:
     name: str = "shakespeare_char"  # folder under data/cache unless data.dir is set
     tokenizer: str = "char"  # char, or a tiktoken encoding (r50k_base is GPT-2's BPE); a corpus needs a BPE
-    # a UTF-8 text file instead of the download, or a directory of .txt / .jsonl documents
-    input: str | None = option(None, path=True)
+    input: str | None = option(None, path=True)  # a UTF-8 text file, not the download, or a dir of .txt/.jsonl docs
     url: str | None = SHAKESPEARE_URL
     dir: str | None = option(None, path=True)  # where the token files and meta.json live
     val_fraction: float = option(0.1, above=0.0, below=1.0)  # a text's last part kept for val
@@ -65,12 +60,6 @@ class PrepareConfig:  # `python -m data.prepare`'s: the data group alone
     data: DataConfig = field(default_factory=DataConfig)
 
 
-def register_prepare_schema() -> None:
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="prepare_schema", node=PrepareConfig)
-
-
 DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
 # The token files PreparedData.split reads: an unfinished preparation's go before another's move in
 _TOKEN_FILES = ("train.bin", "val.bin", "train_[0-9]*.bin", "val_[0-9]*.bin")
@@ -79,10 +68,7 @@ Make = Callable[[Path], dict[str, Any]]  # writes a dataset into the folder give
 
 @dataclass(frozen=True)
 class TokenFiles:
-    """A split as an ordered list of token files: raw uint16 streams, or shards with a header.
-
-    Files are opened per call: a long-lived memmap keeps every page it touched resident.
-    """
+    """A split's token files (raw uint16, or headed shards); opened per call, as a held memmap keeps pages resident."""
 
     paths: tuple[Path, ...]
     sharded: bool = False
@@ -100,17 +86,12 @@ class TokenFiles:
             return tuple(len(read_shard(path)) for path in self.paths)
         return tuple(path.stat().st_size // 2 for path in self.paths)  # uint16 tokens; an empty file is 0
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.lengths)
-
 
 TRAIN_WINDOWS, EVAL_WINDOWS = 0, 1  # batch_generator's second key: what the windows are for
 
 
 def batch_generator(*keys: int) -> torch.Generator:
-    """A generator determined by (seed, purpose, step, ...) alone, so batches don't depend on history:
-    a resumed run sees exactly the windows the uninterrupted one would."""
+    """A generator of (seed, purpose, step, ...) alone: a resumed run sees the windows the uninterrupted one would."""
     seed = int(np.random.SeedSequence(keys).generate_state(1, np.uint64)[0] >> 1)
     return torch.Generator().manual_seed(seed)
 
@@ -118,8 +99,7 @@ def batch_generator(*keys: int) -> torch.Generator:
 def get_batch(
     files: TokenFiles, batch_size: int, block_size: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, y) int64 tensors of shape (batch_size, block_size), y shifted by one token. Window starts are drawn
-    uniformly over all files' starts (no window spans two files), from the generator alone."""
+    """(x, y) of shape (batch_size, block_size), y shifted by one; windows uniform over the files, none across two."""
     valid = np.maximum(np.asarray(files.lengths) - block_size, 0)  # starts in each file
     ends = np.cumsum(valid)
     starts = torch.randint(int(ends[-1]), (batch_size,), generator=generator).numpy()
@@ -204,9 +184,7 @@ def source_fingerprint(input_path: str | None, url: str | None) -> dict[str, str
 
 
 def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData:
-    """The dataset folder's token files, prepared first if it holds none (a text gives train.bin / val.bin, a
-    directory of documents or a Hugging Face dataset gives shards); a DataError if they were made from another
-    source or with other settings. prepare=False (a torchrun rank other than 0) only reads what rank 0 made."""
+    """The dataset folder's token files, prepared first if it holds none; prepare=False: only read (torchrun ranks)."""
     out_dir = dataset_dir(config.name, config.dir)
     if config.hf_dataset or (config.input and Path(config.input).is_dir()):
         return _ensure_corpus(out_dir, config, prepare)
@@ -219,7 +197,7 @@ def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData
     fingerprint = {"source": source_fingerprint(config.input, config.url), **settings}
     made_from = {"input": str(Path(config.input).absolute())} if config.input else {}  # said when refused or reused
     make = functools.partial(_prepare_text, config, out_dir, {**fingerprint, **made_from})
-    return _prepared(out_dir, fingerprint, made_from, prepare, make)
+    return _reusable(out_dir, fingerprint) or _prepare_new(out_dir, fingerprint, made_from, prepare, make)
 
 
 def _prepare_text(config: DataConfig, out_dir: Path, meta: dict[str, Any], into: Path) -> dict[str, Any]:
@@ -234,9 +212,8 @@ def _prepare_text(config: DataConfig, out_dir: Path, meta: dict[str, Any], into:
 
 
 def _prepared_before(out_dir: Path, config: DataConfig, settings: dict[str, Any]) -> PreparedData | None:
-    """This folder's dataset from a text named on an earlier command, where none is at hand: data.input gone (moved,
-    or on a disk not mounted now) and prepared from that very path; or no data.input and nothing downloaded, and
-    prepared from any file (offline runs, resumes and sweeps need not repeat data.input)."""
+    """The folder's dataset from a text no longer at hand: data.input gone and prepared from that path, or none given
+    and nothing downloaded (offline runs, resumes and sweeps need not repeat data.input)."""
     meta = _read_meta(out_dir)
     source = meta.get("source") if isinstance(meta, dict) else None
     if not isinstance(source, dict) or "input_sha256" not in source:
@@ -261,16 +238,14 @@ def _prepared_before(out_dir: Path, config: DataConfig, settings: dict[str, Any]
 
 def _ensure_corpus(out_dir: Path, config: DataConfig, prepare: bool) -> PreparedData:
     fingerprint = corpus.fingerprint(config)
-    return _prepared(out_dir, fingerprint, {}, prepare, functools.partial(corpus.prepare_corpus, config, fingerprint))
+    make = functools.partial(corpus.prepare_corpus, config, fingerprint)
+    return _reusable(out_dir, fingerprint) or _prepare_new(out_dir, fingerprint, {}, prepare, make)
 
 
-def _prepared(
+def _prepare_new(
     out_dir: Path, fingerprint: dict[str, Any], made_from: dict[str, str], prepare: bool, make: Make
 ) -> PreparedData:
-    """The folder's dataset, or, where it holds none, one made by `make` in a new folder beside it and moved in."""
-    prepared = _reusable(out_dir, fingerprint)
-    if prepared:
-        return prepared
+    """A dataset made by `make` in a new folder beside out_dir and moved in (out_dir holds none of these settings)."""
     _refuse_other(out_dir, fingerprint, made_from)
     if not prepare:  # a torchrun rank other than 0 only reads what rank 0 prepared
         raise DataError(
@@ -361,27 +336,11 @@ def _described(meta: dict[str, Any]) -> str:
 
 
 def _reusable(out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData | None:
-    """The folder's dataset if meta.json matches the fingerprint and its token files are all there, of the sizes
-    meta.json gives (no token is read): a truncated or missing file is prepared again rather than failing later."""
+    """The folder's dataset if its meta.json, written last and the record of what was prepared, matches."""
     meta = _read_meta(out_dir)
-    if not isinstance(meta, dict) or not all(meta.get(k) == v for k, v in fingerprint.items()):
-        return None  # none, damaged (prepare again), or made otherwise
-    data = PreparedData(out_dir, meta)
-    try:
-        if meta.get("sharded"):
-            counts = _shard_counts(data)
-        else:  # uint16 tokens
-            counts = {name: data.split(name).paths[0].stat().st_size / 2 for name in ("train", "val")}
-    except (OSError, DataError):
-        return None  # a file missing, truncated or not a shard: prepare again
-    return data if all(meta.get(f"{name}_tokens") == count for name, count in counts.items()) else None
-
-
-def _shard_counts(data: PreparedData) -> dict[str, int]:
-    """A corpus's tokens per split, each shard's header checked against its size (-1 if shards are missing)."""
-    if (len(data.train.paths), len(data.val.paths)) != (data.meta.get("train_shards"), data.meta.get("val_shards")):
-        return {"train": -1}
-    return {"train": data.train.num_tokens, "val": data.val.num_tokens}
+    if isinstance(meta, dict) and all(meta.get(k) == v for k, v in fingerprint.items()):
+        return PreparedData(out_dir, meta)
+    return None
 
 
 def _read_meta(out_dir: Path) -> Any:

@@ -3,11 +3,12 @@
 from pathlib import Path
 
 import hydra
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 from common.cli import presets
 from common.config import exit_on_user_error, run_hydra, typed_config
-from data.prepare import PrepareConfig, ensure_prepared, register_prepare_schema
+from data.prepare import PrepareConfig, ensure_prepared
 
 USAGE = """Tokenize a text or a corpus into data/cache/NAME (train.py does it when needed). Settings: key=value.
 
@@ -31,5 +32,5 @@ def _prepare(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    register_prepare_schema()
+    ConfigStore.instance().store(name="prepare_schema", node=PrepareConfig)
     run_hydra(_prepare, PrepareConfig, ("data",), lambda: USAGE.format(presets=", ".join(presets("data"))))

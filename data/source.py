@@ -1,7 +1,4 @@
-"""Where the training text comes from: the user's file, then a cached copy, then a download (saved as that copy).
-A text is read in pieces of _READ_BYTES, never whole, so preparing it takes bounded memory whatever its size; the
-pieces decode exactly as reading the whole file in text mode would (UTF-8, universal newlines).
-"""
+"""Training text: the user's file, else a cached download; read in _READ_BYTES pieces, decoded as the whole file is."""
 
 from __future__ import annotations
 
@@ -14,8 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.errors import DataError
 from common.runtime import replace_file, temporary_beside
-from data.errors import DataError
 
 _READ_BYTES = 1 << 22  # 4 MiB a read: the decoded piece and its ids take a few times that
 
@@ -30,8 +27,7 @@ def why_not_a_file(path: Path) -> str:
 
 
 def download(url: str, cached_copy: Path, offline: str) -> Path:
-    """The file at `url`, saved whole as cached_copy or not at all (a download cut short is never kept).
-    `offline`: how to do without it, for the one-line error."""
+    """`url` saved whole as cached_copy, or not at all; `offline`: how to do without it, for the one-line error."""
     tmp = temporary_beside(cached_copy)
     try:
         with urllib.request.urlopen(url, timeout=30) as response:
@@ -75,8 +71,7 @@ def utf8_pieces(path: Path) -> Iterator[str]:
 
 @dataclass(frozen=True)
 class TextFile:
-    """A UTF-8 text file surveyed in one streaming pass, before a second one encodes it: its length in characters
-    (where the split falls) and, for a char tokenizer, the characters it uses."""
+    """A UTF-8 text file surveyed in a pass before the encoding pass: its length and (char tokenizer) characters."""
 
     path: Path
     length: int  # in characters

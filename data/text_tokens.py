@@ -1,7 +1,4 @@
-"""A text into train.bin / val.bin (uint16 token streams) and meta.json, in bounded memory whatever its size: one
-pass counts its characters and a char tokenizer's vocabulary, a second encodes it piece by piece, giving the files
-encoding the whole text at once would give.
-"""
+"""A text -> train.bin / val.bin (uint16) and meta.json in bounded memory: encoded in pieces, same as encoded whole."""
 
 from __future__ import annotations
 
@@ -17,8 +14,8 @@ import numpy as np
 import regex
 from tqdm import tqdm
 
+from common.errors import DataError
 from common.runtime import write_atomically, write_text_atomically
-from data.errors import DataError
 from data.source import TextFile
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer
 
@@ -90,15 +87,10 @@ def _write_tokens(path: Path, pieces: Iterable[str], tokenizer: Tokenizer, bar: 
 
 
 def _safely_cut(pieces: Iterable[str], pretokenizer: regex.Pattern) -> Iterator[str]:
-    """The pieces cut again at safe cuts only, so encoding them one by one with BPE gives the ids of the whole
-    text: what follows the last safe cut is held and put before the next piece.
-
-    A lone newline between words is the cheap safe cut (_chunks). A text without one is cut where the
-    pre-tokenizer splits it whether or not the text goes on (_pretoken_chunks), once more than 2 * _CHUNK_CHARS
-    characters are held. A giant word with no cut at all is cut every _GIANT_WORD_CHARS characters anyway, where
-    its tokens may differ from encoding it whole: memory stays bounded. Both rules hold for GPT-2's pre-tokenizer
-    pattern (r50k_base, p50k_base: the encodings that fit uint16 token files), not for cl100k's or o200k's.
-    """
+    """The pieces re-cut at safe cuts only, so BPE-encoding them one by one gives the whole text's ids. Cuts: a lone
+    newline between words (_chunks); past 2 * _CHUNK_CHARS held, where the pre-tokenizer splits (_pretoken_chunks);
+    with no cut at all, every _GIANT_WORD_CHARS anyway (tokens may differ there; memory stays bounded). These hold
+    for GPT-2's pre-tokenizer (r50k_base, p50k_base: the encodings that fit uint16), not for cl100k's or o200k's."""
     held: list[str] = []
     held_chars = 0
     for piece in pieces:
@@ -131,9 +123,8 @@ def _chunks(text: str) -> Iterator[str]:
 
 
 def _pretoken_chunks(text: str, pretokenizer: regex.Pattern, check: int = 4) -> Iterator[str]:
-    """Pieces of about _CHUNK_CHARS characters of a text that starts at a safe cut, each ending where the
-    pre-tokenizer (the regex that splits text into words before BPE merges) splits it, checked: the last `check`
-    words before the cut come out the same when the text ends there. The last piece is at least 1,024 characters."""
+    """~_CHUNK_CHARS-character pieces of a text starting at a safe cut, each ending where the pre-tokenizer splits it,
+    checked: the last `check` words before the cut match when the text ends there. The last is >= 1,024 characters."""
     ends = [0, *itertools.accumulate(map(len, pretokenizer.findall(text)))]
     if ends[-1] != len(text):  # a pattern that skips characters: no telling where words end
         yield text

@@ -13,7 +13,7 @@ import tiktoken
 import torch
 import torch.nn.functional as F
 
-from data.errors import DataError
+from common.errors import DataError
 
 
 class Tokenizer(Protocol):
@@ -35,10 +35,6 @@ class CharTokenizer:
         self.chars = chars
         self.vocab_size = len(chars)
         self._index = {c: i for i, c in enumerate(chars)}
-
-    @classmethod
-    def from_text(cls, text: str) -> CharTokenizer:
-        return cls(sorted(set(text)))
 
     def encode(self, text: str) -> list[int]:
         try:
@@ -103,8 +99,7 @@ class BpeTokenizer:
         return self.encoding.decode(ids)
 
     def token_bytes(self, token: int) -> bytes:
-        """A token's own bytes, which may be part of a character: text shown token by token decodes them
-        incrementally (inference/sampling.py)."""
+        """A token's own bytes, which may be part of a character (inference/sampling.py decodes incrementally)."""
         return self.encoding.decode_single_token_bytes(token)
 
     @property
@@ -184,9 +179,7 @@ class TextScore:
 def token_sums(
     logits: torch.Tensor, targets: torch.Tensor, byte_lengths: torch.Tensor, scored: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """(4,) float64: the nats and the count of the targets (where `scored`, if given), and the nats and UTF-8 bytes
-    of those that are text: special tokens such as <|endoftext|> count 0 bytes and are left out of both, as in
-    nanochat's bits per byte. Sums, so batches and processes add up."""
+    """Sums of the targets' nats and count, and of the text ones' nats and UTF-8 bytes (for bits per byte)."""
     nats = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none").double()
     targets = targets.flatten()
     if scored is not None:

@@ -1,7 +1,5 @@
-"""HellaSwag (Zellers et al., 2019): pick the ending of a sentence that a model finds likeliest, as llm.c scores
-it. Each ending is tokenized as " " + ending after the context's tokens; its score is the summed log-likelihood of
-its tokens (acc) or their mean (acc_norm, fair to long endings). The validation set is downloaded on first use.
-"""
+"""HellaSwag (Zellers et al., 2019), scored as llm.c does: each ending, tokenized as " " + ending after the context,
+by its tokens' summed log-likelihood (acc) or their mean (acc_norm, fair to long endings)."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from data.errors import DataError
+from common.errors import DataError
 from data.prepare import DEFAULT_CACHE
 from data.source import download, why_not_a_file
 from data.tokenizers import CharTokenizer, Tokenizer
@@ -91,8 +89,7 @@ def _fields(line: str, path: Path, number: int) -> tuple[str, list[str], int]:
 @torch.no_grad()
 def ending_scores(model: torch.nn.Module, example: Example, block_size: int, device: torch.device,
                   autocast: Autocast = contextlib.nullcontext) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed and mean log-likelihood of each ending's tokens (float64, on the CPU), the four endings in one
-    forward pass. A row longer than block_size + 1 tokens loses its first ones (the context's)."""
+    """Summed and mean log-likelihood (float64, CPU) per ending, one forward pass; long contexts lose their start."""
     rows = [(example.context + end)[-(block_size + 1) :] for end in example.endings]
     scored = [min(len(end), len(row) - 1) for end, row in zip(example.endings, rows, strict=True)]
     width = max(map(len, rows)) - 1

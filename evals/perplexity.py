@@ -1,9 +1,6 @@
-"""Loss, perplexity and bits per byte of a token sequence, every target scored exactly once, by sliding windows.
-
-Windows hold `context` inputs and advance by `stride`; each scores only the targets no window has scored yet, so
-most tokens see between context - stride + 1 and context tokens before them (Hugging Face's perplexity guide). The
-last window is moved back to end where the sequence ends. stride = context scores disjoint windows.
-"""
+"""Loss, perplexity and bits per byte of a token sequence by sliding windows (Hugging Face's perplexity guide):
+windows of `context` inputs advance by `stride`, each scoring only targets no window has scored yet (the last moved
+back to end at the sequence's end), so most targets see context - stride + 1 to context tokens before them."""
 
 from __future__ import annotations
 
@@ -29,8 +26,7 @@ class Window:
 
 
 def windows(n_tokens: int, context: int, stride: int) -> Iterator[Window]:
-    """The windows over a sequence of n_tokens: each of its n_tokens - 1 targets (every token but the first,
-    which has no context) in exactly one window's scored part."""
+    """Windows over n_tokens tokens: each of the n_tokens - 1 targets (all but the first) scored by exactly one."""
     targets = n_tokens - 1
     if targets < 1:
         return

@@ -1,5 +1,4 @@
-"""The serving API's wire format: OpenAI's error object (ApiError), the bodies /v1/completions and the live page's
-endpoints take (checked by pydantic before any handler runs), and the body size limit."""
+"""The API's wire format: OpenAI's error object, request bodies (pydantic-checked first), body and Host guards."""
 
 from __future__ import annotations
 
@@ -28,14 +27,12 @@ class ApiError(Exception):
 
 
 class CompletionRequest(BaseModel):
-    """OpenAI's /v1/completions fields this server honours (top_k and min_p are extras, as vLLM takes them);
-    other OpenAI fields only at their defaults (UNSUPPORTED)."""
+    """OpenAI's /v1/completions fields served, plus vLLM's top_k and min_p; others at defaults only (UNSUPPORTED)."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    # a text, several, one prompt's token ids or several prompts' (as OpenAI's API takes them)
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # a text, texts, token ids, or lists of token ids
     max_tokens: StrictInt = 16  # 0 with echo: score the prompt alone
     temperature: Number = 1.0
     top_p: Number = 1.0
@@ -89,8 +86,7 @@ class PageChange(PageText):
     replacement: str
 
 
-# Fields OpenAI defines that this server doesn't implement: allowed only at their no-op values.
-UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),  # OpenAI fields not served: allowed only at no-op values
                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {})}
 
 
@@ -127,8 +123,7 @@ class BodyLimit:
 
 
 class HostCheck:
-    """421 with OpenAI's error object for a Host header naming another server, against DNS rebinding: a web page
-    whose name resolves to this loopback address could otherwise read the model's answers."""
+    """421 (OpenAI's error object) for a Host naming another server: stops DNS-rebinding pages reading the answers."""
 
     def __init__(self, app: ASGIApp, names: set[str]) -> None:
         self.app, self.names = app, {name.lower() for name in names}

@@ -1,7 +1,5 @@
-"""What a flood of connections can't take from serve.py: at most max_connections open at once (past it the one
-waiting longest on its client is closed, else the new one), a connection without a whole request, body included,
-within header_timeout_s (of its opening or its last answer) is closed, and each kind of refusal is logged once a
-minute at most, in one line."""
+"""Connection limits for serve.py: at most max_connections open (past it the one idle longest closes, else the new
+one); no whole request within header_timeout_s of opening or the last answer: closed; refusals logged once a minute."""
 
 from __future__ import annotations
 

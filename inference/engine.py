@@ -1,20 +1,14 @@
 """Continuous batching: many completions decoded by one forward pass a step, each as if it ran alone.
 
-Prompts that arrive together run through a KVCache as one batch when they are of one length (the same prefill
-as sample.py's for its samples), then each completion joins the running batch (BatchKVCache), where every step
-feeds each row its own newest token at its own position.
-A learned-position model's row that outgrows block_size goes on as sample.py does, each step recomputing its
-last block_size tokens, batched with the other such rows ("cropped"). Between steps finished or cancelled rows
-leave and waiting ones join. Tokens are picked by Decoding with a random generator per row, so a row's draws
-depend only on its own seed, not on who else is in the batch; text comes out through SampleText, so stop
-strings and split characters behave as in sample.py. With logprobs, each token's score under the model comes
-with it (Scored), and with echo the prompt's too.
+Prompts of one length arriving together are prefilled as one KVCache batch, then each joins the running batch
+(BatchKVCache), where every step feeds each row its newest token at its own position; rows leave and join between
+steps. A learned-position row past block_size recomputes its last block_size tokens each step ("cropped"), as in
+sample.py. Each row draws from its own generator, so its tokens depend on its seed, not the batch; text goes through
+SampleText (stop strings as in sample.py); with logprobs each token comes scored (Scored), with echo the prompt's too.
 
-The engine runs on its own thread (torch releases the GIL while it computes); callers submit Completions from
-any thread and hear back through each Completion's `on_update`. Other work on the model (the live page's, an
-echoed prompt's scoring a forward pass at a time) runs as tasks between steps, and after each the rows get as
-much time before the next: whatever comes, a completion decodes at half its speed at least.
-"""
+The engine runs on its own thread (torch releases the GIL while it computes); callers submit Completions from any
+thread and hear back through `on_update`. Other model work (the live page, echo's prompt scoring) runs as tasks
+between steps, each followed by as much time for the rows: a completion decodes at half its speed at least."""
 
 from __future__ import annotations
 
@@ -44,9 +38,8 @@ PREFILL_SLOTS = 8192  # cache positions a batched prefill may hold: 8 rows of GP
 
 @dataclass(eq=False)
 class Completion:
-    """One sequence to generate: the prompt's tokens, how many more at most, how to pick them, and where its
-    text goes. on_update(piece, done) is called on the engine's thread with each piece of text no later token
-    can change, and once more with done=True when the completion ends (finish_reason set)."""
+    """One sequence to generate. on_update(piece, done) is called on the engine's thread with each piece of text
+    no later token can change, then with done=True when the completion ends (finish_reason set)."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -59,9 +52,7 @@ class Completion:
     tokens: list[int] = field(default_factory=list)  # generated so far
     scores: list[Scored] = field(default_factory=list)  # with logprobs: one per generated token
     prompt_scores: list[Scored] | None = None  # with echo: one per prompt token but the first
-    # "stop" (a stop string or the end of text), "length", "cancelled" (its client left or timed out), or "error"
-    # (its prompt or a step failed: the server's log has the traceback)
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop" (stop string or end of text), "length", "cancelled" or "error" (logged)
     cancelled: bool = False  # set from any thread (a client left, a timeout): the row leaves at the next step
 
     def add(self, token: int) -> None:
@@ -82,9 +73,8 @@ class Completion:
 
 
 def _prefill_groups(completions: list[Completion], block_size: int) -> list[list[Completion]]:
-    """Prompts that arrived together, by length (one forward pass each group), at most PREFILL_CHUNK tokens and
-    PREFILL_SLOTS cache positions (a full layer's KVCache holds block_size a row) a group, so that a group costs
-    about what one long prompt costs."""
+    """Prompts that arrived together, by length (one forward pass a group), at most PREFILL_CHUNK tokens and
+    PREFILL_SLOTS cache positions (block_size a row) a group: a group costs about what one long prompt costs."""
     by_length: dict[int, list[Completion]] = {}
     for completion in completions:
         by_length.setdefault(len(completion.prompt), []).append(completion)
@@ -132,8 +122,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.steps = 0  # decode steps run
         self.finished: Counter[str] = Counter()  # completions ended, by finish_reason (GET /health shows them)
-        # called on the engine's thread after every run_once with the completions left (0: idle), so that a
-        # caller can hand on the on_update calls of several steps together (the server's Mailbox)
+        # after each run_once, with the completions left (0: idle): lets the server's Mailbox batch on_updates
         self.after_step: Callable[[int], None] | None = None
 
     # --- any thread ---
@@ -150,8 +139,7 @@ class Engine:
             self._wake.notify()
 
     def call(self, task: Callable[[], Any]) -> Future:
-        """Run `task` on the engine's thread between two steps (anything else that uses the model, such as the
-        live page's attention maps, which switch its attention layers to capturing); its result or error."""
+        """Run `task` (other model use, e.g. the live page's attention maps) on the engine's thread between steps."""
         with self._wake:  # (its lock is reentrant)
             self._check_open()
             return self._queue(task)
@@ -212,8 +200,7 @@ class Engine:
 
     @torch.inference_mode()
     def run_once(self) -> None:
-        """A task unless the rows are owed time, then admit what fits, then one decode step for every row (a test
-        can drive the engine with this alone)."""
+        """A task unless the rows are owed time, then admit what fits, then one decode step for every row."""
         if self.tasks and (self._owed <= 0 or not self.running):
             began = time.perf_counter()
             with self._wake:
@@ -246,8 +233,7 @@ class Engine:
             self.after_step(len(self.active) + len(self.cropped) + len(self.waiting))
 
     def _admit(self) -> list[Completion]:
-        """Waiting completions while rows are free, PREFILL_CHUNK prompt tokens a step (one prompt at least); those
-        whose prompts are to be scored start that instead."""
+        """Waiting completions while rows are free, PREFILL_CHUNK prompt tokens a step; echo's go to _score first."""
         admitted: list[Completion] = []
         tokens = 0  # of the admitted prompts
         while len(self.active) + len(self.cropped) + len(self.scoring) + len(admitted) < self.max_batch:
@@ -265,8 +251,7 @@ class Engine:
         return admitted
 
     def _score(self, completion: Completion) -> None:
-        """Its prompt scored one forward pass a task, behind the other tasks; then it waits for its prefill, first
-        in line, or ends (max_new_tokens=0)."""
+        """Score its prompt one forward pass a task; then it waits first in line for its prefill, or ends."""
         passes, scores = prompt_scores(self.model, self.runtime, completion.prompt, completion.logprobs or 0), []
 
         def next_pass() -> None:
@@ -300,9 +285,8 @@ class Engine:
         return not config.rolls and len(completion.prompt) + len(completion.tokens) > config.block_size
 
     def _prefill(self, group: list[Completion]) -> None:
-        """Prompts of one length run together through one KVCache, as sample.py runs its samples' prompt; their
-        first tokens; then each a row of its own unless already done. A prompt past the context starts cropped
-        (its first token comes with the next step)."""
+        """Prompts of one length run together through one KVCache; their first tokens; then each a row unless done.
+        A prompt past the context starts cropped (its first token comes with the next step)."""
         plain = []
         for completion in group:
             if completion.max_new_tokens == 0:  # echo alone, nothing generated
@@ -324,8 +308,7 @@ class Engine:
                 self.active.append(completion)
 
     def _step(self) -> None:
-        """One token for every running row: the batch cache's rows by their newest token, the cropped ones by
-        their last block_size tokens."""
+        """One token for every row: the batch cache's by their newest token, the cropped by their last block_size."""
         for row in reversed(range(len(self.active))):
             if self._past_context(self.active[row]):
                 self.cropped.append(self.active[row])

@@ -1,5 +1,4 @@
-"""eval.py's work: the model (a run's or init_from's), what to score (a text file, or the run's own val split), its
-sliding-window loss, perplexity and bits per byte, and HellaSwag; one record of the results."""
+"""eval.py's work: sliding-window loss, perplexity, bits per byte of a text (or val split), HellaSwag; one record."""
 
 from __future__ import annotations
 
@@ -13,9 +12,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common.errors import ConfigError
+from common.errors import ConfigError, DataError
 from common.runtime import check_memory, make_runtime, memory_bytes
-from data.errors import DataError
 from data.prepare import DataConfig, dataset_dir, ensure_prepared
 from data.source import read_utf8
 from data.tokenizers import Tokenizer
@@ -57,8 +55,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
 
 
 def _fitting_batch(batch_size: int, config: GPTConfig, context: int, device: torch.device) -> int:
-    """At most the windows a forward pass can hold in half the device's memory (a window's float32 logits thrice
-    over, and its activations)."""
+    """At most the windows that fit in half the device's memory (a window's float32 logits thrice, and activations)."""
     per_window = context * (16 * config.vocab_size + 64 * config.n_embd)
     check_memory(per_window, device, f"one window of context={context}", "lower context")
     memory = memory_bytes(device)

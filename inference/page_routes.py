@@ -1,6 +1,5 @@
-"""The live page at / and its endpoints under /page/: the text's tokens, the attention explorer for the text on
-screen, and the causal mask demonstrated by replacing one token. They run on the engine's thread between two
-steps (Service.call), since the attention maps switch the model's layers to capturing."""
+"""The live page at / and its endpoints under /page/: tokens, the attention explorer, and the causal-mask demo. Their
+model work runs on the engine's thread between steps (Service.call): attention maps switch the layers to capturing."""
 
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ def add_page(app: FastAPI, service: Service, authorised: Callable[..., Any]) -> 
 
 
 def tokens_on_page(service: Service, page: PageText) -> tuple[list[int], int, str | None]:
-    """The text's last block_size tokens (all the page shows), how many of them are the prompt's, and, when the
-    text is longer, the line saying so: the page would otherwise start mid-text, unexplained."""
+    """The text's last block_size tokens (all the page shows), how many are the prompt's, and a note if it was cut."""
     if not page.text:
         raise ApiError(400, "text is empty; generate something first", "text")
     prompt = page.text[: max(0, page.prompt_chars)]

@@ -1,5 +1,4 @@
-"""Load a model (a train.py run's checkpoint, or OpenAI's GPT-2) and draw samples of a prompt, as text that shows
-as it grows and ends at a stop string."""
+"""Load a model (a run's or OpenAI's GPT-2); draw a prompt's samples as text that grows until a stop string."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ from typing import TextIO
 
 import torch
 
-from common.errors import CheckpointError, ConfigError
+from common.errors import CheckpointError, ConfigError, DataError
 from common.runtime import Runtime, check_memory, make_runtime
-from data.errors import DataError
 from data.source import read_utf8, why_not_a_file
 from data.tokenizers import BpeTokenizer, Tokenizer, tokenizer_from_metadata
 from inference.schema import SampleConfig
@@ -43,7 +41,6 @@ def load_model(out_dir: str | None, init_from: str | None, ckpt: str, attn_impl:
     if init_from is not None:
         model = load_pretrained(init_from, attn_impl=attn_impl or "flash")
         return LoadedModel(model, BpeTokenizer.from_name(GPT2_ENCODING), None)
-    assert out_dir is not None, "the config requires out_dir or init_from"
     path = Path(out_dir) / (BEST_NAME if ckpt == "best" else CKPT_NAME)
     if ckpt == "best" and not path.is_file() and path.with_name(CKPT_NAME).is_file():
         raise CheckpointError(f"no {BEST_NAME} in {out_dir}: train with train.keep_best=true, or use ckpt=latest")
@@ -53,9 +50,7 @@ def load_model(out_dir: str | None, init_from: str | None, ckpt: str, attn_impl:
 
 
 def read_prompt(start: str) -> str:
-    """The prompt itself, or the contents of a file given as FILE:path."""
-    if not start.startswith("FILE:"):
-        return start
+    """The contents of the file start=FILE:path names."""
     path = Path(os.path.expanduser(start.removeprefix("FILE:")))
     if not path.is_file():
         raise DataError(f"start=FILE:{path} {why_not_a_file(path)}; name a text file")
@@ -63,8 +58,7 @@ def read_prompt(start: str) -> str:
 
 
 def stop_strings(stop: Sequence[str] | None, tokenizer: Tokenizer) -> list[str]:
-    r"""The config's stop strings, \n, \t and \\ read as a newline, a tab and a backslash (as typed on the command
-    line), and the tokenizer's end of text if it has one (<|endoftext|>: a document ends there). stop=[]: none."""
+    r"""The stop strings, \n, \t and \\ read as typed on the command line, and the tokenizer's end of text."""
     if stop is not None and not stop:
         return []
     unescaped = [re.sub(r"\\([nt\\])", lambda m: ESCAPES[m.group(1)], s) for s in stop or ()]
@@ -73,13 +67,7 @@ def stop_strings(stop: Sequence[str] | None, tokenizer: Tokenizer) -> list[str]:
 
 
 class SampleText:
-    """The prompt's text, then the generated text up to (not including) the first stop string.
-
-    A BPE token's bytes may end inside a character (GPT-2 splits many emoji and CJK characters across tokens), so
-    the bytes go through an incremental UTF-8 decoder, which keeps an unfinished character until its last byte
-    arrives; bytes that can never be a character become U+FFFD, as in tokenizer.decode. finish(): no more tokens
-    will come, so the text held back as a possible stop string's start is final (a character cut short is left out).
-    """
+    """Prompt, then generated text to the first stop string; decoded incrementally: a token may end mid-character."""
 
     def __init__(self, tokenizer: Tokenizer, prompt: str, stop: Sequence[str] = ()) -> None:
         self._token_bytes = tokenizer.token_bytes
@@ -108,8 +96,7 @@ class SampleText:
         self.finished = True
 
     def unshown(self) -> str:
-        """The text not handed out before that no later token can change: all of it once finished, otherwise all
-        but a tail that could still grow into a stop string."""
+        """Unsent text no later token can change: all once finished, else all but a possible stop string's start."""
         end = len(self.text) if self.finished else len(self.text) - self._held_back()
         piece = self.text[self._shown : end]
         self._shown = end
@@ -125,9 +112,7 @@ class SampleText:
 
 
 class InOrder:
-    """Writes samples that grow side by side (one batch) one after another: the first as it is generated; each
-    next one, once the one before is finished, all it has so far at once, then as it grows. The first sample's
-    prompt is written at once."""
+    """Writes samples that grow side by side one after another: each once the one before ends, then as it grows."""
 
     def __init__(self, out: TextIO, samples: Sequence[SampleText]) -> None:
         self.out = out
@@ -154,22 +139,19 @@ class Sample:
 
 @dataclass
 class Sampler:
-    """generate() draws num_samples continuations of a prompt side by side, as one batch; each ends at its first
-    stop string, and generation ends once all have. With `stream`, they are written there as they grow, one after
-    another, each followed by SEPARATOR. With `seed`, sample i draws from a generator of its own seeded with
-    seed + i, as a served request's choice i does; without, from torch's global one."""
+    """generate() draws num_samples continuations side by side, as one batch, each ending at a stop string; with
+    `stream` written as they grow; with `seed`, sample i from its own generator seeded seed + i."""
 
     model: GPT
     tokenizer: Tokenizer
     runtime: Runtime
 
     def encode_prompt(self, start: str) -> list[int]:
-        ids = self.tokenizer.encode(read_prompt(start))
+        ids = self.tokenizer.encode(read_prompt(start) if start.startswith("FILE:") else start)
         if not ids:
             raise ConfigError('start is empty; give a prompt such as start="ROMEO:"')
-        block_size = self.model.config.block_size
-        if len(ids) > block_size and not self.model.config.rolls:
-            warn(f"the prompt has {len(ids)} tokens; the model sees only its last {block_size} (block_size)")
+        if len(ids) > self.model.config.block_size and not self.model.config.rolls:
+            warn(f"the prompt has {len(ids)} tokens; the model sees only its last {self.model.config.block_size}")
         return ids
 
     def generate(self, prompt: list[int], num_samples: int, max_new_tokens: int, decoding: Decoding, *,
@@ -178,8 +160,7 @@ class Sampler:
         config = self.model.config  # checked before allocating: every sample has its KV cache and its logits
         per_sample = 8 * config.n_layer * config.block_size * config.n_embd + 16 * config.vocab_size
         check_memory(num_samples * per_sample, self.runtime.device, f"num_samples={num_samples}", "lower num_samples")
-        prompt_text = self.tokenizer.decode(prompt)
-        texts = [SampleText(self.tokenizer, prompt_text, stop) for _ in range(num_samples)]
+        texts = [SampleText(self.tokenizer, self.tokenizer.decode(prompt), stop) for _ in range(num_samples)]
         show = InOrder(stream, texts).write if stream is not None else lambda: None
         idx = torch.tensor([prompt] * num_samples, device=self.runtime.device)
         generators = row_generators(seed, num_samples, self.runtime.device)

@@ -1,5 +1,4 @@
-"""sample.py's, eval.py's and serve.py's typed configs (configs/sample.yaml, eval.yaml, serve.yaml), registered
-with Hydra's ConfigStore; built and checked as training/schema.py's are (common.config)."""
+"""sample.py's, eval.py's and serve.py's typed configs (configs/*.yaml), registered with Hydra's ConfigStore."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ class ModelChoice:
     """The keys that pick the model sample.py and eval.py run."""
 
     out_dir: str | None = option(None, path=True)  # a train.py run directory holding ckpt.pt (or init_from)
-    # instead of out_dir: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 dir
-    init_from: str | None = option(None, path=True)
+    init_from: str | None = option(None, path=True)  # instead of out_dir: gpt2[-medium|-large|-xl] or a HF GPT-2 dir
     ckpt: str = option("latest", choices=("latest", "best"))  # the run's ckpt.pt, or its best.pt (train.keep_best)
 
     def __post_init__(self) -> None:
@@ -34,8 +32,7 @@ class ModelChoice:
 class SampleConfig(ModelChoice):
     start: str = "\n"  # the prompt, or FILE:path to read it from a file
     num_samples: int = option(3, at_least=1)
-    # at most a million: hours of generation on a CPU and a few MB of text a sample, past any real use; 1e10 would
-    # run for days while its text filled the memory
+    # at most a million (hours on a CPU, past any real use): 1e10 would run for days while its text filled memory
     max_new_tokens: int = option(500, at_least=1, at_most=MAX_NEW_TOKENS)
     temperature: float = option(
         DEFAULT_TEMPERATURE, at_least=0.0, hint="0 means greedy decoding (the most likely token)"
@@ -48,8 +45,7 @@ class SampleConfig(ModelChoice):
     dtype: str = option("auto", choices=DTYPES)
     attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
     use_cache: bool = True  # KV cache: run the prompt once, then one token per step
-    # a sample ends before the first of these strings (\n, \t: newline, tab); a BPE model's <|endoftext|> too, but
-    # with stop=[]
+    # a sample ends before the first of these strings (\n, \t: newline, tab); BPE's <|endoftext|> too, unless stop=[]
     stop: list[str] | None = None
     stream: bool | None = None  # print each sample as it is generated; null: when stdout is a terminal
     attention_dir: str | None = option(None, path=True)  # write attention.npz and one PNG per layer here
@@ -64,17 +60,14 @@ class SampleConfig(ModelChoice):
 
 @dataclass
 class EvalConfig(ModelChoice):
-    # a UTF-8 text file to score; null: the run's own val split (init_from needs a file)
-    input: str | None = option(None, path=True)
-    # tokens of context a window holds; null: the model's block_size
-    context: int | None = option(None, at_least=1, hint="null means the model's block_size")
+    input: str | None = option(None, path=True)  # a UTF-8 text file to score; null: the run's own val split
+    context: int | None = option(None, at_least=1, hint="null means the model's block_size")  # tokens a window holds
     # tokens each window advances (and scores, but the first); null: context // 2. stride=context: disjoint windows
     stride: int | None = option(None, at_least=1, hint="null means half the context")
     # windows per forward pass; null: 4096 tokens' worth (as train.full_val), at least 1
     batch_size: int | None = option(None, at_least=1, hint="null means 4096 // context windows")
     hellaswag: bool = False  # also score HellaSwag's validation set (BPE models)
-    # a local hellaswag_val.jsonl; null: data/cache/hellaswag's, downloaded once
-    hellaswag_file: str | None = option(None, path=True)
+    hellaswag_file: str | None = option(None, path=True)  # local hellaswag_val.jsonl; null: in data/cache/hellaswag
     device: str = option("auto", choices=DEVICES)
     dtype: str = option("auto", choices=DTYPES)
     attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
@@ -99,24 +92,19 @@ class ServeConfig(ModelChoice):
     dtype: str = option("auto", choices=DTYPES)
     attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
     api_key: str | None = None  # every request then needs Authorization: Bearer KEY; null: $GPT_LAB_API_KEY, if set
-    # a host beyond loopback with no api_key is refused unless this says so: anyone reaching the port may use it
-    allow_no_api_key: bool = False
+    allow_no_api_key: bool = False  # else a host beyond loopback needs api_key: anyone reaching the port may use it
     model_id: str | None = None  # the id /v1/models lists and requests name; null: the run directory's name
     max_batch: int = option(64, at_least=1)  # sequences decoded together, one forward pass a step
     max_queue: int = option(256, at_least=0)  # choices waiting for a place in the batch; past it: 503, Retry-After
     max_tokens: int = option(1024, at_least=1)  # the largest max_tokens a request may ask for
     max_choices: int = option(16, at_least=1)  # prompts x n in one request
-    # a prompt's tokens at most (a learned-position model sees the last block_size of them, as sample.py does)
-    max_prompt_tokens: int = option(8192, at_least=1)
+    max_prompt_tokens: int = option(8192, at_least=1)  # a learned-position model sees only the last block_size
     timeout_s: float = option(300.0, above=0.0)  # a request running longer is cancelled: 504
-    # Ctrl-C or SIGTERM: requests in flight get this long to finish, then each ends with an error (503)
-    shutdown_s: float = option(5.0, at_least=0.0)
+    shutdown_s: float = option(5.0, at_least=0.0)  # on Ctrl-C or SIGTERM, requests in flight get this long; then 503
     max_body_bytes: int = option(1_000_000, at_least=1)  # a larger request body: 413
     max_connections: int = option(1000, at_least=1)  # open at once (within the process's file limit); past it: closed
-    # a connection with no whole request this long after it opened (or after its last answer) is closed
-    header_timeout_s: float = option(10.0, above=0.0)
-    # torch's CPU threads for the model; null: one less than the cores (at least 1), leaving one to the HTTP side
-    threads: int | None = option(None, at_least=1)
+    header_timeout_s: float = option(10.0, above=0.0)  # no whole request this long after opening/last answer: closed
+    threads: int | None = option(None, at_least=1)  # torch's CPU threads; null: a core less, left to the HTTP side
 
 
 def register_schemas() -> None:

@@ -1,6 +1,5 @@
-"""Tokens' log-probabilities under the model, as OpenAI's logprobs report them: those of the model's own
-distribution (its log-softmax), before temperature and the cut-offs, with the likeliest alternatives; and a
-prompt's, scored as the model would have generated it (echo)."""
+"""Tokens' log-probabilities as OpenAI's logprobs report them: the model's log-softmax, before temperature and the
+cut-offs, with the likeliest alternatives; and a prompt's, scored as if the model had generated it (echo)."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ class Scored:
 
 
 def score(logits: torch.Tensor, tokens: list[int], top: int) -> list[Scored]:
-    """Each row's token's log-probability under the model (before temperature and the cut-offs, as OpenAI and
-    vLLM report them), and the `top` likeliest tokens with theirs."""
+    """Each row's token's log-probability (before temperature and cut-offs), and the `top` likeliest tokens'."""
     logprobs = F.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(-1, torch.tensor(tokens, dtype=torch.long, device=logits.device)[:, None])[:, 0].tolist()
     values, ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())
@@ -35,9 +33,8 @@ def score(logits: torch.Tensor, tokens: list[int], top: int) -> list[Scored]:
 
 
 def prompt_scores(model: GPT, runtime: Runtime, prompt: list[int], top: int) -> Iterator[list[Scored]]:
-    """Each prompt token's score (but the first's) given the tokens before it, at most block_size of them for a
-    learned-position model, all for a rolling one: one forward pass an item, of PREFILL_CHUNK tokens at most (or
-    one block_size window), so that the engine can decode between them."""
+    """Each prompt token's score but the first's, given up to block_size tokens before it (a rolling model: all), one
+    forward pass an item (PREFILL_CHUNK tokens at most), so that the engine can decode between them."""
     config, device = model.config, runtime.device
     cache, block = KVCache(config), config.block_size
     first = len(prompt) if config.rolls else min(len(prompt), block)

@@ -102,8 +102,7 @@ def serve(cfg: ServeConfig) -> None:
 
     logging.getLogger("serve").setLevel(logging.WARNING)  # its refusals too (Refusals), not only its errors
     torch.set_grad_enabled(False)
-    # the engine's thread releases the GIL at every torch op: the event loop then keeps it longer once it has it
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the engine drops the GIL each torch op: let the loop keep it longer
     app = create_app(service, api_key, on_ready=ready, hosts=loopback_names(cfg.host) if where == LOOPBACK else None)
     # uvicorn cancels what still runs SHUTDOWN_MARGIN_S after the requests' own end, which says so to each client
     grace = math.ceil(cfg.shutdown_s + SHUTDOWN_MARGIN_S)
@@ -116,8 +115,7 @@ def serve(cfg: ServeConfig) -> None:
 
 
 class Stopping(uvicorn.Server):
-    """uvicorn's server, which on Ctrl-C or SIGTERM also gives the requests in flight shutdown_s to finish, then
-    ends each with OpenAI's error object, before uvicorn would cut them off without a word."""
+    """uvicorn's server that on Ctrl-C or SIGTERM gives requests in flight shutdown_s, then ends each with an error."""
 
     def __init__(self, config: uvicorn.Config, service: Service, refusals: Refusals) -> None:
         super().__init__(config)

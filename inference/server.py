@@ -1,7 +1,5 @@
-"""OpenAI's completions API over the engine: GET /v1/models, POST /v1/completions (streamed as server-sent
-events or whole), GET /health, vLLM's tokenizer endpoints, and the live page (inference/page_routes.py). Every
-request is checked before it reaches the engine (a 4xx naming the field), and its work is bounded.
-"""
+"""OpenAI's completions API over the engine: GET /v1/models, POST /v1/completions (streamed or whole), GET /health,
+vLLM's tokenizer endpoints and the live page. Every request is checked first (a 4xx naming the field) and bounded."""
 
 from __future__ import annotations
 
@@ -45,9 +43,7 @@ from model.gpt import Decoding, row_generators
 log = logging.getLogger("serve")
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI takes up to 4; each is searched for after every token
 MAX_LOGPROBS = 5  # OpenAI's limit on the alternatives reported per token
-# the live page's tasks (attention maps, causality) the engine may hold at once: they wait their turns, which
-# leave the rows as much time as they take (Engine.run_once), so that pages open together aren't refused
-PAGE_TASKS = 16
+PAGE_TASKS = 16  # the live page's tasks the engine may hold at once: they wait their turns (run_once), not refused
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]
 
 

@@ -1,5 +1,4 @@
-"""A completion's text from the engine's thread to its HTTP client: handed to the event loop in batches (Mailbox),
-read until every choice is done (updates_of), and sent as OpenAI's server-sent events (stream_events)."""
+"""Engine thread to HTTP client: text batched (Mailbox), read till done (updates_of), sent as SSE (stream_events)."""
 
 from __future__ import annotations
 
@@ -68,14 +67,12 @@ def usage(choices: list[Choice], n: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-# a choice's index, a piece of its text, whether it is done, its tokens when that piece came (Choice.tokens)
-Update = tuple[int, str, bool, int]
+Update = tuple[int, str, bool, int]  # choice index, piece of text, done, its token count when it came (Choice.tokens)
 
 
 class Mailbox:
-    """Hands the engine thread's updates to the event loop at most once per FLUSH_INTERVAL_S, longer under load
-    (FLUSH_INTERVAL_S per FLUSH_ROWS completions running), and whenever the engine runs out of work; not once
-    per token: waking the loop costs the engine a GIL hand-off, and every chunk costs the HTTP side."""
+    """Hands the engine thread's updates to the event loop at most every FLUSH_INTERVAL_S (per FLUSH_ROWS running),
+    and when the engine goes idle: each wake-up costs the engine a GIL hand-off, each chunk costs the HTTP side."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -124,8 +121,7 @@ class Deadline:
 
 async def updates_of(choices: list[Choice], updates: asyncio.Queue[Update], deadline: Deadline,
                    http: Request | None = None) -> AsyncIterator[list[Update]]:
-    """The choices' pieces of text as the engine makes them, in batches, until every choice is done; ApiError
-    past the deadline. With `http` (a whole answer), a client that left cancels them."""
+    """Batches of the choices' updates until all are done; ApiError past the deadline; ends if `http`'s client left."""
     pending = len(choices)
     loop = asyncio.get_running_loop()
     checked = loop.time()

@@ -1,5 +1,4 @@
-"""Causal multi-head self-attention, with a fused (flash) path and the textbook (math) path, over all earlier
-tokens or a sliding window of them; and the KV cache that generation runs it on."""
+"""Causal multi-head self-attention, fused (flash) or textbook (math), full or windowed; and generation's KV cache."""
 
 from __future__ import annotations
 
@@ -27,13 +26,8 @@ if TYPE_CHECKING:
 def masked_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout_p: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(QKᵀ/√d_k, masked to -inf where `mask` is False) @ V, for m queries against n keys.
-
-    q: (..., m, d); k, v: (..., n, d); mask: boolean, broadcastable to (..., m, n), True where a
-    query may attend: causal, a KV-cache decode, cross-attention or a sliding window are all masks.
-    Returns the output and the (pre-dropout) attention weights, whose rows sum to 1.
-    This is the only place the formula is written out.
-    """
+    """softmax(QKᵀ/√d_k, -inf where `mask` is False) @ V, and the (pre-dropout) weights: the only copy of the formula.
+    q: (..., m, d); k, v: (..., n, d); mask: bool, broadcastable to (..., m, n), True where a query may attend."""
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
     weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return F.dropout(weights, p=dropout_p) @ v, weights
@@ -42,8 +36,7 @@ def masked_attention(
 def causal_mask(
     n_queries: int, n_keys: int, device: torch.device | str | None = None, window: int | None = None
 ) -> torch.Tensor:
-    """Lower-triangular mask for queries that are the last `n_queries` of `n_keys` positions; with a window,
-    a band: query position i sees keys i - window + 1 .. i."""
+    """Causal mask for the last `n_queries` of `n_keys` positions; with a window, query i sees keys i-window+1 .. i."""
     ones = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device)
     mask = ones.tril(diagonal=n_keys - n_queries)
     if window is not None:
@@ -57,17 +50,14 @@ QUERY_BLOCK = 64  # queries per SDPA call off CUDA: smaller blocks waste fewer k
 def windowed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, dropout_p: float = 0.0
 ) -> torch.Tensor:
-    """Fused attention under the sliding-window mask (q, k, v: (B, n_head, T, head_dim), the same T tokens) at a
-    cost linear in T. On CUDA, FlexAttention skips the blocks outside the band. Elsewhere, each block of queries
-    goes through SDPA with only the key blocks its window reaches instead of all T keys."""
+    """Sliding-window attention linear in T: FlexAttention on CUDA, else SDPA per query block on the keys it reaches."""
     T = q.size(-2)
     if window >= T:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     if q.is_cuda and dropout_p == 0.0:  # FlexAttention has no dropout: with dropout, the blocks below
         return flex_windowed_attention(q, k, v, window)
-    # Blocks of QUERY_BLOCK queries, each against its own keys and the `reach` blocks before it that its window
-    # touches. split and cat (not slicing), so that backward is linear too: a slice's gradient is a zero tensor
-    # of the full size.
+    # Blocks of QUERY_BLOCK queries, each against its own keys and the `reach` blocks before it its window touches.
+    # split and cat (not slicing), so that backward is linear too: a slice's gradient is a zero tensor of full size.
     reach = math.ceil((window - 1) / QUERY_BLOCK)
     queries, keys, values = (t.split(QUERY_BLOCK, dim=-2) for t in (q, k, v))
     band = causal_mask(QUERY_BLOCK, (reach + 1) * QUERY_BLOCK, q.device, window)  # a whole block's rows
@@ -84,9 +74,8 @@ def windowed_attention(
 
 
 def flex_windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
-    """FlexAttention with the band as a block mask, compiled into one fused kernel on CUDA (inside a compiled
-    model, by that compilation). Elsewhere it runs eagerly, materialising all scores: there it only checks the
-    mask, without gradients on CPU."""
+    """FlexAttention with the band as a block mask, one fused kernel on CUDA; elsewhere eager, all scores
+    materialised (there it only checks the mask, without gradients on CPU)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     length = q.size(-2)
@@ -119,30 +108,25 @@ def _cached_band_block_mask(length: int, window: int, device: torch.device) -> B
 
 
 class CausalSelfAttention(nn.Module):
-    """attn_impl picks the path: both share the same parameters, so weights trained with one run with the other.
-    `captured`: while it is a list (GPT.attention_weights sets it), every call runs the math path and appends its
-    softmax weights (B, n_head, T, n_keys) there; the output is the same either way."""
+    """attn_impl picks the path, on the same parameters. While `captured` is a list (GPT.attention_weights), every
+    call runs the math path and appends its softmax weights (B, n_head, T, n_keys) there."""
 
     def __init__(self, config: GPTConfig, layer_index: int) -> None:
         super().__init__()
-        self.layer_index = layer_index
-        self.n_head = config.n_head
-        self.dropout = config.dropout
-        self.attn_impl = config.attn_impl
+        self.layer_index, self.n_head, self.dropout = layer_index, config.n_head, config.dropout
+        self.attn_impl, self.qk_norm = config.attn_impl, config.qk_norm
         self.window = config.layer_windows()[layer_index]  # None: every earlier key
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.rotary = Rotary(config.n_embd // config.n_head, config.block_size) if config.pos_emb == "rope" else None
-        self.qk_norm = config.qk_norm
         self.value_embed = nn.Embedding(config.vocab_size, config.n_embd) if config.value_embeds else None
         self.first_values_kept = config.value_residual and layer_index == 0  # for the layers after it
         # value_residual: v = a*v + b*v_first, learned, from an even mix
         self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if config.value_residual and layer_index else None
         self.captured: list[torch.Tensor] | None = None
 
-    def forward(
-        self, x: Tensor, shortcuts: Shortcuts, first_values: Tensor | None = None, cache: Cache | None = None
-    ) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, shortcuts: Shortcuts, first_values: Tensor | None = None,
+                cache: Cache | None = None) -> tuple[Tensor, Tensor | None]:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
         if self.value_embed is not None or self.value_mix is not None:
@@ -159,8 +143,7 @@ class CausalSelfAttention(nn.Module):
         return F.dropout(y, self.dropout, self.training), v if self.first_values_kept else None
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-        """softmax(QKᵀ/√d_k) @ V, causal (within this layer's window) over the same T tokens, or where `mask` is True
-        (a cache's: a windowed layer's cache returns only the keys its window reaches, ending at the newest)."""
+        """softmax(QKᵀ/√d_k) @ V, causal (within the layer's window), or where a cache's `mask` is True."""
         dropout_p = self.dropout if self.training else 0.0
         if self.attn_impl == "math" or self.captured is not None:
             mask = causal_mask(q.size(-2), k.size(-2), q.device, self.window) if mask is None else mask
@@ -173,8 +156,7 @@ class CausalSelfAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None)
 
     def mixed_values(self, v: Tensor, shortcuts: Shortcuts, first_values: Tensor | None) -> Tensor:
-        """The values with this layer's token embedding added (value_embeds), then mixed with the first layer's
-        (value_residual); the cache stores them so."""
+        """The values plus this layer's token embedding (value_embeds), mixed with layer 0's (value_residual)."""
         if self.value_embed is not None:
             B, n_head, T, head_dim = v.shape
             v = v + self.value_embed(shortcuts.idx).view(B, T, n_head, head_dim).transpose(1, 2)
@@ -187,8 +169,7 @@ ROLL_SLACK = 64  # a windowed layer's spare slots: it moves its live tokens to t
 
 
 class LayerCache:
-    """A full layer's keys and values (2, B, n_head, slots, head_dim), oldest first: every token, in a buffer
-    preallocated to block_size, so that appending writes in place."""
+    """A full layer's keys and values (2, B, n_head, slots, head_dim), oldest first, preallocated to block_size."""
 
     def __init__(self, slots: int) -> None:
         self.slots = slots
@@ -207,10 +188,8 @@ class LayerCache:
 
 
 class WindowedLayerCache(LayerCache):
-    """A windowed layer needs only its last window - 1 tokens: its buffer holds twice that plus ROLL_SLACK
-    (block_size at most), and when it fills, the live tokens move to the front. Memory stays bounded however long
-    generation runs, and the live part is always one contiguous, oldest-first slice, ready for the attention
-    kernels."""
+    """A windowed layer's last window - 1 tokens in a buffer of twice that plus ROLL_SLACK, whose live tokens move to
+    the front when it fills: bounded memory, and always one contiguous, oldest-first slice for the kernels."""
 
     def __init__(self, block_size: int, window: int) -> None:
         super().__init__(min(block_size, 2 * (window - 1) + ROLL_SLACK))

@@ -1,15 +1,10 @@
-"""Keys and values for a batch whose rows are independent sequences (continuous batching): each row has its own
-length and positions, rows join after their prompt has run alone and leave when they finish, between steps.
+"""Keys and values for a batch of independent sequences (continuous batching), unlike KVCache's lockstep batch: each
+row has its own length; it joins with the KVCache its prompt filled (add), decodes one token a step, and leaves.
 
-KVCache (model/attention.py) serves one batch that grows in lockstep; this one serves a server's decode steps. A
-row joins with the KVCache its prompt filled (add), then every step runs one new token per row. Each layer's
-buffer is a ring of `slots` positions per row: position p lives at slot p % slots. A full layer has block_size
-slots, which a non-rolling model never wraps; a windowed layer has `window` slots (at most block_size), so a
-rolling model's rows roll forever in bounded memory. After a row writes its new key, the slots it has filled hold
-exactly the keys its query may see (the last `window` positions), so the mask of a row is just "slot < min(length
-+ 1, slots)": attention is order-free, and the positions are already in the keys (rope) or the embeddings
-(learned).
-"""
+Each layer's buffer is a ring of `slots` positions a row (position p at slot p % slots): block_size for a full layer,
+`window` for a windowed one, so a rolling model's rows roll forever in bounded memory. Once a row writes its new key,
+its filled slots hold exactly the keys its query may see, so its mask is just slot < min(length + 1, slots):
+attention is order-free, and positions are already in the keys (rope) or the embeddings (learned)."""
 
 from __future__ import annotations
 
@@ -44,8 +39,7 @@ class BatchKVCache:
         return max(self.lengths, default=0)
 
     def add(self, prefilled: KVCache, row: int = 0) -> int:
-        """A new row holding the keys and values of a KVCache's row `row` (its prompt, run alone or beside prompts
-        of its length); its index."""
+        """A new row holding the keys and values of a prefilled KVCache's row `row`; its index."""
         length = prefilled.length
         for layer, (source, slots) in enumerate(zip(prefilled.layers, self.slots, strict=True)):
             assert source.buffer is not None
@@ -82,8 +76,7 @@ class BatchKVCache:
 
     @property
     def position(self) -> int | torch.Tensor:
-        """Each row's new token's position, (rows, 1), made once a step (all layers read it); an int when every
-        row is at the same one (one client, say)."""
+        """Each row's new token's position, (rows, 1), made once a step; an int when every row is at the same one."""
         if "position" not in self._steps:
             if len(set(self.lengths)) == 1:
                 return self.lengths[0]

@@ -1,8 +1,5 @@
-"""ckpt.pt, the one owner of its format: what a resumed run and sample.py need, as tensors and plain values.
-
-On disk it is a flat dict: Checkpoint's fields, the Progress fields among them and model_config as a dict. Files
-written by older versions are brought up to date by _upgraded, and only those.
-"""
+"""ckpt.pt, the one owner of its format: a flat dict of tensors and plain values (Checkpoint's and Progress's fields,
+model_config as a dict) that a resumed run and sample.py need. _upgraded brings older files up to date."""
 
 from __future__ import annotations
 
@@ -83,9 +80,8 @@ class Checkpoint:
         return self.tokenizer
 
     def optimizer_state_for(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        """The optimizer state keyed by parameter name. Checkpoints written before torchrun support keyed it by
-        position (optimizer.state_dict()): name each position's parameter in the optimizer's order, which
-        make_optimizer keeps the same."""
+        """The optimizer state keyed by parameter name; older checkpoints' by position are named in the optimizer's
+        order, which make_optimizer keeps."""
         state = self.optimizer
         if state is None or not any(isinstance(key, int) for key in state["state"]):
             return state
@@ -101,9 +97,8 @@ _KEYS = {f.name for f in fields(Checkpoint) if f.name != "progress"} | {f.name f
 
 
 def _upgraded(old: dict[str, Any]) -> dict[str, Any]:
-    """An older layout in today's: the keys added since at their defaults (kept_best_val_loss, elapsed_s, the log
-    line's losses, dtype), rng a list of each rank's states (before torchrun support, one dict), an empty optimizer
-    state None and an absent scaler's {}. (Optimizer state by position is renamed by optimizer_state_for.)"""
+    """An older layout in today's: keys added since at their defaults, rng a list of each rank's states, an empty
+    optimizer state None and an absent scaler's {}."""
     new = {**Checkpoint(GPTConfig(), {}, {}).to_dict(), **{key: old[key] for key in _KEYS & old.keys()}}
     new["rng"] = [new["rng"]] if isinstance(new["rng"], dict) else new["rng"]
     new["optimizer"], new["scaler"] = new["optimizer"] or None, new["scaler"] or {}
@@ -122,12 +117,15 @@ def load_checkpoint(path: Path) -> Checkpoint:
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated, foreign, or holding objects weights_only won't build
-        if isinstance(err, pickle.UnpicklingError) and "global" in str(err).lower():  # a class or a function
-            why = "it holds objects other than tensors and plain values, and unpickling those could run code"
-        else:
-            why = f"damaged, or not a checkpoint ({type(err).__name__})"
-        raise CheckpointError(f"{path} is not a readable checkpoint: {why}") from None
+        raise CheckpointError(f"{path} is not a readable checkpoint: {_unreadable(err)}") from None
     return Checkpoint.from_dict(raw, path)
+
+
+def _unreadable(err: Exception) -> str:
+    """Why torch.load refused a checkpoint, in words."""
+    if isinstance(err, pickle.UnpicklingError) and "global" in str(err).lower():  # a class or a function
+        return "it holds objects other than tensors and plain values, and unpickling those could run code"
+    return f"damaged, or not a checkpoint ({type(err).__name__})"
 
 
 def saved_config(path: Path) -> dict[str, Any] | None:

@@ -1,6 +1,4 @@
-"""A decoder-only transformer, GPT-2's by default: pre-LayerNorm blocks, learned positions, a tied output head.
-GPTConfig's options swap in modded-nanogpt's parts (RMSNorm, rope, QK-norm, an untied head, shortcuts, a bigram
-table). generate_tokens runs it one token a step through a KV cache, each token picked by Decoding."""
+"""A decoder-only transformer, GPT-2's by default, options swapping in modded-nanogpt's parts; and its decoding loop."""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ if TYPE_CHECKING:
 Generators = Sequence[torch.Generator | None] | None  # one random stream per row (row_generators)
 
 ATTN_IMPLS = ("flash", "math")
-# gelu: exact (erf); gelu_tanh: the tanh approximation OpenAI's GPT-2 weights were trained with (HF's gelu_new);
-# relu2: ReLU(x)², as in modded-nanogpt, cheaper than GELU's erf on CPU.
+# gelu: exact; gelu_tanh: GPT-2's tanh approximation (HF's gelu_new); relu2: ReLU(x)² (modded-nanogpt), cheap on CPU
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu2")
 POS_EMBS = ("learned", "rope")  # rope: rotary embeddings on queries and keys instead of a learned table
 NORMS = ("layernorm", "rmsnorm")  # rmsnorm: scale only, no mean subtracted (cheaper; modded-nanogpt's)
@@ -38,8 +35,7 @@ PREFILL_CHUNK = 1024  # tokens of a rolling model's prompt run through the cache
 
 @dataclass
 class GPTConfig:
-    """The model's shape: all a checkpoint needs to rebuild the GPT, and train.py's model.* keys (training/schema.py
-    derives them from here, less vocab_size, which comes from the data)."""
+    """The model's shape, all a checkpoint needs to rebuild it; train.py's model.* keys, bar vocab_size (the data's)."""
 
     vocab_size: int = option(50257, at_least=1)
     block_size: int = option(1024, at_least=1)  # the context: positions the model sees at once
@@ -51,12 +47,10 @@ class GPTConfig:
     attn_impl: str = option("flash", choices=ATTN_IMPLS)  # flash (fused SDPA) | math (the textbook formula)
     activation: str = option("gelu", choices=ACTIVATIONS)
     pos_emb: str = option("learned", choices=POS_EMBS)
-    # Sliding-window attention: query i sees keys i-attn_window+1 .. i (null: every earlier key, causal as GPT-2).
-    attn_window: int | None = option(None, at_least=1)
-    # Which layers use attn_window: S (windowed) or L (full), first layer first. A pattern shorter than n_layer
-    # is repeated and its last layer made L; one of exactly n_layer letters is used as written ("SSSS": every
-    # layer windowed, so with rope generation can roll past block_size). Null means "S": all but the last layer.
-    # While attn_window is null no layer is windowed, whatever the pattern: attn_window=null switches windows off.
+    attn_window: int | None = option(None, at_least=1)  # query i sees keys i-attn_window+1 .. i; null: all earlier
+    # Which layers use attn_window: S (windowed) or L (full), first layer first. A pattern shorter than n_layer is
+    # repeated and its last layer made L; one of n_layer letters is used as written ("SSSS": every layer windowed, so
+    # with rope generation can roll past block_size). Null: "S", all but the last layer. attn_window=null: no windows.
     window_pattern: str | None = None
     # Modern options (modded-nanogpt's), all off by default: off, the model is GPT-2's. docs/speedrun.md measures them.
     norm: str = option("layernorm", choices=NORMS)  # the blocks' and the final norm
@@ -116,21 +110,6 @@ class GPTConfig:
         return min(self.vocab_size * (self.vocab_size + 1), BIGRAM_ROWS)
 
 
-def parameter_count(config: GPTConfig) -> int:
-    """The parameters GPT(config) holds, without building it."""
-    C, V, L = config.n_embd, config.vocab_size, config.n_layer
-    bias = config.bias
-    norm = C * (2 if config.norm == "layernorm" and bias else 1)
-    block = 2 * norm + 3 * C * C + 3 * C * bias + C * C + C * bias + 8 * C * C + 5 * C * bias
-    block += 2 * config.x0_mix + (V * C if config.value_embeds else 0)
-    total = L * block + V * C + norm  # blocks, the token table (tied to the head), the final norm
-    total += (L - 1) * 2 * config.value_residual  # each later layer's value mix
-    total += config.block_size * C if config.pos_emb == "learned" else 0
-    total += V * C if config.untied_head else 0
-    total += config.bigram_rows * C if config.bigram_embed else 0
-    return total
-
-
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -164,9 +143,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.x0_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if config.x0_mix else None  # from the plain residual
 
-    def forward(
-        self, x: Tensor, shortcuts: Shortcuts, first_values: Tensor | None = None, cache: Cache | None = None
-    ) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, shortcuts: Shortcuts, first_values: Tensor | None = None,
+                cache: Cache | None = None) -> tuple[Tensor, Tensor | None]:
         if self.x0_mix is not None:
             x = self.x0_mix[0] * x + self.x0_mix[1] * shortcuts.x0
         attended, values = self.attn(self.ln_1(x), shortcuts, first_values, cache)
@@ -181,15 +159,13 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None,
-                h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
-                ln_f=make_norm(config),
-                bigram=BigramEmbedding(config) if config.bigram_embed else None,
-            )
-        )
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None,
+            h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
+            ln_f=make_norm(config),
+            bigram=BigramEmbedding(config) if config.bigram_embed else None,
+        ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if not config.untied_head:
             self.transformer.wte.weight = self.lm_head.weight  # weight tying
@@ -213,8 +189,7 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """By default less the tables that are only looked up, which cost no FLOPs: positions, bigrams, value
-        embeddings, and the token table unless it is the (tied) head."""
+        """By default less the tables only looked up (no FLOPs): positions, bigrams, value embeddings, untied wte."""
         n = sum(p.numel() for p in self.parameters())
         if not non_embedding:
             return n
@@ -257,9 +232,8 @@ class GPT(nn.Module):
         cap = self.config.logit_softcap  # every logit within (-cap, cap): none runs away early in training
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
-    def forward(
-        self, idx: Tensor, targets: Tensor | None = None, cache: KVCache | None = None
-    ) -> tuple[Tensor, Tensor | None]:
+    def forward(self, idx: Tensor, targets: Tensor | None = None,
+                cache: KVCache | None = None) -> tuple[Tensor, Tensor | None]:
         """Logits (B, T, vocab_size) for every position of idx, and the mean cross-entropy if targets."""
         logits = self.logits(self.hidden(idx, cache))
         if targets is None:
@@ -305,13 +279,9 @@ class GPT(nn.Module):
         return torch.cat([idx, *steps], dim=1)
 
     @torch.inference_mode()
-    def generate_tokens(
-        self, idx: Tensor, max_new_tokens: int, decoding: Decoding, use_cache: bool = True,
-        generators: Generators = None,
-    ) -> Iterator[Tensor]:
-        """Each next token (B, 1) after idx (B, T), as soon as it is drawn. With the cache the prompt runs once, then
-        each step only its newest token. Past block_size, each step runs the last block_size tokens again without
-        it, as learned positions can't slide; a rolling model's cache rolls on."""
+    def generate_tokens(self, idx: Tensor, max_new_tokens: int, decoding: Decoding, use_cache: bool = True,
+                        generators: Generators = None) -> Iterator[Tensor]:
+        """Each next token (B, 1) as drawn: through the cache, or past block_size the last block_size tokens again."""
         config, rolls = self.config, self.config.rolls
         context = max(config.block_size, config.receptive_field or 0) if rolls else config.block_size
         cache = KVCache(config) if use_cache else None
@@ -332,10 +302,8 @@ TINY = torch.finfo(torch.float32).tiny  # a temperature below it is greedy: the 
 
 @dataclass(frozen=True)
 class Decoding:
-    """How the next token is picked from the logits: temperature, then the cut-offs, then a draw. Each cut-off sets
-    the logits of the tokens it drops to -inf; the most likely token always stays. next_token works in float32
-    (half precision is too coarse for top_p's and min_p's sums); `generators`, one per row, make a row's draws
-    independent of the rows beside it (None: torch's global generator)."""
+    """The next token from the logits: temperature, the cut-offs (the most likely token always stays), a draw; in
+    float32, as half precision is too coarse for top_p's sums. A generator per row keeps rows independent."""
 
     temperature: float = 1.0  # 0: greedy (argmax); below 1 sharper, above 1 flatter
     top_k: int | None = None  # keep the k most likely tokens

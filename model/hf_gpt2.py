@@ -1,7 +1,4 @@
-"""Convert between our GPT and Hugging Face's GPT2LMHeadModel: OpenAI's GPT-2 weights in, our runs out.
-
-transformers is an optional extra (pip install ".[hf]"), imported only inside these functions.
-"""
+"""Convert our GPT to and from HF's GPT2LMHeadModel; transformers (pip install ".[hf]") is imported only inside them."""
 
 from __future__ import annotations
 
@@ -27,11 +24,8 @@ _ACTIVATION_FROM_HF = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"
 _ACTIVATION_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 _GPT2_EOT = 50256  # <|endoftext|> in GPT-2's BPE: the start and end token of HF's generate()
 _HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older transformers versions kept in state_dict
-# GPTConfig fields the weights don't fix: loading takes them as given (GPTConfig's defaults otherwise).
-SETTINGS = ("dropout", "attn_impl", "attn_window", "window_pattern")
-# GPTConfig's modern options as GPT-2 has them; any other value has no GPT-2 equivalent (zero_init_proj only
-# initialises, so a model trained with it exports).
-_GPT2_OPTIONS = {
+SETTINGS = ("dropout", "attn_impl", "attn_window", "window_pattern")  # not fixed by the weights: as given, else default
+_GPT2_OPTIONS = {  # GPT-2's values: others don't export (zero_init_proj only initialises, so it does)
     "norm": "layernorm",
     "qk_norm": False,
     "untied_head": False,
@@ -48,8 +42,7 @@ class PretrainedError(UserError):
 
 
 def load_pretrained(name_or_dir: str, *, block_size: int | None = None, **settings: Any) -> GPT:
-    """One of PRETRAINED (downloaded once by HF, then read from its cache) or a directory written by
-    save_pretrained, as our GPT; block_size crops the position table; settings: any of SETTINGS."""
+    """A PRETRAINED name (HF downloads it once) or save_pretrained directory, as our GPT; other args as gpt_from_hf."""
     is_dir = Path(name_or_dir).is_dir()
     if name_or_dir not in PRETRAINED and not is_dir:
         raise PretrainedError(
@@ -91,9 +84,8 @@ def _quiet_hub() -> Iterator[None]:
 
 
 def gpt_from_hf(hf_model: GPT2LMHeadModel, *, block_size: int | None = None, **settings: Any) -> GPT:
-    """Our GPT computing the same logits as hf_model. A block_size below the model's n_positions keeps only
-    the first position embeddings (as nanoGPT's crop_block_size does), to finetune on shorter windows.
-    settings: any of SETTINGS (dropout, attn_impl, a sliding window), which the weights leave open."""
+    """Our GPT computing hf_model's logits. block_size < n_positions keeps the first position embeddings (nanoGPT's
+    crop_block_size), to finetune on shorter windows; settings: any of SETTINGS, which the weights leave open."""
     unknown = set(settings) - set(SETTINGS)
     if unknown:
         raise TypeError(f"gpt_from_hf() takes no setting {sorted(unknown)}: the weights fix it")
@@ -130,8 +122,7 @@ def gpt_from_hf(hf_model: GPT2LMHeadModel, *, block_size: int | None = None, **s
 
 
 def hf_from_gpt(model: GPT) -> GPT2LMHeadModel:
-    """The HF GPT2LMHeadModel computing the same logits as model, for HF's tools (save_pretrained, generate,
-    evaluation harnesses). Without biases (bias=False), it gets zero biases: the same function."""
+    """The GPT2LMHeadModel computing model's logits, for HF's tools; bias=False exports as zero biases."""
     config = model.config
     if config.attn_window is not None:
         raise PretrainedError(
@@ -195,8 +186,7 @@ def _require_transformers() -> None:
 
 
 def _check_expressible(hf_model: GPT2LMHeadModel) -> None:
-    """Refuse, naming the key, what our GPT computes differently. reorder_and_upcast_attn is accepted: it only
-    changes how eager attention rounds under autocast, not what it computes."""
+    """Refuse, by key, what our GPT computes differently (not reorder_and_upcast_attn: it only changes rounding)."""
     hf = hf_model.config
     layer_norm_eps = nn.LayerNorm(1).eps  # model/gpt.py's LayerNorms keep torch's default
     refusals = [
@@ -232,8 +222,7 @@ def _check_same_keys(ours: AbstractSet[str], theirs: AbstractSet[str]) -> None:
 
 
 def _hf_weights(hf_model: GPT2LMHeadModel) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """HF's state without its mask buffers, and the keys of the weights it keeps in Conv1D layout ((in, out),
-    where nn.Linear has (out, in)), found by type so a change in HF can't go unnoticed."""
+    """HF's state less its mask buffers, and the keys of its Conv1D ((in, out)) weights, found by type, not name."""
     from transformers.pytorch_utils import Conv1D
 
     state = {k: v for k, v in hf_model.state_dict().items() if not k.endswith(_HF_BUFFERS)}

@@ -1,5 +1,4 @@
-"""Rotary position embeddings (RoFormer): each query and key channel pair is rotated by an angle that grows with
-the position, so a query-key score depends on how far apart the two tokens are, not where they sit."""
+"""Rotary embeddings (RoFormer): query/key channel pairs rotate with position, so scores depend only on distance."""
 
 from __future__ import annotations
 
@@ -10,14 +9,12 @@ from torch import nn
 class Rotary(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, base: float = 10000.0) -> None:
         super().__init__()
-        # Angles in float64: a rolling model's positions grow without bound, and position x frequency in float32
-        # drifts by up to 5e-3 of a radian by position 100,000. Not a buffer, so it stays float64 as the model
-        # moves or changes dtype; a copy per device (none on MPS, which has no float64).
+        # float64 angles: a rolling model's positions grow unbounded; in float32 they drift 5e-3 rad by position 1e5.
+        # Not a buffer, so it stays float64 when the model moves or casts; a copy per device (CPU for MPS: no float64).
         self.inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {self.inv_freq.device: self.inv_freq}
         cos, sin = self._cos_sin(0, max_positions, self.inv_freq.device)  # (positions, head_dim/2)
-        # Derived, not learned: kept out of the state dict so checkpoints don't depend on them.
-        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("cos", cos, persistent=False)  # both derived, not learned: kept out of checkpoints
         self.register_buffer("sin", sin, persistent=False)
 
     def _cos_sin(self, start: int, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,8 +31,7 @@ class Rotary(nn.Module):
         return angles.cos().float(), angles.sin().float()
 
     def forward(self, x: torch.Tensor, start: int | torch.Tensor) -> torch.Tensor:
-        """Rotate x (B, n_head, T, head_dim) as positions start .. start + T - 1; `start` (B, 1) gives each row
-        its own (a BatchKVCache's rows)."""
+        """Rotate x (B, n_head, T, head_dim) as positions start .. start + T - 1 (a (B, 1) start: per row)."""
         T, half = x.size(-2), x.size(-1) // 2
         if isinstance(start, torch.Tensor):
             positions = start + torch.arange(T, device=start.device)  # (B, T)

@@ -1,6 +1,5 @@
-"""What a block reads besides the residual stream, for the options that reach past the layer before: the input
-embeddings (x0_mix) and the token ids (value_embeds); value_residual's first-layer values travel beside them (see
-Shortcuts). And the bigram embedding, which makes the input embeddings of (previous token, token) pairs."""
+"""What a block reads besides the residual stream: Shortcuts (the input embeddings for x0_mix, the token ids for
+value_embeds; value_residual's values travel beside it), and the bigram embedding of (previous token, token) pairs."""
 
 from __future__ import annotations
 
@@ -16,18 +15,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Shortcuts:
-    """Read, never written, by every block. The first layer's values (value_residual) travel apart, as a block's
-    argument and its return: a wrapper that copies the blocks' arguments (FSDP2) would drop a value written into
-    this object, and under torch.compile with activation checkpointing such a write broke the graph."""
+    """Read, never written, by every block: value_residual's first-layer values travel as a block's argument and
+    return: FSDP2 copies arguments (dropping writes), and a write breaks torch.compile's graph under checkpointing."""
 
     x0: torch.Tensor  # the input embeddings (B, T, C), after dropout
     idx: torch.Tensor  # the token ids (B, T)
 
 
 class BigramEmbedding(nn.Module):
-    """A row per (previous token, token) pair, so the model starts from the pair's statistics instead of
-    learning them through attention. Row vocab_size * vocab_size + token is "no previous token" (a sequence's
-    first). With more pairs than GPTConfig.bigram_rows, pairs share rows by their id modulo that."""
+    """A row per (previous token, token) pair, so pair statistics needn't be learnt through attention. Row
+    vocab_size * vocab_size + token: no previous token; past GPTConfig.bigram_rows, pairs share rows (id modulo)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()

@@ -3,8 +3,7 @@
     python scripts/export_hf.py RUN_DIR HF_DIR
 
 HF_DIR receives config.json and model.safetensors (GPT2LMHeadModel.from_pretrained(HF_DIR)), not the tokenizer.
-Needs transformers; models with activation=relu2, pos_emb=rope or an attn_window have no GPT-2 equivalent.
-"""
+Needs transformers; models with activation=relu2, pos_emb=rope or an attn_window have no GPT-2 equivalent."""
 
 from __future__ import annotations
 

@@ -6,20 +6,26 @@ GPT_TEST_CORPUS=path/to/tinyshakespeare.txt and TIKTOKEN_CACHE_DIR holding r50k_
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import os
 import pydoc_data.topics
 import re
+import runpy
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import tiktoken
 import torch
 from hydra import compose, initialize_config_dir
+from hydra._internal.hydra import Hydra
 from omegaconf import DictConfig
 from tiktoken_ext.openai_public import r50k_pat_str
 
@@ -103,6 +109,63 @@ def run_script(script: str, args: list[str], cwd: Path) -> subprocess.CompletedP
     return subprocess.run(
         [sys.executable, str(REPO / script), *args], cwd=cwd, capture_output=True, text=True, timeout=300
     )
+
+
+def run_in_process(script: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """run_script's twin in this process: `python SCRIPT ARGS` from cwd, the script run as __main__ on that argv as
+    the interpreter runs it (for `-m data.prepare`, the main() its __main__ calls), without the ~4 s of an
+    interpreter's start and imports. Left out: the logging set-up Hydra does for a job, which would reach every later
+    test in this process. Its exit status, stdout and stderr, as run_script returns them; a bug's exception
+    propagates (a subprocess would print its traceback)."""
+    out, err = io.StringIO(), io.StringIO()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGPIPE)}  # the scripts set them
+    code: object = 0
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        patch.chdir(cwd)
+        patch.setattr(sys, "argv", [str(REPO / script), *args])
+        patch.setenv("HYDRA_FULL_ERROR", "1")  # run_hydra sets it; put back afterwards
+        patch.setattr(Hydra, "run", functools.partialmethod(Hydra.run, with_log_configuration=False))
+        try:
+            if script == "-m data.prepare":
+                from data.prepare_command import main
+
+                main()
+            else:
+                runpy.run_path(str(REPO / script), run_name="__main__")
+        except SystemExit as stopped:
+            code = 0 if stopped.code is None else stopped.code
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+    return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
+
+
+def train_py(args: list[str]) -> None:
+    """`python train.py ARGS` from the current directory, in this process (run_in_process): its output on this
+    process's stdout and stderr, a failure as SystemExit with its status."""
+    _ran(run_in_process("train.py", args, Path.cwd()))
+
+
+def sample_py(args: list[str]) -> None:
+    """`python sample.py ARGS` as train_py runs train.py."""
+    _ran(run_in_process("sample.py", args, Path.cwd()))
+
+
+def _ran(result: subprocess.CompletedProcess) -> None:
+    sys.stdout.write(result.stdout)
+    sys.stderr.write(result.stderr)
+    if result.returncode:
+        raise SystemExit(result.returncode)
+
+
+def user_error(capsys: pytest.CaptureFixture, call: Callable[[], None]) -> str:
+    """What a command prints when the user is at fault: exit status 2, its line on stderr (returned), no traceback."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        call()
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "Traceback" not in err, err
+    return err
 
 
 def start_script(script: str, args: list[str], cwd: Path) -> subprocess.Popen:

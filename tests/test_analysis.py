@@ -10,7 +10,7 @@ import torch
 import model.attention
 from analysis.attention_maps import save_attention_maps
 from analysis.causality import check_causality, format_report
-from conftest import run_script
+from conftest import run_in_process
 from model.checkpoint import CKPT_NAME, load_checkpoint
 
 
@@ -80,7 +80,7 @@ def test_sample_py_draws_attention_maps_and_proves_causality(trained_run: Path, 
         f"attention_dir={tmp_path / 'maps'}",
         "check_causal=true",
     ]
-    result = run_script("sample.py", args, cwd=tmp_path)
+    result = run_in_process("sample.py", args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     sample, report = result.stdout.split("\n---------------\n")
     assert sample.startswith("The") and len(sample) == 23

@@ -21,7 +21,7 @@ def test_bench_py_runs_every_section_on_tiny_sizes(tmp_path: Path, corpus_path: 
                   f"data.input={corpus_path}", f"data.dir={tmp_path / 'data'}"]
     args = ("train attention sampling sampling-batch muon serve memory --memory-probes 0 --serve-clients 1 3 "
             "--serve-requests 1 --muon-shapes 24x8 8x16 --num-samples 2 --device cpu --repeats 1 --train-iters 3 "
-            "--lengths 32 16 --block-size 32 --new-tokens 8").split()
+            "--lengths 16 --block-size 32 --new-tokens 8").split()
     args += ["--json", str(out), *(arg for override in tiny_train for arg in ("--override", override))]
     result = run_script("bench.py", args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -32,10 +32,9 @@ def test_bench_py_runs_every_section_on_tiny_sizes(tmp_path: Path, corpus_path: 
         r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1 and r["peak"] == "measured float32 matmul" for r in train_rows
     )
     attention = [r for r in rows if r["section"] == "attention"]
-    assert {(r["attn_impl"], r["T"]) for r in attention} == {(i, t) for i in ("flash", "math") for t in (16, 32)}
-    assert all(r["seconds"] > 0 and r["peak_mib"] >= 0 for r in attention)
-    assert {r["window"] for r in attention} == {"-", 256}
-    assert all((r["time_vs_shortest"] == 1) == (r["T"] == 16) for r in attention)  # given longest first
+    assert {(r["attn_impl"], r["window"], r["T"]) for r in attention} == {("flash", "-", 16), ("math", "-", 16),
+                                                                          ("flash", 256, 16)}  # a fresh process each
+    assert all(r["seconds"] > 0 and r["peak_mib"] >= 0 and r["time_vs_shortest"] == 1 for r in attention)
     sampling = [r for r in rows if r["section"] == "sampling"]
     assert {(r["attn_impl"], r["kv_cache"]) for r in sampling} == {
         (a, c) for a in ("flash", "math") for c in (False, True)
@@ -91,11 +90,12 @@ def test_checkpointing_fits_larger_batches_and_the_largest_batch_fits() -> None:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the measurement reads /proc/self/status")
-@pytest.mark.parametrize("probe", [memory.MEMORY_PROBES["cpu"][i] for i in (3, 6)])
-def test_the_predicted_peak_is_within_15_percent_of_a_measured_one(probe: tuple[int, ...]) -> None:
-    """bench.py memory's probe: two AdamW steps in a process of its own, peak RSS above the RSS before the model;
-    with activation checkpointing, and with GPT-2's vocabulary, where the head's logits and their gradients
-    dominate (the plain case: the GPU check's dry run, test_gpu_check_dry_run_passes_on_cpu)."""
+def test_the_predicted_peak_of_a_checkpointed_run_is_within_15_percent_of_a_measured_one() -> None:
+    """bench.py memory's probe: two AdamW steps in a process of its own, peak RSS above the RSS before the model,
+    with activation checkpointing (the GPU check's dry run, below, measures its first probe: GPT-2's vocabulary,
+    where the head's logits and their gradients dominate)."""
+    probe = memory.MEMORY_PROBES["cpu"][1]
+    assert probe[4] == 1  # checkpointed
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(REPO / "bench.py"), "--device", "cpu", "--memory-probe", *map(str, probe)]
     measured = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout)

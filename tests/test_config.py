@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from common.config import typed_config
 from common.errors import ConfigError
-from conftest import compose_config, run_script
+from conftest import compose_config, run_in_process
 from inference.schema import SampleConfig
 from training.schema import TrainRunConfig
 
@@ -50,7 +50,7 @@ def test_a_key_added_with_plus_must_exist_like_any_other(
 
 
 def test_a_misspelt_plus_key_stops_train_py_with_one_line(tmp_path: Path) -> None:
-    result = run_script("train.py", ["+train.foo=1"], cwd=tmp_path)
+    result = run_in_process("train.py", ["+train.foo=1"], cwd=tmp_path)
     assert result.returncode == 2
     one_line = "error: train.foo is not a key of this config; see the keys with --cfg job"
     assert result.stderr.strip().splitlines() == [one_line]

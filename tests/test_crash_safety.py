@@ -3,6 +3,7 @@
 import errno
 import json
 import math
+import os
 import pickle
 import re
 import shutil
@@ -17,11 +18,10 @@ from unittest import mock
 import pytest
 import torch
 
-from common.errors import CheckpointError, DiskFull
-from conftest import REACHES_TARGET, REPO, compose_config, run_script, start_script, tiny_run_overrides, wait_for_text
+from common.errors import CheckpointError, DiskFull, TrainingDiverged
+from conftest import REACHES_TARGET, REPO, compose_config, run_script, tiny_run_overrides
 from model import GPTConfig
 from model.checkpoint import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
-from training.errors import TrainingDiverged
 from training.metrics import METRICS_NAME, MetricsLog, read_records
 from training.run import train
 
@@ -150,29 +150,6 @@ def test_a_muon_checkpoint_from_before_muon_ns_steps_resumes_exactly(tmp_path: P
     assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
 
 
-def test_sigterm_stops_the_script_promptly_and_the_run_resumes(tmp_path: Path, corpus_path: Path) -> None:
-    args = tiny_run_overrides(tmp_path, corpus_path, **{**EXACT, "train.max_iters": 100_000})
-    process = start_script("train.py", args, tmp_path)
-    wait_for_text(tmp_path / "run" / "metrics.jsonl", '"lr"')
-    signalled = time.monotonic()
-    process.send_signal(signal.SIGTERM)
-    stdout, stderr = process.communicate(timeout=60)
-    assert time.monotonic() - signalled < 30
-    assert process.returncode == 128 + signal.SIGTERM, stderr
-    assert "stopped by SIGTERM" in stdout and "resume=true" in stdout
-    stopped_at = load_checkpoint(tmp_path / "run" / CKPT_NAME).progress.iter
-    assert 0 < stopped_at < 100_000
-
-    finish = tiny_run_overrides(
-        tmp_path, corpus_path, resume=True, resume_with_changes=True, **{**EXACT, "train.max_iters": stopped_at + 5}
-    )
-    result = run_script("train.py", finish, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert f"resuming {tmp_path / 'run'} at iter {stopped_at}" in result.stdout
-    assert "train.max_iters changed from 100000 to" in result.stdout
-    assert _val_losses(tmp_path / "run")[-1][0] == stopped_at + 5  # one metrics.jsonl for the whole run
-
-
 def test_a_second_ctrl_c_quits_at_once_and_keeps_the_last_checkpoint(tmp_path: Path, corpus_path: Path) -> None:
     before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN when started in the background
     hook = _signal_at_step(25, signal.SIGINT, times=2)
@@ -292,36 +269,52 @@ def test_a_full_disk_under_metrics_jsonl_is_one_line(tmp_path: Path) -> None:
 
 
 _WRITER = """
-import sys, torch
+import os, sys, torch
 sys.path.insert(0, {repo!r})
 from pathlib import Path
 from model import GPTConfig
 from model.checkpoint import Checkpoint, Progress, save_checkpoint
+torch.set_num_threads(1)  # no OpenMP pool for a forked child to inherit
 path = Path({path!r})
 weights = [{{"w": torch.full((4_000_000,), float(i))}} for i in (1, 2)]
 states = [Checkpoint(GPTConfig(), w, {{}}, progress=Progress(iter=i)) for i, w in zip((1, 2), weights)]
 save_checkpoint(path, states[0])
-print("ready", flush=True)
-i = 0
-while True:
-    i += 1
-    save_checkpoint(path, states[i % 2])
+for _ in sys.stdin:  # each line: a writer process, forked from this one, whose pid the test kills with SIGKILL
+    pid = os.fork()
+    if pid == 0:
+        i = 0
+        while True:
+            i += 1
+            save_checkpoint(path, states[i % 2])
+    print(pid, flush=True)
+    os.waitpid(pid, 0)
+    print("reaped", flush=True)
 """
 
 
 def test_kill_9_during_checkpoint_writes_leaves_a_complete_checkpoint(tmp_path: Path) -> None:
+    """Each writer is its own process (forked, so torch is imported once), killed -9 while it saves in a loop."""
     path = tmp_path / CKPT_NAME
-    for delay in (0.13, 0.37, 0.71):
-        process = subprocess.Popen(
-            [sys.executable, "-c", _WRITER.format(repo=str(REPO), path=str(path))], stdout=subprocess.PIPE, text=True
-        )
-        assert process.stdout.readline().strip() == "ready"
-        time.sleep(delay)
-        process.kill()
-        process.wait()
-        ckpt = load_checkpoint(path)
-        assert ckpt.progress.iter in (1, 2)
-        assert torch.equal(ckpt.model["w"], torch.full((4_000_000,), float(ckpt.progress.iter)))
+    writers = subprocess.Popen(
+        [sys.executable, "-c", _WRITER.format(repo=str(REPO), path=str(path))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for delay in (0.13, 0.37, 0.71):
+            writers.stdin.write("write\n")
+            writers.stdin.flush()
+            pid = int(writers.stdout.readline())
+            time.sleep(delay)
+            os.kill(pid, signal.SIGKILL)
+            assert writers.stdout.readline().strip() == "reaped"
+            ckpt = load_checkpoint(path)
+            assert ckpt.progress.iter in (1, 2)
+            assert torch.equal(ckpt.model["w"], torch.full((4_000_000,), float(ckpt.progress.iter)))
+    finally:
+        writers.stdin.close()
+        assert writers.wait(timeout=60) == 0
 
 
 def test_a_diverging_run_stops_naming_the_iteration_and_keeps_the_good_checkpoint(
@@ -408,26 +401,32 @@ def test_sample_py_names_a_broken_checkpoint(tmp_path: Path) -> None:
     assert result.stderr.startswith(f"error: {tmp_path / CKPT_NAME} is not a readable checkpoint")
 
 
-def test_a_prompt_longer_than_the_context_is_cropped_with_a_warning(trained_run: Path, tmp_path: Path) -> None:
+def test_a_prompt_longer_than_the_context_is_cropped_with_a_warning(
+    trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from conftest import sample_py
+
     prompt = tmp_path / "long.txt"
     prompt.write_text("the " * 20)  # 80 characters, block_size 32
-    args = [f"out_dir={trained_run}", f"start=FILE:{prompt}", "num_samples=1", "max_new_tokens=5"]
-    result = run_script("sample.py", args, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "warning: the prompt has 80 tokens; the model sees only its last 32" in result.stderr
-    assert result.stdout.startswith("the " * 20)
+    sample_py([f"out_dir={trained_run}", f"start=FILE:{prompt}", "num_samples=1", "max_new_tokens=5"])
+    out, err = capsys.readouterr()
+    assert "warning: the prompt has 80 tokens; the model sees only its last 32" in err
+    assert out.startswith("the " * 20)
 
 
-@pytest.mark.parametrize("script", ["train.py", "sample.py"])
 def test_an_unavailable_device_is_a_one_line_error(
-    trained_run: Path, tmp_path: Path, corpus_path: Path, script: str
+    trained_run: Path, tmp_path: Path, corpus_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
+    """The command's line once, from train.py; sample.py's main says the same, here."""
+    from conftest import sample_py, user_error
+
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    args = tiny_run_overrides(tmp_path, corpus_path) if script == "train.py" else [f"out_dir={trained_run}"]
-    result = run_script(script, [*args, "device=cuda"], cwd=tmp_path)
+    result = run_script("train.py", [*tiny_run_overrides(tmp_path, corpus_path), "device=cuda"], cwd=tmp_path)
     line = result.stderr.strip()
     assert result.returncode == 2 and "\n" not in line and "device=cuda" in line and "device=cpu" in line, line
+    line = user_error(capsys, lambda: sample_py([f"out_dir={trained_run}", "device=cuda"])).strip()
+    assert "\n" not in line and "device=cuda" in line and "device=cpu" in line, line
 
 
 def test_a_new_run_refuses_a_directory_that_holds_one(tmp_path: Path, corpus_path: Path) -> None:

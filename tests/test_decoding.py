@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common.errors import ConfigError
-from conftest import run_script
+from conftest import run_in_process
 from inference.schema import SampleConfig
 from model import GPT, GPTConfig
 from model.gpt import Decoding, row_generators
@@ -64,8 +64,8 @@ def test_a_tiny_top_p_keeps_the_likeliest_token_as_greedy_would(top_p: float) ->
 
 def test_sample_py_decodes_a_tiny_top_p_as_greedy(trained_run: Path, tmp_path: Path) -> None:
     common = [f"out_dir={trained_run}", "start=ROMEO:", "max_new_tokens=12", "num_samples=1", "device=cpu"]
-    tiny = run_script("sample.py", [*common, "top_p=1e-46"], tmp_path)
-    greedy = run_script("sample.py", [*common, "temperature=0"], tmp_path)
+    tiny = run_in_process("sample.py", [*common, "top_p=1e-46"], tmp_path)
+    greedy = run_in_process("sample.py", [*common, "temperature=0"], tmp_path)
     assert tiny.returncode == greedy.returncode == 0, tiny.stderr
     assert tiny.stdout == greedy.stdout
 
@@ -145,8 +145,8 @@ def test_sample_py_at_temperature_0_prints_the_same_sample_whatever_the_seed(tra
     outputs = []
     for seed in (1, 2):
         args = [f"out_dir={trained_run}", "temperature=0", "top_k=null", "num_samples=2", "max_new_tokens=30"]
-        result = run_script("sample.py", [*args, f"seed={seed}"], cwd=tmp_path)
+        result = run_in_process("sample.py", [*args, f"seed={seed}"], cwd=tmp_path)
         assert result.returncode == 0, result.stderr
         outputs.append(result.stdout)
-        assert result.stderr == "greedy decoding: the 2 samples would be the same text, so one is drawn\n"
+        assert result.stderr == "warning: greedy decoding: the 2 samples would be the same text, so one is drawn\n"
     assert outputs[0] == outputs[1] and outputs[0].count("---------------\n") == 1  # one sample, not two alike

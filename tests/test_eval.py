@@ -16,10 +16,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from common.cli import check_overrides
 from common.config import typed_config
-from common.errors import ConfigError, UserError
+from common.errors import ConfigError, DataError, UserError
 from common.runtime import make_runtime
-from conftest import REPO, TINY_BPE, compose_config, run_script, tiny_encoding, tiny_run_overrides
-from data.errors import DataError
+from conftest import REPO, TINY_BPE, compose_config, run_in_process, run_script, tiny_encoding, tiny_run_overrides
 from data.prepare import DataConfig, ensure_prepared
 from data.tokenizers import BpeTokenizer
 from evals.hellaswag import Example, ending_scores, hellaswag_path, hellaswag_sums, load_examples
@@ -119,7 +118,8 @@ def test_bits_per_byte_leave_special_tokens_out() -> None:
 
 def test_eval_py_with_disjoint_windows_is_the_training_loops_full_val_loss(trained_run: Path, tmp_path: Path) -> None:
     """stride=block_size on the run's own val split: every_window's windows (train.full_val), plus the tail they
-    leave out, scored once with the last block_size tokens. The last stdout line is the JSON record."""
+    leave out, scored once with the last block_size tokens. The last stdout line is the JSON record. eval.py as its
+    own process, the suite's one: all that a whole command writes."""
     result = run_script("eval.py", [f"out_dir={trained_run}", "stride=32", "device=cpu"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     *lines, last = result.stdout.strip().splitlines()
@@ -340,7 +340,7 @@ def test_eval_mistakes_are_one_line(trained_run: Path, tmp_path: Path, capsys: p
         with pytest.raises(UserError, match=message) as info:
             run_eval(EvalConfig(out_dir=str(trained_run), device="cpu", **keys), progress=False)
         assert "\n" not in str(info.value)
-    result = run_script(
+    result = run_in_process(
         "eval.py", [f"out_dir={trained_run}", "hellaswag=true", f"hellaswag_file={hellaswag}"], tmp_path
     )
     assert result.returncode == 2 and result.stdout == ""

@@ -1,10 +1,15 @@
 """Sweeps with Hydra's basic sweeper, and plot.py comparing their runs."""
 
+import contextlib
 import json
 import os
+import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 
+import hydra._internal.logging_config
 import matplotlib
 import matplotlib.image
 import matplotlib.pyplot as plt
@@ -12,7 +17,8 @@ import pytest
 from omegaconf import OmegaConf
 
 import plot
-from conftest import run_script
+from conftest import run_in_process, start_script, wait_for_text
+from model.checkpoint import load_checkpoint
 
 TINY = [
     "model.n_embd=32",
@@ -27,6 +33,9 @@ TINY = [
 
 
 def sweep(tmp_path: Path, corpus: Path, *params: str) -> subprocess.CompletedProcess:
+    """`python train.py -m ...` in this process (run_in_process): Hydra's basic sweeper runs its jobs one after another
+    in the process that started them. Its logging set-up is left out, as run_in_process leaves it out of a single
+    run (it would reach every later test). The sweep as its own process, signalled: the joblib test."""
     args = [
         "-m",
         *TINY,
@@ -35,7 +44,9 @@ def sweep(tmp_path: Path, corpus: Path, *params: str) -> subprocess.CompletedPro
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
         *params,  # last, so they win over TINY's
     ]
-    return run_script("train.py", args, cwd=tmp_path)
+    with pytest.MonkeyPatch.context() as patch:  # what every configure_log of Hydra's calls to set logging up
+        patch.setattr(hydra._internal.logging_config, "configure_logging", lambda config: None)
+        return run_in_process("train.py", args, cwd=tmp_path)
 
 
 def plot_ok(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[str, str]:
@@ -75,17 +86,48 @@ def test_a_sweep_writes_one_complete_run_per_job(two_run_sweep: Path) -> None:
     assert not (two_run_sweep.parent / "outputs").exists()
 
 
-def test_joblibs_launcher_runs_jobs_side_by_side_with_a_thread_each(tmp_path: Path, corpus_path: Path) -> None:
-    """hydra/launcher=joblib: loky's workers each get the cores divided by n_jobs (one here, on two cores), and
-    each job is a complete run that records its threads."""
-    result = sweep(tmp_path, corpus_path, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "seed=1,2")
-    assert result.returncode == 0, result.stderr
-    for job in ("0", "1"):
-        records = [json.loads(line) for line in (tmp_path / "sweep" / job / "metrics.jsonl").read_text().splitlines()]
-        assert [r["iter"] for r in records if "val_loss" in r] == [0, 5, 10]
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+def test_joblibs_workers_run_side_by_side_and_stop_with_a_checkpoint(tmp_path: Path, corpus_path: Path) -> None:
+    """hydra/launcher=joblib: loky's workers each get the cores divided by n_jobs (one here, on two cores). SIGTERM to
+    the sweep's process once left them training to the end, as orphans: now each stops as a single run does (a
+    checkpoint, the resume line) once the sweep's process is gone."""
+    args = ["-m", *TINY, f"data.input={corpus_path}", f"data.dir={tmp_path / 'data'}", "train.max_iters=100000",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "seed=1,2"]
+    process, workers = start_script("train.py", args, cwd=tmp_path), []
+    runs = [tmp_path / "sweep" / job for job in ("0", "1")]
+    try:
+        for run in runs:
+            wait_for_text(run / "train.log", "step 5:")
+        children = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(process.pid)], capture_output=True,
+                                  text=True)
+        workers = [int(line.split()[0]) for line in children.stdout.splitlines() if "popen_loky" in line]
+        assert len(workers) == 2, children.stdout
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=120)
+        assert process.returncode == -signal.SIGTERM
+        deadline = time.monotonic() + 120
+        while [pid for pid in workers if _running(pid)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in workers if _running(pid)]  # no worker trains on
+    finally:
+        for pid in [process.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    for run in runs:
+        log = (run / "train.log").read_text()
+        assert "stopped by SIGTERM at iter" in log and "Resume with:" in log, log
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert 1 <= records[0]["settings"]["threads"] <= max(1, cores // 2)  # the two jobs don't share a core
-        assert (tmp_path / "sweep" / job / "ckpt.pt").is_file()
+        stopped_at = int(re.search(r"stopped by SIGTERM at iter (\d+)", log).group(1))
+        assert load_checkpoint(run / "ckpt.pt").progress.iter == stopped_at > 5
+
+
+def _running(pid: int) -> bool:
+    """Neither gone nor a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def test_a_failing_job_is_named_and_fails_the_sweep(tmp_path: Path, corpus_path: Path) -> None:

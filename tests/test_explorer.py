@@ -20,8 +20,7 @@ import torch
 
 from analysis.attention_maps import save_attention_maps
 from analysis.causality import check_causality
-from analysis.decode_steps import decode_step_weights
-from analysis.diagnostics import DIAGNOSTIC_NAMES, induction_scores, pattern_scores
+from analysis.diagnostics import DIAGNOSTIC_NAMES, decode_step_weights, induction_scores, pattern_scores
 from analysis.explorer import (
     DATA_SLOT,
     causality_data,
@@ -29,8 +28,6 @@ from analysis.explorer import (
     page_data,
     quantise,
     save_explorer,
-    unpack,
-    unpack_steps,
     write_page,
 )
 from inference.sampling import load_model
@@ -38,6 +35,40 @@ from model import GPT, GPTConfig, causal_mask
 
 T, PREFILL = 30, 6  # the page's sequence: 6 prompt tokens, 24 decode steps
 STEP = 1 / 255  # rounding each row to add up to 255 moves a weight by less than one step
+
+
+
+def unpack(data: bytes, mask: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of pack, dequantised: (n_layer, n_head, rows, T) float32, 0 where the mask forbids."""
+    n_layer, rows, T = mask.shape
+    out = np.zeros((n_layer, n_head, rows, T), dtype=np.float32)
+    flat = np.frombuffer(data, dtype=np.uint8)
+    start = 0
+    for layer in range(n_layer):
+        n = int(mask[layer].sum())
+        for head in range(n_head):
+            out[layer, head][mask[layer]] = flat[start : start + n] / 255
+            start += n
+    return out
+
+
+def unpack_steps(data: dict) -> np.ndarray | None:
+    """The page's decode-step rows as its script reads them, dequantised: (n_steps, n_layer, n_head, T)."""
+    steps = data["steps"]
+    if steps is None:
+        return None
+    n_head, T, first = data["nHead"], data["T"], steps["first"]
+    n_steps = T - first
+    mask = np.stack([causal_mask(T, T, window=w).numpy() for w in data["windows"]])
+    rows = unpack(base64.b64decode(data["weights"]), mask, n_head)[:, :, first:]  # the matrix's rows first ..
+    stored, at = np.frombuffer(base64.b64decode(steps["weights"]), dtype=np.uint8), 0
+    for index in steps["differ"]:
+        layer, head, step = index // n_steps // n_head, index // n_steps % n_head, index % n_steps
+        allowed = mask[layer, first + step]
+        rows[layer, head, step] = 0
+        rows[layer, head, step][allowed] = stored[at : at + allowed.sum()] / 255
+        at += allowed.sum()
+    return rows.transpose(2, 0, 1, 3)
 
 
 def _within_rounding(shown: np.ndarray, exact: np.ndarray) -> bool:

@@ -12,7 +12,7 @@ import torch
 
 from common.config import typed_config
 from common.runtime import make_runtime
-from conftest import compose_config, run_script, tiny_run_overrides
+from conftest import compose_config, run_in_process, tiny_run_overrides
 from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
 from training.distributed import World
 from training.run import build_trainer, train
@@ -61,7 +61,7 @@ def test_a_diverging_resume_stops_in_one_line_with_the_good_checkpoints_intact(
         "train.max_iters": 400,
         "train.eval_interval": 100,  # no evaluation in between: the state is only saved on the way out
     }
-    result = run_script("train.py", tiny_run_overrides(tmp_path, corpus_path, **explode), cwd=tmp_path)
+    result = run_in_process("train.py", tiny_run_overrides(tmp_path, corpus_path, **explode), cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     message = result.stderr.strip().splitlines()[-1]
     assert "Traceback" not in result.stderr
@@ -69,7 +69,8 @@ def test_a_diverging_resume_stops_in_one_line_with_the_good_checkpoints_intact(
     assert "Lower train.learning_rate" in message and "train.on_nonfinite=skip" in message
     assert {name: (run / name).read_bytes() for name in good} == good
     assert _all_finite(load_checkpoint(run / CKPT_NAME))
-    sampled = run_script("sample.py", [f"out_dir={run}", "num_samples=1", "max_new_tokens=5", "device=cpu"], tmp_path)
+    sampled = run_in_process("sample.py", [f"out_dir={run}", "num_samples=1", "max_new_tokens=5", "device=cpu"],
+                             tmp_path)
     assert sampled.returncode == 0, sampled.stderr
 
 

@@ -111,18 +111,25 @@ def test_a_replace_that_meets_a_reader_on_windows_is_tried_again(
             raise PermissionError(13, "The process cannot access the file", str(dst))
         real_replace(src, dst)
 
+    waits: list[float] = []  # the waits between tries, taken note of rather than slept
     monkeypatch.setattr(common.runtime.os, "replace", windows_replace)
     monkeypatch.setattr(common.runtime.sys, "platform", "win32")
+    monkeypatch.setattr(common.runtime.time, "sleep", waits.append)
     save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
     assert load_checkpoint(tmp_path / CKPT_NAME).model_config.n_embd == 4
+    assert len(waits) == 2 and 0 < waits[0] < waits[1]  # tried again, waiting longer each time
     refusals = iter([True] * 10)  # a reader that never lets go: the last refusal is raised
     (tmp_path / "a").write_text("new")
+    waits.clear()
     with pytest.raises(PermissionError):
         common.runtime.replace_file(tmp_path / "a", tmp_path / "b")
+    assert len(waits) == 9 and waits == sorted(waits)
     monkeypatch.setattr(common.runtime.sys, "platform", "linux")  # there it means something else: at once
     refusals = iter([True, False])
+    waits.clear()
     with pytest.raises(PermissionError):
         common.runtime.replace_file(tmp_path / "a", tmp_path / "b")
+    assert waits == []
 
 
 def test_each_writer_writes_its_own_temporary_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -164,7 +171,11 @@ HOLD_THE_LOCK = textwrap.dedent(
 )
 
 
-def test_a_second_writer_is_refused_until_the_first_dies(tmp_path: Path, corpus_path: Path) -> None:
+def test_a_second_writer_is_refused_until_the_first_dies(
+    tmp_path: Path, corpus_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from conftest import train_py, user_error
+
     run = tmp_path / "run"
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD_THE_LOCK, str(run)], cwd=REPO, stdout=subprocess.PIPE, text=True
@@ -185,18 +196,20 @@ def test_a_second_writer_is_refused_until_the_first_dies(tmp_path: Path, corpus_
     finally:
         holder.send_signal(signal.SIGKILL)  # as the OOM killer would: no cleanup runs
         holder.wait()
-    (run / f"{CKPT_NAME}.{holder.pid}.tmp").write_bytes(b"half a checkpoint")  # what a killed save leaves
-    done = run_script("train.py", args, cwd=tmp_path)  # the kernel released the dead holder's lock
-    assert done.returncode == 0, done.stderr
-    assert (run / CKPT_NAME).exists() and not list(run.glob("*.tmp"))
+    train_py(args)  # train.py's main, here: the kernel released the dead holder's lock
+    assert (run / CKPT_NAME).exists()
     assert "train.max_iters=2" in (run / ".hydra" / "overrides.yaml").read_text()  # now the run's own
-    again = run_script("train.py", [*args, "train.max_iters=3"], cwd=tmp_path)  # forgot resume=true
-    assert again.returncode == 2 and "already holds a run" in again.stderr
+    again = user_error(capsys, lambda: train_py([*args, "train.max_iters=3"]))  # forgot resume=true
+    assert "already holds a run" in again
     assert "train.max_iters=3" not in (run / ".hydra" / "overrides.yaml").read_text()  # the record is the run's
 
 
-def test_sample_py_reads_a_run_whose_lock_another_process_holds(trained_run: Path, tmp_path: Path) -> None:
+def test_sample_py_reads_a_run_whose_lock_another_process_holds(
+    trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """Readers take no lock: a run being trained can be sampled (its ckpt.pt is only ever replaced whole)."""
+    from conftest import sample_py
+
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
     holder = subprocess.Popen(
@@ -204,9 +217,8 @@ def test_sample_py_reads_a_run_whose_lock_another_process_holds(trained_run: Pat
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        result = run_script("sample.py", [f"out_dir={run}", "max_new_tokens=5", "num_samples=1"], cwd=tmp_path)
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.count("---------------") == 1
+        sample_py([f"out_dir={run}", "max_new_tokens=5", "num_samples=1"])  # sample.py's main, here
+        assert capsys.readouterr().out.count("---------------") == 1
     finally:
         holder.send_signal(signal.SIGTERM)
         holder.wait()
@@ -280,7 +292,7 @@ def test_flash_equals_math_in_float32_on_this_machines_device() -> None:
 def test_a_resume_refused_by_the_lock_changes_nothing_in_the_run(tmp_path: Path, corpus_path: Path) -> None:
     """A second process resuming a run that is still training (a scheduler's requeue) writes nothing there: the
     live run's metrics since its last checkpoint stay."""
-    from training.errors import RunLocked
+    from common.errors import RunLocked
 
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 2})))
     run = tmp_path / "run"

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from common.errors import CheckpointError, ConfigError, UserError
-from conftest import REPO, TINY_BPE, compose_config, run_script, tiny_encoding, tiny_run_overrides
+from conftest import REPO, TINY_BPE, compose_config, run_in_process, run_script, tiny_encoding, tiny_run_overrides
 from model import GPT, GPTConfig
 from model.checkpoint import CKPT_NAME, Checkpoint, load_checkpoint, save_checkpoint
 from model.hf_gpt2 import PRETRAINED, PretrainedError, gpt_from_hf, hf_from_gpt, load_pretrained
@@ -197,6 +197,7 @@ def _write_run(run_dir: Path, model: GPT) -> None:
 
 
 def test_pretrained_export_script_writes_a_model_hf_loads(tmp_path: Path) -> None:
+    """The command as a user runs it, from another directory: export_hf.py's one run as its own process."""
     model = _gpt(activation="gelu_tanh")
     _write_run(tmp_path / "run", model)
     result = run_script("scripts/export_hf.py", [str(tmp_path / "run"), str(tmp_path / "hf")], cwd=tmp_path)
@@ -268,7 +269,7 @@ def test_pretrained_init_from_refuses_data_with_another_vocabulary(tmp_path: Pat
 def test_pretrained_sample_py_samples_from_an_hf_directory(tmp_path: Path) -> None:
     """sample.py init_from=...: the pretrained model with GPT-2's BPE (r50k_base, needs its ranks)."""
     hf_dir = _saved_hf_model(tmp_path, vocab_size=50257)
-    result = run_script(
+    result = run_in_process(
         "sample.py", [f"init_from={hf_dir}", "start=Hello", "max_new_tokens=5", "num_samples=1"], tmp_path
     )
     if "could not load the tiktoken encoding" in result.stderr:

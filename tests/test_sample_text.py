@@ -14,7 +14,7 @@ import torch
 
 from common.errors import ConfigError
 from common.runtime import make_runtime
-from conftest import REPO, run_script, tiny_encoding
+from conftest import REPO, run_in_process, tiny_encoding
 from data.tokenizers import BpeTokenizer, CharTokenizer
 from inference.sampling import SEPARATOR, Sampler, SampleText, stop_strings
 from inference.schema import MAX_NEW_TOKENS, SampleConfig
@@ -187,7 +187,7 @@ def test_a_stream_shows_the_same_text_as_the_finished_sample_whatever_the_batch(
 
 def test_sample_py_batches_with_a_fixed_seed_and_streams_the_same_text(trained_run: Path, tmp_path: Path) -> None:
     args = [f"out_dir={trained_run}", "num_samples=3", "max_new_tokens=60", "stop=['\\n']", "seed=3"]
-    printed = [run_script("sample.py", [*args, f"stream={s}"], cwd=tmp_path) for s in ("false", "false", "true")]
+    printed = [run_in_process("sample.py", [*args, f"stream={s}"], cwd=tmp_path) for s in ("false", "false", "true")]
     assert all(r.returncode == 0 for r in printed), printed[0].stderr
     assert printed[0].stdout == printed[1].stdout == printed[2].stdout
     samples = printed[0].stdout.split(SEPARATOR)
@@ -197,6 +197,8 @@ def test_sample_py_batches_with_a_fixed_seed_and_streams_the_same_text(trained_r
 
 
 def test_sample_py_streams_by_default_to_a_terminal(trained_run: Path, tmp_path: Path) -> None:
+    """sample.py as its own process on a terminal streams there and writes nothing else (a whole command's stderr
+    is pinned here); the same command piped, in this process, prints the same text."""
     args = [f"out_dir={trained_run}", "num_samples=2", "max_new_tokens=30", "seed=5"]
     controller, terminal = pty.openpty()
     process = subprocess.Popen(
@@ -213,13 +215,14 @@ def test_sample_py_streams_by_default_to_a_terminal(trained_run: Path, tmp_path:
             break
         shown += chunk
     os.close(controller)
-    assert process.wait(timeout=120) == 0, process.stderr.read()
-    piped = run_script("sample.py", [*args, "stream=false"], cwd=tmp_path)
+    status, err = process.wait(timeout=120), process.stderr.read()
+    assert status == 0 and err == b"", err.decode()
+    piped = run_in_process("sample.py", [*args, "stream=false"], cwd=tmp_path)
     assert shown.decode().replace("\r\n", "\n") == piped.stdout
 
 
 def test_sample_py_refuses_a_max_new_tokens_past_its_bound_in_one_line(trained_run: Path, tmp_path: Path) -> None:
     """max_new_tokens=1e10 once started a sample that would run for days, its text filling the memory."""
-    result = run_script("sample.py", [f"out_dir={trained_run}", "max_new_tokens=10000000000"], cwd=tmp_path)
+    result = run_in_process("sample.py", [f"out_dir={trained_run}", "max_new_tokens=10000000000"], cwd=tmp_path)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == f"error: max_new_tokens=10000000000 must be <= {MAX_NEW_TOKENS}\n"

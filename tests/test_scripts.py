@@ -1,12 +1,12 @@
-"""train.py and sample.py as a user runs them: subprocesses, from another working directory."""
+"""train.py and sample.py as a user runs them: subprocesses, from another working directory, where only a process
+shows it (the seam of each class of mistake, what a whole command writes); the rest is the same command run in
+this process (run_in_process)."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_script, tiny_run_overrides
+from conftest import REPO, run_in_process, run_script, tiny_run_overrides
 
 
 def test_train_py_logs_readable_lines(trained_run: Path) -> None:
@@ -19,6 +19,8 @@ def _samples(stdout: str) -> list[str]:
 
 
 def test_train_then_sample_end_to_end(trained_run: Path, tmp_path: Path) -> None:
+    """The first sample.py as a user runs it (all it writes: stdout); the same command again, and with another
+    seed, in this process."""
     for name in ("ckpt.pt", "metrics.jsonl", "config.yaml", ".hydra/config.yaml"):
         assert (trained_run / name).is_file(), name
     args = [f"out_dir={trained_run}", "start=The", "num_samples=3", "max_new_tokens=40", "seed=7", "device=cpu"]
@@ -27,8 +29,8 @@ def test_train_then_sample_end_to_end(trained_run: Path, tmp_path: Path) -> None
     samples = _samples(first.stdout)
     assert len(samples) == 3 and all(s.startswith("The") and len(s) == len("The") + 40 for s in samples)
     assert len(set(samples)) > 1
-    assert run_script("sample.py", args, cwd=tmp_path).stdout == first.stdout  # same seed, same text
-    assert run_script("sample.py", [*args[:-2], "seed=8", "device=cpu"], cwd=tmp_path).stdout != first.stdout
+    assert run_in_process("sample.py", args, cwd=tmp_path).stdout == first.stdout  # same seed, same text
+    assert run_in_process("sample.py", [*args[:-2], "seed=8", "device=cpu"], cwd=tmp_path).stdout != first.stdout
     assert not list(tmp_path.iterdir())  # sample.py writes nothing
 
 
@@ -36,17 +38,17 @@ def test_sample_reads_the_prompt_from_a_file_and_runs_either_attention_path(trai
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("The end, or not")
     base = [f"out_dir={trained_run}", f"start=FILE:{prompt}", "num_samples=1", "max_new_tokens=30", "top_k=1"]
-    flash = run_script("sample.py", [*base, "attn_impl=flash"], cwd=tmp_path)
-    math_ = run_script("sample.py", [*base, "attn_impl=math"], cwd=tmp_path)
+    flash = run_in_process("sample.py", [*base, "attn_impl=flash"], cwd=tmp_path)
+    math_ = run_in_process("sample.py", [*base, "attn_impl=math"], cwd=tmp_path)
     assert flash.returncode == 0, flash.stderr
     assert flash.stdout.startswith("The end, or not") and flash.stdout == math_.stdout
 
 
 def test_sample_explains_how_to_quote_a_prompt_with_commas(trained_run: Path, tmp_path: Path) -> None:
-    result = run_script("sample.py", [f"out_dir={trained_run}", "start=To", "be,", "or", "not"], cwd=tmp_path)
+    result = run_in_process("sample.py", [f"out_dir={trained_run}", "start=To", "be,", "or", "not"], cwd=tmp_path)
     assert result.returncode == 2 and result.stdout == ""
     assert "start=\"'To be, or not'\"" in result.stderr
-    quoted = run_script(
+    quoted = run_in_process(
         "sample.py",
         [f"out_dir={trained_run}", "start='To be, or not'", "max_new_tokens=5", "num_samples=1"],
         cwd=tmp_path,
@@ -55,47 +57,48 @@ def test_sample_explains_how_to_quote_a_prompt_with_commas(trained_run: Path, tm
 
 
 @pytest.mark.parametrize(
-    ("script", "args", "message"),
-    [
-        ("train.py", ["model.n_head=3"], "error: model.n_embd=32 is not divisible by n_head=3"),
-        ("train.py", ["data.input=/no/such/file.txt"], "error: data.input=/no/such/file.txt does not exist"),
-        ("sample.py", ["out_dir=/no/such/run"], "error: no checkpoint at /no/such/run/ckpt.pt"),
-        ("sample.py", ["start='Zebra\u00e9'"], "error: character '\u00e9' is not in the model's vocabulary"),
+    ("script", "args", "message", "run"),
+    [  # a mistake found once the job runs: each script's seam as a user meets it, the others in this process
+        ("train.py", ["model.n_head=3"], "error: model.n_embd=32 is not divisible by n_head=3", run_in_process),
+        ("train.py", ["data.input=/no/such/file.txt"], "error: data.input=/no/such/file.txt does not exist",
+         run_script),
+        ("sample.py", ["out_dir=/no/such/run"], "error: no checkpoint at /no/such/run/ckpt.pt", run_script),
+        ("sample.py", ["start='Zebra\u00e9'"], "error: character '\u00e9' is not in the model's vocabulary",
+         run_in_process),
     ],
 )
 def test_user_errors_are_one_line_without_traceback(
-    trained_run: Path, tmp_path: Path, corpus_path: Path, script: str, args: list[str], message: str
+    trained_run: Path, tmp_path: Path, corpus_path: Path, script: str, args: list[str], message: str, run
 ) -> None:
     if script == "train.py":
         args = tiny_run_overrides(tmp_path, corpus_path) + args
     elif not any(a.startswith("out_dir=") for a in args):
         args = [f"out_dir={trained_run}", *args]
-    result = run_script(script, args, cwd=tmp_path)
+    result = run(script, args, cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().startswith(message) and len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr
 
 
 def test_misspelt_key_fails_at_start_with_hydras_message(tmp_path: Path) -> None:
-    result = run_script("train.py", ["train.lerning_rate=1e-3", "out_dir=run"], cwd=tmp_path)
+    result = run_in_process("train.py", ["train.lerning_rate=1e-3", "out_dir=run"], cwd=tmp_path)
     assert result.returncode != 0 and "lerning_rate" in result.stderr
     assert not (tmp_path / "run").exists()
 
 
 def test_data_can_be_prepared_on_its_own(tmp_path: Path, corpus_path: Path) -> None:
+    """`python -m data.prepare` as a process: tests/test_data.py's second preparer."""
     args = [f"data.input={corpus_path}", f"data.dir={tmp_path / 'prepared'}"]
-    result = subprocess.run(
-        [sys.executable, "-m", "data.prepare", *args], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    result = run_in_process("-m data.prepare", args, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert "train and" in result.stdout and "val tokens" in result.stdout
     assert all((tmp_path / "prepared" / name).is_file() for name in ("train.bin", "val.bin", "meta.json"))
 
 
-@pytest.mark.parametrize("script", ["train.py", "sample.py"])
-def test_cfg_job_shows_the_resolved_config_as_the_readme_says(script: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("script", "run"), [("train.py", run_script), ("sample.py", run_in_process)])
+def test_cfg_job_shows_the_resolved_config_as_the_readme_says(script: str, run, tmp_path: Path) -> None:
     args = ["experiment=shakespeare_char_cpu"] if script == "train.py" else ["out_dir=RUN"]
-    result = run_script(script, [*args, "--cfg", "job"], cwd=tmp_path)
+    result = run(script, [*args, "--cfg", "job"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert ("n_embd: 128" if script == "train.py" else "out_dir: RUN") in result.stdout
     assert not list(tmp_path.iterdir())  # only printed: no run directory

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ServeProcess, run_script
+from conftest import ServeProcess, run_in_process
 from inference.sampling import SEPARATOR
 from inference.serve_run import bind
 
@@ -37,9 +37,9 @@ def server(served_run: Path) -> Iterator[Server]:
 
 
 def sample_py(run: Path, *overrides: str) -> list[str]:
-    """sample.py's samples, each without the prompt."""
+    """sample.py's samples, each without the prompt (the command run in this process)."""
     args = [f"out_dir={run}", f"start={PROMPT}", "device=cpu", "stream=false", *overrides]
-    result = run_script("sample.py", args, run.parent)
+    result = run_in_process("sample.py", args, run.parent)
     assert result.returncode == 0, result.stderr
     return [text.removeprefix(PROMPT) for text in result.stdout.split(SEPARATOR)[:-1]]
 
@@ -293,7 +293,7 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits(served_run: Path) 
 
 def test_a_port_in_use_is_one_line(served_run: Path, server: Server) -> None:
     port = server.url.rsplit(":", 1)[1]
-    result = run_script("serve.py", [f"out_dir={served_run}", f"port={port}", "device=cpu"], served_run.parent)
+    result = run_in_process("serve.py", [f"out_dir={served_run}", f"port={port}", "device=cpu"], served_run.parent)
     assert result.returncode == 2
     expected = f"error: can't listen on host=127.0.0.1 port={port} (Address already in use); pick another port"
     assert result.stderr.strip() == expected

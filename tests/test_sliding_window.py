@@ -17,7 +17,7 @@ import model.attention
 from analysis.attention_maps import save_attention_maps
 from analysis.causality import check_causality, format_report
 from common.errors import CheckpointError, ConfigError
-from conftest import compose_config, run_script, tiny_run_overrides
+from conftest import compose_config, run_in_process, tiny_run_overrides
 from model import GPT, GPTConfig, causal_mask, masked_attention
 from model.attention import ROLL_SLACK, KVCache, _cached_band_block_mask, flex_windowed_attention, windowed_attention
 from model.checkpoint import CKPT_NAME, load_checkpoint
@@ -339,7 +339,7 @@ def test_a_windowed_run_resumes_and_samples_past_block_size(tmp_path: Path, corp
     assert load_checkpoint(run / CKPT_NAME).progress.iter == 20
 
     args = [f"out_dir={run}", "start=ROMEO:", "max_new_tokens=80", "num_samples=1", "check_causal=true"]
-    result = run_script("sample.py", args, cwd=tmp_path)
+    result = run_in_process("sample.py", args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     sample, report = result.stdout.split("\n---------------\n")
     assert len(sample) == len("ROMEO:") + 80  # 86 characters from a model of block_size 32

@@ -1,12 +1,15 @@
 """Seeds as replicates: plot.py's groups, intervals and Welch tests (analysis/stats.py), on real small runs and on
 hand-made run directories."""
 
+import contextlib
 import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -347,15 +350,28 @@ def test_plot_py_with_every_run_damaged_is_one_line_and_status_2(tmp_path: Path,
     assert "Traceback" not in stderr
 
 
-def _plot_in(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    """plot.py with a timeout short enough that a read that blocks (a FIFO) fails the test."""
-    return subprocess.run([sys.executable, str(REPO / "plot.py"), *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=60)
+@contextlib.contextmanager
+def _within(seconds: int) -> Iterator[None]:
+    """A read that blocks (a FIFO) in this process fails the test when the alarm rings, rather than hanging it."""
+
+    def ring(signum: int, frame: object) -> None:
+        raise TimeoutError(f"plot.py still running after {seconds} s: a read blocked")
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
-def test_plot_py_command_skips_a_fifo_and_a_device_behind_a_link_and_refuses_a_fifo_alone(tmp_path: Path) -> None:
-    """The command end to end, in a subprocess: a read that would block (a FIFO) or never end (/dev/zero) fails
-    this test by its timeout rather than hanging the suite; a run that can't be read alone is one line, status 2."""
+def test_plot_py_command_skips_a_fifo_and_a_device_behind_a_link_and_refuses_a_fifo_alone(
+    tmp_path: Path, capsys: CaptureFixture[str]
+) -> None:
+    """The command end to end, in a subprocess (plot.py's one): a read that would block (a FIFO) or never end
+    (/dev/zero) fails this test by its timeout rather than hanging the suite; a run that can't be read alone is one
+    line, status 2 (in this process, under an alarm)."""
     sweep_dir = _values_sweep(tmp_path, {"a": ({"k": 1}, [1.0, 1.1])})
     (sweep_dir / "fifo").mkdir()
     os.mkfifo(sweep_dir / "fifo" / "metrics.jsonl")
@@ -365,15 +381,15 @@ def test_plot_py_command_skips_a_fifo_and_a_device_behind_a_link_and_refuses_a_f
         "fifo": "metrics.jsonl: a FIFO, not a regular file",
         "zero": "metrics.jsonl: a character device behind a link, not a regular file",
     }
-    result = _plot_in(tmp_path, str(sweep_dir))
+    result = subprocess.run([sys.executable, str(REPO / "plot.py"), str(sweep_dir)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     _skipped(result.stderr, sweep_dir, problems)
     table = result.stdout.split("\n\n")[0]
     assert str(sweep_dir / "a_1") in table and not any(str(sweep_dir / run) in table for run in problems)
-    alone = _plot_in(tmp_path, str(sweep_dir / "fifo"))
-    assert alone.returncode == 2 and alone.stderr == (
-        f"error: {sweep_dir / 'fifo' / 'metrics.jsonl'}: a FIFO, not a regular file; nothing left to plot\n"
-    )
+    with _within(60):
+        alone = plot_refused(capsys, str(sweep_dir / "fifo"))
+    assert alone == f"error: {sweep_dir / 'fifo' / 'metrics.jsonl'}: a FIFO, not a regular file; nothing left to plot\n"
 
 
 def test_plot_py_writes_its_picture_into_the_sweep_folder_titled_with_groups_and_runs(

@@ -18,8 +18,8 @@ import pytest
 
 import data.source as source
 import data.text_tokens as prepare
+from common.errors import DataError
 from conftest import TINY_BPE
-from data.errors import DataError
 from data.prepare import DataConfig, ensure_prepared, source_fingerprint
 from data.source import read_utf8
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer
@@ -59,7 +59,7 @@ def small_reads(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _whole_text_tokenizer(spec: str, text: str) -> Tokenizer:
-    return CharTokenizer.from_text(text) if spec == "char" else BpeTokenizer.from_name(spec)
+    return CharTokenizer(sorted(set(text))) if spec == "char" else BpeTokenizer.from_name(spec)
 
 
 def _expected_files(path: Path, spec: str, val_fraction: float, source_meta: dict) -> dict[str, bytes]:

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from common.config import typed_config
+from common.errors import TrainingDiverged
 from common.runtime import make_runtime
 from conftest import compose_config, tiny_run_overrides
 from data.prepare import TRAIN_WINDOWS, get_batch
 from model.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
-from training.errors import TrainingDiverged
 from training.metrics import sample_table
 from training.optim import lr_at
 from training.run import build_trainer, train

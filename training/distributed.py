@@ -16,8 +16,7 @@ from torch import nn
 
 @dataclass(frozen=True)
 class World:
-    """One process (plain `python train.py`): every collective is then the identity, so the training loop has one
-    code path. torchrun's processes are a Torchrun world (world_from_env)."""
+    """One process: every collective is the identity, so the loop has one code path (torchrun's: Torchrun)."""
 
     rank: int = 0
     local_rank: int = 0
@@ -76,8 +75,7 @@ class Torchrun(World):
         close_process_group()
 
     def wrap(self, model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
-        """DDP replicates the model and averages gradients; FSDP2 shards parameters, gradients and optimizer
-        state across the processes, in place (for models that don't fit one GPU)."""
+        """DDP replicates the model; FSDP2 shards parameters, gradients and optimizer state in place."""
         if parallel == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -122,8 +120,7 @@ def world_from_env() -> World:
 
 
 def close_process_group() -> None:
-    """Destroy the process groups and free them now, while the interpreter is whole: a gloo group that FSDP2's
-    DeviceMesh registry keeps until interpreter exit can abort the process (SIGABRT) when freed that late."""
+    """Free the process groups now: a gloo group kept by FSDP2's DeviceMesh can SIGABRT if freed at interpreter exit."""
     if not dist.is_initialized():
         return
     dist.destroy_process_group()
@@ -145,8 +142,7 @@ def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> tuple[dict, dict]:
-    """Unsharded model and optimizer state keyed by parameter name, so a checkpoint written by any number of
-    processes loads in one. Collective under FSDP2: every rank calls it; rank 0 receives the tensors, on CPU."""
+    """Whole state keyed by name, loadable by any number of processes; under FSDP2 every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=world.distributed)

@@ -1,6 +1,4 @@
-"""What a run measures and records: each split's loss (and HellaSwag's accuracy) at an evaluation, the log line's
-numbers (mean loss and throughput since the last one), and metrics.jsonl, its one owner: one record per log or eval
-line, to the file, to the console (and train.log), and to wandb."""
+"""Evaluations, log-line numbers and metrics.jsonl (its sole writer): each log/eval line to file, console, wandb."""
 
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ class MetricsLog:
         self.wandb_run: Any = None
 
     def start_wandb(self, config: WandbConfig, run_config: dict[str, Any]) -> None:
-        """A wandb run beside the metrics, on rank 0 when wandb.enabled (wandb isn't even imported otherwise: it is
-        slow)."""
+        """A wandb run beside the metrics (wandb is imported only here: it is slow)."""
         import wandb
 
         try:
@@ -69,10 +66,9 @@ class MetricsLog:
             self.wandb_run.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
     def write_settings(self, iter: int, settings: dict[str, Any]) -> None:
-        """What the run resolved that its config leaves open, for plot.py's groups: to the file only."""
-        if self.active:
-            with open_for_appending(self.path) as f:
-                f.write(json.dumps({"iter": iter, "settings": settings}) + "\n")
+        """What the run resolved that its config leaves open, for plot.py's groups: to the file only (rank 0's)."""
+        with open_for_appending(self.path) as f:
+            f.write(json.dumps({"iter": iter, "settings": settings}) + "\n")
 
     def log_samples(self, step: int, samples: list[list[str]]) -> None:
         """A few (prompt, text) pairs as a wandb table, to see what the numbers mean."""
@@ -88,8 +84,7 @@ class MetricsLog:
 def sample_table(
     model: GPT, tokenizer: Tokenizer, first: int, runtime: Runtime, count: int = 3, tokens: int = 200
 ) -> list[list[str]]:
-    """log_samples' rows: continuations of the token `first`, with sample.py's default temperature and top_k, each
-    cut at the tokenizer's end of text; drawn after the last checkpoint, whose random state is already saved."""
+    """log_samples' rows: sample.py-style continuations of `first`, cut at end of text; drawn after the RNG is saved."""
     idx = torch.full((count, 1), first, dtype=torch.long, device=runtime.device)
     model.eval()
     with runtime.autocast():
@@ -100,22 +95,15 @@ def sample_table(
     return [[prompt, prompt + (text.split(end)[0] if end else text)] for text in texts]
 
 
-def forget_metrics(out_dir: Path) -> None:
-    """A new run starts its own metrics: drop those of a run that died before its first checkpoint."""
-    (out_dir / METRICS_NAME).unlink(missing_ok=True)
-
-
 def read_records(out_dir: Path) -> tuple[list[dict[str, Any]], int]:
-    """metrics.jsonl's records, and how many of its lines are damaged (cut short by a kill, not UTF-8, not a
-    record), which are left out."""
+    """metrics.jsonl's records, and how many of its lines are damaged (cut short, not UTF-8) and left out."""
     lines = (out_dir / METRICS_NAME).read_bytes().splitlines()
     records = [record for record in map(_record, lines) if record]
     return records, len(lines) - len(records)
 
 
 def drop_records_after(out_dir: Path, last_iter: int) -> None:
-    """On resume: lines a killed run wrote after its last checkpoint, and damaged lines. The file is replaced whole,
-    so a kill meanwhile leaves the old history or the new one."""
+    """On resume, drop lines written after the last checkpoint and damaged ones; the file is replaced whole (atomic)."""
     path = out_dir / METRICS_NAME
     if path.is_file():
         kept = [line.decode() + "\n" for line in path.read_bytes().splitlines() if _record(line, last_iter)]
@@ -128,8 +116,7 @@ def _strict(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _record(line: bytes, last_iter: float = math.inf) -> dict[str, Any] | None:
-    """The line's record if it is whole and at or before last_iter; a null number (NaN when written) as NaN, and
-    the bare NaN older runs wrote is read too."""
+    """The line's record if it is whole and at or before last_iter, null (a NaN when written) read as NaN."""
     try:
         record = json.loads(line)  # bytes: decoded as UTF-8 (a bad byte is a ValueError too)
     except ValueError:
@@ -141,8 +128,7 @@ def _record(line: bytes, last_iter: float = math.inf) -> dict[str, Any] | None:
 
 
 class LogWindow:
-    """The steps since the last log line: their mean loss and, excluding the first step of the process (compiling
-    and warming up), training time alone, so tokens/s and MFU leave evaluation and checkpoints out."""
+    """Steps since the last log: mean loss; training time (no evals, checkpoints, first step) for tokens/s and MFU."""
 
     def __init__(self, progress: Progress, tokens_per_iter: int, flops_per_token: float, peak_flops: float | None):
         self.first_step, self.tokens_per_iter = progress.iter, tokens_per_iter
@@ -160,8 +146,7 @@ class LogWindow:
         self.steps += 1
 
     def end_step(self, step: int, began: float, log_now: bool) -> tuple[float, dict[str, float]] | None:
-        """Call after step `step` (0-based), begun at perf_counter() `began`. If log_now (and a step counted): the
-        mean train loss and the throughput numbers (none while only the first step was run), then a new window."""
+        """After step `step`, begun at `began`; if log_now, the mean loss and throughput, then a new window."""
         log_now = log_now and self.steps > 0
         if log_now:
             train_loss = float(self.loss_sum) / self.steps  # waits for the GPU: timed as training
@@ -212,13 +197,8 @@ class Losses:
 
 @dataclass
 class Evaluator:
-    """Mean loss over the same eval_iters random windows of each split at every evaluation, or over every block of
-    the val split with train.full_val; and val in bits per byte: the nats of the tokens that are text over their
-    UTF-8 bytes, special tokens such as <|endoftext|> left out of both (as nanochat).
-
-    The batches are the same whatever the number of processes: each rank takes every world.size-th one and the
-    sums are reduced, so the result is the whole set's (not rank 0's share).
-    """
+    """Mean loss over the same eval_iters random windows of each split (full_val: every block of val), and val in
+    bits per byte of text, as nanochat. Ranks split the batches and sum: the result doesn't depend on their number."""
 
     data: PreparedData
     train: OptimConfig
@@ -257,8 +237,7 @@ class Evaluator:
 
 
 def split_across_ranks(items: Iterator[tuple], world: World) -> Iterator[tuple]:
-    """Every world.size-th item, starting at this rank's, flagged True. All ranks run as many forward passes (FSDP2
-    gathers weights collectively): in the last round a rank with no item left repeats one, flagged False."""
+    """This rank's every world.size-th item, flagged True; one repeated, flagged False, to keep FSDP2 in step."""
     while round_ := list(itertools.islice(items, world.size)):
         mine = world.rank < len(round_)
         yield (*round_[world.rank if mine else 0], mine)
@@ -266,9 +245,7 @@ def split_across_ranks(items: Iterator[tuple], world: World) -> Iterator[tuple]:
 
 @dataclass
 class HellaSwagEval:
-    """HellaSwag accuracy at the evaluations whose iteration is a multiple of `every` (train.hellaswag_every).
-    Each rank scores every world.size-th example (split_across_ranks: the same number of forward passes on every rank,
-    as FSDP2 needs) and the counts are summed over the ranks: the whole set's accuracy, however many processes."""
+    """HellaSwag accuracy at evaluations whose iteration is a multiple of `every`; ranks split the examples and sum."""
 
     examples: list[Example]
     every: int

@@ -1,9 +1,6 @@
-"""Muon for the hidden weight matrices, AdamW for the rest, as one optimizer (MuonAdamW). Muon (Keller Jordan's,
-as in modded-nanogpt): Nesterov momentum on the gradient, then the update's matrix orthogonalised by a few
-Newton-Schulz steps, so every direction of the matrix moves by about as much; embeddings, the output head, norm
-gains and biases stay with AdamW. One Optimizer holds both kinds of group (group["muon"] says which), so clipping,
-GradScaler and state dicts work unchanged.
-"""
+"""MuonAdamW: Muon (modded-nanogpt's) for hidden weight matrices, AdamW for embeddings, head, norm gains and biases.
+Muon: Nesterov momentum, then the update orthogonalised by a few Newton-Schulz steps so every direction of the matrix
+moves about as much. One Optimizer holds both kinds (group["muon"]), so clipping, GradScaler, state dicts work as is."""
 
 from __future__ import annotations
 
@@ -18,9 +15,8 @@ ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 def newton_schulz(grad: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """A matrix near U V^T (G = U S V^T), in grad's dtype: singular values pushed into roughly 0.7..1.2, not all
-    the way to 1 (faster, and no worse for training), after a Frobenius normalisation that puts the spectral norm
-    at most 1. grad may be a stack of same-shape matrices (..., rows, cols), each orthogonalised on its own."""
+    """About U V^T of G = U S V^T, in grad's dtype: after a Frobenius normalisation (spectral norm <= 1), singular
+    values go to roughly 0.7..1.2, not 1 (faster, no worse for training). grad: (..., rows, cols), each on its own."""
     a, b, c = NS_COEFFICIENTS
     x = grad.reshape(-1, *grad.shape[-2:])
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)

@@ -1,7 +1,4 @@
-"""The optimizer and its per-step hyperparameters: AdamW with decoupled weight decay on 2-D weights only (nanoGPT's),
-or Muon for the hidden matrices and AdamW for the rest (train.optimizer=muon, training/muon.py); the learning-rate
-schedules: linear warmup, then a cosine decay (nanoGPT's) or warmup-stable-decay (a plateau, then a linear
-cooldown: modded-nanogpt's)."""
+"""AdamW (decay on 2-D weights only) or Muon for hidden matrices; lr: warmup, then cosine or warmup-stable-decay."""
 
 from __future__ import annotations
 
@@ -40,10 +37,7 @@ def make_optimizer(model: nn.Module, train: OptimConfig, runtime: Runtime) -> to
 def _muon(
     groups: list[dict[str, Any]], hidden: dict[str, nn.Parameter], train: OptimConfig, runtime: Runtime
 ) -> MuonAdamW:
-    """Muon for the hidden matrices, AdamW for the rest (`groups`). Newton-Schulz runs in bfloat16 when the run
-    autocasts to it, else in float32: bfloat16 leaves the same singular values and is faster where the hardware
-    has it (python bench.py muon), but it rounds: the weights of a batch of 8 and of 2 accumulated batches of 4
-    part by 5e-3 in 12 steps, 6e-7 in float32."""
+    """Muon for hidden matrices, AdamW for the rest; Newton-Schulz in bf16 under bf16 autocast (faster), else fp32."""
     adamw = {"muon": False, "lr": train.learning_rate, "betas": (train.beta1, train.beta2), "eps": 1e-8}
     muon = {
         "muon": True,
@@ -61,9 +55,7 @@ def _muon(
 
 
 def hidden_matrices(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Muon's: the weights of the nn.Linear layers inside the blocks (attention's c_attn and c_proj, the MLP's
-    c_fc and c_proj), by name. Embeddings, the head, norms, biases, and any other kind of parameter a block may
-    gain, stay with AdamW."""
+    """Muon's, by name: the blocks' nn.Linear weights. Embeddings, the head, norms and biases stay with AdamW."""
     return {
         f"transformer.h.{name}.weight": module.weight
         for name, module in model.transformer.h.named_modules()
@@ -72,8 +64,7 @@ def hidden_matrices(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def set_hyperparameters(optimizer: torch.optim.Optimizer, train: OptimConfig, step: int) -> float:
-    """The step's learning rate on every group (Muon's scaled to train.muon_lr) and Muon's momentum, functions of
-    the iteration alone (a resumed run steps as the uninterrupted one); AdamW's lr."""
+    """The step's learning rate (Muon's scaled to muon_lr) and Muon's momentum, from the step alone; AdamW's lr."""
     lr = scheduled_lr(train, step)
     for group in optimizer.param_groups:
         if group.get("muon"):
@@ -97,9 +88,7 @@ def muon_momentum_at(step: int, momentum: float, warmup_iters: int) -> float:
 
 
 def group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """The hyperparameters make_optimizer gave each param group from the config. Loading a state dict replaces
-    them with the saved run's, so restore() puts these back (they may change on resume); the implementation's own
-    flags (AdamW's fused, foreach, ...) stay as saved."""
+    """Each param group's config hyperparameters, for restore() to put back over a loaded state dict's (saved) ones."""
     return [{k: group[k] for k in FROM_CONFIG if k in group} for group in optimizer.param_groups]
 
 
@@ -108,8 +97,7 @@ LR_SCHEDULES = ("cosine", "wsd")
 
 def lr_at(step: int, learning_rate: float, min_lr: float, warmup_iters: int, decay_iters: int,
           schedule: str = "cosine", cooldown_frac: float = 0.2) -> float:
-    """Linear warmup to learning_rate, then down to min_lr at decay_iters. cosine: a half cosine from the end of
-    warmup. wsd: learning_rate until the last cooldown_frac of decay_iters, then a straight line down."""
+    """Linear warmup, then to min_lr at decay_iters: a half cosine, or (wsd) flat until a linear cooldown."""
     if step < warmup_iters:
         return learning_rate * (step + 1) / (warmup_iters + 1)
     if step >= decay_iters:

@@ -1,7 +1,4 @@
-"""What `train.py resume=true` continues: the run's own saved settings, with only this command's overrides on top.
-An override that changes what the run trains is refused unless resume_with_changes=true asks for it; the keys that
-only change how the run is computed, observed or recorded (CHANGEABLE_ON_RESUME) may change freely.
-"""
+"""`train.py resume=true`: saved settings + overrides of CHANGEABLE_ON_RESUME keys only, unless resume_with_changes."""
 
 from __future__ import annotations
 
@@ -39,9 +36,8 @@ def _never_changeable(key: str) -> bool:
 
 
 def resumed_config(cfg: DictConfig, overrides: list[str], schema: type) -> DictConfig:
-    """The checkpoint's saved config, then the command's `key=value` overrides as Hydra composed them into cfg. A
-    config group on the command must be the one the run started with (.hydra/hydra.yaml). Without a readable
-    checkpoint, cfg as it is: the run's start names the problem."""
+    """The checkpoint's saved config, then the command's overrides as composed into cfg; a config group must be the
+    run's own (.hydra/hydra.yaml). No readable checkpoint: cfg as is, for the run's start to report."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     out_dir = Path(cfg.out_dir)
@@ -83,8 +79,7 @@ def check_resume(checkpoint: Checkpoint, config: Any) -> None:
 
 
 def check_resume_changes(saved: dict[str, Any], current: dict[str, Any], allowed: bool) -> None:
-    """Every key that differs from the run's saved value, in one line each; a change outside CHANGEABLE_ON_RESUME
-    (and wandb.*) is refused unless allowed. A key the saved config lacks keeps the old behaviour: no change."""
+    """Log each key changed from the saved run; refuse those outside CHANGEABLE_ON_RESUME and wandb.* unless allowed."""
     changes = [change for change in _differences(saved, current) if not _never_changeable(change[0])]
     meaningful = [(key, old, new) for key, old, new in changes
                   if key not in CHANGEABLE_ON_RESUME and not key.startswith("wandb.")]
@@ -172,8 +167,7 @@ def resume_command(out_dir: Path) -> str:
 
 
 def resume_argument(out_dir: Path) -> str:
-    """out_dir=PATH as the shell and then Hydra read it back: bare when the path is plain, else quoted for Hydra
-    (its own single quotes, backslashes and quotes escaped) and then for the shell."""
+    """out_dir=PATH that the shell, then Hydra, read back as PATH: bare if plain, else quoted for Hydra, then shell."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     path = str(out_dir)

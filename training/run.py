@@ -1,8 +1,4 @@
-"""train(cfg): a run from its config, in the order a reader follows it: the checkpoint when resuming, the data, the
-model (new, pretrained or resumed) placed for torchrun and compiled, the optimizer, evaluation and metrics; then,
-every check passed, the run directory (locked, so one writer at a time) and Trainer.fit (training/trainer.py).
-The entry point of train.py, bench.py, scripts/gpu_check.py and the tests: one process's part of the run, all of it
-alone or one rank's under torchrun."""
+"""train(cfg): one process's part of a run: checkpoint, data, model, optimizer, metrics; checks, then Trainer.fit."""
 
 from __future__ import annotations
 
@@ -21,12 +17,11 @@ from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
 from common.config import typed_config
-from common.errors import CheckpointError, ConfigError
+from common.errors import CheckpointError, ConfigError, RunLocked
 from common.runtime import (
     Runtime,
     check_memory,
     datasheet_peak,
-    discard_temporaries,
     make_runtime,
     open_for_appending,
     write_text_atomically,
@@ -34,14 +29,13 @@ from common.runtime import (
 from data.prepare import PreparedData, ensure_prepared
 from data.tokenizers import Tokenizer, tokenizer_from_metadata
 from evals.hellaswag import hellaswag_path, load_examples
-from model import GPT, GPTConfig, parameter_count
+from model import GPT, GPTConfig
 from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
 from model.hf_gpt2 import SETTINGS as PRETRAINED_SETTINGS
 from model.hf_gpt2 import load_pretrained
 from training.distributed import World, world_from_env
-from training.errors import RunLocked
 from training.metrics import METRICS_NAME, Evaluator, HellaSwagEval, MetricsLog, drop_records_after
-from training.optim import make_optimizer, scheduled_lr
+from training.optim import make_optimizer
 from training.resume import check_resume, check_same_shape
 from training.schema import OptimConfig, TrainRunConfig
 from training.trainer import Trainer, TrainResult
@@ -53,9 +47,8 @@ LOCK_NAME = ".lock"  # held by the run writing the directory; the OS releases it
 
 
 def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] | None = None,
-          on_run_opened: Callable[[Path], None] | None = None) -> TrainResult:
-    """cfg: Hydra's config or a TrainRunConfig. Nothing is written in out_dir until every check has passed; then
-    on_run_opened(out_dir) runs on rank 0 (train.py writes Hydra's files). before_step(iter): a seam for tests."""
+          on_run_opened: Callable[[Path], None] = lambda out_dir: None) -> TrainResult:
+    """Nothing is written until every check has passed; then on_run_opened(out_dir) on rank 0 (Hydra's files)."""
     world = world_from_env()
     if not world.is_main:
         log.setLevel(logging.WARNING)  # one voice: rank 0's
@@ -78,10 +71,9 @@ def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] |
         world.close()
 
 
-def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_opened: Callable | None,
+def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_opened: Callable[[Path], None],
                        start_lines: logging.Handler) -> None:
-    """out_dir made and locked for the run's life (one writer at a time), its log mirrored into train.log, then
-    what the run starts with: the history up to its checkpoint, config.yaml, the resolved settings."""
+    """out_dir made and locked for the run's life, train.log opened; the history cut back to the checkpoint."""
     out_dir, config = trainer.out_dir, trainer.config
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -96,30 +88,26 @@ def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_open
     start_lines.close()  # flushed into train.log
     logging.getLogger().addHandler(handler)
     held.callback(logging.getLogger().removeHandler, handler)
-    for name in (CKPT_NAME, BEST_NAME, METRICS_NAME, CONFIG_NAME):
-        discard_temporaries(out_dir / name)  # what killed writers left
     if config.resume:
         drop_records_after(out_dir, trainer.progress.iter)  # a killed run's lines after its checkpoint
     else:  # a run that died before its first ckpt.pt left these: not this run's
         (out_dir / METRICS_NAME).unlink(missing_ok=True)
         (out_dir / BEST_NAME).unlink(missing_ok=True)
-    if on_run_opened is not None:
-        on_run_opened(out_dir)
+    on_run_opened(out_dir)
     write_text_atomically(out_dir / CONFIG_NAME, OmegaConf.to_yaml(trainer.resolved))
-    runtime = trainer.runtime  # what the config left to the machine, for plot.py (threads change float sums)
-    compiled = hasattr(trainer.step_model, "_orig_mod")  # what torch.compile returns has it
-    settings = {"device": runtime.device.type, "train.dtype": runtime.dtype_name, "train.compile": compiled}
-    trainer.metrics.write_settings(trainer.progress.iter, {**settings, "threads": torch.get_num_threads()})
+    settings = {"device": trainer.runtime.device.type, "train.dtype": trainer.runtime.dtype_name,  # for plot.py
+                "train.compile": hasattr(trainer.step_model, "_orig_mod"), "threads": torch.get_num_threads()}
+    trainer.metrics.write_settings(trainer.progress.iter, settings)
     if config.wandb.enabled:
         trainer.metrics.start_wandb(config.wandb, trainer.resolved)
 
 
 def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime,
                   before_step: Callable[[int], None] | None = None) -> Trainer:
-    """Everything the run needs, restored from ckpt.pt when config.resume; it writes nothing. The run's clock
-    starts here."""
+    """Everything the run needs (from ckpt.pt when resuming); it writes nothing. The run's clock starts here."""
     started = time.perf_counter()
-    check_for_world(config.train, world)
+    if world.distributed:
+        check_for_world(config.train, world)
     # Each rank's Hydra resolved ${now:} on its own clock: all write to rank 0's directory.
     config = dataclasses.replace(config, out_dir=world.broadcast(config.out_dir))
     out_dir, train = Path(config.out_dir), config.train
@@ -146,26 +134,19 @@ def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime,
     if use_compile and sys.platform == "win32" and train.compile is None:
         use_compile = _compiles_on_windows()
     byte_lengths = torch.from_numpy(tokenizer.token_byte_lengths()).to(runtime.device, torch.float64)
-    peak = train.peak_tflops * 1e12 if train.peak_tflops else datasheet_peak(runtime.device, runtime.dtype)
+    peak = train.peak_tflops * 1e12 if train.peak_tflops else None
+    if peak is None and runtime.is_cuda:
+        peak = datasheet_peak(runtime.device, runtime.dtype)
     trainer = Trainer(
-        config=config,
-        world=world,
-        runtime=runtime,
-        out_dir=out_dir,
-        data=data,
-        tokenizer=tokenizer,
-        model=model,
+        config=config, world=world, runtime=runtime, out_dir=out_dir, data=data, tokenizer=tokenizer, model=model,
         step_model=torch.compile(wrapped) if use_compile else wrapped,
         optimizer=make_optimizer(model, train, runtime),
         scaler=torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16),
         evaluator=Evaluator(data, train, config.seed, model.config.block_size, byte_lengths, runtime, world),
         hellaswag=_hellaswag(train, tokenizer, model.config.block_size, runtime, world)
-        if train.hellaswag_every
-        else None,
+        if train.hellaswag_every else None,
         metrics=MetricsLog(out_dir, active=world.is_main, max_iters=train.max_iters),
-        flops_per_token=flops_per_token,
-        peak_flops=None if peak is None else peak * world.size,
-        started=started,
+        flops_per_token=flops_per_token, peak_flops=None if peak is None else peak * world.size, started=started,
         before_step=before_step,
     )
     if checkpoint is not None:
@@ -173,22 +154,13 @@ def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime,
     processes = f", {world.size} processes ({train.parallel})" if world.distributed else ""
     log.info(f"{num_params / 1e6:.2f}M parameters, {data.meta['vocab_size']} tokens in the vocabulary, device "
              f"{runtime.device}, {runtime.dtype_name}, compile {use_compile}{processes}, out_dir {out_dir}")
-    log_schedule(train)
     if peak is not None:
         log.info(f"MFU against {peak / 1e12:.3g} TFLOP/s per process")
     return trainer
 
 
-def log_schedule(train: OptimConfig) -> None:
-    """A learning-rate schedule that doesn't end with the run, said."""
-    if train.max_iters and train.decay_iters != train.max_iters:
-        log.info(_schedule_note(train))
-    if train.max_iters and 0 < train.decay_iters <= train.warmup_iters:
-        log.warning(_warmup_note(train))
-
-
 def check_for_world(train: OptimConfig, world: World) -> None:
-    """The checks that need the number of processes."""
+    """The checks that need the number of processes (torchrun's: one process passes them all)."""
     if train.grad_accum % world.size or (world.distributed and train.parallel == "fsdp" and train.optimizer == "muon"):
         raise ConfigError(_world_conflict(train, world))
 
@@ -211,9 +183,7 @@ def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: Pr
     if checkpoint is not None:
         model_config = _resumed_model_config(config, checkpoint, data)
     elif config.init_from is not None:
-        model = _pretrained_model(config, data.meta["vocab_size"])
-        _check_data_fits(data, model.config.block_size)
-        return model
+        return _pretrained_model(config, data)
     else:
         model_config = config.model.gpt_config(data.meta["vocab_size"])
     _check_data_fits(data, model_config.block_size)  # the plainer mistake first
@@ -222,8 +192,7 @@ def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: Pr
 
 
 def _resumed_model_config(config: TrainRunConfig, checkpoint: Checkpoint, data: PreparedData) -> GPTConfig:
-    """The checkpoint's model, with the settings its weights leave open from the config; another shape or
-    tokenizer is refused."""
+    """The checkpoint's model, the settings its weights leave open from the config; another shape is refused."""
     if config.init_from is not None:  # a finetune: the shape is the pretrained model's, as saved
         settings = {k: getattr(config.model, k) for k in ("block_size", *PRETRAINED_SETTINGS)}
         model_config = dataclasses.replace(checkpoint.model_config, **settings)
@@ -236,34 +205,34 @@ def _resumed_model_config(config: TrainRunConfig, checkpoint: Checkpoint, data: 
 
 
 def check_fits(model: GPTConfig, train: OptimConfig, device: torch.device, world: World) -> None:
-    """A run that can't fit is refused before allocating. Its need is bounded from below (nothing that fits is
-    refused): 8 bytes a parameter (float32 weights, gradients), and for one micro-batch 38 bytes per token, layer
-    and unit of width (4 with activation checkpointing) and 6 per token and logit. bench.py memory: the detail."""
-    per_layer = 4 if train.activation_checkpointing else 38
-    tokens = train.batch_size * model.block_size
+    """Refused before allocating, by a bound from below: the float32 weights and gradients of the blocks' matrices
+    and token table, and one micro-batch's activations, measured in bench.py memory (4 bytes each, checkpointed)."""
+    C, L, V = model.n_embd, model.n_layer, model.vocab_size
+    params = 12 * L * C * C + V * C
     shards = world.size if world.distributed and train.parallel == "fsdp" else 1  # FSDP2 splits weights and gradients
-    activations = tokens * (per_layer * model.n_embd * model.n_layer + 6 * model.vocab_size)
-    need = 8 * parameter_count(model) / shards + activations
-    check_memory(need, device, f"train.batch_size={train.batch_size} with a model of {parameter_count(model):,} "
-                 "parameters", "lower train.batch_size (train.grad_accum keeps the tokens per step), set "
-                 "train.activation_checkpointing=true, or train a smaller model")
+    per_layer = 4 if train.activation_checkpointing else 38
+    activations = train.batch_size * model.block_size * (per_layer * C * L + 6 * V)
+    check_memory(8 * params / shards + activations, device, f"train.batch_size={train.batch_size} with a model of "
+                 f"about {params:,} parameters", "lower train.batch_size (train.grad_accum keeps the tokens per step), "
+                 "set train.activation_checkpointing=true, or train a smaller model")
 
 
-def _pretrained_model(config: TrainRunConfig, vocab_size: int) -> GPT:
-    """init_from's weights and shape; block_size (cropped) and the settings the weights leave open (dropout,
-    attn_impl, the sliding window) from the config."""
+def _pretrained_model(config: TrainRunConfig, data: PreparedData) -> GPT:
+    """init_from's weights and shape; block_size (cropped) and what the weights leave open from the config."""
     keys = config.model
     settings = {name: getattr(keys, name) for name in PRETRAINED_SETTINGS}
     model = load_pretrained(config.init_from, block_size=keys.block_size, **settings)
-    if model.config.vocab_size != vocab_size:
+    if model.config.vocab_size != data.meta["vocab_size"]:
         raise ConfigError(
             f"init_from={config.init_from} has a vocabulary of {model.config.vocab_size} tokens, the data's has "
-            f"{vocab_size}; use data tokenized like the model (GPT-2: data.tokenizer=r50k_base, e.g. data=shakespeare)"
+            f"{data.meta['vocab_size']}; use data tokenized like the model (GPT-2: data.tokenizer=r50k_base, e.g. "
+            "data=shakespeare)"
         )
     shape = {k: getattr(model.config, k) for k in ("n_layer", "n_head", "n_embd", "bias", "activation", "pos_emb")}
     if model.config.attn_window is not None:
         shape["layer_windows"] = model.config.layer_windows()
     log.info(f"init_from={config.init_from}: {shape}, block_size {model.config.block_size}")
+    _check_data_fits(data, model.config.block_size)
     return model
 
 
@@ -285,11 +254,9 @@ def _too_short(data: PreparedData, split: str, n: int, block_size: int) -> str:
     )
 
 
-def _hellaswag(
-    train: OptimConfig, tokenizer: Tokenizer, block_size: int, runtime: Runtime, world: World
-) -> HellaSwagEval:
-    """train.hellaswag_every's examples, read at start so a missing file stops the run before it trains. Rank 0
-    downloads them (once, into the cache) while the others wait, then read its copy."""
+def _hellaswag(train: OptimConfig, tokenizer: Tokenizer, block_size: int, runtime: Runtime,
+               world: World) -> HellaSwagEval:
+    """HellaSwag examples, read at start to fail before training; rank 0 downloads them once while the others wait."""
     if world.is_main:
         path = hellaswag_path(train.hellaswag_file, "train.hellaswag_file")
     world.barrier()
@@ -298,26 +265,6 @@ def _hellaswag(
     examples = load_examples(path, tokenizer)
     log.info(f"HellaSwag: {len(examples):,} examples from {path}, every {train.hellaswag_every} iterations")
     return HellaSwagEval(examples, train.hellaswag_every, block_size, runtime, world)
-
-
-def _schedule_note(train: OptimConfig) -> str:
-    """The decay set apart from max_iters: the learning rate then doesn't end at min_lr with the run."""
-    where = "before" if train.decay_iters < train.max_iters else "after"
-    return (
-        f"train.lr_decay_iters={train.decay_iters} ends {where} train.max_iters={train.max_iters}: the last step's "
-        f"learning rate is {scheduled_lr(train, train.max_iters - 1):.3g} (min_lr {train.min_lr:.3g}); "
-        "lr_decay_iters=null follows max_iters"
-    )
-
-
-def _warmup_note(train: OptimConfig) -> str:
-    """A warm-up as long as the schedule (nanoGPT's 100 iterations in a 60-iteration run) never decays."""
-    end = "train.max_iters" if train.lr_decay_iters is None else "train.lr_decay_iters"
-    return (
-        f"train.warmup_iters={train.warmup_iters} is not below {end}={train.decay_iters}: the learning rate only warms "
-        f"up (to {scheduled_lr(train, train.max_iters - 1):.3g} at the last step) and never decays; use a "
-        f"train.warmup_iters below {train.decay_iters}"
-    )
 
 
 def _compiles_on_windows() -> bool:

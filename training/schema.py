@@ -1,10 +1,4 @@
-"""Typed config schemas, registered with Hydra's ConfigStore so a misspelt key or a wrong type fails at start.
-
-Each key's allowed values are declared once, beside it (common.config.option); common.config.typed_config turns
-Hydra's DictConfig into these dataclasses, and building them checks every value: one ConfigError naming the key.
-The `model.*` keys come from model/gpt.py's GPTConfig, the `data.*` keys from data/prepare.py; sample.py's,
-eval.py's and serve.py's schemas live in inference/schema.py.
-"""
+"""train.py's typed Hydra config (a bad key or type fails at start); model.* from GPTConfig, data.* data.prepare's."""
 
 from __future__ import annotations
 
@@ -18,7 +12,7 @@ from hydra.core.config_store import ConfigStore
 from common.config import SEED_MAX, check_fields, option
 from common.errors import ConfigError
 from common.runtime import DEVICES, DTYPES
-from data.prepare import DataConfig, register_prepare_schema
+from data.prepare import DataConfig
 from model import GPTConfig
 from training.optim import LR_SCHEDULES, OPTIMIZERS
 
@@ -26,18 +20,15 @@ ON_NONFINITE = ("stop", "skip")
 MAX_GRAD_ACCUM = 65536  # micro-batches per step: past any recipe (GPT-2 on one GPU: 40), short of endless
 PARALLEL = ("ddp", "fsdp")
 CONFIG_GROUPS = ("experiment", "model", "data")  # train.py's Hydra groups: configs/<group>/NAME.yaml, as group=NAME
-# The schema's defaults for the model's shape: the baby model (configs/model/baby.yaml), not GPTConfig's GPT-2.
-# Their order is the keys' order in config.yaml; the other keys follow in GPTConfig's.
+# The schema's defaults for the model's shape: the baby model (configs/model/baby.yaml), not GPTConfig's GPT-2
 SCHEMA_SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64}
 
 
 def _model_keys() -> type:
-    """`model.*`: GPTConfig's fields less vocab_size (the data's), with their defaults and rules, so the keys can't
-    drift from the model. Building one checks it as GPTConfig would, naming keys as model.KEY."""
-    hints, gpt_fields = typing.get_type_hints(GPTConfig), {f.name: f for f in dataclasses.fields(GPTConfig)}
-    names = [*SCHEMA_SHAPE, *(name for name in gpt_fields if name not in SCHEMA_SHAPE and name != "vocab_size")]
-    keys = [(name, hints[name], field(default=SCHEMA_SHAPE.get(name, gpt_fields[name].default),
-                                      metadata=gpt_fields[name].metadata)) for name in names]
+    """`model.*`: GPTConfig's fields and rules less vocab_size (the data's), so the keys can't drift from the model."""
+    hints = typing.get_type_hints(GPTConfig)
+    keys = [(f.name, hints[f.name], field(default=SCHEMA_SHAPE.get(f.name, f.default), metadata=f.metadata))
+            for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size"]
 
     def gpt_config(self: Any, vocab_size: int) -> GPTConfig:
         """The model these keys describe, for the data's vocabulary."""
@@ -83,9 +74,8 @@ class OptimConfig:
     muon_momentum_warmup: int = option(300, at_least=0)  # iterations to go from 0.85 to muon_momentum; 0: none
     muon_ns_steps: int = option(5, at_least=1)  # Newton-Schulz iterations per update: fewer are cheaper, rougher
     eval_interval: int = option(250, at_least=1)
-    # evaluate only from this iteration on (and always after the last step): a run timed to a target skips the
-    # evaluations it knows come too early (each costs a pass over the val split with full_val). ckpt.pt is written
-    # at evaluations, so there is none before it either
+    # evaluate only from this iteration on (and after the last step): a timed run skips evaluations that come too
+    # early (each a pass over val with full_val); ckpt.pt is written at evaluations, so there is none before it either
     eval_from: int = option(0, at_least=0)
     eval_iters: int = option(100, at_least=1)  # batches per split in each evaluation
     full_val: bool = False  # evaluate val on every block of the split, in order, instead of eval_iters batches
@@ -93,18 +83,15 @@ class OptimConfig:
     keep_best: bool = False  # also keep best.pt, the checkpoint of the lowest val loss (ckpt.pt stays the latest)
     log_interval: int = option(10, at_least=1)
     compile: bool | None = None  # default: on for CUDA, off elsewhere
-    # recompute each block's activations in backward instead of keeping them: far less memory for long contexts
-    # and deep models, for about one more forward pass of compute (bench.py memory)
+    # recompute each block's activations in backward: far less memory, ~one more forward's compute (bench.py memory)
     activation_checkpointing: bool = False
     dtype: str = option("auto", choices=DTYPES)  # auto: bfloat16 on CUDA GPUs that have it, else float32
-    # MFU's denominator, per process; null: the GPU's datasheet peak where it is known, else no MFU
-    peak_tflops: float | None = option(None, above=0.0)
+    peak_tflops: float | None = option(None, above=0.0)  # MFU's denominator per process; null: datasheet peak or no MFU
     on_nonfinite: str = option("stop", choices=ON_NONFINITE)  # a NaN/Inf loss: stop (ckpt.pt stays) | skip the step
     parallel: str = option("ddp", choices=PARALLEL)  # under torchrun: ddp (replicas) | fsdp (FSDP2: sharded)
     # HellaSwag at the evaluations whose iteration is a multiple of this (BPE data only); 0: never
     hellaswag_every: int = option(0, at_least=0, hint="0 means never; use a multiple of train.eval_interval")
-    # a local hellaswag_val.jsonl; null: data/cache/hellaswag's, downloaded once
-    hellaswag_file: str | None = option(None, path=True)
+    hellaswag_file: str | None = option(None, path=True)  # a hellaswag_val.jsonl; null: data/cache/hellaswag's
 
     def __post_init__(self) -> None:
         check_fields(self, "train.")
@@ -129,8 +116,7 @@ class WandbConfig:
     mode: str | None = option(None, choices=("online", "offline", "disabled"))  # default: $WANDB_MODE, else online
     tags: list[str] = field(default_factory=list)
     group: str | None = None
-    # seconds wandb may take to start (no network stalls it); then training goes on without it, with a warning
-    init_timeout: float = option(30.0, above=0.0)
+    init_timeout: float = option(30.0, above=0.0)  # seconds wandb may take to start; then training goes on without it
 
     def __post_init__(self) -> None:
         check_fields(self, "wandb.")
@@ -142,10 +128,8 @@ class TrainRunConfig:
     device: str = option("auto", choices=DEVICES)
     seed: int = option(1337, at_least=0, at_most=SEED_MAX)
     resume: bool = False  # continue the run in out_dir from its ckpt.pt, with its saved settings
-    # with resume=true: let overrides change what the run trains (its schedule, optimizer, data, model settings)
-    resume_with_changes: bool = False
-    # gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 directory: start from it
-    init_from: str | None = option(None, path=True)
+    resume_with_changes: bool = False  # resume=true: overrides may change what is trained (schedule, data, model...)
+    init_from: str | None = option(None, path=True)  # gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 dir
     model: ModelConfig = field(default_factory=ModelConfig)  # type: ignore[valid-type]
     data: DataConfig = field(default_factory=DataConfig)
     train: OptimConfig = field(default_factory=OptimConfig)
@@ -161,6 +145,4 @@ class TrainRunConfig:
 
 
 def register_schemas() -> None:
-    cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainRunConfig)
-    register_prepare_schema()
+    ConfigStore.instance().store(name="train_schema", node=TrainRunConfig)

@@ -1,5 +1,4 @@
-"""One training run: its state (model, optimizer, Progress) and its loop, fit(). training/run.py's train() makes a
-Trainer from the config and runs it."""
+"""One training run: its state (model, optimizer, Progress) and its loop, fit(); training/run.py builds it."""
 
 from __future__ import annotations
 
@@ -16,15 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.errors import DiskFull
+from common.errors import DiskFull, TrainingDiverged
 from common.runtime import Runtime
 from data.prepare import TRAIN_WINDOWS, PreparedData, batch_generator, every_window, get_batch
 from data.tokenizers import Tokenizer
 from model import GPT
 from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, Progress, save_checkpoint
 from training.distributed import World, full_state, gradient_sync, load_full_state
-from training.errors import TrainingDiverged
-from training.metrics import Evaluator, HellaSwagEval, LogWindow, Losses, MetricsLog, sample_table
+from training.metrics import Evaluator, HellaSwagEval, LogWindow, MetricsLog, sample_table
 from training.optim import group_hyperparameters, set_hyperparameters
 from training.resume import resume_command
 from training.schema import TrainRunConfig
@@ -69,8 +67,7 @@ class StopRequests:
 
 @dataclass(eq=False, repr=False)
 class Trainer:
-    """What a run is made of. Only `progress`, the model's and optimizer's state, the GradScaler's and the random
-    state change as it trains, and they are exactly what save() writes and restore() reads."""
+    """A run's parts; only progress and the model, optimizer, GradScaler and RNG states change: what save() writes."""
 
     config: TrainRunConfig
     world: World
@@ -96,12 +93,12 @@ class Trainer:
     paced_from: tuple[float, int] | None = None  # perf_counter() and iter at the first timed log line: the ETA's
 
     def fit(self) -> TrainResult:
-        """nanoGPT's loop: the learning rate, evaluate and save when due, the micro-batches (forward, backward),
-        clip, step, zero the gradients, log. A signal stops the run after the current step, with a checkpoint."""
+        """nanoGPT's loop. A signal stops the run after the current step, with a checkpoint."""
         p, train = self.progress, self.config.train
         if p.last_eval_iter == p.iter and self.reaches_target(p.val_loss):  # a resumed run that had stopped there
             return self.finish(None)
-        self.window = LogWindow(p, self.tokens_per_iter(), self.flops_per_token, self.peak_flops)
+        tokens_per_iter = train.batch_size * train.grad_accum * self.model.config.block_size  # all processes'
+        self.window = LogWindow(p, tokens_per_iter, self.flops_per_token, self.peak_flops)
         accum = train.grad_accum // self.world.size  # this process's share of the step's micro-batches
         stopped_by = None
         self.model.train()
@@ -144,8 +141,7 @@ class Trainer:
         return self.finish(stopped_by)
 
     def train_batch(self, it: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Micro-batch `micro` of step `it`: its windows depend only on the seed, the step and the micro-batch, so a
-        resumed run (or one with another number of processes) sees the same ones."""
+        """Windows from (seed, step, micro-batch) alone: a resumed run, or another number of processes, sees these."""
         generator = batch_generator(self.config.seed, TRAIN_WINDOWS, it, micro)
         x, y = get_batch(self.data.train, self.config.train.batch_size, self.model.config.block_size, generator)
         return x.to(self.runtime.device, non_blocking=True), y.to(self.runtime.device, non_blocking=True)
@@ -168,7 +164,7 @@ class Trainer:
     def evaluate_and_save(self) -> bool:
         """An eval line, and a checkpoint unless the val loss is non-finite; True if it reached the target."""
         p, train = self.progress, self.config.train
-        losses = self.evaluate()
+        losses = self.evaluator(self.step_model)
         # against best.pt's own val loss, not best_val_loss: that may come from before keep_best was turned on
         best = train.keep_best and losses.val < p.kept_best_val_loss
         if best:
@@ -176,8 +172,8 @@ class Trainer:
         p.val_loss, p.last_eval_iter = losses.val, p.iter
         p.best_val_loss = min(p.best_val_loss, losses.val)
         reached = self.reaches_target(losses.val)
-        record = {"iter": p.iter, "train_loss": losses.train, "val_loss": losses.val, "val_bpb": losses.val_bpb}
-        record["elapsed_s"] = self.elapsed()  # before HellaSwag: time_to_target_s is the training's
+        record = {"iter": p.iter, "train_loss": losses.train, "val_loss": losses.val, "val_bpb": losses.val_bpb,
+                  "elapsed_s": self.elapsed()}  # before HellaSwag: time_to_target_s is the training's
         if self.hellaswag is not None and self.hellaswag.due(p.iter):
             record |= self.hellaswag(self.model)  # not compiled: each example has its own length
         if reached:
@@ -190,9 +186,6 @@ class Trainer:
         elif p.iter > 0 or p.iter >= train.max_iters or best:  # at iter 0 only best.pt (or max_iters=0's end)
             self.save(latest=p.iter > 0 or p.iter >= train.max_iters, best=best)
         return reached
-
-    def evaluate(self) -> Losses:
-        return self.evaluator(self.step_model)
 
     def eval_due(self) -> bool:
         p, train = self.progress, self.config.train
@@ -221,8 +214,7 @@ class Trainer:
         self.metrics.write({**record, **throughput})
 
     def eta(self, ms_per_iter: float) -> float:
-        """Seconds to max_iters: at the pace since this process's first timed log line, evaluations and checkpoints
-        included; at that line, the steps' own pace."""
+        """Seconds to max_iters at the pace since the first timed log line, evaluations and checkpoints included."""
         now, left = time.perf_counter(), max(0, self.config.train.max_iters - self.progress.iter)
         if self.paced_from is None:
             self.paced_from = (now, self.progress.iter)
@@ -234,28 +226,17 @@ class Trainer:
         """The run's wall time, its earlier processes included."""
         return round(self.elapsed_before + time.perf_counter() - self.started, 3)
 
-    def tokens_per_iter(self) -> int:
-        train = self.config.train
-        return train.batch_size * train.grad_accum * self.model.config.block_size  # all processes together
-
     def save(self, latest: bool = True, best: bool = False) -> None:
-        """ckpt.pt and/or best.pt from the run's named state (best.pt first: a run killed between the two resumes
-        from the previous ckpt.pt and writes best.pt again). Every rank gathers under FSDP2; rank 0 writes."""
+        """best.pt first: a run killed between the two resumes from the previous ckpt.pt and writes it again."""
         model_state, optimizer_state = full_state(self.model, self.optimizer, self.world)
         rng = self.world.all_gather(self.rng_state())  # each rank's dropout stream
         if not self.world.is_main:
             return
         line_so_far = self.window.saved() if self.window else {}
         checkpoint = Checkpoint(
-            model_config=self.model.config,
-            model=model_state,
-            tokenizer=self.data.meta["tokenizer"],
-            config=self.resolved,
-            progress=dataclasses.replace(self.progress, elapsed_s=self.elapsed(), **line_so_far),
-            optimizer=optimizer_state,
-            scaler=self.scaler.state_dict(),
-            rng=rng,
-            dtype=self.runtime.dtype_name,
+            model_config=self.model.config, model=model_state, tokenizer=self.data.meta["tokenizer"],
+            config=self.resolved, progress=dataclasses.replace(self.progress, elapsed_s=self.elapsed(), **line_so_far),
+            optimizer=optimizer_state, scaler=self.scaler.state_dict(), rng=rng, dtype=self.runtime.dtype_name,
         )
         try:
             if best:
@@ -269,8 +250,7 @@ class Trainer:
             raise DiskFull(f"{err}; {self.last_checkpoint()}. {then}") from None
 
     def restore(self, checkpoint: Checkpoint) -> None:
-        """Continue a saved run exactly: weights, optimizer and GradScaler, progress, random state, metrics. The
-        optimizer's hyperparameters stay the config's (they may change on resume), not the saved ones."""
+        """Continue a saved run exactly, but keep the config's optimizer hyperparameters (resume may change them)."""
         configured = group_hyperparameters(self.optimizer)  # make_optimizer's, from this run's config
         optimizer_state = checkpoint.optimizer_state_for(self.model, self.optimizer)
         load_full_state(self.model, self.optimizer, checkpoint.model, optimizer_state)

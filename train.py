@@ -77,8 +77,9 @@ def main(cfg: DictConfig) -> None:
 
 
 def _exit(code: int) -> None:
-    """A joblib sweep's worker ends here: the sweep's process, its parent, is gone."""
-    if multiprocessing.parent_process() is None:
+    """A joblib sweep's worker whose sweep process is gone ends here (nothing is left to report to)."""
+    sweep = multiprocessing.parent_process()
+    if sweep is None or os.getppid() == sweep.pid:
         sys.exit(code)
     logging.shutdown()
     sys.stdout.flush()
@@ -96,7 +97,8 @@ def _stop_with_the_sweep() -> None:
         if requests is None or requests.signal is None:  # before the loop: as SIGTERM would, with nothing to save
             os.kill(os.getpid(), signal.SIGTERM)
 
-    threading.Thread(target=watch, daemon=True).start()
+    if not any(thread.name == "sweep watch" for thread in threading.enumerate()):  # one per worker, not per job
+        threading.Thread(target=watch, name="sweep watch", daemon=True).start()
 
 
 def _sweep_job(cfg: DictConfig, hydra_cfg: DictConfig) -> str:

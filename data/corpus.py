@@ -57,10 +57,11 @@ def read_shard(path: Path) -> np.memmap:
     size = path.stat().st_size
     header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS) if size >= HEADER_BYTES else None
     if header is None or header[0] != MAGIC or header[1] != VERSION:
-        raise DataError(f"{path} is not a token shard (version {VERSION}); prepare the data again")
+        raise DataError(f"{path} is not a token shard (version {VERSION}); delete {path.parent} to prepare it again")
     count = int(header[2])
     if size != HEADER_BYTES + 2 * count:
-        raise DataError(f"{path} holds {(size - HEADER_BYTES) // 2} tokens, its header says {count}; prepare again")
+        raise DataError(f"{path} holds {(size - HEADER_BYTES) // 2} tokens, its header says {count}; delete "
+                        f"{path.parent} to prepare it again")
     return map_shard(path, count)
 
 

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -86,6 +86,18 @@ def tiny_encoding() -> tiktoken.Encoding:
     return tiktoken.Encoding(
         name=TINY_BPE, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": len(ranks)}
     )
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored() -> Iterator[None]:
+    """What a script run in this process may change for all of it (signal handlers: sample.py's SIGPIPE, train.py's
+    SIGTERM; serve.py's thread count) is put back after each test."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGPIPE)}
+    threads = torch.get_num_threads()
+    yield
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -235,8 +235,7 @@ def _p(p: float) -> str:
 
 
 def run_value(records: list[dict[str, Any]], metric: str) -> float | None:
-    """One run's metric from its records: best_val_loss the lowest finite val_loss, tokens_per_sec the median, any
-    other key its last value (val_loss: NaN if the final evaluation diverged); None if the run recorded none."""
+    """A run's metric: best_val_loss the lowest finite val_loss, tokens_per_sec the median, else the last (or None)."""
     if metric == "best_val_loss":
         values = [r["val_loss"] for r in records if _finite(r.get("val_loss"))]
         return min(values) if values else None

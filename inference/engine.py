@@ -285,8 +285,7 @@ class Engine:
         return not config.rolls and len(completion.prompt) + len(completion.tokens) > config.block_size
 
     def _prefill(self, group: list[Completion]) -> None:
-        """Prompts of one length run together through one KVCache; their first tokens; then each a row unless done.
-        A prompt past the context starts cropped (its first token comes with the next step)."""
+        """Prompts of one length through one KVCache, their first tokens, then each a row (past context: cropped)."""
         plain = []
         for completion in group:
             if completion.max_new_tokens == 0:  # echo alone, nothing generated

@@ -97,7 +97,7 @@ def test_joblibs_workers_run_side_by_side_and_stop_with_a_checkpoint(tmp_path: P
     try:
         for run in runs:
             wait_for_text(run / "train.log", "step 5:")
-        children = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(process.pid)], capture_output=True,
+        children = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(process.pid)], capture_output=True,
                                   text=True)
         workers = [int(line.split()[0]) for line in children.stdout.splitlines() if "popen_loky" in line]
         assert len(workers) == 2, children.stdout

@@ -154,13 +154,13 @@ def replace_file(source: Path, target: Path) -> None:
     try:
         os.replace(source, target)
     except PermissionError:
+        if sys.platform != "win32":
+            raise
         _replace_on_windows(source, target)
 
 
 def _replace_on_windows(source: Path, target: Path, attempts: int = 10) -> None:
     """Windows won't replace a file another process has open (sample.py reading it); readers are brief, so retry."""
-    if sys.platform != "win32":
-        raise
     for attempt in range(1, attempts):
         time.sleep(0.05 * attempt)
         try:

@@ -160,7 +160,8 @@ class Sampler:
         config = self.model.config  # checked before allocating: every sample has its KV cache and its logits
         per_sample = 8 * config.n_layer * config.block_size * config.n_embd + 16 * config.vocab_size
         check_memory(num_samples * per_sample, self.runtime.device, f"num_samples={num_samples}", "lower num_samples")
-        texts = [SampleText(self.tokenizer, self.tokenizer.decode(prompt), stop) for _ in range(num_samples)]
+        prompt_text = self.tokenizer.decode(prompt)  # once, for every sample
+        texts = [SampleText(self.tokenizer, prompt_text, stop) for _ in range(num_samples)]
         show = InOrder(stream, texts).write if stream is not None else lambda: None
         idx = torch.tensor([prompt] * num_samples, device=self.runtime.device)
         generators = row_generators(seed, num_samples, self.runtime.device)

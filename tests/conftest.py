@@ -193,13 +193,35 @@ def wait_for_text(path: Path, text: str, timeout: float = 120) -> None:
         time.sleep(0.02)
 
 
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """A directory that build(directory) fills once for the whole session: under pytest -n N the first worker to
+    need it builds it while any other waits, and all then read it (a test that changes it works on a copy)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        path = tmp_path_factory.mktemp(name)
+        build(path)
+        return path
+    from filelock import FileLock  # torch's own dependency
+
+    path = tmp_path_factory.getbasetemp().parent / name  # this session's, shared by its workers
+    built = path.with_name(f"{name}.built")
+    with FileLock(f"{path}.lock"):
+        if not built.is_file():
+            shutil.rmtree(path, ignore_errors=True)  # a build that failed
+            path.mkdir()
+            build(path)
+            built.touch()
+    return path
+
+
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
     """A tiny char-level run made by train.py itself, shared by the tests that sample from it."""
-    tmp = tmp_path_factory.mktemp("trained")
-    result = run_script("train.py", tiny_run_overrides(tmp, corpus_path, **{"train.max_iters": 60}), cwd=tmp)
-    assert result.returncode == 0, result.stderr
-    return tmp / "run"
+
+    def build(tmp: Path) -> None:
+        result = run_script("train.py", tiny_run_overrides(tmp, corpus_path, **{"train.max_iters": 60}), cwd=tmp)
+        assert result.returncode == 0, result.stderr
+
+    return built_once(tmp_path_factory, "trained", build) / "run"
 
 
 def assert_same_logits_and_gradients(models: tuple[torch.nn.Module, torch.nn.Module], idx, targets) -> None:
@@ -294,10 +316,12 @@ def served_run(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> P
     """A tiny char-level run with room for a prompt and a few dozen tokens (block_size 96), for serve.py."""
     from training.run import train
 
-    tmp = tmp_path_factory.mktemp("served")
     extra = {"model.block_size": 96, "train.max_iters": 60, "train.eval_interval": 60, "train.learning_rate": 3e-3}
-    train(compose_config(tiny_run_overrides(tmp, corpus_path, **extra)))
-    return tmp / "run"
+
+    def build(tmp: Path) -> None:
+        train(compose_config(tiny_run_overrides(tmp, corpus_path, **extra)))
+
+    return built_once(tmp_path_factory, "served", build) / "run"
 
 
 class ServeProcess:
@@ -317,8 +341,23 @@ class ServeProcess:
     def post(self, body: object, path: str = "/v1/completions", **kwargs: object):
         return self.http.post(path, json=body, **kwargs)
 
+    def client(self, api_key: str = "unused"):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
     def stop(self, sig: int = signal.SIGTERM) -> tuple[int, str]:
         self.http.close()
         if self.process.poll() is None:
             self.process.send_signal(sig)
         return self.process.wait(timeout=30), self.process.stderr.read()
+
+
+@pytest.fixture(scope="session")
+def server(served_run: Path) -> Iterator[ServeProcess]:
+    """serve.py with its default settings, one a session for the tests whose requests all end before they do (a test
+    of other settings or of stopping starts its own); it must stop without a traceback."""
+    server = ServeProcess(served_run)
+    yield server
+    _, stderr = server.stop()
+    assert "Traceback" not in stderr, stderr

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from common.errors import CheckpointError, DiskFull, TrainingDiverged
-from conftest import REACHES_TARGET, REPO, compose_config, run_script, tiny_run_overrides
+from conftest import REACHES_TARGET, REPO, compose_config, run_in_process, tiny_run_overrides
 from model import GPTConfig
 from model.checkpoint import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
 from training.metrics import METRICS_NAME, MetricsLog, read_records
@@ -396,7 +396,7 @@ def test_sampling_refuses_a_checkpoint_without_a_tokenizer(tmp_path: Path) -> No
 
 def test_sample_py_names_a_broken_checkpoint(tmp_path: Path) -> None:
     (tmp_path / CKPT_NAME).write_text("not a checkpoint")
-    result = run_script("sample.py", [f"out_dir={tmp_path}"], cwd=tmp_path)
+    result = run_in_process("sample.py", [f"out_dir={tmp_path}"], cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith(f"error: {tmp_path / CKPT_NAME} is not a readable checkpoint")
 
@@ -417,12 +417,12 @@ def test_a_prompt_longer_than_the_context_is_cropped_with_a_warning(
 def test_an_unavailable_device_is_a_one_line_error(
     trained_run: Path, tmp_path: Path, corpus_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    """The command's line once, from train.py; sample.py's main says the same, here."""
+    """The command's line, from train.py; sample.py's main says the same."""
     from conftest import sample_py, user_error
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    result = run_script("train.py", [*tiny_run_overrides(tmp_path, corpus_path), "device=cuda"], cwd=tmp_path)
+    result = run_in_process("train.py", [*tiny_run_overrides(tmp_path, corpus_path), "device=cuda"], cwd=tmp_path)
     line = result.stderr.strip()
     assert result.returncode == 2 and "\n" not in line and "device=cuda" in line and "device=cpu" in line, line
     line = user_error(capsys, lambda: sample_py([f"out_dir={trained_run}", "device=cuda"])).strip()

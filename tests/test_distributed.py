@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from omegaconf import OmegaConf
 
 from common.config import typed_config
 from common.errors import ConfigError
-from conftest import REPO, compose_config, run_script, tiny_run_overrides
+from conftest import REPO, built_once, compose_config, run_in_process, tiny_run_overrides
 from model.checkpoint import CKPT_NAME, load_checkpoint
 from training.distributed import World
 from training.metrics import split_across_ranks
@@ -95,36 +96,49 @@ def one_process(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> 
     def like(run: Path) -> Path:
         optimizer = OmegaConf.load(run / "config.yaml").train.optimizer
         if optimizer not in runs:
-            tmp = tmp_path_factory.mktemp(f"one-{optimizer}")
-            train(compose_config(tiny_run_overrides(tmp, corpus_path, **RUN, **{"train.optimizer": optimizer})))
-            runs[optimizer] = tmp / "run"
+
+            def build(tmp: Path) -> None:
+                train(compose_config(tiny_run_overrides(tmp, corpus_path, **RUN, **{"train.optimizer": optimizer})))
+
+            runs[optimizer] = built_once(tmp_path_factory, f"one-{optimizer}", build) / "run"
         return runs[optimizer]
 
     return like
 
 
-@pytest.fixture(
-    scope="module",
-    params=[("ddp", "adamw", False), ("fsdp", "adamw", True), ("ddp", "muon", True)],
-    ids=["ddp", "fsdp", "ddp-muon"],
-)
-def two_processes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
-    """A 2-process run whose out_dir each rank resolves differently (its ${now:}, here even its rank): all must
-    use rank 0's. Muon under DDP: every rank orthogonalises the same averaged gradients. The FSDP2 and the Muon
-    run recompute their blocks in backward (train.activation_checkpointing), which changes no number."""
-    parallel, optimizer, recompute = request.param
-    tmp = tmp_path_factory.mktemp(f"{parallel}-{optimizer}")
-    overrides = [o for o in tiny_run_overrides(tmp, corpus_path, **RUN) if not o.startswith("out_dir=")]
-    out_dir = "out_dir=outputs/${now:%Y-%m-%d_%H-%M-%S}/rank${oc.env:RANK}"
-    chosen = [
-        f"train.parallel={parallel}",
-        f"train.optimizer={optimizer}",
-        f"train.activation_checkpointing={recompute}",
-    ]
-    result = torchrun(2, [*overrides, out_dir, *chosen], cwd=tmp)
-    assert result.returncode == 0, failure(result)
-    assert [p.name for p in tmp.glob("outputs/*/*")] == ["rank0"], "the ranks wrote to different directories"
-    return next(tmp.glob("outputs/*/rank0"))
+# The two-process runs: FSDP2 with AdamW, and Muon under DDP (every rank orthogonalises the same averaged gradients;
+# DDP with AdamW: test_compiled_ddp_on_two_processes_matches_one_eager_process). Both recompute their blocks in
+# backward (train.activation_checkpointing), which changes no number.
+TWO_PROCESS_RUNS = {"fsdp": ("fsdp", "adamw"), "ddp-muon": ("ddp", "muon")}
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Callable[[str], Path]:
+    """A TWO_PROCESS_RUNS run (each trained once; a test that changes it works on a copy) whose out_dir each rank
+    resolves differently (its ${now:}, here even its rank): all must use rank 0's."""
+    runs: dict[str, Path] = {}
+
+    def build(tmp: Path, name: str) -> None:
+        parallel, optimizer = TWO_PROCESS_RUNS[name]
+        overrides = [o for o in tiny_run_overrides(tmp, corpus_path, **RUN) if not o.startswith("out_dir=")]
+        out_dir = "out_dir=outputs/${now:%Y-%m-%d_%H-%M-%S}/rank${oc.env:RANK}"
+        chosen = [f"train.parallel={parallel}", f"train.optimizer={optimizer}", "train.activation_checkpointing=true"]
+        result = torchrun(2, [*overrides, out_dir, *chosen], cwd=tmp)
+        assert result.returncode == 0, failure(result)
+        assert [p.name for p in tmp.glob("outputs/*/*")] == ["rank0"], "the ranks wrote to different directories"
+
+    def run(name: str) -> Path:
+        if name not in runs:
+            tmp = built_once(tmp_path_factory, name, lambda tmp: build(tmp, name))
+            runs[name] = next(tmp.glob("outputs/*/rank0"))
+        return runs[name]
+
+    return run
+
+
+@pytest.fixture(params=list(TWO_PROCESS_RUNS))
+def two_processes(request: pytest.FixtureRequest, two_process_run: Callable[[str], Path]) -> Path:
+    return two_process_run(request.param)
 
 
 def test_two_processes_match_one_process(one_process: Callable[[Path], Path], two_processes: Path) -> None:
@@ -159,12 +173,14 @@ def test_fsdp_checkpoint_loads_in_one_process_resumes_and_samples(
     assert sharded.optimizer["state"].keys() == single.optimizer["state"].keys()
     sharded.build_model()
 
-    sample = run_script("sample.py", [f"out_dir={two_processes}", "max_new_tokens=8", "num_samples=1"], cwd=tmp_path)
+    run = tmp_path / "run"
+    shutil.copytree(two_processes, run)
+    sample = run_in_process("sample.py", [f"out_dir={run}", "max_new_tokens=8", "num_samples=1"], tmp_path)
     assert sample.returncode == 0, sample.stderr
-    config = OmegaConf.load(two_processes / "config.yaml")  # resumed by one process, optimizer state and all
-    config.out_dir, config.resume, config.train.max_iters = str(two_processes), True, 14
+    config = OmegaConf.load(run / "config.yaml")  # resumed by one process, optimizer state and all
+    config.out_dir, config.resume, config.train.max_iters = str(run), True, 14
     config.resume_with_changes = True
-    assert train(config).iters == 14 and evals(two_processes)[-1][0] == 14
+    assert train(config).iters == 14 and evals(run)[-1][0] == 14
 
 
 def test_grad_accum_is_global_and_must_divide_among_the_processes() -> None:
@@ -200,30 +216,30 @@ def test_eval_batches_are_shared_once_each_with_equal_passes(batches: int) -> No
     assert counted == list(range(batches))
 
 
-def test_fsdp_run_stopped_by_sigterm_to_torchrun_saves_once_and_resumes_on_two_processes(
-    tmp_path: Path, corpus_path: Path
+def test_an_fsdp_run_resumes_on_two_processes_and_a_sigterm_to_torchrun_stops_it_with_a_checkpoint(
+    two_process_run: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    """A scheduler's SIGTERM reaches torchrun, which forwards it: the ranks agree on a step, rank 0 writes the
-    checkpoint before any rank exits, and the run resumes (sharded optimizer state loaded from the full one)."""
+    """The full checkpoint's optimizer state loaded sharded; then a scheduler's SIGTERM reaches torchrun, which
+    forwards it: the ranks agree on a step, and rank 0 writes the checkpoint before any rank exits."""
     run = tmp_path / "run"
-    args = [*tiny_run_overrides(tmp_path, corpus_path, **{**RUN, "train.max_iters": 100_000}), "train.parallel=fsdp"]
+    shutil.copytree(two_process_run("fsdp"), run)
+    resumed_at = load_checkpoint(run / CKPT_NAME).progress.iter
+    args = [f"out_dir={run}", "resume=true", "resume_with_changes=true", "train.max_iters=100000"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     process = subprocess.Popen(
-        [*command, str(REPO / "train.py"), *args], cwd=tmp_path, stderr=subprocess.PIPE, env=torchrun_env(2)
+        [*command, str(REPO / "train.py"), *args], cwd=tmp_path, stderr=subprocess.PIPE, text=True, env=torchrun_env(2)
     )
     deadline = time.monotonic() + 120
-    while _last_iter_logged(run) < 10:
-        assert process.poll() is None and time.monotonic() < deadline, "the run did not get going"
+    while _last_iter_logged(run) < resumed_at + 3:
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the resumed run did not get going"
         time.sleep(0.2)
     process.send_signal(signal.SIGTERM)
-    process.communicate(timeout=120)
+    _, stderr = process.communicate(timeout=120)
     stopped_at = load_checkpoint(run / CKPT_NAME).progress.iter
-    assert stopped_at >= 10 and "stopped by SIGTERM" in (run / "train.log").read_text()
-
-    resume = [*args, "resume=true", "resume_with_changes=true", f"train.max_iters={stopped_at + 3}"]
-    result = torchrun(2, [a for a in resume if not a.startswith("train.max_iters=100000")], cwd=tmp_path)
-    assert result.returncode == 0, failure(result) + "\ntrain.log:\n" + (run / "train.log").read_text()[-2000:]
-    assert load_checkpoint(run / CKPT_NAME).progress.iter == stopped_at + 3 == evals(run)[-1][0]
+    log = (run / "train.log").read_text()
+    assert stopped_at >= resumed_at + 3 and "stopped by SIGTERM" in log, stderr[-3000:]
+    assert f"resuming {run} at iter {resumed_at}" in log and log.count("stopped by SIGTERM") == 1
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through Linux's /proc")

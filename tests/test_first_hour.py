@@ -7,7 +7,6 @@ import json
 import logging
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from common.errors import ConfigError, DataError
 from conftest import (
     CONFIGS,
     compose_config,
-    run_script,
+    run_in_process,
     start_script,
     tiny_run_overrides,
     train_py,
@@ -68,13 +67,9 @@ def _interrupted_run(tmp_path: Path, corpus: Path) -> str:
     return line.partition("Resume with: ")[2]
 
 
-def _run_printed(command: str, cwd: Path, *more: str) -> subprocess.CompletedProcess:
-    program, script, *args = shlex.split(command)
-    assert (program, script) == ("python", "train.py")
-    return run_script("train.py", [*args, *more], cwd)
-
-
-def test_the_printed_resume_command_continues_the_run_with_its_own_settings(tmp_path: Path, corpus_path: Path) -> None:
+def test_the_printed_resume_command_continues_the_run_with_its_own_settings(
+    tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The issue's trap: resuming without repeating the overrides took the schema's defaults (max_iters 2000,
     another eval_interval) and trained on. Now the printed command alone finishes the run as it was started. (Also
     the one test of SIGTERM to the script: it stops promptly, and the run resumes, in the same metrics.jsonl.)"""
@@ -84,10 +79,12 @@ def test_the_printed_resume_command_continues_the_run_with_its_own_settings(tmp_
     stopped_at = load_checkpoint(run / CKPT_NAME).progress.iter
     assert 0 < stopped_at < 60
 
-    result = _run_printed(command, tmp_path)
+    program, script, *args = shlex.split(command)
+    assert (program, script) == ("python", "train.py")
+    with caplog.at_level(logging.INFO, logger="train"):
+        result = run_in_process("train.py", args, tmp_path)  # in this process: its log lines reach caplog
     assert result.returncode == 0, result.stderr
-    assert f"resuming {run} at iter {stopped_at}" in result.stdout
-    assert "changed from" not in result.stdout
+    assert f"resuming {run} at iter {stopped_at}" in caplog.text and "changed from" not in caplog.text
     assert load_checkpoint(run / CKPT_NAME).progress.iter == 60  # not the schema's 2000
     assert _evals(run)[-1] == 60 and all(i % 20 == 0 for i in _evals(run)[:-1])
     resumed = OmegaConf.load(run / "config.yaml")
@@ -112,7 +109,7 @@ def test_a_resume_refuses_changes_to_what_the_run_trains_unless_asked(
     run = tmp_path / "run"
     before = (run / CKPT_NAME).read_bytes()
 
-    refused = run_script("train.py", [f"out_dir={run}", "resume=true", "train.max_iters=20"], tmp_path)
+    refused = run_in_process("train.py", [f"out_dir={run}", "resume=true", "train.max_iters=20"], tmp_path)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.strip() == (
         "error: resume=true would change what the run trains (train.max_iters 10 -> 20); drop those overrides to "

@@ -144,7 +144,7 @@ def test_a_tilde_unquoted_is_one_line(
 
 
 def test_a_misspelt_key_on_the_command_line_is_one_line_not_hydras_report(tmp_path: Path) -> None:
-    result = run_script("sample.py", ["out_dir=x", "temprature=0.5"], cwd=tmp_path)
+    result = run_in_process("sample.py", ["out_dir=x", "temprature=0.5"], cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr == "error: temprature is not a key of this config; did you mean temperature?\n"
 

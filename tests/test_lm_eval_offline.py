@@ -41,24 +41,20 @@ def test_the_shipped_task_is_whole_and_its_data_is_in_the_repository() -> None:
 
 
 def test_the_documented_offline_lm_eval_command_scores_the_shipped_task_as_the_project_does(
-    served_run: Path, tmp_path: Path
+    server: ServeProcess, served_run: Path, tmp_path: Path
 ) -> None:
     """lm-evaluation-harness's local-completions (tokenizer found through /tokenizer_info), offline: each ending's
     log-likelihood and the accuracy equal the project's own multiple-choice scoring (evals/hellaswag.py's)."""
     command = documented_command()
     assert "--include_path evals/lm_eval_tasks --tasks shakespeare_lines" in command
     assert "base_url=http://127.0.0.1:8000/v1/completions" in command and "model=cpu," in command
-    server = ServeProcess(served_run)
-    try:
-        ours = command.replace("http://127.0.0.1:8000", server.url).replace("model=cpu,", "model=run,")
-        ours = ours.replace("lm_eval ", f"{shlex.quote(sys.executable)} -m lm_eval ", 1)
-        ours += f" --output_path {shlex.quote(str(tmp_path / 'out'))} --log_samples"  # each ending's score, to compare
-        unreachable = "http://127.0.0.1:9"  # a download would go through this proxy, and fail
-        env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"),
-               "HTTP_PROXY": unreachable, "HTTPS_PROXY": unreachable, "NO_PROXY": "127.0.0.1"}
-        result = subprocess.run(["bash", "-c", ours], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    finally:
-        server.stop()
+    ours = command.replace("http://127.0.0.1:8000", server.url).replace("model=cpu,", "model=run,")
+    ours = ours.replace("lm_eval ", f"{shlex.quote(sys.executable)} -m lm_eval ", 1)
+    ours += f" --output_path {shlex.quote(str(tmp_path / 'out'))} --log_samples"  # each ending's score, to compare
+    unreachable = "http://127.0.0.1:9"  # a download would go through this proxy, and fail
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"),
+           "HTTP_PROXY": unreachable, "HTTPS_PROXY": unreachable, "NO_PROXY": "127.0.0.1"}
+    result = subprocess.run(["bash", "-c", ours], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     row = re.search(r"^\|shakespeare_lines\|.*\|acc +\|↑ *\| *([0-9.]+)\|", result.stdout, re.M)
     assert row, result.stdout

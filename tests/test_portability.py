@@ -23,7 +23,7 @@ import common.runtime
 import model.checkpoint
 import training.run
 from common.runtime import Runtime, make_runtime
-from conftest import REPO, compose_config, run_script, tiny_run_overrides
+from conftest import REPO, compose_config, run_in_process, run_script, tiny_run_overrides
 from model import GPT, GPTConfig
 from model.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
 from training.run import train
@@ -266,7 +266,7 @@ def test_windows_paths_reach_the_config_intact(override: str, value: str) -> Non
 
 
 def test_a_windows_path_hydra_cannot_parse_gets_the_quoting_that_works(tmp_path: Path) -> None:
-    result = run_script("train.py", ["data.dir='C:\\data\\'"], cwd=tmp_path)
+    result = run_in_process("train.py", ["data.dir='C:\\data\\'"], cwd=tmp_path)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "quoted, double a backslash before the closing quote: \"data.dir='C:\\data\\\\'\"" in result.stderr
 

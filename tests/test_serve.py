@@ -24,14 +24,10 @@ from inference.serve_run import bind
 PROMPT = "ROMEO:"
 
 
-class Server(ServeProcess):
-    def client(self, api_key: str = "unused") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
-
-
 @pytest.fixture(scope="module")
-def server(served_run: Path) -> Iterator[Server]:
-    server = Server(served_run, "max_tokens=80", "max_choices=8", "max_body_bytes=20000", "max_prompt_tokens=300")
+def server(served_run: Path) -> Iterator[ServeProcess]:
+    """This module's own server (not conftest's shared one): the limits its tests reach."""
+    server = ServeProcess(served_run, "max_tokens=80", "max_choices=8", "max_body_bytes=20000", "max_prompt_tokens=300")
     yield server
     server.stop()
 
@@ -50,7 +46,7 @@ def _streamed_text(lines: list[str]) -> str:
     return "".join(chunk["choices"][0]["text"] for chunk in chunks)
 
 
-def test_models_lists_the_run_by_a_name_requests_can_use(server: Server, served_run: Path) -> None:
+def test_models_lists_the_run_by_a_name_requests_can_use(server: ServeProcess, served_run: Path) -> None:
     models = server.client().models.list().data
     assert [m.id for m in models] == [served_run.name]
     answer = server.client().completions.create(model=models[0].id, prompt=PROMPT, max_tokens=3)
@@ -58,7 +54,7 @@ def test_models_lists_the_run_by_a_name_requests_can_use(server: Server, served_
     assert server.http.get("/health").json()["status"] == "ok"
 
 
-def test_greedy_text_equals_sample_py_byte_for_byte(server: Server, served_run: Path) -> None:
+def test_greedy_text_equals_sample_py_byte_for_byte(server: ServeProcess, served_run: Path) -> None:
     answer = server.client().completions.create(model="run", prompt=PROMPT, max_tokens=60, temperature=0)
     choice = answer.choices[0]
     assert choice.finish_reason == "length" and len(choice.text) == 60
@@ -67,7 +63,7 @@ def test_greedy_text_equals_sample_py_byte_for_byte(server: Server, served_run: 
     assert answer.usage.total_tokens == len(PROMPT) + 60
 
 
-def test_a_seed_gives_sample_py_s_samples_and_repeats(server: Server, served_run: Path) -> None:
+def test_a_seed_gives_sample_py_s_samples_and_repeats(server: ServeProcess, served_run: Path) -> None:
     """Choice i of a request with seed S draws what sample.py's sample i draws with seed=S."""
     kwargs = dict(model="run", prompt=PROMPT, max_tokens=40, temperature=0.9, n=3, seed=1234)
     extra = {"top_k": 20}
@@ -80,7 +76,7 @@ def test_a_seed_gives_sample_py_s_samples_and_repeats(server: Server, served_run
     assert ours == texts
 
 
-def test_streamed_chunks_add_up_to_the_whole_text(server: Server) -> None:
+def test_streamed_chunks_add_up_to_the_whole_text(server: ServeProcess) -> None:
     kwargs = dict(model="run", prompt=[PROMPT, "JULIET:"], max_tokens=50, temperature=0, n=2)
     whole = server.client().completions.create(**kwargs)
     pieces: dict[int, str] = {}
@@ -104,7 +100,7 @@ def test_streamed_chunks_add_up_to_the_whole_text(server: Server) -> None:
     assert chunks[-1]["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 30, "total_tokens": 36}
 
 
-def test_stop_strings_end_the_text_before_them_as_in_sample_py(server: Server, served_run: Path) -> None:
+def test_stop_strings_end_the_text_before_them_as_in_sample_py(server: ServeProcess, served_run: Path) -> None:
     kwargs = dict(model="run", prompt=PROMPT, max_tokens=60, temperature=1.0, seed=7)
     whole = server.client().completions.create(**kwargs).choices[0].text
     stop = next(c for c in whole if c.isalpha())  # a letter the text holds
@@ -151,7 +147,7 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize(("body", "status", "param", "message"), BAD_REQUESTS, ids=[m for *_, m in BAD_REQUESTS])
 def test_a_bad_request_is_refused_naming_the_field_and_the_server_goes_on(
-    server: Server, body: dict, status: int, param: str, message: str
+    server: ServeProcess, body: dict, status: int, param: str, message: str
 ) -> None:
     response = server.post(body)
     assert response.status_code == status, response.text
@@ -161,7 +157,7 @@ def test_a_bad_request_is_refused_naming_the_field_and_the_server_goes_on(
     assert server.post({"prompt": PROMPT, "max_tokens": 2}).status_code == 200
 
 
-def test_malformed_and_oversized_bodies_are_refused_too(server: Server) -> None:
+def test_malformed_and_oversized_bodies_are_refused_too(server: ServeProcess) -> None:
     headers = {"content-type": "application/json"}
     cases = [
         (server.http.post("/v1/completions", content=b'{"prompt": "ROMEO:", ', headers=headers), 400, "not valid JSON"),
@@ -182,7 +178,7 @@ def test_malformed_and_oversized_bodies_are_refused_too(server: Server) -> None:
     assert server.post({"prompt": PROMPT, "max_tokens": 2}).status_code == 200
 
 
-def test_concurrent_requests_each_get_the_text_they_get_alone(server: Server) -> None:
+def test_concurrent_requests_each_get_the_text_they_get_alone(server: ServeProcess) -> None:
     """Prompts of different lengths join the running batch at different steps; greedy text is identical."""
     prompts = ["ROMEO:", "First Citizen:\nBefore we", "KING", "O", "To be, or not to be, that", "JULIET:\nAh me"]
     alone = [
@@ -208,7 +204,7 @@ def test_concurrent_requests_each_get_the_text_they_get_alone(server: Server) ->
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_row(served_run: Path) -> None:
-    server = Server(served_run, "max_batch=1", "max_queue=0", "timeout_s=600")
+    server = ServeProcess(served_run, "max_batch=1", "max_queue=0", "timeout_s=600")
     try:
         body = {"prompt": PROMPT, "max_tokens": 90, "stream": True}
         with server.http.stream("POST", "/v1/completions", json=body) as r:
@@ -251,7 +247,7 @@ def test_the_queue_holds_max_queue_choices_beyond_the_free_rows(served_run: Path
 
 
 def test_an_api_key_is_required_when_set(served_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    server = Server(served_run, "api_key=s3cret")
+    server = ServeProcess(served_run, "api_key=s3cret")
     try:
         latin = {"Authorization": b"Bearer s\xe9cret"}  # not ASCII: refused, not a 500
         wrong = ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}, latin)
@@ -270,7 +266,7 @@ def test_an_api_key_is_required_when_set(served_run: Path, monkeypatch: pytest.M
 
 
 def test_sigterm_lets_the_request_in_flight_finish_then_exits(served_run: Path) -> None:
-    server = Server(served_run)
+    server = ServeProcess(served_run)
     received: list[str] = []
 
     def stream() -> None:
@@ -291,7 +287,7 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits(served_run: Path) 
     assert "data: [DONE]" in received and len(_streamed_text(received)) == 80
 
 
-def test_a_port_in_use_is_one_line(served_run: Path, server: Server) -> None:
+def test_a_port_in_use_is_one_line(served_run: Path, server: ServeProcess) -> None:
     port = server.url.rsplit(":", 1)[1]
     result = run_in_process("serve.py", [f"out_dir={served_run}", f"port={port}", "device=cpu"], served_run.parent)
     assert result.returncode == 2
@@ -300,7 +296,7 @@ def test_a_port_in_use_is_one_line(served_run: Path, server: Server) -> None:
 
 
 def test_a_request_past_timeout_s_is_cancelled_with_504(served_run: Path) -> None:
-    server = Server(served_run, "timeout_s=0.02")
+    server = ServeProcess(served_run, "timeout_s=0.02")
     try:
         response = server.post({"prompt": PROMPT, "max_tokens": 90})
         assert response.status_code == 504, response.text

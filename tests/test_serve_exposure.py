@@ -10,15 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_serve import PROMPT, Server, sample_py
+from test_serve import PROMPT, sample_py
 
-from conftest import REPO, run_script
+from conftest import REPO, ServeProcess, run_in_process
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "0", ""])
 def test_every_interface_without_a_key_is_refused_in_one_line(served_run: Path, host: str) -> None:
-    result = run_script("serve.py", [f"out_dir={served_run}", f"host={host}", "port=0", "device=cpu"],
-                        served_run.parent)
+    result = run_in_process("serve.py", [f"out_dir={served_run}", f"host={host}", "port=0", "device=cpu"],
+                            served_run.parent)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == (
         f"error: host={host} listens on every interface with no API key, so anyone who reaches the port can use "
@@ -38,33 +38,29 @@ def test_every_interface_said_so_starts_and_says_where(served_run: Path) -> None
 
 
 def test_a_host_that_is_not_this_machine_s_is_one_line(served_run: Path) -> None:
-    result = run_script("serve.py", [f"out_dir={served_run}", "host=999.1.1.1", "port=0", "device=cpu"],
-                        served_run.parent)
+    result = run_in_process("serve.py", [f"out_dir={served_run}", "host=999.1.1.1", "port=0", "device=cpu"],
+                            served_run.parent)
     assert result.returncode == 2
     assert result.stderr.startswith("error: host=999.1.1.1 is not an address of this machine (")
     assert "pick another port" not in result.stderr
 
 
-def test_a_loopback_server_answers_only_its_own_names(served_run: Path) -> None:
-    server = Server(served_run)
+def test_a_loopback_server_answers_only_its_own_names(server: ServeProcess) -> None:
     port = server.url.rsplit(":", 1)[1]
-    try:
-        for host in ("evil.example", f"evil.example:{port}", "127.0.0.2", "localhost.evil.example"):
-            response = server.post({"prompt": PROMPT, "max_tokens": 2}, headers={"Host": host})
-            assert response.status_code == 421, (host, response.text)
-            assert response.json()["error"]["code"] == "misdirected_request"
-            assert server.http.get("/", headers={"Host": host}).status_code == 421
-        for host in (f"localhost:{port}", f"127.0.0.1:{port}", "LOCALHOST"):
-            assert server.post({"prompt": PROMPT, "max_tokens": 2}, headers={"Host": host}).status_code == 200
-    finally:
-        server.stop()
+    for host in ("evil.example", f"evil.example:{port}", "127.0.0.2", "localhost.evil.example"):
+        response = server.post({"prompt": PROMPT, "max_tokens": 2}, headers={"Host": host})
+        assert response.status_code == 421, (host, response.text)
+        assert response.json()["error"]["code"] == "misdirected_request"
+        assert server.http.get("/", headers={"Host": host}).status_code == 421
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "LOCALHOST"):
+        assert server.post({"prompt": PROMPT, "max_tokens": 2}, headers={"Host": host}).status_code == 200
 
 
 def test_a_non_ascii_key_is_compared_as_utf8_and_health_says_little_without_it(
     served_run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("GPT_LAB_API_KEY", "sécret")
-    server = Server(served_run)
+    server = ServeProcess(served_run)
     try:
         utf8 = {"Authorization": "Bearer sécret".encode()}
         latin1 = {"Authorization": "Bearer sécret".encode("latin-1")}
@@ -79,7 +75,7 @@ def test_a_non_ascii_key_is_compared_as_utf8_and_health_says_little_without_it(
 
 
 def test_choices_that_can_never_fit_are_a_400_not_a_retry(served_run: Path) -> None:
-    server = Server(served_run, "max_batch=2", "max_queue=1", "max_choices=8")
+    server = ServeProcess(served_run, "max_batch=2", "max_queue=1", "max_choices=8")
     try:
         response = server.post({"prompt": PROMPT, "max_tokens": 2, "n": 4})
         assert response.status_code == 400
@@ -91,19 +87,14 @@ def test_choices_that_can_never_fit_are_a_400_not_a_retry(served_run: Path) -> N
 
 
 @pytest.mark.parametrize("top_p", [1e-46, 5e-324])
-def test_a_top_p_that_rounds_to_zero_decodes_as_greedy(served_run: Path, top_p: float) -> None:
-    server = Server(served_run)
-    try:
-        whole = server.post({"prompt": PROMPT, "max_tokens": 20, "top_p": top_p, "seed": 1})
-        assert whole.status_code == 200, whole.text
-        greedy = server.post({"prompt": PROMPT, "max_tokens": 20, "temperature": 0}).json()["choices"][0]["text"]
-        assert whole.json()["choices"][0]["text"] == greedy
-        streamed = server.post({"prompt": PROMPT, "max_tokens": 20, "top_p": top_p, "stream": True})
-        assert streamed.status_code == 200 and '"error"' not in streamed.text and "data: [DONE]" in streamed.text
-        _, stderr = server.stop()
-        assert "Traceback" not in stderr
-    finally:
-        server.stop()
+def test_a_top_p_that_rounds_to_zero_decodes_as_greedy(server: ServeProcess, served_run: Path, top_p: float) -> None:
+    """(The shared server's stderr is checked for a traceback when it stops.)"""
+    whole = server.post({"prompt": PROMPT, "max_tokens": 20, "top_p": top_p, "seed": 1})
+    assert whole.status_code == 200, whole.text
+    greedy = server.post({"prompt": PROMPT, "max_tokens": 20, "temperature": 0}).json()["choices"][0]["text"]
+    assert whole.json()["choices"][0]["text"] == greedy
+    streamed = server.post({"prompt": PROMPT, "max_tokens": 20, "top_p": top_p, "stream": True})
+    assert streamed.status_code == 200 and '"error"' not in streamed.text and "data: [DONE]" in streamed.text
     assert sample_py(served_run, f"top_p={top_p}", "num_samples=1", "max_new_tokens=20") == [greedy]
 
 
@@ -151,7 +142,7 @@ def test_a_stop_ends_the_streams_still_running_with_an_error_event_not_a_traceba
 
     import httpx
 
-    server = Server(served_run, "shutdown_s=0.5", "max_tokens=1024")
+    server = ServeProcess(served_run, "shutdown_s=0.5", "max_tokens=1024")
     streams: list[list[str]] = [[] for _ in range(3)]
 
     def stream(lines: list[str]) -> None:
@@ -190,7 +181,7 @@ def test_a_flood_of_partial_headers_is_capped_timed_out_and_logged_once(served_r
     import socket
     import time
 
-    server = Server(served_run, "max_connections=50", "header_timeout_s=1")
+    server = ServeProcess(served_run, "max_connections=50", "header_timeout_s=1")
     host, port = server.url.removeprefix("http://").split(":")
     flood = []
     try:
@@ -227,7 +218,7 @@ def test_connections_stalled_in_their_body_are_evicted_and_timed_out(served_run:
     import socket
     import time
 
-    server = Server(served_run, "max_connections=4", "header_timeout_s=1")
+    server = ServeProcess(served_run, "max_connections=4", "header_timeout_s=1")
     host, port = server.url.removeprefix("http://").split(":")
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
             "Content-Length: 100\r\n\r\n{\"prompt\": ").encode()

@@ -1,33 +1,27 @@
 """serve.py for evaluation clients: past a learned-position model's context as sample.py goes, token
-log-probabilities (logprobs, echo, streamed too), prompts as token ids, vLLM's tokenizer endpoints, and
-lm-evaluation-harness's local-completions scoring a multiple-choice task through them."""
+log-probabilities (logprobs, echo, streamed too), prompts as token ids, and vLLM's tokenizer endpoints, which
+lm-evaluation-harness's local-completions uses (tests/test_lm_eval_offline.py runs it)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_serve import PROMPT, Server, sample_py
+from test_serve import PROMPT, sample_py
+
+from conftest import ServeProcess
 
 NEW = 150  # past the served run's block_size of 96, with the prompt's 6
 
 
-@pytest.fixture(scope="module")
-def server(served_run: Path) -> Iterator[Server]:
-    server = Server(served_run, "max_tokens=200")
-    yield server
-    server.stop()
-
-
-def test_greedy_text_past_the_context_equals_sample_py(server: Server, served_run: Path) -> None:
+def test_greedy_text_past_the_context_equals_sample_py(server: ServeProcess, served_run: Path) -> None:
     answer = server.client().completions.create(model="run", prompt=PROMPT, max_tokens=NEW, temperature=0)
     assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == NEW
     assert sample_py(served_run, "temperature=0", "num_samples=1", f"max_new_tokens={NEW}") == [answer.choices[0].text]
 
 
-def test_seeded_samples_past_the_context_equal_sample_py(server: Server, served_run: Path) -> None:
+def test_seeded_samples_past_the_context_equal_sample_py(server: ServeProcess, served_run: Path) -> None:
     answer = server.client().completions.create(model="run", prompt=PROMPT, max_tokens=NEW, temperature=0.9, n=2,
                                                 seed=42, extra_body={"top_k": 20})
     texts = [c.text for c in sorted(answer.choices, key=lambda c: c.index)]
@@ -35,7 +29,7 @@ def test_seeded_samples_past_the_context_equal_sample_py(server: Server, served_
                               f"max_new_tokens={NEW}")
 
 
-def test_echo_scores_equal_the_scores_reported_as_the_tokens_were_generated(server: Server) -> None:
+def test_echo_scores_equal_the_scores_reported_as_the_tokens_were_generated(server: ServeProcess) -> None:
     """logprobs=3 on a sampled completion past the context, then echo of the same text with max_tokens=0: the
     same log-probabilities (those of the model, before temperature and top_k), the same alternatives."""
     client = server.client()
@@ -57,7 +51,7 @@ def test_echo_scores_equal_the_scores_reported_as_the_tokens_were_generated(serv
     assert math.fsum(math.exp(p) for p in scores.top_logprobs[1].values()) <= 1 + 1e-6
 
 
-def test_streamed_logprobs_add_up_to_the_whole_answer_s(server: Server) -> None:
+def test_streamed_logprobs_add_up_to_the_whole_answer_s(server: ServeProcess) -> None:
     client = server.client()
     kwargs = dict(model="run", prompt=PROMPT, max_tokens=150, temperature=0, logprobs=2, echo=True)
     whole = client.completions.create(**kwargs).choices[0]
@@ -68,7 +62,7 @@ def test_streamed_logprobs_add_up_to_the_whole_answer_s(server: Server) -> None:
         assert [v for c in chunks for v in getattr(c.logprobs, key)] == getattr(whole.logprobs, key)
 
 
-def test_prompts_as_token_ids_and_the_tokenizer_endpoints(server: Server) -> None:
+def test_prompts_as_token_ids_and_the_tokenizer_endpoints(server: ServeProcess) -> None:
     ids = server.post({"prompt": PROMPT}, "/tokenize").json()["tokens"]
     assert len(ids) == len(PROMPT)
     assert server.post({"tokens": ids}, "/detokenize").json() == {"prompt": PROMPT}
@@ -79,7 +73,7 @@ def test_prompts_as_token_ids_and_the_tokenizer_endpoints(server: Server) -> Non
 
 
 
-def test_a_long_echo_is_scored_between_steps_and_a_short_completion_ends_meanwhile(server: Server) -> None:
+def test_a_long_echo_is_scored_between_steps_and_a_short_completion_ends_meanwhile(server: ServeProcess) -> None:
     """2 prompts of 2,100 characters, echoed with logprobs and max_tokens=0 (past the context: hundreds of
     forward passes): a completion sent once their scoring has begun ends while it goes on, and the echo then
     ends whole."""

@@ -5,21 +5,12 @@ moved: exactly zero before it. Also the page's own endpoints' answers and refusa
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from conftest import ServeProcess
 
 PROMPT = "ROMEO:\nWhat"
-
-
-@pytest.fixture(scope="module")
-def server(served_run: Path) -> Iterator[ServeProcess]:
-    server = ServeProcess(served_run)
-    yield server
-    server.stop()
 
 
 def _wait(driver, script: str, timeout: float = 60) -> object:

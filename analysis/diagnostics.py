@@ -3,6 +3,9 @@ the weights each KV-cache decode step used (the mask at work during generation, 
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -54,11 +57,22 @@ def induction_scores(model: GPT) -> np.ndarray:
     return stripe[..., 1:].mean(-1)  # queries R .. 2R - 1: the second repeat
 
 
+def run_to_end(pieces: Generator) -> Any:
+    """A generator's return value, its pieces run one after another (serve.py's engine runs them a turn each)."""
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return done.value
+
+
 @torch.no_grad()
-def decode_step_weights(model: GPT, ids: list[int], n_prefill: int, last: int | None = None) -> np.ndarray:
+def decode_step_weights(model: GPT, ids: list[int], n_prefill: int, last: int | None = None
+                        ) -> Generator[None, None, np.ndarray]:
     """Run `ids` as generation does (n_prefill prompt tokens in one pass, then a cached step per token): (steps,
     n_layer, n_head, last), the last `last` tokens' steps (default: all) over the last `last` keys, 0 where none cached.
-    Captured on the math path from the same queries and cached keys: the fused path doesn't return its weights."""
+    Captured on the math path from the same queries and cached keys: the fused path doesn't return its weights.
+    A generator (run_to_end): it yields after each forward pass, the layers no longer capturing."""
     T = len(ids)
     if not 1 <= n_prefill <= T:
         raise ValueError(f"n_prefill={n_prefill} must be between 1 and the {T} tokens")
@@ -78,9 +92,11 @@ def decode_step_weights(model: GPT, ids: list[int], n_prefill: int, last: int | 
     try:
         model.hidden(idx[:, :n_prefill], cache)  # the prompt on the model's own path: no T x T weights kept
         for t in range(n_prefill, T):
+            yield
             capture(t >= first_step)
             captured.clear()
             model.hidden(idx[:, t : t + 1], cache)
+            capture(False)
             if t < first_step:
                 continue
             for layer, weights in enumerate(captured):  # (1, n_head, 1, keys the cache returned, ending at t)

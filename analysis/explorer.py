@@ -24,13 +24,14 @@ import html
 import json
 import math
 import re
+from collections.abc import Generator
 from pathlib import Path
 
 import numpy as np
 
 from analysis.attention_maps import attention_arrays, load_attention_maps
 from analysis.causality import CausalityReport, verdict
-from analysis.diagnostics import DIAGNOSTIC_NAMES, decode_step_weights, head_diagnostics
+from analysis.diagnostics import DIAGNOSTIC_NAMES, decode_step_weights, head_diagnostics, run_to_end
 from model import GPT
 
 PAGE = Path(__file__).with_name("explorer_page.html")
@@ -99,15 +100,18 @@ def render_page(data: dict) -> str:
 
 
 def live_page(model: GPT, ids: list[int], tokens: list[str], n_prompt: int, title: str,
-              induction: np.ndarray | None = None, context_note: str | None = None) -> str:
+              induction: np.ndarray | None = None, context_note: str | None = None) -> Generator[None, None, str]:
     """serve.py's live page for a sequence in memory: its last block_size tokens, with the generated ones' decode steps.
-    tokens: each id's text; induction: induction_scores(model), if known; context_note: the cropped-context line."""
+    tokens: each id's text; induction: induction_scores(model), if known; context_note: the cropped-context line.
+    A generator: it yields after each forward pass, and returns the page (the engine's turns: Engine.call)."""
     config = model.config
     T = min(len(ids), config.block_size)
     weights, mask = attention_arrays(model, ids[-T:])
+    yield
     steps = None
     if len(ids) > n_prompt and (config.rolls or len(ids) <= config.block_size):  # generated tokens, decoded cached
-        steps = decode_step_weights(model, ids, n_prompt, last=T)
+        steps = yield from decode_step_weights(model, ids, n_prompt, last=T)
+        yield
     diagnostics = head_diagnostics(model, weights, induction)
     return render_page(page_data(title, tokens[-T:], weights, mask, config.layer_windows(), diagnostics, steps,
                                  context_note=context_note))
@@ -123,7 +127,7 @@ def save_explorer(model: GPT, sample: list[int], n_prompt: int, out_dir: Path, t
     if not use_cache:
         note = "Sampled with use_cache=false: every step recomputed its window, so there are no decode steps to show."
     elif generated > 0 and (config.rolls or len(sample) <= config.block_size):
-        steps = decode_step_weights(model, sample, n_prompt, last=T)
+        steps = run_to_end(decode_step_weights(model, sample, n_prompt, last=T))
     elif generated > 0:
         grew = "prompt is" if n_prompt > config.block_size else "sample grew"
         note = (f"The {grew} longer than block_size={config.block_size}: past it, generation recomputed each cropped "

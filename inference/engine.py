@@ -8,7 +8,9 @@ SampleText (stop strings as in sample.py); with logprobs each token comes scored
 
 The engine runs on its own thread (torch releases the GIL while it computes); callers submit Completions from any
 thread and hear back through `on_update`. Other model work (the live page, echo's prompt scoring) runs as tasks
-between steps, each followed by as much time for the rows: a completion decodes at half its speed at least."""
+between steps, each followed by as much time for the rows: a completion decodes at half its speed at least. A task
+that returns a generator runs one piece (up to its next yield: a forward pass) a turn, so that a completion waits
+for one piece of it, not the whole."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,7 +113,7 @@ class Engine:
     def __init__(self, model: GPT, tokenizer: Tokenizer, runtime: Runtime, max_batch: int) -> None:
         self.model, self.tokenizer, self.runtime, self.max_batch = model, tokenizer, runtime, max_batch
         self.waiting: deque[Completion] = deque()
-        self.tasks: deque[tuple[Callable[[], Any], Future]] = deque()  # call()'s and scoring's, between steps
+        self.tasks: deque[tuple[Callable[[], Any] | Generator, Future]] = deque()  # call()'s and scoring's
         self.scoring: list[Completion] = []  # admitted, their prompts being scored (echo) before their prefill
         self._owed = 0.0  # seconds of tasks the rows have not yet had back in steps: no task until repaid
         self.active: list[Completion] = []  # row i of the batch cache is active[i]
@@ -144,8 +146,8 @@ class Engine:
             self._check_open()
             return self._queue(task)
 
-    def _queue(self, task: Callable[[], Any]) -> Future:
-        future: Future = Future()
+    def _queue(self, task: Callable[[], Any] | Generator, future: Future | None = None) -> Future:
+        future = future or Future()
         with self._wake:
             self.tasks.append((task, future))
             self._wake.notify()
@@ -205,11 +207,7 @@ class Engine:
             began = time.perf_counter()
             with self._wake:
                 task, future = self.tasks.popleft()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(task())
-                except Exception as err:  # the caller's to handle: the engine goes on
-                    future.set_exception(err)
+            self._run_task(task, future)
             self._owed = time.perf_counter() - began
         began = time.perf_counter()
         self._drop_cancelled()
@@ -232,6 +230,23 @@ class Engine:
         if self.after_step is not None:
             self.after_step(len(self.active) + len(self.cropped) + len(self.waiting))
 
+    def _run_task(self, task: Callable[[], Any] | Generator, future: Future) -> None:
+        """A task, or the next piece of one that returned a generator (then back in line: other tasks take turns)."""
+        if not isinstance(task, Generator) and not future.set_running_or_notify_cancel():
+            return  # cancelled while it waited
+        try:
+            result = task if isinstance(task, Generator) else task()
+            if isinstance(result, Generator):
+                next(result)
+                self._queue(result, future)
+                return
+        except StopIteration as done:
+            result = done.value
+        except Exception as err:  # the caller's to handle: the engine goes on
+            future.set_exception(err)
+            return
+        future.set_result(result)
+
     def _admit(self) -> list[Completion]:
         """Waiting completions while rows are free, PREFILL_CHUNK prompt tokens a step; echo's go to _score first."""
         admitted: list[Completion] = []
@@ -251,19 +266,18 @@ class Engine:
         return admitted
 
     def _score(self, completion: Completion) -> None:
-        """Score its prompt one forward pass a task; then it waits first in line for its prefill, or ends."""
-        passes, scores = prompt_scores(self.model, self.runtime, completion.prompt, completion.logprobs or 0), []
+        """Score its prompt one forward pass a turn; then it waits first in line for its prefill, or ends."""
 
-        def next_pass() -> None:
+        def passes() -> Iterator[None]:
+            scores: list[Scored] = []
             try:
-                part = None if completion.cancelled else next(passes, None)
+                parts = prompt_scores(self.model, self.runtime, completion.prompt, completion.logprobs or 0)
+                while not completion.cancelled and (part := next(parts, None)) is not None:
+                    scores.extend(part)
+                    yield
             except Exception:  # this prompt (too long for memory, say): the others go on
                 log.exception("a prompt failed")
-                part, completion.finish_reason = None, "error"
-            if part is not None:
-                scores.extend(part)
-                self._queue(next_pass)
-                return
+                completion.finish_reason = "error"
             self.scoring.remove(completion)
             completion.prompt_scores = scores
             if completion.done or completion.cancelled or completion.max_new_tokens == 0:
@@ -273,7 +287,7 @@ class Engine:
                     self.waiting.appendleft(completion)
 
         self.scoring.append(completion)
-        self._queue(next_pass)
+        self._queue(passes)
 
     @property
     def running(self) -> list[Completion]:

@@ -388,3 +388,39 @@ def test_an_echoed_prompt_is_scored_in_bounded_passes_between_steps(monkeypatch:
     assert echoed.finish_reason == "length" and engine.load == (0, 0)
     assert [s.logprob for s in echoed.prompt_scores] == pytest.approx(whole, abs=1e-5)
     assert short.tokens == _alone(model, PROMPTS[0], Decoding(0.0))
+
+
+def test_the_live_page_renders_one_forward_pass_a_turn_beside_a_completion() -> None:
+    """A task that returns a generator (analysis.explorer.live_page) runs one piece a turn: a completion submitted
+    meanwhile decodes between the pieces, gets the tokens it gets alone, and ends
+    first; the page equals the one rendered in one go."""
+    from analysis.diagnostics import run_to_end
+    from analysis.explorer import live_page
+
+    model = _model("gpt2")
+    ids = [(3 * i) % 50 for i in range(60)]
+    tokens = [chr(65 + i % 26) for i in ids]
+    whole = run_to_end(live_page(model, ids, tokens, 5, "t"))
+    engine = Engine(model, Letters(), make_runtime("cpu", "float32"), max_batch=4)
+    row = _completion(PROMPTS[0], Decoding(0.0))
+    at = []  # the row's tokens so far, at each of the page's pieces
+
+    def page_pieces():
+        render = live_page(model, ids, tokens, 5, "t")
+        while True:
+            at.append(len(row.tokens))
+            try:
+                next(render)
+            except StopIteration as done:
+                return done.value
+            yield
+
+    page = engine.call(page_pieces)
+    engine.submit(row)
+    while not row.done:
+        engine.run_once()
+    assert not page.done() and len(set(at)) > NEW // 2  # pieces all along the row's decoding
+    assert row.tokens == _alone(model, PROMPTS[0], Decoding(0.0))
+    while not page.done():
+        engine.run_once()
+    assert page.result() == whole and len(at) == 60 - 5 + 3  # the maps, the prompt, each step, then the page

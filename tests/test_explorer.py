@@ -20,7 +20,13 @@ import torch
 
 from analysis.attention_maps import save_attention_maps
 from analysis.causality import check_causality
-from analysis.diagnostics import DIAGNOSTIC_NAMES, decode_step_weights, induction_scores, pattern_scores
+from analysis.diagnostics import (
+    DIAGNOSTIC_NAMES,
+    decode_step_weights,
+    induction_scores,
+    pattern_scores,
+    run_to_end,
+)
 from analysis.explorer import (
     DATA_SLOT,
     causality_data,
@@ -142,7 +148,7 @@ def test_induction_score_reads_the_stripe_after_the_previous_occurrence(windowed
 def test_decode_steps_are_the_math_paths_rows(windowed_model: tuple[GPT, object]) -> None:
     model = windowed_model[0]
     ids = list(range(3, 3 + T))
-    steps = decode_step_weights(model, ids, PREFILL)
+    steps = run_to_end(decode_step_weights(model, ids, PREFILL))
     full = model.attention_weights(torch.tensor([ids]))[:, 0].numpy()  # (n_layer, n_head, T, T)
     assert steps.shape == (T - PREFILL, model.config.n_layer, model.config.n_head, T)
     np.testing.assert_allclose(steps, full[:, :, PREFILL:].transpose(2, 0, 1, 3), rtol=0, atol=1e-6)
@@ -170,9 +176,9 @@ def test_a_rolling_models_steps_are_those_of_one_cache_from_the_prompt_on(tmp_pa
     config = GPTConfig(vocab_size=20, block_size=12, n_layer=2, n_head=2, n_embd=16, pos_emb="rope", attn_window=4)
     sample = torch.randint(20, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     data = _page_for(replace(config, window_pattern="SS"), sample, 5, tmp_path)
-    whole = decode_step_weights(data["model"], sample, 5)[-12:, :, :, -12:]  # one cache, all 35 steps
+    whole = run_to_end(decode_step_weights(data["model"], sample, 5))[-12:, :, :, -12:]  # one cache, all 35 steps
     np.testing.assert_array_equal(np.rint(unpack_steps(data) * 255), quantise(whole))
-    fresh = decode_step_weights(data["model"], sample[-12:], 1)
+    fresh = run_to_end(decode_step_weights(data["model"], sample[-12:], 1))
     assert not np.allclose(whole[1:], fresh, atol=1e-3)  # the window's first keys had context before it
 
 
@@ -260,7 +266,7 @@ def test_the_step_view_holds_the_decode_steps_own_weights(page, windowed_model: 
     assert shown.shape == math_rows.shape
     assert _within_rounding(shown, math_rows)
     assert np.all(shown[math_rows == 0] == 0)
-    np.testing.assert_array_equal(shown, quantise(decode_step_weights(model, ids, PREFILL)) / 255)
+    np.testing.assert_array_equal(shown, quantise(run_to_end(decode_step_weights(model, ids, PREFILL))) / 255)
 
 
 def test_clicking_a_thumbnail_and_hovering_a_token_redraw_the_head(page) -> None:

@@ -141,7 +141,8 @@ class Engine:
             self._wake.notify()
 
     def call(self, task: Callable[[], Any]) -> Future:
-        """Run `task` (other model use, e.g. the live page's attention maps) on the engine's thread between steps."""
+        """Run `task()` (other model use, e.g. the live page's attention maps) on the engine's thread between steps;
+        if it returns a generator, one piece a turn."""
         with self._wake:  # (its lock is reentrant)
             self._check_open()
             return self._queue(task)
@@ -237,11 +238,13 @@ class Engine:
         try:
             result = task if isinstance(task, Generator) else task()
             if isinstance(result, Generator):
-                next(result)
-                self._queue(result, future)
-                return
-        except StopIteration as done:
-            result = done.value
+                try:
+                    next(result)
+                except StopIteration as done:
+                    result = done.value
+                else:
+                    self._queue(result, future)
+                    return
         except Exception as err:  # the caller's to handle: the engine goes on
             future.set_exception(err)
             return

@@ -43,7 +43,7 @@ from model.gpt import Decoding, row_generators
 log = logging.getLogger("serve")
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI takes up to 4; each is searched for after every token
 MAX_LOGPROBS = 5  # OpenAI's limit on the alternatives reported per token
-PAGE_TASKS = 16  # the live page's tasks the engine may hold at once: they wait their turns (run_once), not refused
+PAGE_TASKS = 16  # the live page's tasks waiting at once, one in the engine at a time (run_once); past it: 503
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]
 
 
@@ -56,7 +56,8 @@ class Service:
         self.created = int(time.time())
         self._mailbox: Mailbox | None = None
         self.induction: Any = None  # the model's induction scores, for the live page (they don't depend on text)
-        self.page_tasks = 0  # the live page's tasks the engine holds (call)
+        self.page_tasks = 0  # the live page's tasks waiting or running (call)
+        self.page_turn = asyncio.Lock()  # one in the engine at a time: one render's attention maps in memory
         self.stop_by = math.inf  # on the event loop's clock: when requests still running end (serve_run.Stopping)
 
     def mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
@@ -178,13 +179,15 @@ class Service:
         if self.page_tasks >= PAGE_TASKS:
             raise ApiError(503, f"the live page's work is busy ({self.page_tasks} tasks); retry shortly",
                            kind="server_busy", headers={"Retry-After": "1"})
-        try:
-            future = self.engine.call(task)
-        except RuntimeError as err:
-            raise ApiError(503, f"the server can't take requests now ({err})", kind="server_unavailable") from None
         self.page_tasks += 1  # counted on the event loop's thread only
         try:
-            return await asyncio.wrap_future(future)
+            async with self.page_turn:
+                try:
+                    future = self.engine.call(task)
+                except RuntimeError as err:
+                    raise ApiError(503, f"the server can't take requests now ({err})",
+                                   kind="server_unavailable") from None
+                return await asyncio.wrap_future(future)
         finally:
             self.page_tasks -= 1
 

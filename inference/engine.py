@@ -148,7 +148,7 @@ class Engine:
             return self._queue(task)
 
     def _queue(self, task: Callable[[], Any] | Generator, future: Future | None = None) -> Future:
-        future = future or Future()
+        future = Future() if future is None else future
         with self._wake:
             self.tasks.append((task, future))
             self._wake.notify()

@@ -193,23 +193,29 @@ def wait_for_text(path: Path, text: str, timeout: float = 120) -> None:
         time.sleep(0.02)
 
 
+_BUILT: dict[str, Path] = {}  # built_once's directories, by name, in this process
+
+
 def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
     """A directory that build(directory) fills once for the whole session: under pytest -n N the first worker to
     need it builds it while any other waits, and all then read it (a test that changes it works on a copy)."""
+    if name in _BUILT:
+        return _BUILT[name]
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         path = tmp_path_factory.mktemp(name)
         build(path)
-        return path
-    from filelock import FileLock  # torch's own dependency
+    else:
+        from filelock import FileLock  # torch's own dependency
 
-    path = tmp_path_factory.getbasetemp().parent / name  # this session's, shared by its workers
-    built = path.with_name(f"{name}.built")
-    with FileLock(f"{path}.lock"):
-        if not built.is_file():
-            shutil.rmtree(path, ignore_errors=True)  # a build that failed
-            path.mkdir()
-            build(path)
-            built.touch()
+        path = tmp_path_factory.getbasetemp().parent / name  # this session's, shared by its workers
+        built = path.with_name(f"{name}.built")
+        with FileLock(f"{path}.lock"):
+            if not built.is_file():
+                shutil.rmtree(path, ignore_errors=True)  # a build that failed
+                path.mkdir()
+                build(path)
+                built.touch()
+    _BUILT[name] = path
     return path
 
 

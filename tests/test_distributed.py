@@ -91,17 +91,14 @@ def evals(run: Path) -> list[tuple[int, float, float, float]]:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Callable[[Path], Path]:
     """The one-process run with a 2-process run's optimizer (each trained once)."""
-    runs: dict[str, Path] = {}
 
     def like(run: Path) -> Path:
         optimizer = OmegaConf.load(run / "config.yaml").train.optimizer
-        if optimizer not in runs:
 
-            def build(tmp: Path) -> None:
-                train(compose_config(tiny_run_overrides(tmp, corpus_path, **RUN, **{"train.optimizer": optimizer})))
+        def build(tmp: Path) -> None:
+            train(compose_config(tiny_run_overrides(tmp, corpus_path, **RUN, **{"train.optimizer": optimizer})))
 
-            runs[optimizer] = built_once(tmp_path_factory, f"one-{optimizer}", build) / "run"
-        return runs[optimizer]
+        return built_once(tmp_path_factory, f"one-{optimizer}", build) / "run"
 
     return like
 
@@ -116,8 +113,6 @@ TWO_PROCESS_RUNS = {"fsdp": ("fsdp", "adamw"), "ddp-muon": ("ddp", "muon")}
 def two_process_run(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Callable[[str], Path]:
     """A TWO_PROCESS_RUNS run (each trained once; a test that changes it works on a copy) whose out_dir each rank
     resolves differently (its ${now:}, here even its rank): all must use rank 0's."""
-    runs: dict[str, Path] = {}
-
     def build(tmp: Path, name: str) -> None:
         parallel, optimizer = TWO_PROCESS_RUNS[name]
         overrides = [o for o in tiny_run_overrides(tmp, corpus_path, **RUN) if not o.startswith("out_dir=")]
@@ -128,10 +123,7 @@ def two_process_run(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path)
         assert [p.name for p in tmp.glob("outputs/*/*")] == ["rank0"], "the ranks wrote to different directories"
 
     def run(name: str) -> Path:
-        if name not in runs:
-            tmp = built_once(tmp_path_factory, name, lambda tmp: build(tmp, name))
-            runs[name] = next(tmp.glob("outputs/*/rank0"))
-        return runs[name]
+        return next(built_once(tmp_path_factory, name, lambda tmp: build(tmp, name)).glob("outputs/*/rank0"))
 
     return run
 

@@ -1,4 +1,4 @@
-"""Serve a model through OpenAI's completions API (continuous batching) and a live page; usage() lists the keys set
+"""Serve a model through OpenAI's completions API, one request at a time, and a live page; usage() lists the keys set
 most. Greedy text equals sample.py's at temperature=0; seed S gives choice i sample.py's sample i at seed=S."""
 
 import hydra
@@ -18,8 +18,7 @@ Keys set most:
   out_dir=RUN             a train.py run directory (or init_from=gpt2 for OpenAI's GPT-2)
   host=ADDR port=N        where to listen (default 127.0.0.1:8000; port=0: any free port)
   api_key=KEY             requests then need Authorization: Bearer KEY (or set $GPT_LAB_API_KEY)
-  max_batch=N             sequences decoded together (default 64)
-  max_tokens=N            the most tokens a request may ask for (default 1024)
+  max_request_tokens=N    the most tokens a request may generate, max_tokens x choices (default 4096)
 
 Examples:
   python serve.py out_dir=runs/cpu
@@ -32,7 +31,7 @@ flags: --hydra-help."""
 @hydra.main(version_base="1.3", config_path="configs", config_name="serve")
 def main(dict_cfg: DictConfig) -> None:
     with exit_on_user_error():
-        from inference.serve_run import serve  # FastAPI and uvicorn: pip install ".[serve]"
+        from inference.server import serve  # FastAPI and uvicorn: pip install ".[serve]"
 
         serve(typed_config(dict_cfg, ServeConfig))
 

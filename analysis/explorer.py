@@ -24,7 +24,6 @@ import html
 import json
 import math
 import re
-from collections.abc import Generator
 from pathlib import Path
 
 import numpy as np
@@ -100,18 +99,15 @@ def render_page(data: dict) -> str:
 
 
 def live_page(model: GPT, ids: list[int], tokens: list[str], n_prompt: int, title: str,
-              induction: np.ndarray | None = None, context_note: str | None = None) -> Generator[None, None, str]:
+              induction: np.ndarray | None = None, context_note: str | None = None) -> str:
     """serve.py's live page for a sequence in memory: its last block_size tokens, with the generated ones' decode steps.
-    tokens: each id's text; induction: induction_scores(model), if known; context_note: the cropped-context line.
-    A generator: it yields after each forward pass, and returns the page (the engine's turns: Engine.call)."""
+    tokens: each id's text; induction: induction_scores(model), if known; context_note: the cropped-context line."""
     config = model.config
     T = min(len(ids), config.block_size)
     weights, mask = attention_arrays(model, ids[-T:])
-    yield
     steps = None
     if len(ids) > n_prompt and (config.rolls or len(ids) <= config.block_size):  # generated tokens, decoded cached
-        steps = yield from decode_step_weights(model, ids, n_prompt, last=T)
-        yield
+        steps = run_to_end(decode_step_weights(model, ids, n_prompt, last=T))
     diagnostics = head_diagnostics(model, weights, induction)
     return render_page(page_data(title, tokens[-T:], weights, mask, config.layer_windows(), diagnostics, steps,
                                  context_note=context_note))

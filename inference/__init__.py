@@ -1,2 +1,2 @@
 """Using a trained model: loading it and sampling (sampling.py), evaluating (eval_run.py), and serving it through
-OpenAI's API with continuous batching (engine.py, server.py, serve_run.py)."""
+OpenAI's API, one request at a time (engine.py, server.py)."""

@@ -94,16 +94,14 @@ class ServeConfig(ModelChoice):
     api_key: str | None = None  # every request then needs Authorization: Bearer KEY; null: $GPT_LAB_API_KEY, if set
     allow_no_api_key: bool = False  # else a host beyond loopback needs api_key: anyone reaching the port may use it
     model_id: str | None = None  # the id /v1/models lists and requests name; null: the run directory's name
-    max_batch: int = option(64, at_least=1)  # sequences decoded together, one forward pass a step
-    max_queue: int = option(256, at_least=0)  # choices waiting for a place in the batch; past it: 503, Retry-After
-    max_tokens: int = option(1024, at_least=1)  # the largest max_tokens a request may ask for
-    max_choices: int = option(16, at_least=1)  # prompts x n in one request
-    max_prompt_tokens: int = option(8192, at_least=1)  # a learned-position model sees only the last block_size
-    timeout_s: float = option(300.0, above=0.0)  # a request running longer is cancelled: 504
+    max_queue: int = option(64, at_least=0)  # requests waiting for the model's turn; past it: 503, Retry-After
+    max_choices: int = option(16, at_least=1)  # prompts x n in one request, generated a prompt's n at a time
+    max_request_tokens: int = option(4096, at_least=1)  # max_tokens x choices: the tokens one request generates
+    max_prompt_tokens: int = option(8192, at_least=1)  # all the prompts' tokens of one request
+    timeout_s: float = option(300.0, above=0.0)  # a request running longer, its wait included, is cancelled: 504
     shutdown_s: float = option(5.0, at_least=0.0)  # on Ctrl-C or SIGTERM, requests in flight get this long; then 503
     max_body_bytes: int = option(1_000_000, at_least=1)  # a larger request body: 413
-    max_connections: int = option(1000, at_least=1)  # open at once (within the process's file limit); past it: closed
-    header_timeout_s: float = option(10.0, above=0.0)  # no whole request this long after opening/last answer: closed
+    max_connections: int = option(1000, at_least=1)  # connections and requests at once (uvicorn's limit_concurrency)
     threads: int | None = option(None, at_least=1)  # torch's CPU threads; null: a core less, left to the HTTP side
 
 

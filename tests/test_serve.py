@@ -19,7 +19,7 @@ import pytest
 
 from conftest import ServeProcess, run_in_process
 from inference.sampling import SEPARATOR
-from inference.serve_run import bind
+from inference.server import bind
 
 PROMPT = "ROMEO:"
 
@@ -27,7 +27,8 @@ PROMPT = "ROMEO:"
 @pytest.fixture(scope="module")
 def server(served_run: Path) -> Iterator[ServeProcess]:
     """This module's own server (not conftest's shared one): the limits its tests reach."""
-    server = ServeProcess(served_run, "max_tokens=80", "max_choices=8", "max_body_bytes=20000", "max_prompt_tokens=300")
+    server = ServeProcess(served_run, "max_request_tokens=240", "max_choices=8", "max_body_bytes=20000",
+                          "max_prompt_tokens=300")
     yield server
     server.stop()
 
@@ -115,8 +116,10 @@ def test_stop_strings_end_the_text_before_them_as_in_sample_py(server: ServeProc
 
 
 BAD_REQUESTS = [
-    ({"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens", "max_tokens=0 must be between 1 and 80"),
-    ({"prompt": PROMPT, "max_tokens": 81}, 400, "max_tokens", "max_tokens=81 must be between 1 and 80"),
+    ({"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens", "max_tokens=0 must be at least 1 (0 with echo=true)"),
+    ({"prompt": PROMPT, "max_tokens": 121, "n": 2}, 400, "max_tokens",
+     "max_tokens=121 for 2 choice(s) asks for 242 tokens; this server generates at most 240 a request "
+     "(max_request_tokens)"),
     ({"prompt": PROMPT, "max_tokens": "ten"}, 400, "max_tokens", "max_tokens: Input should be a valid integer"),
     ({"prompt": PROMPT, "temperature": "hot"}, 400, "temperature", "temperature: Input should be a valid number"),
     ({"prompt": PROMPT, "temperature": "0.5"}, 400, "temperature", "temperature: Input should be a valid number"),
@@ -126,20 +129,20 @@ BAD_REQUESTS = [
     ({"prompt": PROMPT, "top_k": 0}, 400, "top_k", "top_k=0 must be at least 1"),
     ({"prompt": PROMPT, "min_p": 2}, 400, "min_p", "min_p=2.0 must be in (0, 1]"),
     ({"prompt": PROMPT, "seed": -5}, 400, "seed", "seed=-5 must be between 0 and"),
-    ({"prompt": PROMPT, "n": 9}, 400, "n", "asks for 9 choices; at most 8 per request"),
+    ({"prompt": PROMPT, "n": 9}, 400, "n", "asks for 9 choices; this server takes at most 8 a request (max_choices)"),
     ({"prompt": PROMPT, "n": 0}, 400, "n", "n=0 must be at least 1"),
     ({"prompt": PROMPT, "stop": ["", "x"]}, 400, "stop", "stop has an empty string"),
     ({"prompt": PROMPT, "stop": list("abcde")}, 400, "stop", "stop takes at most 4 strings of at most 256 characters"),
     ({"prompt": PROMPT, "stop": "x" * 257}, 400, "stop", "stop takes at most 4 strings"),
     ({"prompt": PROMPT, "best_of": 3}, 400, "best_of", "best_of=3 is not supported"),
     ({"prompt": PROMPT, "logprobs": 6}, 400, "logprobs", "logprobs=6 must be between 0 and 5"),
-    ({"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens", "must be between 1 and 80 (0 with echo=true)"),
     ({"prompt": PROMPT, "model": "gpt-4"}, 404, "model", "model 'gpt-4' does not exist; this server serves"),
     ({"prompt": ""}, 400, "prompt", "prompt is empty"),
     ({"prompt": []}, 400, "prompt", "prompt is an empty list"),
     ({"prompt": [[3, 4], []]}, 400, "prompt", "prompt is an empty list"),
     ({"prompt": [5, 99999]}, 400, "prompt", "token id 99999 is not in this model's vocabulary (0 to "),
-    ({"prompt": "x" * 301}, 400, "prompt", "the prompt has 301 tokens; this server takes at most 300"),
+    ({"prompt": ["x" * 151] * 2}, 400, "prompt", "the prompts have 302 tokens; this server takes at most 300 a "
+     "request (max_prompt_tokens)"),
     ({"prompt": "ROMEO: Ω"}, 400, "prompt", "character 'Ω' is not in the model's vocabulary"),
     ({"max_tokens": 5}, 400, "prompt", "prompt: Field required"),
 ]
@@ -173,22 +176,20 @@ def test_malformed_and_oversized_bodies_are_refused_too(server: ServeProcess) ->
     for response, status, message in cases:
         assert response.status_code == status, response.text
         assert message in response.json()["error"]["message"]
-    with pytest.raises(openai.BadRequestError, match="max_tokens=500 must be between 1 and 80"):
+    with pytest.raises(openai.BadRequestError, match="asks for 500 tokens; this server generates at most 240"):
         server.client().completions.create(model="run", prompt=PROMPT, max_tokens=500)
     assert server.post({"prompt": PROMPT, "max_tokens": 2}).status_code == 200
 
 
 def test_concurrent_requests_each_get_the_text_they_get_alone(server: ServeProcess) -> None:
-    """Prompts of different lengths join the running batch at different steps; greedy text is identical."""
+    """They take turns for the model: greedy text is identical."""
     prompts = ["ROMEO:", "First Citizen:\nBefore we", "KING", "O", "To be, or not to be, that", "JULIET:\nAh me"]
     alone = [
         server.post({"prompt": p, "max_tokens": 50, "temperature": 0}).json()["choices"][0]["text"] for p in prompts
     ]
-    steps_before = server.http.get("/health").json()["steps"]
     together: dict[int, str] = {}
 
     def ask(i: int) -> None:
-        time.sleep(0.01 * i)
         with httpx.Client(base_url=server.url, timeout=60) as http:
             answer = http.post("/v1/completions", json={"prompt": prompts[i], "max_tokens": 50, "temperature": 0})
             together[i] = answer.json()["choices"][0]["text"]
@@ -199,51 +200,27 @@ def test_concurrent_requests_each_get_the_text_they_get_alone(server: ServeProce
     for thread in threads:
         thread.join()
     assert [together[i] for i in range(len(prompts))] == alone
-    steps = server.http.get("/health").json()["steps"] - steps_before
-    assert steps < 6 * 49  # some steps decoded several requests at once
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_row(served_run: Path) -> None:
-    server = ServeProcess(served_run, "max_batch=1", "max_queue=0", "timeout_s=600")
+def test_a_full_queue_answers_503_and_a_client_that_leaves_mid_stream_frees_the_model(served_run: Path) -> None:
+    server = ServeProcess(served_run, "max_queue=0", "timeout_s=600")
     try:
-        body = {"prompt": PROMPT, "max_tokens": 90, "stream": True}
+        body = {"prompt": PROMPT, "max_tokens": 1000, "stream": True}
         with server.http.stream("POST", "/v1/completions", json=body) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
-            # the only row is taken and nothing may wait: the next request is turned away
+            # the model is this stream's and nothing may wait: the next request is turned away
             busy = server.post({"prompt": PROMPT, "max_tokens": 2})
             assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
             assert busy.json()["error"]["type"] == "server_busy"
         deadline = time.monotonic() + 10
-        while (health := server.http.get("/health").json())["running"] and time.monotonic() < deadline:
+        while "cancelled" not in (health := server.http.get("/health").json())["finished"]:
+            assert time.monotonic() < deadline, health
             time.sleep(0.05)
-        assert health["running"] == 0 and health["finished"].get("cancelled") == 1, health
+        assert health["running"] == 0 and health["finished"].get("cancelled") == 1, health  # the model is free
         assert server.post({"prompt": PROMPT, "max_tokens": 2}).status_code == 200
     finally:
         server.stop()
-
-
-def test_the_queue_holds_max_queue_choices_beyond_the_free_rows(served_run: Path) -> None:
-    """In-process, the engine's thread not started: every choice submitted waits."""
-    from common.runtime import make_runtime
-    from inference.api import ApiError, CompletionRequest
-    from inference.engine import Engine
-    from inference.sampling import load_model
-    from inference.schema import ServeConfig
-    from inference.server import Service
-
-    loaded = load_model(str(served_run), None, "latest", None)
-    engine = Engine(loaded.model.eval(), loaded.tokenizer, make_runtime("cpu", "float32"), max_batch=2)
-    service = Service(engine, loaded.tokenizer, "run", ServeConfig(out_dir=str(served_run), max_queue=3))
-    request = CompletionRequest(prompt=PROMPT, n=2)
-    for _ in range(2):  # 2 rows free + 3 may wait: 4 choices fit, a fifth and sixth don't
-        service.submit(request, service.check(request), lambda *update: None)
-    with pytest.raises(ApiError, match=r"busy \(0 running, 4 waiting\)") as info:
-        service.submit(request, service.check(request), lambda *update: None)
-    assert info.value.status == 503 and engine.load == (0, 4)
-    one = CompletionRequest(prompt=PROMPT)
-    service.submit(one, service.check(one), lambda *update: None)
-    assert engine.load == (0, 5)
 
 
 def test_an_api_key_is_required_when_set(served_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -306,7 +283,7 @@ def test_a_request_past_timeout_s_is_cancelled_with_504(served_run: Path) -> Non
         deadline = time.monotonic() + 10
         while server.http.get("/health").json()["running"] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert server.http.get("/health").json()["running"] == 0  # the rows were freed
+        assert server.http.get("/health").json()["running"] == 0  # the model was freed
     finally:
         server.stop()
 

@@ -72,36 +72,6 @@ def test_prompts_as_token_ids_and_the_tokenizer_endpoints(server: ServeProcess) 
     assert [c["text"] for c in by_ids] == [by_text, by_text]
 
 
-
-def test_a_long_echo_is_scored_between_steps_and_a_short_completion_ends_meanwhile(server: ServeProcess) -> None:
-    """2 prompts of 2,100 characters, echoed with logprobs and max_tokens=0 (past the context: hundreds of
-    forward passes): a completion sent once their scoring has begun ends while it goes on, and the echo then
-    ends whole."""
-    import threading
-    import time
-
-    import httpx
-
-    long = (PROMPT + " " + PROMPT.lower() + "\n") * 150  # 2,100 characters the run's tokenizer knows
-    body = {"prompt": [long] * 2, "echo": True, "logprobs": 1, "max_tokens": 0}
-    echoed: list[httpx.Response] = []
-    thread = threading.Thread(target=lambda: echoed.append(httpx.post(server.url + "/v1/completions", json=body,
-                                                                      timeout=120)))
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while server.http.get("/health").json()["running"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        short = server.post({"prompt": PROMPT, "max_tokens": 20, "temperature": 0})
-        assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 20
-        assert server.http.get("/health").json()["running"] == 2 and not echoed  # the echo's scoring goes on
-    finally:
-        thread.join(timeout=120)
-    choices = echoed[0].json()["choices"]
-    assert [c["finish_reason"] for c in choices] == ["length"] * 2
-    assert all(len(c["logprobs"]["token_logprobs"]) == len(long) for c in choices)
-
-
 def test_tokenize_gives_end_of_text_its_one_token_as_vllm_does() -> None:
     """lm-eval reads the end-of-text id as /tokenize's first token for the tokenizer_info's eos_token: one token,
     not the ordinary tokens that spell it (prompts themselves are tokenized as sample.py tokenizes them)."""

@@ -1,26 +1,21 @@
-"""Causal multi-head self-attention, fused (flash) or textbook (math), full or windowed; and generation's KV cache."""
+"""Causal multi-head self-attention, fused (flash) or textbook (math), full or windowed, with rotary positions or
+none; and generation's KV cache."""
 
 from __future__ import annotations
 
 import functools
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.rotary import Rotary
-from model.shortcuts import Shortcuts
-
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-    from model.batch_cache import BatchKVCache
     from model.gpt import GPTConfig
-
-    Cache: TypeAlias = "KVCache | BatchKVCache"
 
 
 def masked_attention(
@@ -107,6 +102,40 @@ def _cached_band_block_mask(length: int, window: int, device: torch.device) -> B
         return _band_block_mask(length, window, device)
 
 
+class Rotary(nn.Module):
+    """Rotary embeddings (RoFormer): query and key channel pairs rotate with position, so scores depend only on the
+    distance between query and key."""
+
+    def __init__(self, head_dim: int, max_positions: int, base: float = 10000.0) -> None:
+        super().__init__()
+        # float64 angles: a rolling model's positions grow unbounded; in float32 they drift 5e-3 rad by position 1e5.
+        # Not a buffer, so it stays float64 when the model moves or casts; a copy per device (CPU for MPS: no float64).
+        self.inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {self.inv_freq.device: self.inv_freq}
+        cos, sin = self._cos_sin(0, max_positions, self.inv_freq.device)  # (positions, head_dim/2)
+        self.register_buffer("cos", cos, persistent=False)  # both derived, not learned: kept out of checkpoints
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _cos_sin(self, start: int, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin of positions start .. end - 1, computed in float64 on `device` (CPU for MPS)."""
+        if device.type == "mps":
+            device = torch.device("cpu")
+        if device not in self._inv_freq_on:
+            self._inv_freq_on[device] = self.inv_freq.to(device)
+        angles = torch.arange(start, end, dtype=torch.float64, device=device).unsqueeze(-1) * self._inv_freq_on[device]
+        return angles.cos().float(), angles.sin().float()
+
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Rotate x (B, n_head, T, head_dim) as positions start .. start + T - 1."""
+        T, half = x.size(-2), x.size(-1) // 2
+        if start + T <= self.cos.size(0):
+            cos, sin = self.cos[start : start + T], self.sin[start : start + T]
+        else:  # past the table (a rolling model's generation): the same angles, computed for these positions
+            cos, sin = (t.to(x.device, self.cos.dtype) for t in self._cos_sin(start, start + T, x.device))
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+
 class CausalSelfAttention(nn.Module):
     """attn_impl picks the path, on the same parameters. While `captured` is a list (GPT.attention_weights), every
     call runs the math path and appends its softmax weights (B, n_head, T, n_keys) there."""
@@ -119,89 +148,73 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.rotary = Rotary(config.n_embd // config.n_head, config.block_size) if config.pos_emb == "rope" else None
-        self.value_embed = nn.Embedding(config.vocab_size, config.n_embd) if config.value_embeds else None
         self.first_values_kept = config.value_residual and layer_index == 0  # for the layers after it
         # value_residual: v = a*v + b*v_first, learned, from an even mix
         self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if config.value_residual and layer_index else None
         self.captured: list[torch.Tensor] | None = None
 
-    def forward(self, x: Tensor, shortcuts: Shortcuts, first_values: Tensor | None = None,
-                cache: Cache | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, first_values: Tensor | None = None,
+                cache: KVCache | None = None) -> tuple[Tensor, Tensor | None]:
+        """The new tokens' attention over themselves and the earlier tokens a cache holds; and the values the later
+        layers mix into theirs (value_residual's first layer), else None."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
-        if self.value_embed is not None or self.value_mix is not None:
-            v = self.mixed_values(v, shortcuts, first_values)
+        if self.value_mix is not None:
+            v = self.value_mix[0] * v + self.value_mix[1] * first_values
+        values = v if self.first_values_kept else None
         if self.qk_norm:  # scores then measure direction only: they can't grow large, which steadies training
             q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))
-        if cache is None:
-            if self.rotary is not None:
-                q, k = self.rotary(q, 0), self.rotary(k, 0)
-            y = self.attend(q, k, v)
-        else:  # generation: the cache adds the earlier tokens' keys and values (KVCache.attend)
-            y = cache.attend(self, q, k, v)
-        y = self.c_proj(y.transpose(1, 2).reshape(B, T, C))
-        return F.dropout(y, self.dropout, self.training), v if self.first_values_kept else None
+        if self.rotary is not None:  # the new tokens' positions start where the cached ones end
+            start = 0 if cache is None else cache.length
+            q, k = self.rotary(q, start), self.rotary(k, start)
+        if cache is not None:  # generation: the earlier tokens' keys and values go before the new ones'
+            k, v = cache.layers[self.layer_index].extend(k, v)
+        y = self.c_proj(self.attend(q, k, v).transpose(1, 2).reshape(B, T, C))
+        return F.dropout(y, self.dropout, self.training), values
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-        """softmax(QKᵀ/√d_k) @ V, causal (within the layer's window), or where a cache's `mask` is True."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """softmax(QKᵀ/√d_k) @ V, the queries being the last of the keys: each sees the keys up to its own, within
+        the layer's window."""
         dropout_p = self.dropout if self.training else 0.0
         if self.attn_impl == "math" or self.captured is not None:
-            mask = causal_mask(q.size(-2), k.size(-2), q.device, self.window) if mask is None else mask
+            mask = causal_mask(q.size(-2), k.size(-2), q.device, self.window)
             y, weights = masked_attention(q, k, v, mask, dropout_p)
             if self.captured is not None:
                 self.captured.append(weights)
             return y
-        if mask is None and self.window is not None:
+        if q.size(-2) < k.size(-2):  # after cached keys: the mask aligns the queries with the last keys
+            mask = causal_mask(q.size(-2), k.size(-2), q.device, self.window)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        if self.window is not None:
             return windowed_attention(q, k, v, self.window, dropout_p)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None)
-
-    def mixed_values(self, v: Tensor, shortcuts: Shortcuts, first_values: Tensor | None) -> Tensor:
-        """The values plus this layer's token embedding (value_embeds), mixed with layer 0's (value_residual)."""
-        if self.value_embed is not None:
-            B, n_head, T, head_dim = v.shape
-            v = v + self.value_embed(shortcuts.idx).view(B, T, n_head, head_dim).transpose(1, 2)
-        if self.value_mix is not None:
-            v = self.value_mix[0] * v + self.value_mix[1] * first_values
-        return v
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
 ROLL_SLACK = 64  # a windowed layer's spare slots: it moves its live tokens to the front once per this many steps
 
 
 class LayerCache:
-    """A full layer's keys and values (2, B, n_head, slots, head_dim), oldest first, preallocated to block_size."""
+    """One layer's keys and values (2, B, n_head, slots, head_dim), oldest first. A full layer has block_size slots;
+    a windowed one keeps its last window - 1 tokens in twice that plus ROLL_SLACK, moving them to the front when it
+    fills: bounded memory, and always one contiguous, oldest-first slice for the kernels."""
 
-    def __init__(self, slots: int) -> None:
-        self.slots = slots
+    def __init__(self, block_size: int, window: int | None) -> None:
+        self.keep = block_size if window is None else window - 1  # earlier tokens a new query may still see
+        self.slots = min(block_size, 2 * self.keep + ROLL_SLACK)
         self.buffer: Tensor | None = None  # allocated on first use: batch, device and dtype as given
         self.stored = 0
 
     def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store the new tokens' keys and values (B, n_head, T, head_dim); return all those stored."""
-        end = self.stored + k.size(2)
+        """Store the new tokens' keys and values (B, n_head, T, head_dim); return theirs and the keep before them."""
+        if self.buffer is not None and self.stored + k.size(2) > self.buffer.size(3):
+            self._roll(k.size(2))
+        start, end = max(0, self.stored - self.keep), self.stored + k.size(2)
         if self.buffer is None:  # a prompt longer than a window's slots gets as many; its next roll shrinks them
             self.buffer = k.new_empty(2, k.size(0), k.size(1), max(self.slots, end), k.size(3))
         self.buffer[0, :, :, self.stored : end] = k
         self.buffer[1, :, :, self.stored : end] = v
         self.stored = end
-        return self.buffer[0, :, :, :end], self.buffer[1, :, :, :end]
-
-
-class WindowedLayerCache(LayerCache):
-    """A windowed layer's last window - 1 tokens in a buffer of twice that plus ROLL_SLACK, whose live tokens move to
-    the front when it fills: bounded memory, and always one contiguous, oldest-first slice for the kernels."""
-
-    def __init__(self, block_size: int, window: int) -> None:
-        super().__init__(min(block_size, 2 * (window - 1) + ROLL_SLACK))
-        self.keep = window - 1  # earlier tokens a new query may still see
-
-    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store the new tokens' keys and values; return theirs and the last window - 1 before them."""
-        if self.buffer is not None and self.stored + k.size(2) > self.buffer.size(3):
-            self._roll(k.size(2))
-        start = max(0, self.stored - self.keep)
-        keys, values = super().extend(k, v)
-        return keys[:, :, start:], values[:, :, start:]
+        return self.buffer[0, :, :, start:end], self.buffer[1, :, :, start:end]
 
     def _roll(self, n_new: int) -> None:
         """Move the tokens still in the window to the front of a buffer with room for n_new more."""
@@ -219,25 +232,13 @@ class WindowedLayerCache(LayerCache):
 
 
 class KVCache:
-    """Every layer's keys and values for the tokens run so far, so that each new token costs one position."""
+    """Every layer's keys and values for the tokens run so far, so that each new token costs one position. Its rows
+    run in lockstep: a batch of sequences of one length."""
 
     def __init__(self, config: GPTConfig) -> None:
-        size = config.block_size
-        self.layers = [LayerCache(size) if w is None else WindowedLayerCache(size, w) for w in config.layer_windows()]
+        self.layers = [LayerCache(config.block_size, window) for window in config.layer_windows()]
         self.length = 0  # tokens already run: the new ones sit at positions length, length + 1, ...
         self.last_token: torch.Tensor | None = None  # (B, 1): the newest token run, the bigram of the next
-
-    @property
-    def position(self) -> int:  # the new tokens' first (a BatchKVCache's: each row's)
-        return self.length
-
-    def attend(self, attn: CausalSelfAttention, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """The new tokens' attention over their own keys and the earlier ones in reach."""
-        if attn.rotary is not None:
-            q, k = attn.rotary(q, self.length), attn.rotary(k, self.length)
-        k, v = self.layers[attn.layer_index].extend(k, v)
-        mask = None if self.length == 0 else causal_mask(q.size(-2), k.size(-2), q.device, attn.window)
-        return attn.attend(q, k, v, mask)
 
     def advance(self, new_tokens: Tensor) -> None:  # once every layer has stored the new tokens (B, T)
         self.length += new_tokens.size(1)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,12 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from common.config import check_fields, option
 from common.errors import ConfigError
 from model.attention import CausalSelfAttention, KVCache
-from model.shortcuts import BigramEmbedding, Shortcuts
 
-if TYPE_CHECKING:
-    from model.batch_cache import BatchKVCache
-
-    Cache = KVCache | BatchKVCache
 Generators = Sequence[torch.Generator | None] | None  # one random stream per row (row_generators)
 
 ATTN_IMPLS = ("flash", "math")
@@ -29,6 +23,7 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "relu2")
 POS_EMBS = ("learned", "rope")  # rope: rotary embeddings on queries and keys instead of a learned table
 NORMS = ("layernorm", "rmsnorm")  # rmsnorm: scale only, no mean subtracted (cheaper; modded-nanogpt's)
 WINDOWED, FULL = "S", "L"  # window_pattern's letters: a sliding-window layer, a full causal one
+MAX_LAYERS, MAX_WIDTH, MAX_CONTEXT, MAX_VOCAB = 1024, 65536, 2**20, 2**24  # far past GPT-2 XL, short of absurd
 BIGRAM_ROWS = 65521  # the largest prime below 2**16: vocabularies up to 255 tokens get exact bigrams
 PREFILL_CHUNK = 1024  # tokens of a rolling model's prompt run through the cache at a time (GPT.prefill)
 
@@ -37,17 +32,21 @@ PREFILL_CHUNK = 1024  # tokens of a rolling model's prompt run through the cache
 class GPTConfig:
     """The model's shape, all a checkpoint needs to rebuild it; train.py's model.* keys, bar vocab_size (the data's)."""
 
-    vocab_size: int = option(50257, at_least=1)
-    block_size: int = option(1024, at_least=1)  # the context: positions the model sees at once
-    n_layer: int = option(12, at_least=1)
-    n_head: int = option(12, at_least=1)
-    n_embd: int = option(768, at_least=1)  # width; a multiple of n_head
+    vocab_size: int = option(50257, at_least=1, at_most=MAX_VOCAB)  # the tokenizer's tokens
+    # The token table's rows: vocab_size rounded up to a multiple of this, which GPU kernels run faster on (64:
+    # GPT-2's 50257 becomes 50304). The extra rows' ids are no tokens: never a target, a logit or a sample.
+    vocab_multiple: int = option(1, at_least=1, at_most=1024)
+    block_size: int = option(1024, at_least=1, at_most=MAX_CONTEXT)  # the context: positions the model sees at once
+    n_layer: int = option(12, at_least=1, at_most=MAX_LAYERS)
+    n_head: int = option(12, at_least=1, at_most=MAX_WIDTH)
+    n_embd: int = option(768, at_least=1, at_most=MAX_WIDTH)  # width; a multiple of n_head
     dropout: float = option(0.0, at_least=0.0, below=1.0)
     bias: bool = True  # biases in the linear layers and LayerNorms
     attn_impl: str = option("flash", choices=ATTN_IMPLS)  # flash (fused SDPA) | math (the textbook formula)
     activation: str = option("gelu", choices=ACTIVATIONS)
     pos_emb: str = option("learned", choices=POS_EMBS)
-    attn_window: int | None = option(None, at_least=1)  # query i sees keys i-attn_window+1 .. i; null: all earlier
+    # query i sees keys i-attn_window+1 .. i; null: all earlier
+    attn_window: int | None = option(None, at_least=1, at_most=MAX_CONTEXT)
     # Which layers use attn_window: S (windowed) or L (full), first layer first. A pattern shorter than n_layer is
     # repeated and its last layer made L; one of n_layer letters is used as written ("SSSS": every layer windowed, so
     # with rope generation can roll past block_size). Null: "S", all but the last layer. attn_window=null: no windows.
@@ -55,12 +54,9 @@ class GPTConfig:
     # Modern options (modded-nanogpt's), all off by default: off, the model is GPT-2's. docs/speedrun.md measures them.
     norm: str = option("layernorm", choices=NORMS)  # the blocks' and the final norm
     qk_norm: bool = False  # RMS-normalise each head's queries and keys before their scores
-    untied_head: bool = False  # an output head of its own, initialised to zero, instead of wte's transpose
-    zero_init_proj: bool = False  # the blocks' output projections start at zero: every block starts as identity
     logit_softcap: float | None = option(None, above=0.0)  # logits = cap * tanh(logits / cap); null: none
     x0_mix: bool = False  # each block's input mixes in the embeddings: a*x + b*x0, learned a, b from 1, 0
     value_residual: bool = False  # layers after the first mix in its values: v = a*v + b*v_first, a, b from 0.5
-    value_embeds: bool = False  # each layer adds a token embedding of its own to its values
     bigram_embed: bool = False  # add an embedding of (previous token, token); exact for small vocabularies, else hashed
 
     def __post_init__(self) -> None:
@@ -104,10 +100,31 @@ class GPTConfig:
         return 1 + sum(w - 1 for w in windows) + int(self.bigram_embed)  # a bigram: the token before too
 
     @property
+    def padded_vocab_size(self) -> int:
+        """The token table's rows: vocab_size rounded up to a multiple of vocab_multiple."""
+        return math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple
+
+    @property
     def bigram_rows(self) -> int:
         """A row per (previous token or none, token) while that fits BIGRAM_ROWS, else BIGRAM_ROWS rows that the
         pairs share by hashing (a prime modulus spreads them)."""
         return min(self.vocab_size * (self.vocab_size + 1), BIGRAM_ROWS)
+
+
+class BigramEmbedding(nn.Module):
+    """A row per (previous token, token) pair, so pair statistics needn't be learnt through attention. Row
+    vocab_size * vocab_size + token: no previous token; past GPTConfig.bigram_rows, pairs share rows (id modulo)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.vocab_size = config.vocab_size
+        self.table = nn.Embedding(config.bigram_rows, config.n_embd)
+
+    def forward(self, idx: Tensor, previous: Tensor | None) -> Tensor:
+        """Embeddings (B, T, n_embd) of idx (B, T); previous (B, 1): the token before idx[:, 0], if any."""
+        before = torch.full_like(idx[:, :1], self.vocab_size) if previous is None else previous
+        pairs = torch.cat((before, idx[:, :-1]), dim=1) * self.vocab_size + idx
+        return self.table(pairs % self.table.num_embeddings)
 
 
 class MLP(nn.Module):
@@ -132,8 +149,10 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    """x + attention(norm(x)), then x + mlp(norm(x)). The first layer of a value_residual model also returns its
-    attention's values, which the layers after it mix into theirs (None otherwise)."""
+    """x + attention(norm(x)), then x + mlp(norm(x)); x0_mix first mixes in the input embeddings x0. The first layer
+    of a value_residual model also returns its attention's values, which the layers after it mix into theirs (None
+    otherwise): they travel as arguments and results, never as writes, which FSDP2 (it copies arguments) would drop
+    and which would break torch.compile's graph under activation checkpointing."""
 
     def __init__(self, config: GPTConfig, layer_index: int) -> None:
         super().__init__()
@@ -143,40 +162,35 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.x0_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if config.x0_mix else None  # from the plain residual
 
-    def forward(self, x: Tensor, shortcuts: Shortcuts, first_values: Tensor | None = None,
-                cache: Cache | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, x0: Tensor, first_values: Tensor | None = None,
+                cache: KVCache | None = None) -> tuple[Tensor, Tensor | None]:
         if self.x0_mix is not None:
-            x = self.x0_mix[0] * x + self.x0_mix[1] * shortcuts.x0
-        attended, values = self.attn(self.ln_1(x), shortcuts, first_values, cache)
+            x = self.x0_mix[0] * x + self.x0_mix[1] * x0
+        attended, values = self.attn(self.ln_1(x), first_values, cache)
         x = x + attended
         return x + self.mlp(self.ln_2(x)), values
 
 
 class GPT(nn.Module):
-    """hidden() runs the transformer, logits() the output head on it. With a cache (KVCache; a server's
-    BatchKVCache), the tokens given come after those the cache holds, and the cache keeps theirs."""
+    """hidden() runs the transformer, logits() the output head on it. With a KVCache, the tokens given come after
+    those the cache holds, and the cache keeps theirs."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None,
             h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
             ln_f=make_norm(config),
             bigram=BigramEmbedding(config) if config.bigram_embed else None,
         ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if not config.untied_head:
-            self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight") and config.zero_init_proj:
-                nn.init.zeros_(p)
-            elif name.endswith("c_proj.weight"):  # GPT-2: the residual stream's variance doesn't grow with depth
+            if name.endswith("c_proj.weight"):  # GPT-2: the residual stream's variance doesn't grow with depth
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        if config.untied_head:  # the first predictions are uniform, the loss exactly ln(vocab_size)
-            nn.init.zeros_(self.lm_head.weight)
         self.activation_checkpointing = False  # training: each block keeps only its input and runs again in backward
 
     @staticmethod
@@ -189,14 +203,12 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """By default less the tables only looked up (no FLOPs): positions, bigrams, value embeddings, untied wte."""
+        """By default less the tables only looked up (no FLOPs): positions and bigrams."""
         n = sum(p.numel() for p in self.parameters())
         if not non_embedding:
             return n
-        t = self.transformer
-        tables = [t.wpe, None if t.bigram is None else t.bigram.table, *(block.attn.value_embed for block in t.h)]
-        tables += [t.wte] if self.config.untied_head else []
-        return n - sum(table.weight.numel() for table in tables if table is not None)
+        tables = (self.transformer.wpe, self.transformer.bigram)
+        return n - sum(p.numel() for table in tables if table is not None for p in table.parameters())
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token (forward and backward), as in the PaLM paper's appendix B."""
@@ -204,7 +216,7 @@ class GPT(nn.Module):
         spans = (c.block_size if w is None else min(w, c.block_size) for w in c.layer_windows())
         return 6 * self.num_params() + 12 * c.n_embd * sum(spans)
 
-    def hidden(self, idx: Tensor, cache: Cache | None = None) -> Tensor:
+    def hidden(self, idx: Tensor, cache: KVCache | None = None) -> Tensor:
         """Final hidden states (B, T, n_embd) of the tokens idx (B, T)."""
         T, t = idx.size(1), self.transformer
         length = T + (0 if cache is None else cache.length)
@@ -214,13 +226,13 @@ class GPT(nn.Module):
         if t.bigram is not None:
             x = x + t.bigram(idx, None if cache is None else cache.last_token)
         if t.wpe is not None:  # with rope, positions enter through the attention instead
-            x = x + t.wpe(torch.arange(T, device=idx.device) + (0 if cache is None else cache.position))
+            x = x + t.wpe(torch.arange(T, device=idx.device) + (0 if cache is None else cache.length))
         x = F.dropout(x, self.config.dropout, self.training)
-        shortcuts = Shortcuts(x0=x, idx=idx)
+        x0 = x  # the input embeddings, which x0_mix mixes into every block's input
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         first_values = None  # value_residual: the first layer's values, which the later layers mix in
         for block in t.h:
-            args = (x, shortcuts, first_values, cache)
+            args = (x, x0, first_values, cache)
             x, values = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
             first_values = first_values if values is None else values
         if cache is not None:
@@ -228,7 +240,8 @@ class GPT(nn.Module):
         return t.ln_f(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        logits = self.lm_head(hidden)
+        """The next-token logits (..., vocab_size); the padded rows' (vocab_multiple) are cut off: no token's."""
+        logits = self.lm_head(hidden)[..., : self.config.vocab_size]
         cap = self.config.logit_softcap  # every logit within (-cap, cap): none runs away early in training
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
@@ -238,7 +251,8 @@ class GPT(nn.Module):
         logits = self.logits(self.hidden(idx, cache))
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        # in float32 on every device: CUDA's autocast would run the log-softmax over the vocabulary in bfloat16
+        loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-1)
         return logits, loss
 
     @torch.no_grad()

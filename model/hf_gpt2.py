@@ -25,16 +25,15 @@ _ACTIVATION_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 _GPT2_EOT = 50256  # <|endoftext|> in GPT-2's BPE: the start and end token of HF's generate()
 _HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older transformers versions kept in state_dict
 SETTINGS = ("dropout", "attn_impl", "attn_window", "window_pattern")  # not fixed by the weights: as given, else default
-_GPT2_OPTIONS = {  # GPT-2's values: others don't export (zero_init_proj only initialises, so it does)
+_GPT2_OPTIONS = {  # GPT-2's values: others don't export
     "norm": "layernorm",
     "qk_norm": False,
-    "untied_head": False,
     "logit_softcap": None,
     "x0_mix": False,
     "value_residual": False,
-    "value_embeds": False,
     "bigram_embed": False,
 }
+_TOKEN_TABLES = ("transformer.wte.weight", "lm_head.weight")  # one tied matrix: its padded rows don't export
 
 
 class PretrainedError(UserError):
@@ -122,7 +121,8 @@ def gpt_from_hf(hf_model: GPT2LMHeadModel, *, block_size: int | None = None, **s
 
 
 def hf_from_gpt(model: GPT) -> GPT2LMHeadModel:
-    """The GPT2LMHeadModel computing model's logits, for HF's tools; bias=False exports as zero biases."""
+    """The GPT2LMHeadModel computing model's logits, for HF's tools; bias=False exports as zero biases, and the token
+    table its vocab_size rows, without the padding."""
     config = model.config
     if config.attn_window is not None:
         raise PretrainedError(
@@ -145,7 +145,7 @@ def hf_from_gpt(model: GPT) -> GPT2LMHeadModel:
     _require_transformers()
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    eot = _GPT2_EOT if config.vocab_size > _GPT2_EOT else None  # GPT-2's BPE, possibly padded; else no such token
+    eot = _GPT2_EOT if config.vocab_size > _GPT2_EOT else None  # GPT-2's BPE; else no such token
     hf_model = GPT2LMHeadModel(
         GPT2Config(
             vocab_size=config.vocab_size,
@@ -163,7 +163,7 @@ def hf_from_gpt(model: GPT) -> GPT2LMHeadModel:
             eos_token_id=eot,
         )
     )
-    ours = model.state_dict()
+    ours = {k: v[: config.vocab_size] if k in _TOKEN_TABLES else v for k, v in model.state_dict().items()}
     theirs, conv1d = _hf_weights(hf_model)
     zero_biases = set() if config.bias else {k for k in theirs if k.endswith(".bias")}
     _check_same_keys(ours.keys() | zero_biases, theirs.keys())

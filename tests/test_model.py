@@ -1,11 +1,18 @@
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import assert_same_logits_and_gradients
+from common.config import typed_config
+from common.errors import CheckpointError
+from conftest import assert_same_logits_and_gradients, compose_config
 from model import GPT, GPTConfig
-from model.shortcuts import Shortcuts
+from model.attention import Rotary
+from model.checkpoint import Checkpoint, load_checkpoint
+from model.gpt import Decoding
+from model.hf_gpt2 import hf_from_gpt
+from training.schema import TrainRunConfig
 
 SMALL = dict(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)
 
@@ -78,6 +85,9 @@ def test_gpt2_initialisation_tying_and_parameter_count() -> None:
         ({"activation": "swish"}, "activation"),
         ({"pos_emb": "alibi"}, "pos_emb"),
         ({"pos_emb": "rope", "n_embd": 36, "n_head": 4}, "even head size"),
+        ({"n_layer": 10**6}, "n_layer=1000000 must be <= 1024"),
+        ({"block_size": 2**40}, "block_size=1099511627776 must be <= 1048576"),
+        ({"n_embd": 2**20, "n_head": 1}, "n_embd=1048576 must be <= 65536"),
     ],
 )
 def test_impossible_configs_raise_value_error_naming_the_field(overrides: dict, field: str) -> None:
@@ -112,8 +122,6 @@ def test_relu2_is_relu_squared() -> None:
 
 
 def test_rope_replaces_the_position_table_and_scores_depend_on_relative_positions() -> None:
-    from model.rotary import Rotary
-
     torch.manual_seed(0)
     model = GPT(GPTConfig(**SMALL, pos_emb="rope"))
     assert model.transformer.wpe is None and not any("wpe" in k or "rotary" in k for k in model.state_dict())
@@ -163,6 +171,68 @@ def test_attention_weights_come_out_beside_the_main_path_and_leave_it_as_it_was(
     assert all(block.attn.captured is None for block in flash.transformer.h)
     assert torch.equal(flash(idx)[0], before)
     x = torch.zeros(1, 3, SMALL["n_embd"])
-    shortcuts = Shortcuts(x0=x, idx=torch.zeros(1, 3, dtype=torch.long))
-    out, values = flash.transformer.h[0](x, shortcuts)
+    out, values = flash.transformer.h[0](x, x)
     assert out.shape == x.shape and values is None  # the weights leave through `captured`, never the return
+
+
+GPT2_BPE = dict(vocab_size=50257, vocab_multiple=64, block_size=8, n_layer=1, n_head=2, n_embd=8)
+
+
+def test_a_gpt2_bpe_table_has_50304_rows_and_the_padding_changes_no_logit_or_loss() -> None:
+    torch.manual_seed(0)
+    padded = GPT(GPTConfig(**GPT2_BPE))
+    assert padded.transformer.wte.weight.shape == padded.lm_head.weight.shape == (50304, 8)
+    unpadded = GPT(GPTConfig(**{**GPT2_BPE, "vocab_multiple": 1}))
+    tables = ("transformer.wte.weight", "lm_head.weight")
+    unpadded.load_state_dict({k: v[:50257] if k in tables else v for k, v in padded.state_dict().items()})
+    idx = torch.randint(50257, (2, 8))
+    (logits, loss), (expected, expected_loss) = padded(idx, idx), unpadded(idx, idx)
+    assert logits.shape == (2, 8, 50257)
+    assert torch.equal(logits, expected) and torch.equal(loss, expected_loss)
+    assert GPTConfig(**{**GPT2_BPE, "vocab_size": 65}).padded_vocab_size == 128
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "gpt2_speedrun"])
+def test_the_gpt2_presets_train_from_scratch_without_biases_on_a_table_of_50304_rows(preset: str) -> None:
+    config = typed_config(compose_config([f"experiment={preset}"]), TrainRunConfig).model.gpt_config(50257)
+    assert (config.padded_vocab_size, config.bias) == (50304, False)
+
+
+def test_a_padded_id_is_never_sampled_even_where_its_logit_is_the_largest() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**GPT2_BPE)).eval()
+    with torch.no_grad():  # every hidden state all ones, the padded rows' logits 8, the real ones' about 0
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.fill_(1.0)
+        model.lm_head.weight[50257:] = 1.0
+        assert int(model.lm_head(model.hidden(torch.zeros(1, 1, dtype=torch.long)))[0, -1].argmax()) >= 50257
+    prompt = torch.zeros(2, 1, dtype=torch.long)
+    for decoding in (Decoding(temperature=0), Decoding(temperature=1.0), Decoding(temperature=5.0, top_p=0.99)):
+        steps = torch.cat(list(model.generate_tokens(prompt, 10, decoding)), dim=1)
+        assert int(steps.max()) < 50257
+
+
+def test_the_export_and_its_tokenizer_see_the_real_vocabulary_not_the_padding() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**GPT2_BPE)).eval()
+    hf_model = hf_from_gpt(model)
+    assert hf_model.config.vocab_size == 50257 and hf_model.transformer.wte.weight.shape == (50257, 8)
+    idx = torch.randint(50257, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(idx).logits, model(idx)[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("option", ["value_embeds", "untied_head", "zero_init_proj"])
+def test_a_checkpoint_naming_a_removed_option_loads_when_it_is_off_and_is_refused_when_on(
+    option: str, tmp_path: Path
+) -> None:
+    model = GPT(GPTConfig(**SMALL))
+    off, on = tmp_path / "off.pt", tmp_path / "on.pt"
+    for path, value in ((off, False), (on, True)):
+        raw = Checkpoint(model.config, model.state_dict(), {}).to_dict()
+        torch.save(raw | {"model_config": raw["model_config"] | {option: value}}, path)
+    assert load_checkpoint(off).model_config == model.config
+    with pytest.raises(CheckpointError, match=option) as refused:
+        load_checkpoint(on)
+    assert "\n" not in str(refused.value)
+

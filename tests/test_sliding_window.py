@@ -19,10 +19,16 @@ from analysis.causality import check_causality, format_report
 from common.errors import CheckpointError, ConfigError
 from conftest import compose_config, run_in_process, tiny_run_overrides
 from model import GPT, GPTConfig, causal_mask, masked_attention
-from model.attention import ROLL_SLACK, KVCache, _cached_band_block_mask, flex_windowed_attention, windowed_attention
+from model.attention import (
+    ROLL_SLACK,
+    KVCache,
+    Rotary,
+    _cached_band_block_mask,
+    flex_windowed_attention,
+    windowed_attention,
+)
 from model.checkpoint import CKPT_NAME, load_checkpoint
 from model.hf_gpt2 import PretrainedError, hf_from_gpt
-from model.rotary import Rotary
 from training.run import train
 
 SMALL = dict(vocab_size=40, block_size=32, n_layer=3, n_head=2, n_embd=16)

@@ -3,6 +3,8 @@ parameters go where, and the per-step hyperparameters."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -103,6 +105,27 @@ def test_adamw_groups_step_as_torch_optim_adamw() -> None:
         _step_with_random_grads([adamw, reference], [ours, theirs])
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_step_with_found_inf_leaves_the_weights_and_state_as_they_were(optimizer: str) -> None:
+    """The trainer's skip of a NaN step, decided on the device: NaN gradients and found_inf 1 change nothing, not
+    even the AdamW step counts; found_inf 0 steps as no flag at all."""
+    models = [_tiny_gpt() for _ in range(3)]
+    optimizers = [make_optimizer(model, OptimConfig(optimizer=optimizer), CPU) for model in models]
+    _step_with_random_grads(optimizers, [list(model.parameters()) for model in models])
+    state_before = [{k: v.clone() for k, v in s.items()} for s in optimizers[0].state.values()]
+    weights_before = [p.detach().clone() for p in models[0].parameters()]
+    for p in models[0].parameters():
+        p.grad = torch.full_like(p, math.nan)
+    optimizers[0].found_inf = torch.ones(())
+    optimizers[0].step()
+    assert all(torch.equal(a, b) for a, b in zip(weights_before, models[0].parameters(), strict=True))
+    for before, after in zip(state_before, optimizers[0].state.values(), strict=True):
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    optimizers[1].found_inf = torch.zeros(())
+    _step_with_random_grads(optimizers[1:], [list(model.parameters()) for model in models[1:]])
+    assert all(torch.equal(a, b) for a, b in zip(models[1].parameters(), models[2].parameters(), strict=True))
 
 
 def test_muon_takes_the_blocks_linear_weights_and_adamw_the_rest() -> None:

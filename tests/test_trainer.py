@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.config import typed_config
 from common.errors import TrainingDiverged
@@ -49,13 +50,15 @@ def test_each_step_takes_the_learning_rate_of_its_schedule(tmp_path: Path, corpu
 
 
 def test_a_nonfinite_loss_never_touches_the_weights(tmp_path: Path, corpus_path: Path) -> None:
-    """on_nonfinite=stop: one line naming the iteration; skip: the step is dropped and the run goes on."""
+    """on_nonfinite=stop: one line naming the iteration, at the next check; skip: the steps are dropped, and a run
+    none of whose steps since the last evaluation applied gives up in one line."""
     trainer = _trainer(tmp_path / "stop", corpus_path, **{"train.max_iters": 3})
     with torch.no_grad():
         trainer.model.lm_head.weight[0, 0] = math.inf
     before = _weights(trainer)
-    with pytest.raises(TrainingDiverged, match=f"the loss is nan at iter 0; no {CKPT_NAME} was written before"):
-        trainer.fit()
+    stopped = rf"the loss is not finite at iter 0 and 2 later step\(s\); no {CKPT_NAME} was written before"
+    with pytest.raises(TrainingDiverged, match=stopped):
+        trainer.fit()  # the check comes at the evaluation at iter 3, before the first log line
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
 
     skipping = _trainer(tmp_path / "skip", corpus_path, **{"train.max_iters": 3, "train.on_nonfinite": "skip"})
@@ -67,8 +70,75 @@ def test_a_nonfinite_loss_never_touches_the_weights(tmp_path: Path, corpus_path:
 
     skipping.step_model.forward = nan_loss
     before = _weights(skipping)
-    assert skipping.fit().iters == 3  # counted as iterations, never applied
+    with pytest.raises(TrainingDiverged, match="at the last 3 steps, up to iter 2: train.on_nonfinite=skip gives up"):
+        skipping.fit()
     assert all(torch.equal(before[k], v) for k, v in skipping.model.state_dict().items())
+    assert not (tmp_path / "skip" / "run" / CKPT_NAME).exists()
+
+
+def test_skipping_gives_up_after_a_bounded_run_of_skips(
+    tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between two evaluations far apart, the log lines give up once MAX_SKIPS_IN_A_ROW steps in a row were skipped;
+    a NaN step between applied ones is only a warning."""
+    import training.trainer
+
+    monkeypatch.setattr(training.trainer, "MAX_SKIPS_IN_A_ROW", 4)
+    keys = {"train.max_iters": 100, "train.eval_interval": 100, "train.log_interval": 1, "train.on_nonfinite": "skip"}
+    trainer = _trainer(tmp_path, corpus_path, **keys)
+    forward = trainer.step_model.forward
+
+    def nan_at_2_then_from_5(x: torch.Tensor, y: torch.Tensor | None = None) -> tuple:
+        logits, loss = forward(x, y)
+        poisoned = trainer.progress.iter == 2 or trainer.progress.iter >= 5
+        return logits, loss * math.nan if poisoned and loss is not None else loss
+
+    trainer.step_model.forward = nan_at_2_then_from_5
+    with pytest.raises(TrainingDiverged, match="at the last 4 steps, up to iter 8: train.on_nonfinite=skip gives up"):
+        trainer.fit()
+    assert trainer.progress.iter == 9
+
+
+class HostReads(TorchDispatchMode):
+    """Counts what would make the host wait for a GPU: a float or bool tensor's value read into Python (item, bool,
+    float, tolist) and operations whose output's shape depends on the values."""
+
+    WAITING_OPS = (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default)
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        super().__init__()
+        self.count = 0
+        tolist = torch.Tensor.tolist
+
+        def counted_tolist(tensor: torch.Tensor) -> object:
+            self.count += tensor.dtype.is_floating_point or tensor.dtype == torch.bool
+            return tolist(tensor)
+
+        monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+
+    def __torch_dispatch__(self, func: object, types: object, args: tuple = (), kwargs: dict | None = None) -> object:
+        read = func is torch.ops.aten._local_scalar_dense.default and (
+            args[0].dtype.is_floating_point or args[0].dtype == torch.bool)
+        self.count += read or func in self.WAITING_OPS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_steady_state_step_reads_nothing_from_the_device(
+    tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch, optimizer: str
+) -> None:
+    """Between log lines and evaluations a step never waits for the device: the non-finite check, clipping, the
+    optimizer's step (its step counts too), the loss tally and the learning rate stay there or in Python."""
+    keys = {"train.optimizer": optimizer, "train.max_iters": 6, "train.eval_interval": 100, "train.log_interval": 100,
+            "train.grad_accum": 2}
+    trainer = _trainer(tmp_path, corpus_path, **keys)
+    reads = HostReads(monkeypatch)
+    reads_before_step = {}
+    trainer.before_step = lambda it: reads_before_step.setdefault(it, reads.count)
+    with reads:
+        trainer.fit()
+    assert reads_before_step[5] - reads_before_step[2] == 0  # steps 2, 3 and 4
+    assert reads.count > reads_before_step[5]  # the evaluation at the end reads its sums: the count sees reads
 
 
 def test_save_then_restore_gives_back_the_named_state(tmp_path: Path, corpus_path: Path) -> None:
@@ -136,6 +206,21 @@ def test_a_signal_during_a_step_stops_the_run_after_that_step(tmp_path: Path, co
     result = trainer.fit()
     assert result.stopped_by == "SIGTERM" and result.iters == 8
     assert load_checkpoint(tmp_path / "run" / CKPT_NAME).progress.iter == 8
+
+
+@pytest.mark.parametrize("peak_tflops", [None, 1.0])
+def test_log_lines_give_the_mean_loss_speed_and_eta_and_mfu_only_with_a_peak(
+    tmp_path: Path, corpus_path: Path, peak_tflops: float | None
+) -> None:
+    keys = {"train.max_iters": 6, "train.eval_interval": 100, "train.log_interval": 2}
+    if peak_tflops:
+        keys["train.peak_tflops"] = peak_tflops
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **keys)))
+    lines = [r for r in _records(tmp_path / "run") if "lr" in r]
+    assert [r["iter"] for r in lines] == [2, 4, 6]
+    timed = {"iter", "train_loss", "lr", "elapsed_s", "ms_per_iter", "tokens_per_sec", "eta_s"}
+    assert all(set(r) == timed | ({"mfu"} if peak_tflops else set()) for r in lines)
+    assert lines[-1]["eta_s"] == 0 and all(math.isfinite(r["train_loss"]) and r["tokens_per_sec"] > 0 for r in lines)
 
 
 def test_eval_from_skips_the_early_evaluations_but_never_the_last(tmp_path: Path, corpus_path: Path) -> None:

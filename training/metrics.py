@@ -1,4 +1,4 @@
-"""Evaluations, log-line numbers and metrics.jsonl (its sole writer): each log/eval line to file, console, wandb."""
+"""Evaluations, and metrics.jsonl (its sole writer): each log and eval line to the file, the console and wandb."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import itertools
 import json
 import logging
 import math
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,6 @@ from data.prepare import EVAL_WINDOWS, PreparedData, TokenFiles, batch_generator
 from data.tokenizers import TextScore, Tokenizer, token_sums
 from evals.hellaswag import Example, hellaswag_sums
 from model import GPT
-from model.checkpoint import Progress
 from model.gpt import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from training.distributed import World
 from training.schema import OptimConfig, WandbConfig
@@ -119,50 +117,12 @@ def _record(line: bytes, last_iter: float = math.inf) -> dict[str, Any] | None:
     """The line's record if it is whole and at or before last_iter, null (a NaN when written) read as NaN."""
     try:
         record = json.loads(line)  # bytes: decoded as UTF-8 (a bad byte is a ValueError too)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: brackets nested past Python's limit
         return None
     whole = isinstance(record, dict) and isinstance(record.get("iter"), int)
     if not whole or record["iter"] > last_iter:
         return None
     return {k: math.nan if v is None else v for k, v in record.items()}
-
-
-class LogWindow:
-    """Steps since the last log: mean loss; training time (no evals, checkpoints, first step) for tokens/s and MFU."""
-
-    def __init__(self, progress: Progress, tokens_per_iter: int, flops_per_token: float, peak_flops: float | None):
-        self.first_step, self.tokens_per_iter = progress.iter, tokens_per_iter
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops  # peak: all processes'; None: no MFU
-        self.loss_sum: torch.Tensor | float = progress.log_loss_sum  # since the last line (a resumed run's saved)
-        self.steps, self.seconds, self.timed = progress.log_steps, 0.0, 0  # steps applied (a skipped one isn't)
-
-    def saved(self) -> dict[str, float | int]:
-        """The Progress fields a checkpoint keeps of the line under way: a resumed run logs the same mean."""
-        return {"log_loss_sum": float(self.loss_sum), "log_steps": self.steps}
-
-    def add(self, loss: torch.Tensor) -> None:
-        """An applied step's loss (0-dim, on the device: no sync here)."""
-        self.loss_sum = self.loss_sum + loss
-        self.steps += 1
-
-    def end_step(self, step: int, began: float, log_now: bool) -> tuple[float, dict[str, float]] | None:
-        """After step `step`, begun at `began`; if log_now, the mean loss and throughput, then a new window."""
-        log_now = log_now and self.steps > 0
-        if log_now:
-            train_loss = float(self.loss_sum) / self.steps  # waits for the GPU: timed as training
-        if step != self.first_step:
-            self.seconds += time.perf_counter() - began
-            self.timed += 1
-        if not log_now:
-            return None
-        throughput = {}
-        if self.timed:
-            tokens_per_sec = self.tokens_per_iter * self.timed / self.seconds
-            throughput = {"ms_per_iter": 1000 * self.seconds / self.timed, "tokens_per_sec": tokens_per_sec}
-            if self.peak_flops is not None:
-                throughput["mfu"] = self.flops_per_token * tokens_per_sec / self.peak_flops
-        self.loss_sum, self.steps, self.seconds, self.timed = 0.0, 0, 0.0, 0
-        return train_loss, throughput
 
 
 def _readable(r: dict[str, Any], max_iters: int | None = None) -> str:

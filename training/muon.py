@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.optim._functional import adamw
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's: the steepest slope at zero that still stays near 1
 MUON_KEYS = ("lr", "momentum", "nesterov", "ns_steps", "weight_decay")  # what each kind of group must carry
@@ -43,51 +44,58 @@ class MuonAdamW(torch.optim.Optimizer):
             if missing:
                 raise ValueError(f"a {'Muon' if group['muon'] else 'AdamW'} group lacks {sorted(missing)}")
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """AdamW's step counts on their parameters' device, where the fused kernel counts (older checkpoints: CPU)."""
+        super().__setstate__(state)
+        for p, p_state in self.state.items():
+            if "step" in p_state:
+                p_state["step"] = p_state["step"].to(p.device, torch.float32)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One step of every group; none at all, decided on the device, when self.found_inf (set by the trainer, as
+        GradScaler sets it for torch's fused optimizers) holds 1: the weights and the state stay as they were."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if group["muon"]:
-                self._muon(group, params)
-            else:
-                self._adamw(group, params)
+            if params:
+                (self._muon if group["muon"] else self._adamw)(group, params, found_inf)
         return loss
 
-    def _muon(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+    def _muon(self, group: dict[str, Any], params: list[torch.Tensor], found_inf: torch.Tensor | None) -> None:
+        """Each shape's matrices stacked: one Newton-Schulz and a few whole-stack operations per shape."""
         lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
-        same_shape: dict[torch.Size, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # (param, its momentum update)
+        same_shape: dict[torch.Size, list[torch.Tensor]] = {}
         for p in params:
-            state = self.state[p]
-            if not state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - momentum)
-            update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-            same_shape.setdefault(p.shape, []).append((p, update))
-        for (rows, cols), pairs in same_shape.items():  # one Newton-Schulz per shape: the blocks' matrices batch
-            stacked = torch.stack([update for _, update in pairs]).to(self.ns_dtype)
-            orthogonal = newton_schulz(stacked, steps=group["ns_steps"])
-            for (p, _), update in zip(pairs, orthogonal, strict=True):
-                p.mul_(1 - lr * decay)
-                p.add_(update, alpha=-lr * max(1, rows / cols) ** 0.5)  # Keller Jordan's scale (and torch's)
+            if not self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            same_shape.setdefault(p.shape, []).append(p)
+        for (rows, cols), matrices in same_shape.items():
+            buffers = [self.state[p]["momentum_buffer"] for p in matrices]
+            grads, old_buffers, old_weights = map(torch.stack, ([p.grad for p in matrices], buffers, matrices))
+            buffer = old_buffers.lerp(grads, 1 - momentum)
+            update = grads.lerp(buffer, momentum) if group["nesterov"] else buffer
+            orthogonal = newton_schulz(update.to(self.ns_dtype), steps=group["ns_steps"])
+            weights = old_weights.mul(1 - lr * decay)
+            weights.add_(orthogonal, alpha=-lr * max(1, rows / cols) ** 0.5)  # Keller Jordan's scale (and torch's)
+            if found_inf is not None:  # a skipped step's NaN never leaves this function
+                keep = found_inf == 0
+                buffer, weights = torch.where(keep, buffer, old_buffers), torch.where(keep, weights, old_weights)
+            torch._foreach_copy_(buffers, list(buffer))
+            torch._foreach_copy_(matrices, list(weights))
 
-    def _adamw(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    def _adamw(self, group: dict[str, Any], params: list[torch.Tensor], found_inf: torch.Tensor | None) -> None:
+        """torch's fused AdamW kernel, on the state layout of torch.optim.AdamW(fused=True)."""
         for p in params:
-            state = self.state[p]
-            if not state:  # the layout of torch.optim.AdamW's state
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-            state["step"] += 1
-            step = state["step"].item()
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            p.mul_(1 - lr * decay)
-            exp_avg.lerp_(p.grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-            denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
-            p.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+            if not self.state[p]:
+                self.state[p].update(step=torch.zeros((), device=p.device), exp_avg=torch.zeros_like(p),
+                                     exp_avg_sq=torch.zeros_like(p))
+        states = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+              [s["step"] for s in states], fused=True, found_inf=found_inf, amsgrad=False, beta1=beta1, beta2=beta2,
+              lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)

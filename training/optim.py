@@ -29,9 +29,8 @@ def make_optimizer(model: nn.Module, train: OptimConfig, runtime: Runtime) -> to
     ]
     if train.optimizer == "muon":
         return _muon(groups, hidden, train, runtime)
-    # The fused kernel: one pass over all parameters (CUDA; on CPU about 4% faster per step here).
-    betas = (train.beta1, train.beta2)
-    return torch.optim.AdamW(groups, lr=train.learning_rate, betas=betas, fused=runtime.device.type in ("cuda", "cpu"))
+    # The fused kernel: one pass over all parameters, and it skips a step on the device (the trainer's found_inf).
+    return torch.optim.AdamW(groups, lr=train.learning_rate, betas=(train.beta1, train.beta2), fused=True)
 
 
 def _muon(

@@ -22,12 +22,13 @@ from data.tokenizers import Tokenizer
 from model import GPT
 from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, Progress, save_checkpoint
 from training.distributed import World, full_state, gradient_sync, load_full_state
-from training.metrics import Evaluator, HellaSwagEval, LogWindow, MetricsLog, sample_table
+from training.metrics import Evaluator, HellaSwagEval, MetricsLog, sample_table
 from training.optim import group_hyperparameters, set_hyperparameters
 from training.resume import resume_command
 from training.schema import TrainRunConfig
 
 log = logging.getLogger("train")
+MAX_SKIPS_IN_A_ROW = 100  # train.on_nonfinite=skip gives up after so many steps skipped in a row
 
 
 @dataclass
@@ -67,7 +68,8 @@ class StopRequests:
 
 @dataclass(eq=False, repr=False)
 class Trainer:
-    """A run's parts; only progress and the model, optimizer, GradScaler and RNG states change: what save() writes."""
+    """A run's parts. What changes is what save() writes (progress, the model, optimizer, GradScaler and RNG states)
+    and the log line's tally and clock."""
 
     config: TrainRunConfig
     world: World
@@ -89,16 +91,19 @@ class Trainer:
     before_step: Callable[[int], None] | None = None  # a test seam: called with the iteration before each step
     hellaswag: HellaSwagEval | None = None  # train.hellaswag_every > 0
     checkpointed_iter: int | None = None  # the iteration ckpt.pt holds (None: none written yet), for messages
-    window: LogWindow | None = None  # the log line under way: its losses so far are saved with progress
-    paced_from: tuple[float, int] | None = None  # perf_counter() and iter at the first timed log line: the ETA's
+    # Sums on the device, so that no step waits for them: the applied steps' loss and their number since the last
+    # log line; the steps skipped since the last check, the first one's iteration; the skips in a row until now.
+    tally: torch.Tensor | None = None
+    clock: tuple[float, int] | None = None  # perf_counter() and iter where the log line's timing began
 
     def fit(self) -> TrainResult:
-        """nanoGPT's loop. A signal stops the run after the current step, with a checkpoint."""
+        """nanoGPT's loop, in which a step never waits for the device: NaN and inf losses are skipped there and
+        reported at log lines and evaluations. A signal stops the run after the current step, with a checkpoint."""
         p, train = self.progress, self.config.train
         if p.last_eval_iter == p.iter and self.reaches_target(p.val_loss):  # a resumed run that had stopped there
             return self.finish(None)
-        tokens_per_iter = train.batch_size * train.grad_accum * self.model.config.block_size  # all processes'
-        self.window = LogWindow(p, tokens_per_iter, self.flops_per_token, self.peak_flops)
+        self.tally = torch.tensor([p.log_loss_sum, p.log_steps, 0, 0, 0], device=self.runtime.device)
+        self.clock = paced_from = None  # the ETA's pace: from the end of this process's first step
         accum = train.grad_accum // self.world.size  # this process's share of the step's micro-batches
         stopped_by = None
         self.model.train()
@@ -111,7 +116,6 @@ class Trainer:
                     break
                 if self.before_step is not None:
                     self.before_step(p.iter)
-                began = time.perf_counter()
                 loss = torch.zeros((), device=self.runtime.device)
                 for micro in range(accum):
                     x, y = self.train_batch(p.iter, self.world.rank * accum + micro)
@@ -123,37 +127,65 @@ class Trainer:
                     loss += micro_loss.detach()
                 # a signal usually arrives during forward and backward: this step is then every rank's last
                 loss, stopping = self.world.agree_on_step(loss, stop.signal is not None)
-                if torch.isfinite(loss):  # never a non-finite loss into the weights
-                    if train.grad_clip > 0:
-                        self.scaler.unscale_(self.optimizer)
-                        torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip)
-                    self.scaler.step(self.optimizer)
-                    self.scaler.update()
-                    self.window.add(loss)
-                else:
-                    self.stop_or_skip(loss, p.iter)
-                self.optimizer.zero_grad(set_to_none=True)
+                self.optimizer_step(loss)
                 p.iter += 1
-                self.log_step(began, lr)
+                if paced_from is None:  # the first step (compilation, warm-up) is left out of the timing
+                    self.runtime.synchronize()
+                    paced_from = self.clock = (time.perf_counter(), p.iter)
+                if p.iter % train.log_interval == 0:
+                    self.log_line(lr, paced_from)
                 if stopping:
-                    stopped_by = self.stop(stop.signal, save=bool(torch.isfinite(loss)))
+                    stopped_by = self.stop(stop.signal)
                     break
         return self.finish(stopped_by)
 
     def train_batch(self, it: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Windows from (seed, step, micro-batch) alone: a resumed run, or another number of processes, sees these."""
+        """The windows depend only on the seed, the step and the micro-batch, so a resumed run, or another number of
+        processes, sees the same ones. On CUDA they are pinned: the copy runs while the host draws the next."""
         generator = batch_generator(self.config.seed, TRAIN_WINDOWS, it, micro)
         x, y = get_batch(self.data.train, self.config.train.batch_size, self.model.config.block_size, generator)
+        if self.runtime.is_cuda:
+            x, y = x.pin_memory(), y.pin_memory()
         return x.to(self.runtime.device, non_blocking=True), y.to(self.runtime.device, non_blocking=True)
 
-    def stop_or_skip(self, loss: torch.Tensor, it: int) -> None:
-        """train.on_nonfinite for a NaN or inf loss: stop (ckpt.pt keeps the last good state) or skip the step."""
-        if self.config.train.on_nonfinite == "stop":
-            raise TrainingDiverged(
-                f"the loss is {loss.item()} at iter {it}; {self.last_checkpoint()}. Lower train.learning_rate (or keep "
-                "train.grad_clip on), or set train.on_nonfinite=skip to drop such steps"
-            )
-        log.warning(f"skipped iter {it}: the loss is {loss.item()}")
+    def optimizer_step(self, loss: torch.Tensor) -> None:
+        """Clip, step and zero the gradients, with no wait for the device: a step whose loss is NaN or inf is skipped
+        on the device, by the optimizer's found_inf, and counted in the tally."""
+        train, t = self.config.train, self.tally
+        finite = torch.isfinite(loss)
+        if train.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip)
+        # Fused AdamW and MuonAdamW read found_inf on the device. Under float16, GradScaler sets its own (from the
+        # gradients, which a NaN loss makes NaN too), and for MuonAdamW reads it on the host: a wait a step.
+        self.optimizer.found_inf = (~finite).float()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        t[0] += torch.where(finite, loss, 0.0)
+        t[1] += finite
+        t[2] += ~finite
+        t[3] = torch.where(~finite & (t[2] == 1), self.progress.iter, t[3])
+        t[4] = (t[4] + 1) * ~finite
+
+    def check_skips(self, evaluation: bool = False) -> int:
+        """train.on_nonfinite for the steps skipped since the last check: stop (ckpt.pt keeps the last good state), or
+        warn and go on, giving up after MAX_SKIPS_IN_A_ROW in a row, or at an evaluation none of whose steps since
+        the last applied. Returns the skips in a row up to now."""
+        skipped, first, in_a_row = (int(v) for v in self.tally[2:].tolist())
+        p, train = self.progress, self.config.train
+        self.tally[2] = 0  # and the next skip overwrites the first one's iteration
+        said = f"the loss is not finite at iter {first}" + (f" and {skipped - 1} later step(s)" if skipped > 1 else "")
+        if skipped and train.on_nonfinite == "stop":
+            raise TrainingDiverged(f"{said}; {self.last_checkpoint()}. Lower train.learning_rate (or keep "
+                                   "train.grad_clip on), or set train.on_nonfinite=skip to drop such steps")
+        if in_a_row >= MAX_SKIPS_IN_A_ROW or (evaluation and 0 < p.iter - p.last_eval_iter <= in_a_row):
+            raise TrainingDiverged(f"the loss is not finite at the last {in_a_row} steps, up to iter {p.iter - 1}: "
+                                   f"train.on_nonfinite=skip gives up; {self.last_checkpoint()}. Lower "
+                                   "train.learning_rate")
+        if skipped:
+            log.warning(f"skipped {skipped} step(s): {said}")
+        return in_a_row
 
     def last_checkpoint(self) -> str:
         """What the run directory holds now: the words of every message about the last good state."""
@@ -164,6 +196,7 @@ class Trainer:
     def evaluate_and_save(self) -> bool:
         """An eval line, and a checkpoint unless the val loss is non-finite; True if it reached the target."""
         p, train = self.progress, self.config.train
+        self.check_skips(evaluation=True)
         losses = self.evaluator(self.step_model)
         # against best.pt's own val loss, not best_val_loss: that may come from before keep_best was turned on
         best = train.keep_best and losses.val < p.kept_best_val_loss
@@ -185,6 +218,8 @@ class Trainer:
             log.warning(f"val loss is {losses.val} at iter {p.iter}: keeping the previous checkpoint")
         elif p.iter > 0 or p.iter >= train.max_iters or best:  # at iter 0 only best.pt (or max_iters=0's end)
             self.save(latest=p.iter > 0 or p.iter >= train.max_iters, best=best)
+        if self.clock is not None:  # the evaluation and the save are left out of the log line's timing
+            self.clock = (time.perf_counter(), p.iter)
         return reached
 
     def eval_due(self) -> bool:
@@ -201,26 +236,28 @@ class Trainer:
         """The config as config.yaml and the checkpoint hold it."""
         return dataclasses.asdict(self.config)
 
-    def log_step(self, began: float, lr: float) -> None:
-        """Every train.log_interval steps: the mean loss since the last line, speed, MFU, the time left."""
-        due = self.progress.iter % self.config.train.log_interval == 0
-        line = self.window.end_step(self.progress.iter - 1, began, due)
-        if line is None:
+    def log_line(self, lr: float, paced_from: tuple[float, int]) -> None:
+        """The mean loss of the steps applied since the last line; tokens/s and MFU over the steps since the line or
+        evaluation before (the first step left out); the time left at the pace since paced_from, evaluations and
+        checkpoints included. Reading the tally here is the loop's one wait for the device."""
+        p, train = self.progress, self.config.train
+        self.check_skips()
+        loss_sum, applied = self.tally[:2].tolist()
+        self.tally[:2] = 0
+        now, (began, first) = time.perf_counter(), self.clock
+        self.clock = (now, p.iter)
+        if not applied:
             return
-        train_loss, throughput = line
-        record = {"iter": self.progress.iter, "train_loss": train_loss, "lr": lr, "elapsed_s": self.elapsed()}
-        if "ms_per_iter" in throughput:
-            record["eta_s"] = self.eta(throughput["ms_per_iter"])
-        self.metrics.write({**record, **throughput})
-
-    def eta(self, ms_per_iter: float) -> float:
-        """Seconds to max_iters at the pace since the first timed log line, evaluations and checkpoints included."""
-        now, left = time.perf_counter(), max(0, self.config.train.max_iters - self.progress.iter)
-        if self.paced_from is None:
-            self.paced_from = (now, self.progress.iter)
-            return round(left * ms_per_iter / 1000, 1)
-        began, first = self.paced_from
-        return round((now - began) / max(1, self.progress.iter - first) * left, 1)
+        record = {"iter": p.iter, "train_loss": loss_sum / applied, "lr": lr, "elapsed_s": self.elapsed()}
+        steps, seconds = p.iter - first, now - began
+        if steps:
+            tokens_per_sec = train.batch_size * train.grad_accum * self.model.config.block_size * steps / seconds
+            record |= {"ms_per_iter": 1000 * seconds / steps, "tokens_per_sec": tokens_per_sec}
+            if self.peak_flops is not None:
+                record["mfu"] = self.flops_per_token * tokens_per_sec / self.peak_flops
+            left = max(0, train.max_iters - p.iter)
+            record["eta_s"] = round((now - paced_from[0]) / max(1, p.iter - paced_from[1]) * left, 1)
+        self.metrics.write(record)
 
     def elapsed(self) -> float:
         """The run's wall time, its earlier processes included."""
@@ -232,10 +269,13 @@ class Trainer:
         rng = self.world.all_gather(self.rng_state())  # each rank's dropout stream
         if not self.world.is_main:
             return
-        line_so_far = self.window.saved() if self.window else {}
+        progress = dataclasses.replace(self.progress, elapsed_s=self.elapsed())
+        if self.tally is not None:  # the log line under way: a resumed run logs the same mean
+            progress.log_loss_sum, applied = self.tally[:2].tolist()
+            progress.log_steps = int(applied)
         checkpoint = Checkpoint(
             model_config=self.model.config, model=model_state, tokenizer=self.data.meta["tokenizer"],
-            config=self.resolved, progress=dataclasses.replace(self.progress, elapsed_s=self.elapsed(), **line_so_far),
+            config=self.resolved, progress=progress,
             optimizer=optimizer_state, scaler=self.scaler.state_dict(), rng=rng, dtype=self.runtime.dtype_name,
         )
         try:
@@ -262,7 +302,6 @@ class Trainer:
         self.checkpointed_iter = checkpoint.progress.iter
         self.elapsed_before = checkpoint.progress.elapsed_s
         self.restore_rng(checkpoint.rng)
-        log.info(f"resuming {self.out_dir} at iter {self.progress.iter}")
         if not self.config.train.keep_best and (self.out_dir / BEST_NAME).is_file() and self.world.is_main:
             log.warning(f"{BEST_NAME} stays as it is: this resume has train.keep_best=false")
 
@@ -281,8 +320,9 @@ class Trainer:
         if state["cuda"] and self.runtime.is_cuda:
             torch.cuda.set_rng_state(state["cuda"][0], self.runtime.device)
 
-    def stop(self, received: signal.Signals | None, save: bool) -> str:
+    def stop(self, received: signal.Signals | None) -> str:
         """A checkpoint, unless the last step was skipped for a non-finite loss (its weights may be NaN already)."""
+        save = self.check_skips() == 0
         if save:
             self.save()
         self.world.barrier()  # none exits before rank 0 has written: torchrun stops the others when one exits

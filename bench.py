@@ -3,16 +3,14 @@
     python bench.py                                              # every section
     python bench.py train --experiment shakespeare_char_cpu
     python bench.py sampling --block-size 256 --new-tokens 2000 --attn-window 64
-    python bench.py serve --serve-clients 1 16 --serve-requests 20
 
-train: train.py's loop against a plain eager nanoGPT-style loop: tokens/s, ms/iter and MFU (`peak`: its source).
+train: train.py's loop against nanoGPT's (benchmarks/reference.py: its plain model on our tokens), eager and compiled
+as nanoGPT runs it: tokens/s, ms/iter, MFU (`peak`: its source) and each loop's speed over the compiled reference's.
 attention: flash, math and flash with a 256-token window, forward + backward of attention alone, in fresh processes.
 sampling: model.generate with and without the KV cache; --attn-window adds a model whose cache rolls.
 sampling-batch: sample.py's samples as one batch (also streamed), one at a time, and nanoGPT's sampling loop.
-serve: serve.py under --serve-clients streaming clients, against sample.py's one sample and the engine alone.
-muon: Newton-Schulz, ours (float32, bfloat16) against torch.optim.Muon's: time, and how near U V^T each gets.
-memory: training_memory's predicted peak: what fits on 24-141 GB GPUs, and the prediction against a measured one.
-sampling, sampling-batch and serve use the CPU preset's shape with random weights.
+memory: training_memory's predicted peak: what fits on 24-141 GB GPUs, and the prediction against measured ones.
+sampling and sampling-batch use the CPU preset's shape with random weights.
 """
 
 from __future__ import annotations
@@ -29,21 +27,15 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.memory import bench_memory, memory_probe
-from benchmarks.serve import bench_serve
+from benchmarks.memory import bench_memory
+from benchmarks.reference import PlainGPT, nanogpt_step
 from benchmarks.shared import NANOGPT_SAMPLING, REPO, cpu_model, timed
 from model import GPT, causal_mask, masked_attention
 from model.attention import windowed_attention
-
-if TYPE_CHECKING:  # imported where used: most sections need no inference code
-    pass
-
 
 
 def bench_train(args: argparse.Namespace) -> list[dict]:
@@ -72,41 +64,28 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
     runtime = make_runtime(config.device, config.train.dtype)  # the run's precision, for the reference too
     data = ensure_prepared(config.data)
     model_config = config.model.gpt_config(data.meta["vocab_size"])
-    t = config.train
-    tokens_per_iter = t.batch_size * t.grad_accum * model_config.block_size
-    torch.manual_seed(0)
-    model = GPT(model_config).to(runtime.device)
-    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": t.weight_decay},
-              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.beta1, t.beta2), fused=runtime.is_cuda)
-    train_bin, block = data.train.paths[0], model_config.block_size
-
-    def nanogpt_step() -> None:
-        """nanoGPT's train.py loop as written, eager: its batch assembly, AdamW and clipping."""
-        for _ in range(t.grad_accum):
-            tokens = np.memmap(train_bin, dtype=np.uint16, mode="r")
-            ix = torch.randint(len(tokens) - block, (t.batch_size,))
-            x, y = (torch.stack([torch.from_numpy(tokens[i + s : i + s + block].astype(np.int64)) for i in ix])
-                    for s in (0, 1))
-            with runtime.autocast():
-                _, loss = model(x.to(runtime.device), y.to(runtime.device))
-            (loss / t.grad_accum).backward()
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    for _ in range(n):
-        nanogpt_step()
-    reference = n * tokens_per_iter / timed(nanogpt_step, runtime.device, n)
+    t, m = config.train, model_config
+    tokens_per_iter = t.batch_size * t.grad_accum * m.block_size
+    seconds = {}
+    for loop, backend in (("nanoGPT, eager", None), ("nanoGPT, compiled", args.compile_backend)):
+        torch.manual_seed(0)
+        model = PlainGPT(m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd).to(runtime.device)
+        adamw = {"lr": t.learning_rate, "betas": (t.beta1, t.beta2), "weight_decay": t.weight_decay}
+        step = nanogpt_step(model, runtime, data.train, t.batch_size, t.grad_accum, adamw, 1.0, backend)
+        for _ in range(n):  # warm-up, and the compile
+            step()
+        seconds[loop] = timed(step, runtime.device, n) / n
+    seconds["train.py"] = tokens_per_iter / ours["tokens_per_sec"]
+    with torch.device("meta"):
+        flops_per_token = GPT(model_config).flops_per_token()
     peak = datasheet_peak(runtime.device, runtime.dtype) if runtime.is_cuda else None
     source = "datasheet" if peak else f"measured {runtime.dtype_name} matmul"
     peak = peak or matmul_flops(runtime.device, runtime.dtype)
     return [
-        {"section": "train", "experiment": args.experiment, "loop": loop, "tokens_per_sec": tps,
-         "ms_per_iter": 1000 * tokens_per_iter / tps, "mfu": model.flops_per_token() * tps / peak, "peak": source,
-         "speedup": tps / reference}
-        for loop, tps in (("nanogpt-style eager", reference), ("train.py", ours["tokens_per_sec"]))
+        {"section": "train", "experiment": args.experiment, "loop": loop, "tokens_per_sec": tokens_per_iter / s,
+         "ms_per_iter": 1000 * s, "mfu": flops_per_token * tokens_per_iter / s / peak, "peak": source,
+         "vs_compiled_nanogpt": seconds["nanoGPT, compiled"] / s}
+        for loop, s in seconds.items()
     ]
 
 
@@ -217,46 +196,9 @@ def _nanogpt_sample(model: GPT, prompt: list[int], max_new_tokens: int, device: 
     return idx
 
 
-def bench_muon(args: argparse.Namespace) -> list[dict]:
-    from training.muon import NS_COEFFICIENTS, newton_schulz
-
-    ways: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "ours, float32": newton_schulz,
-        "ours, bfloat16": lambda g: newton_schulz(g.bfloat16()),
-    }
-    if hasattr(torch.optim, "Muon"):  # since torch 2.9
-        from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
-        from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
-
-        assert NS_COEFFICIENTS == (DEFAULT_A, DEFAULT_B, DEFAULT_C)  # the same iteration: only the arithmetic differs
-        ways["torch.optim.Muon's (bfloat16)"] = lambda g: torch_newton_schulz(g, NS_COEFFICIENTS, DEFAULT_NS_STEPS, EPS)
-    rows = []
-    for shape in args.muon_shapes:
-        n_rows, n_cols = (int(n) for n in shape.split("x"))
-        torch.manual_seed(0)
-        grad = torch.randn(n_rows, n_cols, device=args.device)
-        u, _, vh = torch.linalg.svd(grad.double(), full_matrices=False)
-        exact = u @ vh
-        small, large = sorted((n_rows, n_cols))
-        calls = min(100, max(1, round(2e8 / (10 * small * small * large))))  # about 0.2 GFLOP a timing
-        seconds, outputs = {}, {}
-        for way, fn in ways.items():
-            outputs[way] = out = fn(grad).double()  # and the warm-up
-            run = functools.partial(fn, grad)
-            seconds[way] = min(timed(run, args.device, calls) for _ in range(args.repeats))
-            singular = torch.linalg.svdvals(out)
-            ours = outputs["ours, float32"]
-            rows.append({"section": "muon: Newton-Schulz", "shape": shape, "way": way,
-                         "ms": 1000 * seconds[way] / calls, "sv_min": singular.min().item(),
-                         "sv_max": singular.max().item(), "err_vs_uvt": ((out - exact).norm() / exact.norm()).item(),
-                         "diff_vs_ours_fp32": ((out - ours).norm() / ours.norm()).item(),
-                         "speedup": seconds["ours, float32"] / seconds[way]})
-    return rows
-
-
 SECTIONS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {
     "train": bench_train, "attention": bench_attention, "sampling": bench_sampling,
-    "sampling-batch": bench_batched_sampling, "serve": bench_serve, "muon": bench_muon, "memory": bench_memory,
+    "sampling-batch": bench_batched_sampling, "memory": bench_memory,
 }
 
 
@@ -284,26 +226,19 @@ def main() -> None:
     parser.add_argument("--experiment", default="shakespeare_char_cpu", help="train: the preset")
     parser.add_argument("--override", action="append", default=[], help="train: a Hydra override, repeatable")
     parser.add_argument("--train-iters", type=int, default=30, help="train: measured after as many warm-up ones")
+    parser.add_argument("--compile-backend", default="inductor", help=argparse.SUPPRESS)  # tests: aot_eager
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048], help="attention: T")
     parser.add_argument("--block-size", type=int, default=256, help="sampling and sampling-batch")
     parser.add_argument("--new-tokens", type=int, default=240, help="sampling and sampling-batch")
     parser.add_argument("--attn-window", type=int, help="sampling: also a model with this window in every layer")
     parser.add_argument("--num-samples", type=int, default=8, help="sampling-batch: samples in the batch")
-    parser.add_argument("--serve-clients", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--serve-requests", type=int, default=4, help="serve: requests each client sends in a row")
-    # the baby model's c_attn, attention c_proj, c_fc, MLP c_proj (out x in); then GPT-2 124M's
-    muon_shapes = ["384x128", "128x128", "512x128", "128x512", "2304x768", "768x768", "3072x768", "768x3072"]
-    parser.add_argument("--muon-shapes", nargs="+", default=muon_shapes, metavar="ROWSxCOLS")
     parser.add_argument("--memory-probes", type=int, default=10, help="memory: at most this many shapes measured")
     parser.add_argument("--attention-probe", nargs=3, metavar=("IMPL", "T", "W"), help=argparse.SUPPRESS)
-    parser.add_argument("--memory-probe", type=int, nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
     unknown = set(args.sections) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown section {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
-    if args.memory_probe:
-        print(json.dumps(memory_probe(args.device, tuple(args.memory_probe))))
-    elif args.attention_probe:
+    if args.attention_probe:
         impl, length, window = args.attention_probe
         print(json.dumps(attention_probe(impl, int(length), int(window) or None, args.device, args.repeats)))
     else:

@@ -1,4 +1,5 @@
-"""A training step's peak memory, predicted (training_memory) and measured in a process of its own: bench.py memory."""
+"""A training step's peak memory, predicted (training_memory, behind docs/gpu.md's table of what fits) and measured
+(measured_memory): bench.py memory."""
 
 from __future__ import annotations
 
@@ -6,66 +7,74 @@ import argparse
 import bisect
 import dataclasses
 import functools
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+import gc
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from model import GPT, GPTConfig
 
-BENCH = Path(__file__).resolve().parent.parent / "bench.py"
 GIB = 2**30
 GPT2_SHAPES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280),
                "gpt2-xl": (48, 25, 1600)}
 GPU_GIB = (24, 40, 80, 141)  # a 4090 or 3090, an A100 40GB, an A100/H100 80GB, an H200
-GPU_USABLE = 0.9  # of a GPU's memory for tensors: the CUDA context and the allocator's fragmentation take the rest
+# Assumed, not yet measured on a GPU (scripts/gpu_check.py reports both): memory outside PyTorch's allocator (the
+# CUDA context and its kernels), and the allocator's reserved memory over its peak of live tensors.
+CUDA_CONTEXT = GIB // 2
+RESERVED_OVER_ALLOCATED = 1.05
 STEP_TOKENS = 491_520  # nanoGPT's GPT-2 step (12 x 1024 x 40): grad_accum reaches it from the largest batch
-MEMORY_PROBES = {  # (n_layer, n_embd, block_size, batch_size, checkpointing, vocab_size, bf16), seconds each on CPU
-    "cpu": [(2, 128, 256, 8, 0, 50257, 0), (8, 128, 512, 16, 1, 65, 0), (6, 384, 256, 16, 0, 65, 0),
-            (6, 384, 256, 16, 1, 65, 0), (8, 128, 512, 16, 0, 65, 0), (12, 256, 512, 8, 1, 65, 0),
-            (4, 256, 256, 32, 0, 65, 0), (2, 128, 256, 8, 0, 50257, 1), (2, 128, 256, 8, 1, 50257, 1),
-            (4, 256, 256, 16, 0, 65, 1)],
-    "cuda": [(12, 768, 1024, 16, 0, 50257, 1), (12, 768, 1024, 16, 1, 50257, 1)],
+# (n_layer, n_embd, block_size, batch_size, checkpointing, vocab_size, bf16, compiled); about a second each on CPU
+# eager, the compiled ones half a minute or more
+MEMORY_PROBES = {
+    "cpu": [(2, 128, 256, 8, 0, 50257, 0, 0), (6, 192, 256, 16, 1, 65, 0, 0), (2, 128, 256, 8, 1, 50257, 1, 0),
+            (6, 192, 256, 16, 0, 65, 0, 0), (6, 192, 256, 16, 0, 65, 1, 0), (6, 192, 256, 16, 1, 65, 1, 0),
+            (4, 128, 256, 8, 0, 65, 0, 1)],
+    "cuda": [(12, 768, 1024, 16, 0, 50257, 1, 0), (12, 768, 1024, 16, 1, 50257, 1, 0),
+             (12, 768, 1024, 16, 0, 50257, 1, 1)],
 }
 
 
 def training_memory(config: GPTConfig, batch_size: int, bf16: bool, checkpointing: bool = False) -> int:
-    """Predicted peak bytes of an AdamW training step: float32 weights, gradients and two moments (16 bytes a parameter)
-    plus one micro-batch's activations, at backward's start (all activations and its largest transient) or after it
-    (all gradients), whichever is larger. Per token and layer a GPT-2 block keeps 17C elements for backward (C =
-    n_embd; fused attention keeps no T x T matrix): 9C up to c_fc's input, 4C each for GELU's and the MLP c_proj's
-    inputs: 68C bytes in float32, 46C under bf16 autocast (casts included); dropout adds a byte mask per residual
-    branch. Checkpointed, a block keeps only its float32 input (4C); backward holds one block's activations and their
-    gradients. The head keeps its input, the logits and cross-entropy's float32 log-probabilities; backward's transient
-    is two float32 logits-sized gradients and half a block. bf16 autocast also keeps a copy of each weight matrix."""
-    C, V, L = config.n_embd, config.vocab_size, config.n_layer
-    n = _parameters(dataclasses.astuple(config))
-    layer = (46 if bf16 else 68) * C + (2 * C if config.dropout > 0 else 0)
-    blocks = L * 4 * C + 2 * layer if checkpointing else L * layer
-    head = 4 * C + (2 if bf16 else 4) * (C + V) + 4 * V
+    """Predicted peak bytes of live tensors in an AdamW training step, fitted to tensor bytes measured on a CPU.
+    Float32 weights and two moments stay (12 bytes a parameter); the gradients (4) arrive as backward frees the
+    activations. Per token and layer a GPT-2 block keeps 16C elements for backward (C = n_embd; both LayerNorms'
+    inputs and outputs, q, k, v and attention's output, c_fc's output and GELU's): 64C bytes in float32, 36C under
+    bf16 autocast (the LayerNorms' inputs stay float32); plus LayerNorm's statistics and attention's log-sum-exp,
+    and a byte mask per residual branch with dropout. The head keeps the logits, their float32 copy (the loss is
+    float32 on every device) and log-probabilities, then their gradients: 16 or 14 bytes per token and row of the
+    (padded) token table. Checkpointed, a block keeps its float32 input (4C) and backward recomputes one block at a
+    time, while the gradients fill. bf16 autocast also keeps a bf16 copy of every weight matrix it used."""
+    n, V = _parameters_and_rows(dataclasses.astuple(config))
+    C, L = config.n_embd, config.n_layer
+    layer = (36 if bf16 else 64) * C + 24 + (2 * C if config.dropout > 0 else 0)
+    head = (14 if bf16 else 16) * V + (10 if bf16 else 15) * C
+    recompute = layer + (12 if bf16 else 20) * C  # one block's activations and their gradients
     tokens = batch_size * config.block_size
-    kept = tokens * (blocks + head + 4 * C) + (2 * (12 * L * C * C + V * C) if bf16 else 0)  # 4C: the embeddings
-    transient = tokens * (8 * V + layer // 2)
-    return 12 * n + max(kept + transient, 4 * n)
+    if checkpointing:
+        activations = max(tokens * (L * 4 * C + max(head, recompute)), 4 * n + tokens * (4 * C + recompute))
+    else:
+        activations = max(tokens * (L * layer + head), 4 * n)
+    casts = 2 * (12 * C * C * (1 if checkpointing else L) + V * C) if bf16 else 0
+    return 12 * n + casts + activations
 
 
 @functools.lru_cache(maxsize=64)
-def _parameters(shape: tuple) -> int:
-    """GPT(GPTConfig(*shape))'s parameter count, from a model on the meta device: shapes alone, nothing allocated."""
+def _parameters_and_rows(shape: tuple) -> tuple[int, int]:
+    """GPT(GPTConfig(*shape))'s parameter count and token-table rows, from a model on the meta device."""
     with torch.device("meta"):
-        return GPT(GPTConfig(*shape)).num_params(non_embedding=False)
+        model = GPT(GPTConfig(*shape))
+    return model.num_params(non_embedding=False), model.transformer.wte.num_embeddings
 
 
-def largest_batch(config: GPTConfig, budget: float, bf16: bool, checkpointing: bool) -> int:
-    """The largest micro-batch (up to 4096) whose training fits in `budget` bytes; 0 if not one."""
+def largest_batch(config: GPTConfig, gpu_bytes: float, bf16: bool, checkpointing: bool) -> int:
+    """The largest micro-batch (up to 4096) whose training fits on a GPU of `gpu_bytes`: the predicted tensors with
+    the allocator's reserve, plus the CUDA context; 0 if not one."""
+    budget = (gpu_bytes - CUDA_CONTEXT) / RESERVED_OVER_ALLOCATED
     return bisect.bisect_right(range(1, 4097), budget, key=lambda b: training_memory(config, b, bf16, checkpointing))
 
 
 def probe_config(probe: tuple[int, ...]) -> GPTConfig:
-    n_layer, n_embd, block_size, _, _, vocab, _ = probe
+    n_layer, n_embd, block_size, _, _, vocab, _, _ = probe
     return GPTConfig(vocab_size=vocab, block_size=block_size, n_layer=n_layer, n_head=n_embd // 64, n_embd=n_embd,
                      bias=False)
 
@@ -73,50 +82,67 @@ def probe_config(probe: tuple[int, ...]) -> GPTConfig:
 def bench_memory(args: argparse.Namespace) -> list[dict]:
     rows = []
     for name, (n_layer, n_head, n_embd) in GPT2_SHAPES.items():
-        model = GPTConfig(vocab_size=50257, block_size=1024, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+        model = GPTConfig(vocab_size=50257, block_size=1024, n_layer=n_layer, n_head=n_head, n_embd=n_embd, bias=False)
         for gib in GPU_GIB:
             row = {"section": "memory: what fits (bf16, block 1024)", "model": name, "gpu_gib": gib}
             for label, ck in (("plain", False), ("checkpointed", True)):
-                batch = largest_batch(model, GPU_USABLE * gib * GIB, True, ck)
+                batch = largest_batch(model, gib * GIB, True, ck)
                 accum = -(-STEP_TOKENS // (batch * 1024)) if batch else 0
                 row[label] = f"batch_size={batch} grad_accum={accum}" if batch else "does not fit"
             rows.append(row)
     device = torch.device(args.device).type
-    probes = MEMORY_PROBES.get(device, []) if device == "cuda" or sys.platform == "linux" else []  # CPU: /proc
-    for probe in probes[: args.memory_probes]:
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}  # freed memory leaves RSS
-        command = [sys.executable, str(BENCH), "--device", args.device, "--memory-probe", *map(str, probe)]
-        measured = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout)
-        n_layer, n_embd, block_size, batch_size, ck, vocab, bf16 = probe
-        predicted = training_memory(probe_config(probe), batch_size, bool(bf16), bool(ck))
-        rows.append({"section": f"memory: predicted against measured ({device})",
-                     "shape": f"{n_layer}x{n_embd}, vocab {vocab}, block {block_size}, batch {batch_size}",
-                     "dtype": "bfloat16" if bf16 else "float32", "checkpointing": bool(ck),
-                     "measured_mib": measured / 2**20, "predicted_mib": predicted / 2**20,
-                     "predicted_over_measured": predicted / measured})
-    return rows
+    return rows + [probe_row(probe, args.device) for probe in MEMORY_PROBES.get(device, [])[: args.memory_probes]]
 
 
-def memory_probe(device: str, probe: tuple[int, ...]) -> int:
-    """Bytes two AdamW steps of a probe's shape add at their peak, in a process of its own: CUDA's allocator's, or
-    on a CPU the peak RSS (VmHWM: ru_maxrss would keep the forking process's across exec) above the RSS before."""
+def probe_row(probe: tuple[int, ...], device: str, backend: str = "inductor") -> dict:
+    """A probe's measured peak against its prediction; `backend`: torch.compile's, for a compiled probe."""
+    n_layer, n_embd, block_size, batch_size, ck, vocab, bf16, compiled = probe
+    measured = measured_memory(probe, device, backend)
+    predicted = training_memory(probe_config(probe), batch_size, bool(bf16), bool(ck))
+    return {"section": f"memory: predicted against measured ({torch.device(device).type})",
+            "shape": f"{n_layer}x{n_embd}, vocab {vocab}, block {block_size}, batch {batch_size}",
+            "dtype": "bfloat16" if bf16 else "float32", "checkpointing": bool(ck), "compiled": bool(compiled),
+            "measured_mib": measured["allocated"] / 2**20, "predicted_mib": predicted / 2**20,
+            "predicted_over_measured": predicted / measured["allocated"],
+            "reserved_over_allocated": measured["reserved"] / measured["allocated"] if measured["reserved"] else "-"}
 
-    def rss(field: str) -> int:
-        with open("/proc/self/status") as lines:
-            return next(int(line.split()[1]) * 1024 for line in lines if line.startswith(field + ":"))
 
-    _, _, block_size, batch_size, checkpointing, vocab, bf16 = probe
+def measured_memory(probe: tuple[int, ...], device: str, backend: str = "inductor") -> dict[str, int]:
+    """Peak bytes two AdamW steps of a probe's shape add, from building the model on: on CUDA the allocator's peaks
+    of allocated and of reserved memory; on a CPU the peak of live tensor bytes, summed in order from the
+    allocations and frees torch's profiler records (RSS would also count the allocator's slack and the
+    interpreter), and reserved 0."""
+    _, _, block_size, batch_size, checkpointing, vocab, bf16, compiled = probe
     cuda = device.startswith("cuda")
-    before = torch.cuda.memory_allocated() if cuda else rss("VmRSS")
-    torch.manual_seed(0)
-    model = GPT(probe_config(probe)).to(device).train()
-    model.activation_checkpointing = bool(checkpointing)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda or None)
-    for _ in range(2):  # the second step holds AdamW's state too
-        idx = torch.randint(vocab, (batch_size, block_size), device=device)
-        with torch.autocast(torch.device(device).type, torch.bfloat16, enabled=bool(bf16)):
-            _, loss = model(idx, idx)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return (torch.cuda.max_memory_allocated() if cuda else rss("VmHWM")) - before
+
+    def two_steps() -> None:
+        torch.manual_seed(0)
+        model = GPT(probe_config(probe)).to(device).train()
+        model.activation_checkpointing = bool(checkpointing)
+        forward = torch.compile(model, backend=backend) if compiled else model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda or None)
+        for _ in range(2):  # the second step holds AdamW's state too
+            block = torch.randint(vocab, (batch_size, block_size + 1), device=device)  # as get_batch cuts it
+            with torch.autocast(torch.device(device).type, torch.bfloat16, enabled=bool(bf16)):
+                _, loss = forward(block[:, :-1], block[:, 1:])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        two_steps()
+        return {"allocated": torch.cuda.max_memory_allocated() - allocated,
+                "reserved": torch.cuda.max_memory_reserved() - reserved}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        two_steps()
+    events = prof.profiler.kineto_results.events()
+    changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    live = peak = 0
+    for _, change in changes:
+        live += change
+        peak = max(peak, live)
+    return {"allocated": peak, "reserved": 0}

@@ -1,5 +1,5 @@
-"""Memory: the commands that refuse, before allocating, what
-can't fit (bench.py's training-memory estimate is tested in tests/test_bench.py)."""
+"""Memory: bench.py's prediction of a training step's peak against the tensor bytes measured, and the commands that
+refuse, before allocating, what can't fit."""
 
 from __future__ import annotations
 
@@ -8,7 +8,36 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import memory
 from model import GPTConfig
+
+
+@pytest.mark.parametrize(
+    "probe",
+    [  # (n_layer, n_embd, block_size, batch_size, checkpointing, vocab_size, bf16, compiled)
+        (2, 64, 128, 8, 0, 2048, 0, 0),  # a vocabulary whose logits dominate
+        (4, 64, 128, 8, 0, 65, 1, 0),  # the blocks dominate, under bf16 autocast
+        (4, 64, 128, 8, 1, 65, 0, 0),  # checkpointed
+        (2, 64, 128, 8, 1, 2048, 1, 0),
+    ],
+)
+def test_the_predicted_peak_is_within_10_percent_of_the_measured_tensor_bytes(probe: tuple[int, ...]) -> None:
+    """Two AdamW steps on CPU: the peak of live tensor bytes, from every allocation and free the profiler records."""
+    row = memory.probe_row(probe, "cpu")
+    assert 0.9 <= row["predicted_over_measured"] <= 1.1, row
+
+
+def test_checkpointing_fits_larger_batches_and_the_largest_batch_fits() -> None:
+    """A batch fits when its predicted tensors, with the allocator's reserve, and the CUDA context fit the GPU."""
+    gpt2 = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=False)
+    gpu = 20 * 2**30
+    plain, checkpointed = (memory.largest_batch(gpt2, gpu, True, ck) for ck in (False, True))
+    assert 0 < plain < checkpointed
+    for batch, ck in ((plain, False), (checkpointed, True)):
+        fits, one_more = (memory.training_memory(gpt2, b, True, ck) * memory.RESERVED_OVER_ALLOCATED
+                          + memory.CUDA_CONTEXT for b in (batch, batch + 1))
+        assert fits <= gpu < one_more
+    assert memory.largest_batch(gpt2, 2**30, True, True) == 0  # the weights and AdamW's state alone take 1.5 GiB
 
 
 def test_an_absurd_model_is_one_line_from_the_command_line(tmp_path: Path, corpus_path: Path) -> None:

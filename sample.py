@@ -7,6 +7,7 @@ import hydra
 from omegaconf import DictConfig
 
 from common.config import end_quietly_when_stdout_closes, exit_on_user_error, literal_text, run_hydra, typed_config
+from common.runtime import make_directory
 from inference.sampling import SEPARATOR, Sampler, load_sampler, stop_strings, warn
 from inference.schema import SampleConfig, register_schemas
 from model.gpt import Decoding
@@ -22,6 +23,7 @@ def main(dict_cfg: DictConfig) -> None:
         if cfg.attention_dir:  # before any work: nothing of the user's is overwritten
             from analysis.attention_maps import check_output_dir
             check_output_dir(Path(cfg.attention_dir))
+            make_directory(Path(cfg.attention_dir), f"attention_dir={cfg.attention_dir}")  # a file there: one line
         sampler = load_sampler(cfg)
         prompt = sampler.encode_prompt(cfg.start)
         decoding = Decoding(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)

@@ -7,6 +7,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -16,7 +17,7 @@ from typing import BinaryIO, TextIO
 
 import torch
 
-from common.errors import ConfigError, DiskFull
+from common.errors import ConfigError, DataError, DiskFull
 
 DEVICES = ("auto", "cpu", "cuda", "mps")  # the `device` key's values; auto: cuda > mps > cpu
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,6 +38,7 @@ GPU_PEAKS: tuple[tuple[str, float, float], ...] = (
 )
 FULL_ERRNOS = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # no space left, a spent quota
 NEARLY_FULL = 1 << 20  # free bytes under which a failed write counts as a full disk's
+_TEMPORARY = re.compile(r".+\.(\d+)\.tmp")  # temporary_beside's names: the writer's process id before .tmp
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,7 @@ def temporary_beside(path: Path) -> Path:
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """write(f) fills a new temporary beside `path`, synced, then renamed over it: a reader sees one whole file."""
+    remove_dead_temporaries(path.parent)
     tmp = temporary_beside(path)
     try:
         with unless_disk_full(path):
@@ -143,6 +146,26 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_directory(path.parent)
+
+
+def remove_dead_temporaries(directory: Path) -> None:
+    """Temporaries (temporary_beside's) whose writer was killed: its process is gone, so nobody will rename them."""
+    if sys.platform == "win32":  # os.kill(pid, 0) would send Ctrl-C there
+        return
+    for tmp in directory.glob("*.tmp"):
+        match = _TEMPORARY.fullmatch(tmp.name)
+        if match and not _running(int(match.group(1))) and tmp.is_file() and not tmp.is_symlink():
+            tmp.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # another user's process (EPERM), or no process id at all: left alone
+        return True
+    return True
 
 
 def write_text_atomically(path: Path, text: str) -> None:
@@ -186,7 +209,54 @@ def fsync_directory(directory: Path) -> None:
         os.close(handle)
 
 
+def why_not_a_file(path: Path) -> str:
+    """What stands at a path that is no regular file, in words: nothing, a directory, a link, or something else."""
+    if not path.exists():
+        return "is a broken symbolic link" if path.is_symlink() else "does not exist"
+    if path.is_dir():
+        return "is a directory"
+    if path.is_symlink():
+        return "is a symbolic link"
+    return "is not a regular file (a pipe, a device or a socket)"
+
+
+def check_regular_file(path: Path) -> None:
+    """Nothing at `path`, or a regular file (or a link to one), as a run's or a dataset's file must be: a FIFO there
+    would block its reader forever, a directory or a device fail it."""
+    if path.exists() and not path.is_file():
+        raise DataError(f"{path} {why_not_a_file(path)}; remove it, or name another directory")
+
+
+def make_directory(path: Path, named: str) -> None:
+    """A directory (with its parents) made unless there; `named`, how its one-line errors name it (out_dir=runs/x):
+    a file where it goes, no permission, a full disk or no inodes left."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as err:
+        raise ConfigError(f"{named}: {err.filename or path} is a file, not a directory; name another") from None
+    except PermissionError as err:
+        raise ConfigError(f"{named} is not writable ({err.strerror}: {err.filename}); name a folder you can write "
+                          "to") from None
+    except OSError as err:
+        if err.errno not in FULL_ERRNOS:
+            raise
+        raise DiskFull(f"{named} not made: the disk holding it is full (no space or no inodes left)") from None
+
+
 def open_for_appending(path: Path) -> TextIO:
-    """A log file to append to; a symbolic link there is refused (ELOOP), never written through."""
+    """A log file to append to. A symbolic link there is refused (never written through), and so is anything but a
+    regular file: a FIFO would block the run forever (O_NONBLOCK: refused before any wait)."""
+    nonblocking = getattr(os, "O_NONBLOCK", 0)
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
-    return open(os.open(path, flags, 0o644), "a", encoding="utf-8")
+    try:
+        handle = os.open(path, flags | nonblocking, 0o644)
+    except OSError as err:  # ELOOP: a link; ENXIO: a FIFO nobody reads; EISDIR: a directory
+        if err.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            raise
+        raise DataError(f"{path} {why_not_a_file(path)}; a run never writes through one: remove it") from None
+    if not stat.S_ISREG(os.fstat(handle).st_mode):
+        os.close(handle)
+        raise DataError(f"{path} {why_not_a_file(path)}; a run never writes through one: remove it")
+    if nonblocking:
+        os.set_blocking(handle, True)
+    return open(handle, "a", encoding="utf-8")

@@ -20,12 +20,13 @@ import numpy as np
 import torch
 
 from common.config import check_fields, option
-from common.errors import ConfigError, DataError
-from common.runtime import replace_file
+from common.errors import ConfigError, DataError, DiskFull
+from common.runtime import check_regular_file, make_directory, replace_file, why_not_a_file
 from data import corpus
 from data.corpus import map_shard, read_shard
-from data.source import TextFile, download, why_not_a_file
+from data.source import TextFile, download
 from data.text_tokens import make_tokenizer, write_dataset
+from data.tokenizers import metadata_problem
 
 log = logging.getLogger(__name__)
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -252,22 +253,15 @@ def _prepare_new(
             f"no prepared dataset in {out_dir} matches data.*, though rank 0 prepared it: put data.dir on a "
             "filesystem every node shares, or run python -m data.prepare on each node first"
         )
-    into = _new_folder_beside(out_dir)
+    into = out_dir.parent / f".{out_dir.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"  # this preparation's own
     try:
+        make_directory(into, f"data.dir={out_dir}")
         return _move_in(into, out_dir, make(into), fingerprint, made_from)
+    except DiskFull:  # named by the temporary folder
+        raise DiskFull(f"data.dir={out_dir} not prepared: the disk holding it is full; free space, or name a data.dir "
+                       "on another disk") from None
     finally:
         shutil.rmtree(into, ignore_errors=True)  # after an error or Ctrl-C too; only a killed process leaves it
-
-
-def _new_folder_beside(out_dir: Path) -> Path:
-    """This preparation's own new folder, beside out_dir."""
-    into = out_dir.parent / f".{out_dir.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    try:
-        into.mkdir(parents=True)
-    except PermissionError as err:
-        why = f"{err.strerror}: {err.filename or out_dir.parent}"
-        raise DataError(f"data.dir={out_dir} is not writable ({why}); name a folder you can write to") from None
-    return into
 
 
 def _move_in(
@@ -338,13 +332,20 @@ def _described(meta: dict[str, Any]) -> str:
 def _reusable(out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData | None:
     """The folder's dataset if its meta.json, written last and the record of what was prepared, matches."""
     meta = _read_meta(out_dir)
-    if isinstance(meta, dict) and all(meta.get(k) == v for k, v in fingerprint.items()):
+    if isinstance(meta, dict) and all(meta.get(k) == v for k, v in fingerprint.items()) and _intact(meta):
         return PreparedData(out_dir, meta)
     return None
 
 
+def _intact(meta: dict[str, Any]) -> bool:
+    """Its tokenizer and vocabulary size usable (else damaged: prepared again, as an unreadable meta.json is)."""
+    size = meta.get("vocab_size")
+    return not metadata_problem(meta.get("tokenizer")) and isinstance(size, int) and 1 <= size <= 2**16
+
+
 def _read_meta(out_dir: Path) -> Any:
     """The folder's meta.json as parsed, or None where there is none or it is damaged."""
+    check_regular_file(out_dir / "meta.json")
     try:
         return json.loads((out_dir / "meta.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8

@@ -17,15 +17,6 @@ from common.runtime import replace_file, temporary_beside
 _READ_BYTES = 1 << 22  # 4 MiB a read: the decoded piece and its ids take a few times that
 
 
-def why_not_a_file(path: Path) -> str:
-    """What stands at a path that is no regular file, in words: nothing, a directory, or something else."""
-    if not path.exists():
-        return "does not exist"
-    if path.is_dir():
-        return "is a directory"
-    return "is not a regular file (a pipe, a device or a socket)"
-
-
 def download(url: str, cached_copy: Path, offline: str) -> Path:
     """`url` saved whole as cached_copy, or not at all; `offline`: how to do without it, for the one-line error."""
     tmp = temporary_beside(cached_copy)

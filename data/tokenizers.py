@@ -141,11 +141,27 @@ class BpeTokenizer:
         return lengths
 
 
-def tokenizer_from_metadata(meta: dict[str, Any]) -> Tokenizer:
-    """Rebuild the tokenizer a dataset or checkpoint was made with."""
+def tokenizer_from_metadata(meta: Any, source: object = "meta.json") -> Tokenizer:
+    """Rebuild the tokenizer a dataset or checkpoint (`source`, the file it came from) was made with."""
+    problem = metadata_problem(meta)
+    if problem:
+        raise DataError(f"{source} holds damaged tokenizer metadata ({problem}); use a file train.py wrote")
     if meta["kind"] == "char":
-        return CharTokenizer(list(meta["chars"]))
+        return CharTokenizer(meta["chars"])
     return BpeTokenizer.from_name(meta["encoding"])
+
+
+def metadata_problem(meta: Any) -> str:
+    """What makes tokenizer metadata unusable, in words ("" if nothing): read once, where it is loaded."""
+    kind = meta.get("kind") if isinstance(meta, dict) else None
+    if kind == "bpe":
+        return "" if isinstance(meta.get("encoding"), str) else "its encoding is not a name"
+    if kind != "char":
+        return "neither char nor bpe"
+    chars = meta.get("chars")
+    if not isinstance(chars, list) or not all(isinstance(c, str) and len(c) == 1 for c in chars):
+        return "its chars are not a list of characters"
+    return "" if chars and len(set(chars)) == len(chars) else "its chars are empty or repeated"
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from common.errors import DataError
+from common.runtime import why_not_a_file
 from data.prepare import DEFAULT_CACHE
-from data.source import download, why_not_a_file
+from data.source import download
 from data.tokenizers import CharTokenizer, Tokenizer
 from evals.perplexity import Autocast
 

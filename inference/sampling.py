@@ -15,9 +15,9 @@ from typing import TextIO
 import torch
 
 from common.errors import CheckpointError, ConfigError, DataError
-from common.runtime import Runtime, check_memory, make_runtime
-from data.source import read_utf8, why_not_a_file
-from data.tokenizers import BpeTokenizer, Tokenizer, tokenizer_from_metadata
+from common.runtime import Runtime, check_memory, make_runtime, why_not_a_file
+from data.source import read_utf8
+from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer, tokenizer_from_metadata
 from inference.schema import SampleConfig
 from model import GPT
 from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
@@ -45,7 +45,10 @@ def load_model(out_dir: str | None, init_from: str | None, ckpt: str, attn_impl:
     if ckpt == "best" and not path.is_file() and path.with_name(CKPT_NAME).is_file():
         raise CheckpointError(f"no {BEST_NAME} in {out_dir}: train with train.keep_best=true, or use ckpt=latest")
     checkpoint = load_checkpoint(path)
-    tokenizer = tokenizer_from_metadata(checkpoint.tokenizer_for_decoding(path))
+    tokenizer = tokenizer_from_metadata(checkpoint.tokenizer_for_decoding(path), path)
+    if tokenizer.vocab_size < checkpoint.model_config.vocab_size and isinstance(tokenizer, CharTokenizer):
+        raise CheckpointError(f"{path} holds damaged tokenizer metadata ({tokenizer.vocab_size} characters for a model "
+                              f"of {checkpoint.model_config.vocab_size} tokens); use a file train.py wrote")
     return LoadedModel(checkpoint.build_model(attn_impl), tokenizer, checkpoint)
 
 

@@ -20,7 +20,7 @@ import torch
 
 from common.errors import CheckpointError, DiskFull, TrainingDiverged
 from conftest import REACHES_TARGET, REPO, compose_config, run_in_process, tiny_run_overrides
-from model import GPTConfig
+from model import GPT, GPTConfig
 from model.checkpoint import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
 from training.metrics import METRICS_NAME, MetricsLog, read_records
 from training.run import train
@@ -62,8 +62,11 @@ def _signal_at_step(step: int, sig: signal.Signals, times: int = 1) -> Callable[
     return before_step
 
 
-def _tiny_checkpoint(w: torch.Tensor, it: int) -> Checkpoint:
-    return Checkpoint(GPTConfig(), {"w": w}, tokenizer={}, progress=Progress(iter=it))
+def _tiny_checkpoint(value: float, it: int) -> Checkpoint:
+    """A real (tiny) model's checkpoint, every weight `value`: load_checkpoint checks names and shapes."""
+    config = GPTConfig(vocab_size=3, block_size=8, n_layer=1, n_head=1, n_embd=8)
+    weights = {name: torch.full_like(w, value) for name, w in GPT(config).state_dict().items()}
+    return Checkpoint(config, weights, tokenizer={}, progress=Progress(iter=it))
 
 
 @pytest.mark.parametrize(
@@ -165,7 +168,7 @@ def test_an_interrupted_checkpoint_write_leaves_the_previous_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / CKPT_NAME
-    save_checkpoint(path, _tiny_checkpoint(torch.ones(3), 1))
+    save_checkpoint(path, _tiny_checkpoint(1.0, 1))
     before = path.read_bytes()
 
     def half_written(obj: object, f) -> None:  # noqa: ANN001
@@ -174,7 +177,7 @@ def test_an_interrupted_checkpoint_write_leaves_the_previous_one(
 
     monkeypatch.setattr(torch, "save", half_written)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(path, _tiny_checkpoint(torch.zeros(3), 2))
+        save_checkpoint(path, _tiny_checkpoint(0.0, 2))
     assert path.read_bytes() == before and not list(tmp_path.glob("*.tmp"))
     assert load_checkpoint(path).progress.iter == 1
 
@@ -216,7 +219,7 @@ def test_torch_saves_full_disk_without_an_errno_is_one_line_and_keeps_the_checkp
 ) -> None:
     """torch.save with too little space raises RuntimeError("... unexpected pos ..."), not an OSError."""
     path = tmp_path / CKPT_NAME
-    save_checkpoint(path, _tiny_checkpoint(torch.zeros(3), 1))
+    save_checkpoint(path, _tiny_checkpoint(0.0, 1))
     before = path.read_bytes()
 
     def short_of_space(obj: dict, f) -> None:  # noqa: ANN001
@@ -226,10 +229,10 @@ def test_torch_saves_full_disk_without_an_errno_is_one_line_and_keeps_the_checkp
 
     monkeypatch.setattr(torch, "save", short_of_space)
     with pytest.raises(RuntimeError, match="unexpected pos"):  # with room left it is a bug: its own traceback
-        save_checkpoint(path, _tiny_checkpoint(torch.zeros(3), 2))
+        save_checkpoint(path, _tiny_checkpoint(0.0, 2))
     _no_space_left(monkeypatch)
     with pytest.raises(DiskFull, match=rf"^{re.escape(str(path))} not written: the disk holding .* is full \(0.0 MiB"):
-        save_checkpoint(path, _tiny_checkpoint(torch.zeros(3), 2))
+        save_checkpoint(path, _tiny_checkpoint(0.0, 2))
     assert path.read_bytes() == before and not list(tmp_path.glob("*.tmp"))
 
 
@@ -253,8 +256,8 @@ def test_numpys_full_disk_without_an_errno_is_one_line_and_prepares_nothing(
     monkeypatch.setattr(data.text_tokens, "np", numpy)
     _no_space_left(monkeypatch)
 
-    with pytest.raises(DiskFull, match=r"(train|val).bin not written: the disk holding .* is full \(0.0 MiB free\)$"):
-        ensure_prepared(DataConfig(input=str(corpus_path), dir=str(tmp_path / "data")))
+    with pytest.raises(DiskFull, match=rf"^data.dir={tmp_path / 'data'} not prepared: the disk holding it is full;"):
+        ensure_prepared(DataConfig(input=str(corpus_path), dir=str(tmp_path / "data")))  # data.dir, not a temporary
     assert not (tmp_path / "data").exists() and not list(tmp_path.iterdir())
 
 
@@ -272,12 +275,14 @@ _WRITER = """
 import os, sys, torch
 sys.path.insert(0, {repo!r})
 from pathlib import Path
-from model import GPTConfig
+from model import GPT, GPTConfig
 from model.checkpoint import Checkpoint, Progress, save_checkpoint
 torch.set_num_threads(1)  # no OpenMP pool for a forked child to inherit
 path = Path({path!r})
-weights = [{{"w": torch.full((4_000_000,), float(i))}} for i in (1, 2)]
-states = [Checkpoint(GPTConfig(), w, {{}}, progress=Progress(iter=i)) for i, w in zip((1, 2), weights)]
+config = GPTConfig(vocab_size=250_000, block_size=8, n_layer=1, n_head=1, n_embd=8)  # 4M numbers: 16 MB a write
+shapes = GPT(config).state_dict()
+weights = [{{name: torch.full_like(w, float(i)) for name, w in shapes.items()}} for i in (1, 2)]
+states = [Checkpoint(config, w, {{}}, progress=Progress(iter=i)) for i, w in zip((1, 2), weights)]
 save_checkpoint(path, states[0])
 for _ in sys.stdin:  # each line: a writer process, forked from this one, whose pid the test kills with SIGKILL
     pid = os.fork()
@@ -311,7 +316,7 @@ def test_kill_9_during_checkpoint_writes_leaves_a_complete_checkpoint(tmp_path: 
             assert writers.stdout.readline().strip() == "reaped"
             ckpt = load_checkpoint(path)
             assert ckpt.progress.iter in (1, 2)
-            assert torch.equal(ckpt.model["w"], torch.full((4_000_000,), float(ckpt.progress.iter)))
+            assert all(torch.equal(w, torch.full_like(w, float(ckpt.progress.iter))) for w in ckpt.model.values())
     finally:
         writers.stdin.close()
         assert writers.wait(timeout=60) == 0
@@ -324,27 +329,29 @@ def test_a_diverging_run_stops_naming_the_iteration_and_keeps_the_good_checkpoin
     good = (tmp_path / "run" / CKPT_NAME).read_bytes()
     explode = {"train.learning_rate": 1e30, "train.max_iters": 20, "train.eval_interval": 1, "resume": True}
     explode["resume_with_changes"] = True
-    kept = r"the loss is (nan|inf) at iter 1\d.*; .*ckpt.pt keeps iter (1\d), the last good state"
+    kept = r"the loss is not finite at iter 1\d.*; .*ckpt.pt keeps iter (1\d), the last good state"
     with pytest.raises(TrainingDiverged, match=kept) as info:
         train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **explode)))
     ckpt = load_checkpoint(tmp_path / "run" / CKPT_NAME)
-    assert ckpt.progress.iter == int(re.search(kept, str(info.value)).group(2))  # the message names the file's
+    assert ckpt.progress.iter == int(re.search(kept, str(info.value)).group(1))  # the message names the file's
     assert (tmp_path / "run" / CKPT_NAME).read_bytes() == good or ckpt.progress.iter > 10
     assert math.isfinite(ckpt.progress.val_loss) and all(torch.isfinite(t).all() for t in ckpt.model.values())
 
 
-def test_a_diverged_run_under_skip_writes_no_checkpoint_and_strict_metrics(tmp_path: Path, corpus_path: Path) -> None:
-    """lr 1e30 makes the weights so large that every later loss is NaN: each step is skipped, and the evaluation at
-    the end, NaN too, writes no checkpoint."""
+def test_a_diverged_run_under_skip_gives_up_writes_no_checkpoint_and_strict_metrics(
+    tmp_path: Path, corpus_path: Path
+) -> None:
+    """lr 1e30 makes the weights so large that every later loss is NaN: each step is skipped, the evaluation at 10,
+    NaN too, writes no checkpoint, and the one at 20, none of whose steps since 10 applied, gives up in one line."""
     extra = {"train.learning_rate": 1e30, "train.warmup_iters": 0, "train.on_nonfinite": "skip"}
-    result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)))
-    assert result.iters == 20 and math.isnan(result.val_loss)
+    with pytest.raises(TrainingDiverged, match=r"at the last 1\d steps, up to iter 19: .* gives up; no ckpt.pt"):
+        train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)))
     assert not (tmp_path / "run" / CKPT_NAME).exists()
     # metrics.jsonl stays strict JSON: the NaN val losses are written null, and read back as NaN
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     strict = [json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl")) for line in lines]
     vals = [(r["iter"], r["val_loss"]) for r in strict if "val_loss" in r]
-    assert vals[-1] == (20, None) and math.isfinite(vals[0][1])
+    assert vals[-1] == (10, None) and math.isfinite(vals[0][1])
     records, damaged = read_records(tmp_path / "run")
     assert damaged == 0 and math.isnan([r for r in records if "val_loss" in r][-1]["val_loss"])
 
@@ -372,7 +379,7 @@ def test_a_pickle_that_would_run_code_is_refused_and_runs_nothing(tmp_path: Path
 @pytest.mark.parametrize("content", ["truncated", "text", "empty"])
 def test_truncated_or_foreign_checkpoints_are_one_line_errors(tmp_path: Path, content: str) -> None:
     path = tmp_path / CKPT_NAME
-    save_checkpoint(path, _tiny_checkpoint(torch.ones(1000), 1))
+    save_checkpoint(path, _tiny_checkpoint(1.0, 1))
     data = {
         "truncated": path.read_bytes()[: path.stat().st_size // 2],
         "text": b"hello, not a checkpoint\n",
@@ -389,7 +396,7 @@ def test_sampling_refuses_a_checkpoint_without_a_tokenizer(tmp_path: Path) -> No
     from inference.sampling import load_sampler
     from inference.schema import SampleConfig
 
-    save_checkpoint(tmp_path / CKPT_NAME, Checkpoint(GPTConfig(n_layer=1, n_embd=12, n_head=2), {}, tokenizer={}))
+    save_checkpoint(tmp_path / CKPT_NAME, _tiny_checkpoint(0.0, 1))  # tokenizer={}
     with pytest.raises(CheckpointError, match=f"{tmp_path / CKPT_NAME} holds no tokenizer"):
         load_sampler(typed_config(SampleConfig(out_dir=str(tmp_path)), SampleConfig))
 

@@ -21,13 +21,13 @@ log = logging.getLogger("train")
 
 # Keys a resume may change freely: where and how the steps run (attn_impl: the same function), evaluation, logs
 CHANGEABLE_ON_RESUME = frozenset({
-    "out_dir", "device", "model.attn_impl", "model.zero_init_proj", "data.num_proc",
+    "out_dir", "device", "model.attn_impl", "data.num_proc",
     *(f"train.{key}" for key in ("eval_interval", "eval_from", "eval_iters", "full_val", "target_val_loss", "keep_best",
                                  "log_interval", "compile", "activation_checkpointing", "dtype", "on_nonfinite",
                                  "peak_tflops", "parallel", "hellaswag_every", "hellaswag_file")),
 })
 # model.* keys a checkpoint's weights don't fix (the rest is its shape, never changed: _check_same_shape says so)
-FREE_MODEL_KEYS = ("attn_impl", "dropout", "zero_init_proj")
+FREE_MODEL_KEYS = ("attn_impl", "dropout")
 
 
 def _never_changeable(key: str) -> bool:
@@ -150,8 +150,8 @@ def check_same_shape(saved: GPTConfig, current: GPTConfig) -> None:
                               "or start a new run")
     if changed:
         diffs = ", ".join(f"{k}: {old[k]} -> {new[k]}" for k in changed)
-        raise CheckpointError(f"resume=true with a model that differs from the checkpoint's ({diffs}); drop those "
-                              "overrides")
+        raise CheckpointError(f"resume=true with a model that differs from the checkpoint's ({diffs}); drop the "
+                              "model.* overrides that change it (none given: the checkpoint contradicts its config)")
 
 
 def _check_same_optimizer(saved: dict[str, Any], optimizer: str) -> None:

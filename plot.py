@@ -10,8 +10,8 @@ The legend names each run by the config keys that differ between the runs; the b
 differ only by seed form a group (analysis/stats.py): its mean curve with the runs' min-max band, its metric's mean
 and 95 % interval, and each group against the baseline by Welch's t-test. Without -o, the picture goes into the folder
 given (several: the deepest folder holding them all). A run plot.py can't read (a value that isn't a number, a log
-line without its loss, a config.yaml that isn't YAML, a metrics.jsonl that isn't a regular file) is skipped with
-one warning.
+line without its loss, a config.yaml that isn't YAML or holds an alias, a metrics.jsonl that isn't a regular file)
+is skipped with one warning; a run without config.yaml is in no group.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import stat
 import statistics
 import sys
 import textwrap
@@ -29,6 +30,8 @@ from typing import Any
 
 from analysis.stats import Comparison, Damaged, Group, Loaded, compare, find_baseline, group_runs, load_run, run_value
 from common.cli import fail
+from common.errors import DiskFull
+from common.runtime import write_atomically, write_text_atomically
 from training.metrics import METRICS_NAME
 
 IGNORED_KEYS = ("out_dir", "resume", "resume_with_changes")  # differ between runs without saying anything about them
@@ -66,7 +69,20 @@ def picture_path(out: Path) -> Path:
         fail(f"-o {out}: can't write {out.suffix} pictures; use one of {', '.join('.' + f for f in sorted(formats))}")
     if not out.parent.is_dir():
         fail(f"-o {out}: no directory {out.parent}; create it first")
+    replaceable(out, "-o")
     return out
+
+
+def replaceable(path: Path, option: str) -> None:
+    """Refuse an output that exists and isn't a regular file (nor a link to one): a FIFO or a device is someone's
+    channel, not a file to replace. Outputs are written beside the path and renamed over it: a link is replaced."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # none yet, or a dangling link: the rename makes it
+    if not stat.S_ISREG(mode):
+        fail(f"{option} {path}: not a regular file{' behind a link' if path.is_symlink() else ''} (a FIFO, a device); "
+             "name a file")
 
 
 def load_runs(runs: list[Path], needed: tuple[str, ...]) -> list[Loaded]:
@@ -89,8 +105,9 @@ def load_runs(runs: list[Path], needed: tuple[str, ...]) -> list[Loaded]:
 
 
 def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
+    """The keys whose values differ between the runs that have them: a run without config.yaml lacks every key."""
     keys = sorted({k for c in configs for k in c} - set(IGNORED_KEYS))
-    return [k for k in keys if len({json.dumps(c.get(k)) for c in configs}) > 1]
+    return [k for k in keys if len({json.dumps(c[k], default=str) for c in configs if k in c}) > 1]
 
 
 def summarize(run: Path, config: dict[str, Any], records: list[dict[str, Any]], keys: list[str]) -> dict[str, Any]:
@@ -99,7 +116,7 @@ def summarize(run: Path, config: dict[str, Any], records: list[dict[str, Any]], 
     batch, accum, block = (config.get(k, 0) for k in ("train.batch_size", "train.grad_accum", "model.block_size"))
     return {
         "run": run,
-        "label": ", ".join(f"{k}={config.get(k)}" for k in keys) or run.name,
+        "label": ", ".join(f"{k}={config[k]}" for k in keys if k in config) or run.name,
         "records": records,
         "best_val": min(finite, default=None),
         "iters": max((r["iter"] for r in records), default=0),
@@ -141,22 +158,26 @@ def print_rows(rows: list[list[str]]) -> None:
 
 def replicate_groups(runs: list[Path], configs: list[dict[str, Any]], records: list[list[dict[str, Any]]],
                      args: argparse.Namespace) -> list[Group] | None:
-    """The replicate groups, baseline first; None when no run has a replicate and no statistics were asked for."""
+    """The replicate groups, baseline first; None when no run has a replicate and no statistics were asked for. A run
+    without config.yaml is in none: what it trained is unknown, so it can't be called a replicate of anything."""
     asked = bool(args.baseline or args.json or args.metric != "val_loss")
+    bare = [run for run in runs if not (run / "config.yaml").is_file()]
+    kept = [i for i, run in enumerate(runs) if run not in bare]
+    runs, configs, records = [runs[i] for i in kept], [configs[i] for i in kept], [records[i] for i in kept]
     values = [run_value(r, args.metric) for r in records]
     groups = group_runs(runs, configs, values)  # type: ignore[arg-type]  # checked next, if they matter
     if not asked and all(g.n == 1 for g in groups):
         return None
+    if bare:
+        print(f"warning: {len(bare)} run(s) without config.yaml ({bare[0]}): left out of the groups", file=sys.stderr)
+    if not groups:
+        fail(f"none of the {len(bare)} runs has a config.yaml, so none can be grouped; pass runs that train.py wrote")
     problem = _unusable(runs, values, args.metric)
     if problem:
         if asked:
             fail(problem)
         print(f"warning: {problem}; no statistics", file=sys.stderr)
         return None
-    bare = [run for run in runs if not (run / "config.yaml").is_file()]
-    if bare:
-        print(f"warning: {len(bare)} run(s) without config.yaml ({bare[0]}): grouped by settings alone",
-              file=sys.stderr)
     try:
         baseline = find_baseline(groups, args.baseline) if args.baseline else groups[0]
     except ValueError as err:
@@ -202,7 +223,9 @@ def write_json(path: Path, metric: str, groups: list[Group], comparisons: list[C
     document = {"metric": metric, "groups": [g.to_dict() for g in groups],
                 "comparisons": [c.to_dict() for c in comparisons]}
     try:
-        path.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+        write_text_atomically(path, json.dumps(document, indent=1) + "\n")
+    except DiskFull as err:
+        fail(str(err))
     except OSError as err:
         fail(f"--json {path}: can't write it ({err.strerror or err})")
 
@@ -212,11 +235,19 @@ def _value(x: float) -> str:
 
 
 def plot(summaries: list[dict[str, Any]], x_axis: str, out: Path, groups: list[Group] | None, metric: str) -> None:
-    """Every run's curves; for groups of replicates, each group's mean val curve with its runs' min-max band."""
-    import matplotlib
+    """The picture, written beside `out` and renamed over it: a link at `out` is replaced, not written through."""
+    fig = figure(summaries, x_axis, groups, metric)
+    # a PNG carries its title and legend as text, for whoever reads the file without looking (and the tests)
+    texts = [t.get_text() for legend in fig.legends for t in [legend.get_title(), *legend.get_texts()]]
+    described = "\n".join(text for text in texts if text)
+    metadata = {"Title": fig.axes[0].get_title(), "Description": described} if out.suffix.lower() == ".png" else None
+    write_atomically(out, lambda f: fig.savefig(f, format=out.suffix[1:].lower(), dpi=110, metadata=metadata))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def figure(summaries: list[dict[str, Any]], x_axis: str, groups: list[Group] | None, metric: str) -> Any:
+    """Every run's curves; for groups of replicates, each group's mean val curve with its runs' min-max band. A
+    Figure outside pyplot: nothing to close, however main() ends."""
+    from matplotlib.figure import Figure
     from matplotlib.ticker import FormatStrFormatter
 
     def x_of(record: dict[str, Any], s: dict[str, Any]) -> float:
@@ -227,13 +258,14 @@ def plot(summaries: list[dict[str, Any]], x_axis: str, out: Path, groups: list[G
         return record["iter"]
 
     lines = len(groups) if groups else len(summaries)
-    fig, ax = plt.subplots(figsize=(9, 5 + 0.4 * lines), layout="constrained")
+    fig = Figure(figsize=(9, 5 + 0.4 * lines), layout="constrained")
+    ax = fig.subplots()
     legend_title = None
     if groups:
         _draw_groups(ax, groups, {s["run"]: s for s in summaries}, x_of, metric)
-        title = f"{len(groups)} group{'s' if len(groups) > 1 else ''}, {len(summaries)} runs in all"
+        title = f"{len(groups)} group{'s' if len(groups) > 1 else ''}, {sum(g.n for g in groups)} runs in all"
         legend_title = f"each group: n runs, {metric}: mean ± 95% CI half-width"  # as the table's 95% CI of the mean
-        ax.set_ylabel("loss: each group's mean (faint: train, dots: val; bands: its runs' min-max)")
+        ax.set_ylabel("loss: each group's mean\n(faint: train, dots: val; bands: its runs' min-max)")
     else:
         _draw_runs(ax, summaries, x_of)
         title = f"{len(summaries)} run{'s' if len(summaries) > 1 else ''}"
@@ -247,14 +279,9 @@ def plot(summaries: list[dict[str, Any]], x_axis: str, out: Path, groups: list[G
     ax.set_xlabel({"iter": "iteration", "time": "wall time (s)", "tokens": "training tokens"}[x_axis])
     ax.set_title(f"{title}: loss against {x_axis}")
     ax.grid(True, which="both", alpha=0.3)
-    legend = fig.legend(loc="outside lower center", fontsize=7, title=legend_title, title_fontsize=7)
-    # a PNG carries its title and legend as text, for whoever reads the file without looking (and the tests)
-    described = "\n".join(t.get_text() for t in [legend.get_title(), *legend.get_texts()] if t.get_text())
-    metadata = {"Title": ax.get_title(), "Description": described} if out.suffix.lower() == ".png" else None
-    try:
-        fig.savefig(out, dpi=110, metadata=metadata)
-    finally:  # closed even when the write fails: main() may run again in the same process
-        plt.close(fig)
+    if ax.get_legend_handles_labels()[0]:  # none when no group could be drawn
+        fig.legend(loc="outside lower center", fontsize=7, title=legend_title, title_fontsize=7)
+    return fig
 
 
 def _draw_runs(ax: Any, summaries: list[dict[str, Any]], x_of: Any) -> None:
@@ -325,8 +352,10 @@ def main(argv: list[str] | None = None) -> None:
         fail("no run directory given; pass train.py run directories or a sweep directory")
     found = find_runs(args.runs)
     out = picture_path(args.out or sweep_folder(args.runs) / "loss.png")
-    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
-        fail(f"--json {args.json}: name a file in an existing directory")
+    if args.json is not None:
+        if args.json.is_dir() or not args.json.parent.is_dir():
+            fail(f"--json {args.json}: name a file in an existing directory")
+        replaceable(args.json, "--json")
     loaded = load_runs(found, ("elapsed_s",) if args.x == "time" else ())
     runs, configs, records = ([item[i] for item in loaded] for i in range(3))
     keys = differing_keys(configs)
@@ -343,7 +372,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"wrote {args.json}", file=sys.stderr)
     try:
         plot(summaries, args.x, out, groups if groups and any(g.n > 1 for g in groups) else None, args.metric)
-    except OSError as err:  # a read-only directory, a full disk
+    except DiskFull as err:
+        fail(str(err))
+    except OSError as err:  # a read-only directory
         fail(f"-o {out}: can't write it ({err.strerror or err})")
     print(f"wrote {out}", file=sys.stderr)
 

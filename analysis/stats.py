@@ -86,7 +86,7 @@ class Comparison:
             return f"{head}: {'no difference at all' if self.diff == 0 else 'the runs of each group are identical'}"
         if self.p_value < ALPHA:
             better = (self.diff > 0) == self.metric.startswith(HIGHER_IS_BETTER)
-            return f"{head}: {'better' if better else 'worse'}"
+            return f"{head}: {'better' if better else 'worse'}{self._overlap}"
         if self.diff == 0:
             return f"{head}: no difference at all"
         effect = f"an effect of {_number(abs(self.diff))}"
@@ -94,6 +94,14 @@ class Comparison:
             return f"{head}: no difference detected, though {effect} is found 4 times in 5 at these seeds; run more"
         need = f"about {self.seeds_needed:,}" if self.seeds_needed else f"more than {MAX_SEEDS:,}"
         return f"{head}: no difference detected at {at} seeds; {effect} would need {need} seeds per arm at this spread"
+
+    @property
+    def _overlap(self) -> str:
+        """Why a difference can be real while the groups' intervals overlap: the test judges the difference."""
+        (low, high), (base_low, base_high) = self.group.ci95, self.baseline.ci95  # type: ignore[misc]
+        if low > base_high or high < base_low:
+            return ""
+        return "; the groups' intervals overlap, but the verdict is the difference's interval, which excludes 0"
 
     def to_dict(self) -> dict[str, Any]:
         return {"group": self.group.config, "baseline": self.baseline.config, "diff": self.diff,
@@ -307,7 +315,7 @@ def read_config(path: Path) -> dict[str, Any]:
     regular_file(path)
     try:
         text = path.read_bytes().decode("utf-8")
-        config = yaml.load(text, Loader=get_yaml_loader())  # OmegaConf's loader: safe_load's, subclassed
+        config = yaml.load(text, Loader=_NoAliasLoader)
     except OSError as err:
         raise Damaged(f"{path}: can't read it ({err.strerror or err})") from None
     except UnicodeDecodeError as err:
@@ -316,9 +324,22 @@ def read_config(path: Path) -> dict[str, Any]:
         mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None) or "unreadable"
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         raise Damaged(f"{path}: not YAML ({where}{problem})") from None
+    except RecursionError:
+        raise Damaged(f"{path}: nested too deep for a config") from None
     if not isinstance(config, dict):
         raise Damaged(f"{path}: not a mapping of keys (a {type(config).__name__})")
     return config
+
+
+class _NoAliasLoader(get_yaml_loader()):  # type: ignore[misc]
+    """Refuses aliases, which train.py never writes: nested ones repeat a node exponentially ("billion laughs")."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"an alias, *{event.anchor}, which train.py never writes",
+                                              event.start_mark)
+        return super().compose_node(parent, index)
 
 
 def regular_file(path: Path) -> None:

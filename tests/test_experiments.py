@@ -1,12 +1,7 @@
 """Sweeps with Hydra's basic sweeper, and plot.py comparing their runs."""
 
-import contextlib
 import json
-import os
-import re
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import hydra._internal.logging_config
@@ -17,8 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import plot
-from conftest import run_in_process, start_script, wait_for_text
-from model.checkpoint import load_checkpoint
+from conftest import run_in_process
 
 TINY = [
     "model.n_embd=32",
@@ -35,7 +29,7 @@ TINY = [
 def sweep(tmp_path: Path, corpus: Path, *params: str) -> subprocess.CompletedProcess:
     """`python train.py -m ...` in this process (run_in_process): Hydra's basic sweeper runs its jobs one after another
     in the process that started them. Its logging set-up is left out, as run_in_process leaves it out of a single
-    run (it would reach every later test). The sweep as its own process, signalled: the joblib test."""
+    run (it would reach every later test)."""
     args = [
         "-m",
         *TINY,
@@ -84,50 +78,6 @@ def test_a_sweep_writes_one_complete_run_per_job(two_run_sweep: Path) -> None:
         evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["iter"] for r in evals if "val_loss" in r] == [0, 5, 10]
     assert not (two_run_sweep.parent / "outputs").exists()
-
-
-def test_joblibs_workers_run_side_by_side_and_stop_with_a_checkpoint(tmp_path: Path, corpus_path: Path) -> None:
-    """hydra/launcher=joblib: loky's workers each get the cores divided by n_jobs (one here, on two cores). SIGTERM to
-    the sweep's process once left them training to the end, as orphans: now each stops as a single run does (a
-    checkpoint, the resume line) once the sweep's process is gone."""
-    args = ["-m", *TINY, f"data.input={corpus_path}", f"data.dir={tmp_path / 'data'}", "train.max_iters=100000",
-            f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "seed=1,2"]
-    process, workers = start_script("train.py", args, cwd=tmp_path), []
-    runs = [tmp_path / "sweep" / job for job in ("0", "1")]
-    try:
-        for run in runs:
-            wait_for_text(run / "train.log", "step 5:")
-        children = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(process.pid)], capture_output=True,
-                                  text=True)
-        workers = [int(line.split()[0]) for line in children.stdout.splitlines() if "popen_loky" in line]
-        assert len(workers) == 2, children.stdout
-        process.send_signal(signal.SIGTERM)
-        process.communicate(timeout=120)
-        assert process.returncode == -signal.SIGTERM
-        deadline = time.monotonic() + 120
-        while [pid for pid in workers if _running(pid)] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in workers if _running(pid)]  # no worker trains on
-    finally:
-        for pid in [process.pid, *workers]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    for run in runs:
-        log = (run / "train.log").read_text()
-        assert "stopped by SIGTERM at iter" in log and "Resume with:" in log, log
-        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        assert 1 <= records[0]["settings"]["threads"] <= max(1, cores // 2)  # the two jobs don't share a core
-        stopped_at = int(re.search(r"stopped by SIGTERM at iter (\d+)", log).group(1))
-        assert load_checkpoint(run / "ckpt.pt").progress.iter == stopped_at > 5
-
-
-def _running(pid: int) -> bool:
-    """Neither gone nor a zombie waiting to be reaped."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def test_a_failing_job_is_named_and_fails_the_sweep(tmp_path: Path, corpus_path: Path) -> None:
@@ -209,7 +159,8 @@ def test_plot_py_tells_repeats_apart_wraps_long_keys_and_reports_wall_time(
 ) -> None:
     """Two runs of one config once shared a label; a sweep over many keys made the table wider than a screen."""
     long_keys = {f"key_number_{i}": i for i in range(12)}
-    for name, config in (("seed_a", {"seed": 1}), ("seed_b", {"seed": 1}), ("wide", {"seed": 2, **long_keys})):
+    repeat = {"seed": 1, **dict.fromkeys(long_keys, -1)}
+    for name, config in (("seed_a", repeat), ("seed_b", repeat), ("wide", {"seed": 2, **long_keys})):
         run = tmp_path / name
         run.mkdir()
         (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
@@ -225,7 +176,7 @@ def test_plot_py_tells_repeats_apart_wraps_long_keys_and_reports_wall_time(
     assert statistics.splitlines()[0].split()[:2] == ["group", "n"]
     labelled = {row.split()[0]: row for row in rows if row.strip() and not row.startswith(" ")}
     assert set(labelled) == {str(tmp_path / n) for n in ("seed_a", "seed_b", "wide")}
-    assert "seed_a: key_number_0=None" in labelled[str(tmp_path / "seed_a")]  # distinct from seed_b's
-    assert "seed_b: key_number_0=None" in labelled[str(tmp_path / "seed_b")]
+    assert "seed_a: key_number_0=-1" in labelled[str(tmp_path / "seed_a")]  # distinct from seed_b's
+    assert "seed_b: key_number_0=-1" in labelled[str(tmp_path / "seed_b")]
     assert all(row.rstrip().endswith("12.5 s") for row in labelled.values())
     assert len(rows) > 3 and max(len(row) for row in rows) < 200  # the wide one wrapped onto more lines

@@ -18,6 +18,7 @@ from pytest import CaptureFixture
 from scipy import stats as scipy_stats
 from test_experiments import TINY, plot_ok, plot_refused
 
+import plot
 from analysis.stats import Group, compare, find_baseline, group_runs, run_value, seeds_per_arm
 from conftest import REPO, compose_config
 from training.run import train
@@ -123,7 +124,9 @@ def test_welch_difference_interval_and_p_value_follow_the_formulas() -> None:
     assert comparison.ci95 == pytest.approx((comparison.diff - half, comparison.diff + half), rel=1e-4)
     assert a.std == pytest.approx(math.sqrt(0.0166667), rel=1e-5)
     assert a.ci95 == pytest.approx((1.05 - 3.182446 * a.std / 2, 1.05 + 3.182446 * a.std / 2), rel=1e-5)
-    assert comparison.verdict.endswith("p = 0.018, 3 and 4 seeds: worse")
+    assert a.ci95[1] > b.ci95[0]  # the groups' intervals overlap, yet the difference's excludes 0: a real difference
+    assert comparison.verdict.endswith("p = 0.018, 3 and 4 seeds: worse; the groups' intervals overlap, but the "
+                                       "verdict is the difference's interval, which excludes 0")
 
 
 def test_seeds_per_arm_is_the_noncentral_t_power_calculation() -> None:
@@ -259,6 +262,7 @@ def test_plot_py_without_replicates_prints_no_statistics(tmp_path: Path, capsys:
     assert re.search(r"^all runs +1 +1.0000 ", single, re.M)
 
 
+@pytest.mark.filterwarnings("error:No artists with labels")  # a legend is drawn only when something has a label
 def test_plot_py_draws_identical_replicates_and_groups_sharing_no_evaluation(
     tmp_path: Path, capsys: CaptureFixture[str]
 ) -> None:
@@ -312,11 +316,17 @@ def _damage(sweep_dir: Path) -> dict[str, str]:
     (bad_utf8 / "config.yaml").write_bytes(b"k: caf\xe9\n")
     not_yaml = _fake_run(sweep_dir / "not_yaml", {"k": 9, "seed": 4}, [3.0])
     (not_yaml / "config.yaml").write_text("k: [1, 2\n")
+    alias_bomb = _fake_run(sweep_dir / "alias_bomb", {"k": 9, "seed": 5}, [3.0])  # each level 3x: 9 levels, 3.5 GB
+    (alias_bomb / "config.yaml").write_text("a: &a [1, 1, 1]\nb: &b [*a, *a, *a]\nc: [*b, *b, *b]\n")
+    too_deep = _fake_run(sweep_dir / "too_deep", {"k": 9, "seed": 6}, [3.0])
+    (too_deep / "config.yaml").write_text("k: " + "[" * 100_000 + "\n")
     return {
         "string_loss": "metrics.jsonl: the line of iter 5 has val_loss='2.0', not a number",
         "no_train_loss": "metrics.jsonl: the line of iter 15 has no train_loss",
         "bad_utf8": "config.yaml: not UTF-8 text (byte 6 is 0xe9)",
         "not_yaml": "config.yaml: not YAML (",
+        "alias_bomb": "config.yaml: not YAML (line 2, column 8: an alias, *a, which train.py never writes)",
+        "too_deep": "config.yaml: nested too deep for a config",
     }
 
 
@@ -413,3 +423,71 @@ def test_plot_py_writes_its_picture_into_the_sweep_folder_titled_with_groups_and
     assert legend[1] == f"k=1 (baseline): n=3, val_loss 1.1000 ± {half:.4f}"
     _, two = plot_ok(capsys, str(sweep_dir / "a_1"), str(sweep_dir / "b_1"))  # several: the folder holding them
     assert two.strip().endswith(f"wrote {sweep_dir / 'loss.png'}")
+
+
+def test_plot_py_replaces_a_link_at_its_outputs_and_refuses_a_fifo(tmp_path: Path, capsys: CaptureFixture[str]) -> None:
+    """A link at -o or --json is replaced by the new file, the file it pointed to left as it was; a FIFO there is
+    refused in one line before anything opens it (the alarm fails the test, rather than hang it, if one did)."""
+    sweep_dir = _values_sweep(tmp_path, {"a": ({"k": 1}, [1.0, 1.1]), "b": ({"k": 2}, [1.5, 1.6])})
+    kept = tmp_path / "kept.txt"
+    kept.write_text("someone's file\n")
+    picture, document = tmp_path / "loss.png", tmp_path / "ab.json"
+    picture.symlink_to(kept)
+    document.symlink_to(kept)
+    plot_ok(capsys, str(sweep_dir), "-o", str(picture), "--json", str(document))
+    assert kept.read_text() == "someone's file\n"
+    assert not picture.is_symlink() and picture.read_bytes().startswith(b"\x89PNG")
+    assert not document.is_symlink() and json.loads(document.read_text())["metric"] == "val_loss"
+    fifo = tmp_path / "fifo.png"
+    os.mkfifo(fifo)
+    with _within(60):
+        for args in (["-o", str(fifo)], ["-o", str(picture), "--json", str(fifo)]):
+            stderr = plot_refused(capsys, str(sweep_dir), *args)
+            option = args[-2]
+            assert stderr == f"error: {option} {fifo}: not a regular file (a FIFO, a device); name a file\n"
+
+
+def test_plot_py_leaves_out_a_metrics_line_nested_too_deep_with_one_warning(
+    tmp_path: Path, capsys: CaptureFixture[str]
+) -> None:
+    """100,000 brackets are past Python's recursion limit for json.loads: one damaged line, not a traceback."""
+    run = _fake_run(tmp_path / "run", {"k": 1}, [3.0, 2.0])
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write("[" * 100_000 + "\n")
+    stdout, stderr = _plot(capsys, tmp_path, str(run))
+    assert stderr.splitlines()[0] == f"warning: {run / 'metrics.jsonl'}: left out 1 damaged line(s)"
+    assert len([line for line in stderr.splitlines() if line.startswith("warning")]) == 1
+    assert re.search(rf"^{run} +run +2.0000 ", stdout, re.M)
+
+
+def test_a_run_without_config_yaml_shows_no_keys_and_joins_no_group(
+    tmp_path: Path, capsys: CaptureFixture[str]
+) -> None:
+    """What a run without config.yaml trained is unknown: its row names no key (the others, only keys that differ
+    between runs that have them) and it is no replicate of anything."""
+    many = {f"model.key{i}": i for i in range(50)}
+    sweep_dir = _values_sweep(tmp_path, {"a": (many, [1.0, 1.1, 1.2])})
+    (sweep_dir / "a_3" / "config.yaml").unlink()
+    stdout, stderr = _plot(capsys, tmp_path, str(sweep_dir))
+    table, groups = stdout.split("\n\n")
+    assert "None" not in stdout and "<absent>" not in stdout and "model.key" not in stdout
+    assert [line.split()[:2] for line in table.splitlines()[1:]] == [
+        [str(sweep_dir / "a_1"), "seed=1"], [str(sweep_dir / "a_2"), "seed=2"], [str(sweep_dir / "a_3"), "a_3"]]
+    assert f"warning: 1 run(s) without config.yaml ({sweep_dir / 'a_3'}): left out of the groups" in stderr
+    assert re.search(r"^all runs +2 +1.0500 ", groups, re.M)
+
+
+def test_plot_py_keeps_the_y_label_inside_its_picture(
+    tmp_path: Path, capsys: CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The groups' y label is the longest: it once ran past the top and bottom of the picture."""
+    drawn = []
+    figure = plot.figure
+    monkeypatch.setattr(plot, "figure", lambda *args: drawn.append(figure(*args)) or drawn[-1])
+    sweep_dir = _values_sweep(tmp_path, {"a": ({"k": 1}, [1.0, 1.1]), "b": ({"k": 2}, [1.5, 1.6])})
+    _plot(capsys, tmp_path, str(sweep_dir))
+    (fig,) = drawn
+    fig.draw_without_rendering()  # the layout, as savefig ran it
+    label, inside = fig.axes[0].yaxis.label.get_window_extent(), fig.bbox
+    assert "each group's mean" in fig.axes[0].get_ylabel()
+    assert inside.x0 <= label.x0 and label.x1 <= inside.x1 and inside.y0 <= label.y0 and label.y1 <= inside.y1

@@ -1,12 +1,8 @@
 """Train a GPT: `python train.py experiment=shakespeare_char_cpu`; --help: settings; torchrun: docs/scaling.md."""
 
 import logging
-import multiprocessing
-import os
 import signal
 import sys
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +27,7 @@ def usage() -> str:
     return f"""Train a GPT. Settings are Hydra overrides, key=value, no dashes.
 
   python train.py experiment=shakespeare_char_cpu                 # a CPU, about 2 minutes
-  python train.py experiment=speedrun_cpu out_dir=runs/fast       # the CPU speedrun, about 14 s
+  python train.py experiment=speedrun_cpu out_dir=runs/fast       # the CPU speedrun: docs/speedrun.md
 
 Presets (group=NAME):
   experiment   {", ".join(presets("experiment"))}
@@ -64,8 +60,6 @@ Every key: docs/reference.md. Hydra's own flags: --hydra-help."""
 def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     job = _sweep_job(cfg, hydra_cfg) if hydra_cfg.mode == RunMode.MULTIRUN else None
-    if multiprocessing.parent_process() is not None:  # a joblib sweep's worker
-        _stop_with_the_sweep()
     if hydra_cfg.mode == RunMode.RUN and not hydra_cfg.overrides.task:
         log.info(_defaults_note(cfg, hydra_cfg.runtime.choices))
     with exit_on_user_error(job):
@@ -73,32 +67,7 @@ def main(cfg: DictConfig) -> None:
             cfg = resumed_config(cfg, list(hydra_cfg.overrides.task), TrainRunConfig)
         result = train(cfg, on_run_opened=_hydra_files(cfg, hydra_cfg))
     if result.stopped_by is not None:
-        _exit(128 + signal.Signals[result.stopped_by].value)  # the shell's convention for "killed by"
-
-
-def _exit(code: int) -> None:
-    """A joblib sweep's worker whose sweep process is gone ends here (nothing is left to report to)."""
-    sweep = multiprocessing.parent_process()
-    if sweep is None or os.getppid() == sweep.pid:
-        sys.exit(code)
-    logging.shutdown()
-    sys.stdout.flush()
-    os._exit(code)
-
-
-def _stop_with_the_sweep() -> None:
-    """A joblib sweep's worker: once the sweep's process is gone (SIGTERM to it alone), the job stops as on SIGTERM."""
-    sweep = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == sweep:  # loky's workers have no sentinel of their parent to wait on
-            time.sleep(0.2)
-        requests = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)  # the loop's StopRequests
-        if requests is None or requests.signal is None:  # before the loop: as SIGTERM would, with nothing to save
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    if not any(thread.name == "sweep watch" for thread in threading.enumerate()):  # one per worker, not per job
-        threading.Thread(target=watch, name="sweep watch", daemon=True).start()
+        sys.exit(128 + signal.Signals[result.stopped_by].value)  # the shell's convention for "killed by"
 
 
 def _sweep_job(cfg: DictConfig, hydra_cfg: DictConfig) -> str:

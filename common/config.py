@@ -178,12 +178,17 @@ def end_quietly_when_stdout_closes() -> None:
 
 def run_hydra(main: Callable[[], None], schema: type, groups: tuple[str, ...] = (),
               usage: Callable[[], str] = str) -> None:
-    """A script's @hydra.main; overrides Hydra refuses are explained in one line (check_overrides), bugs aren't."""
-    from common.cli import check_arguments, check_overrides, refused_by_hydra
+    """A script's @hydra.main: --help prints `usage`; overrides Hydra refuses are explained in one line
+    (check_overrides; a sweep's before its first job), and what only Hydra can say is its reason on one line."""
+    from common.cli import check_overrides, refused_by_hydra
 
     args = sys.argv[1:]
-    if any(arg.startswith(("-", "hydra.job.chdir", "hydra.mode")) for arg in args):
-        check_arguments(args, schema, groups, usage)  # --help, dashed keys, chdir, sweeps: before Hydra runs
+    if "-h" in args or "--help" in args:
+        end_quietly_when_stdout_closes()
+        print(usage().strip())
+        sys.exit(0)
+    if "-m" in args or "--multirun" in args:
+        check_overrides(args, schema, groups)  # a sweep: every job's values, before the first job runs
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting
     try:
         main()

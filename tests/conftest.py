@@ -6,6 +6,7 @@ GPT_TEST_CORPUS=path/to/tinyshakespeare.txt and TIKTOKEN_CACHE_DIR holding r50k_
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import io
@@ -17,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,12 +41,9 @@ TINY_BPE = "tiny_test_bpe"
 MODERN = dict(
     norm="rmsnorm",
     qk_norm=True,
-    untied_head=True,
-    zero_init_proj=True,
     logit_softcap=15.0,
     x0_mix=True,
     value_residual=True,
-    value_embeds=True,
     bigram_embed=True,
     pos_emb="rope",
     activation="relu2",
@@ -76,6 +75,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: each worker, and every
 # A reduction's last bits depend on the thread count: pinned here (and so in every command a test starts), runs
 # that tests compare bit for bit use the same count.
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+# The tests write nothing under $HOME: the caches and settings that wandb, Hugging Face's libraries (lm-eval's
+# datasets) and matplotlib would keep there go to this session's own folder, as do those of every command it starts.
+_HOME_STAND_IN = Path(tempfile.mkdtemp(prefix="gpt-lab-tests-"))
+atexit.register(shutil.rmtree, _HOME_STAND_IN, ignore_errors=True)
+for _name in ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "HF_HOME", "HF_DATASETS_CACHE", "WANDB_DIR", "WANDB_CONFIG_DIR",
+              "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+    os.environ[_name] = str(_HOME_STAND_IN / _name.lower())
 
 
 def tiny_encoding() -> tiktoken.Encoding:

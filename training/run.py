@@ -6,11 +6,11 @@ import contextlib
 import dataclasses
 import importlib.util
 import logging
-import logging.handlers
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from filelock import FileLock, Timeout
@@ -34,7 +34,7 @@ from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
 from model.hf_gpt2 import SETTINGS as PRETRAINED_SETTINGS
 from model.hf_gpt2 import load_pretrained
 from training.distributed import World, world_from_env
-from training.metrics import METRICS_NAME, Evaluator, HellaSwagEval, MetricsLog, drop_records_after
+from training.metrics import METRICS_NAME, Evaluator, HellaSwagEval, MetricsLog, drop_records_after, read_records
 from training.optim import make_optimizer
 from training.resume import check_resume, check_same_shape
 from training.schema import OptimConfig, TrainRunConfig
@@ -55,24 +55,40 @@ def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] |
     config = typed_config(cfg, TrainRunConfig)
     runtime = make_runtime(config.device, config.train.dtype, world.local_rank if world.distributed else None)
     world.open(runtime.device)
-    start_lines = logging.handlers.MemoryHandler(capacity=10_000, flushLevel=logging.CRITICAL + 1)
-    logging.getLogger().addHandler(start_lines)  # what the start logs, for train.log once the run holds out_dir
     try:
         trainer = build_trainer(config, world, runtime, before_step)
+        finished = _finished(trainer)
+        if finished is not None:
+            return finished
         with contextlib.ExitStack() as held:
             if world.is_main:  # should this fail, torchrun stops the other ranks
-                open_run_directory(trainer, held, on_run_opened, start_lines)
+                open_run_directory(trainer, held, on_run_opened)
             world.barrier()
             result = trainer.fit()
             world.barrier()  # leave together: none tears its process group down while rank 0 still writes
         return result
     finally:
-        logging.getLogger().removeHandler(start_lines)
         world.close()
 
 
-def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_opened: Callable[[Path], None],
-                       start_lines: logging.Handler) -> None:
+class RunLog(logging.StreamHandler):
+    """train.log. A line the disk can't take is dropped without a traceback: the one line that says why the run
+    stopped (a full disk) is then what the console shows."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(open_for_appending(path))
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        """A failed write: dropped (the console has the line)."""
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # what a full disk left in the buffer
+            self.stream.close()
+        super().close()
+
+
+def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_opened: Callable[[Path], None]) -> None:
     """out_dir made and locked for the run's life, train.log opened; the history cut back to the checkpoint."""
     out_dir, config = trainer.out_dir, trainer.config
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -81,25 +97,61 @@ def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_open
     except Timeout:
         raise RunLocked(f"out_dir={out_dir} is being written by another run; wait for it to end or stop it, or use "
                         "another out_dir") from None
-    handler = logging.StreamHandler(held.enter_context(open_for_appending(out_dir / LOG_NAME)))
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    logging.getLogger().removeHandler(start_lines)
-    start_lines.setTarget(handler)
-    start_lines.close()  # flushed into train.log
+    handler = held.enter_context(contextlib.closing(RunLog(out_dir / LOG_NAME)))
     logging.getLogger().addHandler(handler)
     held.callback(logging.getLogger().removeHandler, handler)
+    log.info(_start_line(trainer))
+    settings = {"device": trainer.runtime.device.type, "train.dtype": trainer.runtime.dtype_name,  # for plot.py
+                "train.compile": hasattr(trainer.step_model, "_orig_mod"), "threads": torch.get_num_threads()}
     if config.resume:
+        log.info(f"resuming {out_dir} at iter {trainer.progress.iter}")
         drop_records_after(out_dir, trainer.progress.iter)  # a killed run's lines after its checkpoint
+        _warn_of_other_settings(out_dir, settings)
     else:  # a run that died before its first ckpt.pt left these: not this run's
         (out_dir / METRICS_NAME).unlink(missing_ok=True)
         (out_dir / BEST_NAME).unlink(missing_ok=True)
     on_run_opened(out_dir)
     write_text_atomically(out_dir / CONFIG_NAME, OmegaConf.to_yaml(trainer.resolved))
-    settings = {"device": trainer.runtime.device.type, "train.dtype": trainer.runtime.dtype_name,  # for plot.py
-                "train.compile": hasattr(trainer.step_model, "_orig_mod"), "threads": torch.get_num_threads()}
     trainer.metrics.write_settings(trainer.progress.iter, settings)
     if config.wandb.enabled:
         trainer.metrics.start_wandb(config.wandb, trainer.resolved)
+    if trainer.eval_due():  # it may take a while before the first log line
+        train = config.train
+        val = "every window" if train.full_val else f"{train.eval_iters} batches"
+        log.info(f"evaluating at iter {trainer.progress.iter}: {train.eval_iters} batches of train, {val} of val")
+
+
+def _start_line(trainer: Trainer) -> str:
+    """The run in one line: its size, vocabulary, device, precision, compile and processes, and where it writes."""
+    world, train = trainer.world, trainer.config.train
+    processes = f", {world.size} processes ({train.parallel})" if world.distributed else ""
+    peak = trainer.peak_flops
+    mfu = "" if peak is None else f"; MFU against {peak / world.size / 1e12:.3g} TFLOP/s per process"
+    return (f"{trainer.model.num_params() / 1e6:.2f}M parameters, {trainer.data.meta['vocab_size']} tokens in the "
+            f"vocabulary, device {trainer.runtime.device}, {trainer.runtime.dtype_name}, compile "
+            f"{hasattr(trainer.step_model, '_orig_mod')}{processes}, out_dir {trainer.out_dir}{mfu}")
+
+
+def _warn_of_other_settings(out_dir: Path, settings: dict[str, Any]) -> None:
+    """A resume whose threads (or device, precision, compile) differ from the run's last start: said in one line,
+    since they change the float sums' order and plot.py groups runs by them."""
+    records = read_records(out_dir)[0] if (out_dir / METRICS_NAME).is_file() else []
+    saved = next((r["settings"] for r in reversed(records) if "settings" in r), {})
+    changed = [f"{key} {saved[key]} -> {value}" for key, value in settings.items() if saved.get(key, value) != value]
+    if changed:
+        log.warning(f"resume: {', '.join(changed)} since the run last started (OMP_NUM_THREADS sets the threads)")
+
+
+def _finished(trainer: Trainer) -> TrainResult | None:
+    """A resumed run that already evaluated its last iteration (train.max_iters, or the target): nothing is written."""
+    p, train = trainer.progress, trainer.config.train
+    if not trainer.config.resume or p.last_eval_iter != p.iter or (
+            p.iter < train.max_iters and not trainer.reaches_target(p.val_loss)):
+        return None
+    log.info(f"out_dir={trainer.out_dir} is finished: {p.iter} iters, val loss {p.val_loss:.4f}; nothing written "
+             "(to train on, raise train.max_iters and add resume_with_changes=true)")
+    return TrainResult(trainer.out_dir, p.iter, p.val_loss, p.best_val_loss, trainer.elapsed_before, None,
+                       trainer.runtime.dtype_name)
 
 
 def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime,
@@ -125,7 +177,7 @@ def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime,
     model = _build_model(config, checkpoint, data, runtime, world)
     if world.rank:  # then each rank its own dropout masks (nanoGPT's seed offset); rank 0's stream goes on
         torch.manual_seed(config.seed + world.rank)
-    num_params, flops_per_token = model.num_params(), model.flops_per_token()  # before sharding
+    flops_per_token = model.flops_per_token()  # before sharding
     model.activation_checkpointing = train.activation_checkpointing
     if not (world.distributed and train.parallel == "fsdp"):  # FSDP2 moves each rank's shards to its device itself
         model.to(runtime.device)
@@ -151,11 +203,6 @@ def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime,
     )
     if checkpoint is not None:
         trainer.restore(checkpoint)
-    processes = f", {world.size} processes ({train.parallel})" if world.distributed else ""
-    log.info(f"{num_params / 1e6:.2f}M parameters, {data.meta['vocab_size']} tokens in the vocabulary, device "
-             f"{runtime.device}, {runtime.dtype_name}, compile {use_compile}{processes}, out_dir {out_dir}")
-    if peak is not None:
-        log.info(f"MFU against {peak / 1e12:.3g} TFLOP/s per process")
     return trainer
 
 

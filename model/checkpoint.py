@@ -56,9 +56,10 @@ class Checkpoint:
         return flat | {"model_config": dict(vars(self.model_config))}
 
     @classmethod
-    def from_dict(cls, raw: Any, path: Path) -> Checkpoint:
-        """Every value checked here, once, before anything is built or written: a damaged or crafted file is one
-        line naming the field, never a traceback, an allocation its weights don't back, or a run's history cut."""
+    def from_dict(cls, raw: Any, path: Path, resuming: bool = False) -> Checkpoint:
+        """Every value used checked here, once, before anything is built or written: a damaged or crafted file is one
+        line naming the field, never a traceback, an allocation its weights don't back, or a run's history cut. The
+        optimizer and random states only when resuming: nothing else reads them."""
         if not isinstance(raw, dict) or "model" not in raw or "model_config" not in raw:
             raise CheckpointError(f"{path} is not a checkpoint written by train.py")
         raw = dict(raw) if raw.keys() == _KEYS else _upgraded(raw)
@@ -72,8 +73,9 @@ class Checkpoint:
                 raise CheckpointError(f"{path} can't be used: its {name} is a {type(raw[name]).__name__}")
         _check_weights(raw["model"], model_config, path)
         raw["optimizer"] = raw["optimizer"] or None  # {}: no step taken, as None says
-        _check_optimizer(raw["optimizer"], raw["model"], path)
-        _check_rng(raw["rng"], path)
+        if resuming:
+            _check_optimizer(raw["optimizer"], raw["model"], path)
+            _check_rng(raw["rng"], path)
         if raw["dtype"] not in ("", "float32", "bfloat16", "float16"):
             raise CheckpointError(f"{path} can't be used: dtype={raw['dtype']} is no precision train.py runs in")
         return cls(model_config=model_config, progress=progress, **raw)
@@ -201,7 +203,7 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
     write_atomically(path, lambda f: torch.save(checkpoint.to_dict(), f))
 
 
-def load_checkpoint(path: Path) -> Checkpoint:
+def load_checkpoint(path: Path, resuming: bool = False) -> Checkpoint:
     """weights_only: a checkpoint holding anything but tensors and plain values is refused, never unpickled."""
     check_regular_file(path)  # a FIFO would block torch.load forever
     if not path.is_file():
@@ -210,7 +212,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
         raw = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated, foreign, or holding objects weights_only won't build
         raise CheckpointError(f"{path} is not a readable checkpoint: {_unreadable(err)}") from None
-    return Checkpoint.from_dict(raw, path)
+    return Checkpoint.from_dict(raw, path, resuming)
 
 
 def _unreadable(err: Exception) -> str:

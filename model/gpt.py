@@ -179,18 +179,23 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None,
             h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
             ln_f=make_norm(config),
             bigram=BigramEmbedding(config) if config.bigram_embed else None,
         ))
-        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2: the residual stream's variance doesn't grow with depth
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        if config.padded_vocab_size > config.vocab_size:  # rows no token has, at zero, added after every random draw:
+            rows = config.padded_vocab_size - config.vocab_size  # a padded model starts as the unpadded one does
+            table = nn.Parameter(F.pad(self.lm_head.weight.detach(), (0, 0, 0, rows)))
+            self.lm_head.weight = self.transformer.wte.weight = table
+            self.lm_head.out_features = self.transformer.wte.num_embeddings = config.padded_vocab_size
         self.activation_checkpointing = False  # training: each block keeps only its input and runs again in backward
 
     @staticmethod

@@ -364,10 +364,6 @@ def _weights(raw: dict, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
         (lambda raw: raw["model"].update(extra=torch.zeros(1)), "its model_config has no weight extra"),
         (lambda raw: _weights(raw, torch.Tensor.long), "its weight transformer.wte.weight is torch.int64, not float"),
         (lambda raw: _weights(raw, lambda w: w * math.nan), "its weight transformer.wte.weight holds NaN or inf"),
-        (lambda raw: raw["optimizer"]["state"]["transformer.ln_f.weight"].update(exp_avg=torch.zeros(3)),
-         "its optimizer's exp_avg for transformer.ln_f.weight is of shape (3,), the weight of shape (8,)"),
-        (lambda raw: raw.update(optimizer={"state": [], "param_groups": []}), "its optimizer is not an optimizer's"),
-        (lambda raw: raw.update(rng=[{"torch": torch.zeros(3, dtype=torch.uint8), "cuda": []}]), "its rng is not"),
         (lambda raw: raw.update(dtype="int8"), "dtype=int8 is no precision train.py runs in"),
         (lambda raw: raw.update(tokenizer={"kind": "zzz"}), "holds damaged tokenizer metadata (neither char nor bpe)"),
         (lambda raw: raw.update(tokenizer={"kind": "char", "chars": [1, 2, 3]}), "chars are not a list of characters"),
@@ -384,6 +380,24 @@ def test_a_crafted_or_damaged_checkpoint_is_refused_at_load_naming_the_field(
     with pytest.raises(UserError) as info:
         load_model(str(run), None, "latest", None)
     assert message in str(info.value) and str(run / CKPT_NAME) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("alter", "message"),
+    [
+        (lambda raw: raw["optimizer"]["state"]["transformer.ln_f.weight"].update(exp_avg=torch.zeros(3)),
+         "its optimizer's exp_avg for transformer.ln_f.weight is of shape (3,), the weight of shape (8,)"),
+        (lambda raw: raw.update(optimizer={"state": [], "param_groups": []}), "its optimizer is not an optimizer's"),
+        (lambda raw: raw.update(rng=[{"torch": torch.zeros(3, dtype=torch.uint8), "cuda": []}]), "its rng is not"),
+    ],
+)
+def test_a_damaged_training_state_is_refused_when_resuming_and_ignored_by_sampling(
+    tmp_path: Path, alter: Callable[[dict], object], message: str
+) -> None:
+    run = _crafted(tmp_path / "run", alter)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_checkpoint(run / CKPT_NAME, resuming=True)
+    assert load_model(str(run), None, "latest", None).model.config.n_layer == 1
 
 
 def test_the_checkpoint_crafted_for_the_test_loads() -> None:

@@ -34,3 +34,11 @@ def test_a_link_by_one_of_a_runs_names_never_writes_to_its_target(
         train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **resume)))
         assert not link.is_symlink()
     assert target.read_text() == "the user's own\n"
+
+
+def test_an_out_dir_linked_to_a_file_is_one_line_and_the_file_stays(tmp_path: Path, corpus_path: Path) -> None:
+    target = _precious(tmp_path)
+    (tmp_path / "run").symlink_to(target)
+    with pytest.raises(UserError, match="is a file, not a directory"):
+        train(compose_config(tiny_run_overrides(tmp_path, corpus_path)))
+    assert target.read_text() == "the user's own\n"

@@ -178,13 +178,16 @@ def test_attention_weights_come_out_beside_the_main_path_and_leave_it_as_it_was(
 GPT2_BPE = dict(vocab_size=50257, vocab_multiple=64, block_size=8, n_layer=1, n_head=2, n_embd=8)
 
 
-def test_a_gpt2_bpe_table_has_50304_rows_and_the_padding_changes_no_logit_or_loss() -> None:
+def test_a_gpt2_bpe_table_has_50304_rows_and_the_padding_changes_no_weight_logit_or_loss() -> None:
     torch.manual_seed(0)
     padded = GPT(GPTConfig(**GPT2_BPE))
     assert padded.transformer.wte.weight.shape == padded.lm_head.weight.shape == (50304, 8)
+    torch.manual_seed(0)  # the padded rows start at zero and draw nothing: every other weight is the unpadded one's
     unpadded = GPT(GPTConfig(**{**GPT2_BPE, "vocab_multiple": 1}))
+    assert not padded.lm_head.weight[50257:].any()
     tables = ("transformer.wte.weight", "lm_head.weight")
-    unpadded.load_state_dict({k: v[:50257] if k in tables else v for k, v in padded.state_dict().items()})
+    state = unpadded.state_dict()
+    assert all(torch.equal(v[:50257] if k in tables else v, state[k]) for k, v in padded.state_dict().items())
     idx = torch.randint(50257, (2, 8))
     (logits, loss), (expected, expected_loss) = padded(idx, idx), unpadded(idx, idx)
     assert logits.shape == (2, 8, 50257)

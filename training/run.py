@@ -22,6 +22,7 @@ from common.runtime import (
     Runtime,
     check_memory,
     datasheet_peak,
+    make_directory,
     make_runtime,
     open_for_appending,
     write_text_atomically,
@@ -91,7 +92,7 @@ class RunLog(logging.StreamHandler):
 def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_opened: Callable[[Path], None]) -> None:
     """out_dir made and locked for the run's life, train.log opened; the history cut back to the checkpoint."""
     out_dir, config = trainer.out_dir, trainer.config
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_directory(out_dir, f"out_dir={out_dir}")  # a file there, no permission, a full disk: one line
     try:
         held.enter_context(FileLock(out_dir / LOCK_NAME, timeout=0))
     except Timeout:
@@ -165,7 +166,7 @@ def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime,
     out_dir, train = Path(config.out_dir), config.train
     checkpoint = None
     if config.resume:
-        checkpoint = load_checkpoint(out_dir / CKPT_NAME)
+        checkpoint = load_checkpoint(out_dir / CKPT_NAME, resuming=True)
         check_resume(checkpoint, config)  # before any data is prepared: a refused resume changes nothing
     elif (out_dir / CKPT_NAME).exists():
         raise ConfigError(f"out_dir={out_dir} already holds a run; pass resume=true to continue it, or another out_dir")

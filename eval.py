@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from common.config import end_quietly_when_stdout_closes, exit_on_user_error, run_hydra, typed_config
 from inference.eval_run import readable, run_eval
-from inference.schema import EvalConfig, register_schemas
+from inference.sampling import EvalConfig, register_schemas
 
 register_schemas()
 

@@ -32,7 +32,7 @@ from analysis.stats import Comparison, Damaged, Group, Loaded, compare, find_bas
 from common.cli import fail
 from common.errors import DiskFull
 from common.runtime import write_atomically, write_text_atomically
-from training.metrics import METRICS_NAME
+from training.trainer import METRICS_NAME
 
 IGNORED_KEYS = ("out_dir", "resume", "resume_with_changes")  # differ between runs without saying anything about them
 KEYS_WIDTH = 60  # the table's "differing keys" column wraps at this width, the legend at twice it

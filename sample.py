@@ -8,8 +8,7 @@ from omegaconf import DictConfig
 
 from common.config import end_quietly_when_stdout_closes, exit_on_user_error, literal_text, run_hydra, typed_config
 from common.runtime import make_directory
-from inference.sampling import SEPARATOR, Sampler, load_sampler, stop_strings, warn
-from inference.schema import SampleConfig, register_schemas
+from inference.sampling import SEPARATOR, SampleConfig, Sampler, load_sampler, register_schemas, stop_strings, warn
 from model.gpt import Decoding
 
 register_schemas()

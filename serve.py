@@ -5,7 +5,7 @@ import hydra
 from omegaconf import DictConfig
 
 from common.config import exit_on_user_error, run_hydra, typed_config
-from inference.schema import ServeConfig, register_schemas
+from inference.sampling import ServeConfig, register_schemas
 
 register_schemas()
 

@@ -17,7 +17,7 @@ import yaml
 from omegaconf._utils import get_yaml_loader  # the loader OmegaConf.load uses: 1e-3 is a number, as in a run
 from scipy import stats
 
-from training.metrics import METRICS_NAME, read_records
+from training.trainer import METRICS_NAME, read_records
 
 # Keys that never change what is trained or measured: runs that differ only in these are replicates.
 NEUTRAL_KEYS = ("seed", "out_dir", "resume", "resume_with_changes", "data.dir", "train.log_interval", "train.keep_best")

@@ -19,10 +19,9 @@ from data.source import read_utf8
 from data.tokenizers import Tokenizer
 from evals.hellaswag import hellaswag_examples, hellaswag_sums
 from evals.perplexity import score_sequences
-from inference.sampling import LoadedModel, load_model
-from inference.schema import EvalConfig
+from inference.sampling import EvalConfig, LoadedModel, load_model
 from model import GPTConfig
-from model.checkpoint import Checkpoint
+from model.gpt import Checkpoint
 
 
 def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:

@@ -43,8 +43,7 @@ from common.runtime import make_runtime
 from data.corpus import default_num_proc
 from data.tokenizers import Tokenizer
 from inference.engine import Choice, Engine, Job, Update
-from inference.sampling import SampleText, load_model
-from inference.schema import ServeConfig
+from inference.sampling import SampleText, ServeConfig, load_model
 from model.gpt import Decoding, row_generators
 
 log = logging.getLogger("serve")

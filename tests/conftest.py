@@ -31,7 +31,7 @@ from hydra._internal.hydra import Hydra
 from omegaconf import DictConfig
 from tiktoken_ext.openai_public import r50k_pat_str
 
-import inference.schema
+import inference.sampling
 import training.schema
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,7 +68,7 @@ _TINY_MERGES = [
 ]
 
 training.schema.register_schemas()
-inference.schema.register_schemas()
+inference.sampling.register_schemas()
 if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: each worker, and every command it starts, on one thread
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)

@@ -11,7 +11,7 @@ import model.attention
 from analysis.attention_maps import save_attention_maps
 from analysis.causality import check_causality, format_report
 from conftest import run_in_process
-from model.checkpoint import CKPT_NAME, load_checkpoint
+from model.gpt import CKPT_NAME, load_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,10 @@ import torch
 from common.config import typed_config
 from common.errors import CheckpointError
 from conftest import compose_config, tiny_run_overrides
-from inference.sampling import load_sampler
-from inference.schema import SampleConfig
-from model.checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint
-from training.metrics import Losses
+from inference.sampling import SampleConfig, load_sampler
+from model.gpt import BEST_NAME, CKPT_NAME, load_checkpoint
 from training.run import train
-from training.trainer import Trainer
+from training.trainer import Losses, Trainer
 
 SCRIPTED_VAL = {0: 3.0, 2: 2.0, 4: 2.5, 6: 2.2, 8: 2.6, 10: 2.7}  # iteration -> val loss: the best is at 2
 

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from common.config import typed_config
 from common.errors import ConfigError
 from conftest import compose_config, run_in_process
-from inference.schema import SampleConfig
+from inference.sampling import SampleConfig
 from training.schema import TrainRunConfig
 
 

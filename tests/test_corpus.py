@@ -384,7 +384,7 @@ def test_val_bits_per_byte_is_the_text_tokens_nats_over_their_bytes(
 ) -> None:
     """Trained on the shards; bits per byte leaves <|endoftext|> (0 bytes) out of both sums, as nanochat."""
     from conftest import tiny_run_overrides
-    from model.checkpoint import CKPT_NAME, load_checkpoint
+    from model.gpt import CKPT_NAME, load_checkpoint
     from training.run import train
 
     root, _ = docs_dir

@@ -21,9 +21,9 @@ import torch
 from common.errors import CheckpointError, DiskFull, TrainingDiverged
 from conftest import REACHES_TARGET, REPO, compose_config, run_in_process, tiny_run_overrides
 from model import GPT, GPTConfig
-from model.checkpoint import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
-from training.metrics import METRICS_NAME, MetricsLog, read_records
+from model.gpt import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
 from training.run import train
+from training.trainer import METRICS_NAME, MetricsLog, read_records
 
 # Dropout on, so the restored random state matters; 40 iterations, evaluated every 10, logged every 3: a stop
 # (and the half run's end, 20) falls inside a log line's window, whose losses so far the checkpoint keeps.
@@ -276,7 +276,7 @@ import os, sys, torch
 sys.path.insert(0, {repo!r})
 from pathlib import Path
 from model import GPT, GPTConfig
-from model.checkpoint import Checkpoint, Progress, save_checkpoint
+from model.gpt import Checkpoint, Progress, save_checkpoint
 torch.set_num_threads(1)  # no OpenMP pool for a forked child to inherit
 path = Path({path!r})
 config = GPTConfig(vocab_size=250_000, block_size=8, n_layer=1, n_head=1, n_embd=8)  # 4M numbers: 16 MB a write
@@ -393,8 +393,7 @@ def test_truncated_or_foreign_checkpoints_are_one_line_errors(tmp_path: Path, co
 
 def test_sampling_refuses_a_checkpoint_without_a_tokenizer(tmp_path: Path) -> None:
     from common.config import typed_config
-    from inference.sampling import load_sampler
-    from inference.schema import SampleConfig
+    from inference.sampling import SampleConfig, load_sampler
 
     save_checkpoint(tmp_path / CKPT_NAME, _tiny_checkpoint(0.0, 1))  # tokenizer={}
     with pytest.raises(CheckpointError, match=f"{tmp_path / CKPT_NAME} holds no tokenizer"):
@@ -481,8 +480,8 @@ def test_a_checkpoint_from_before_torchrun_support_resumes_exactly(
     """Earlier checkpoints keyed the optimizer state by position and held one random state, not one per rank."""
     from common.runtime import Runtime
     from training.distributed import load_full_state
-    from training.optim import make_optimizer
     from training.schema import OptimConfig
+    from training.trainer import make_optimizer
 
     def old_layout(raw: dict, path: Path) -> dict:
         model = load_checkpoint(path).build_model()
@@ -499,10 +498,9 @@ def test_a_checkpoint_from_before_torchrun_support_resumes_exactly(
 def test_a_checkpoint_in_the_layout_before_the_trainer_resumes_exactly_and_samples(
     half_run: tuple[Path, Path], tmp_path: Path, corpus_path: Path
 ) -> None:
-    """The dict the training loop wrote by hand before model.checkpoint owned the format, key by key."""
+    """The dict the training loop wrote by hand before model.gpt owned the format, key by key."""
     from common.config import typed_config
-    from inference.sampling import load_sampler
-    from inference.schema import SampleConfig
+    from inference.sampling import SampleConfig, load_sampler
     from model.gpt import Decoding
 
     def before_the_trainer(raw: dict, path: Path) -> dict:

@@ -11,7 +11,7 @@ import torch
 
 from common.errors import ConfigError
 from conftest import run_in_process
-from inference.schema import SampleConfig
+from inference.sampling import SampleConfig
 from model import GPT, GPTConfig
 from model.gpt import Decoding, row_generators
 

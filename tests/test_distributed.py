@@ -21,11 +21,11 @@ from omegaconf import OmegaConf
 from common.config import typed_config
 from common.errors import ConfigError
 from conftest import REPO, built_once, compose_config, run_in_process, tiny_run_overrides
-from model.checkpoint import CKPT_NAME, load_checkpoint
+from model.gpt import CKPT_NAME, load_checkpoint
 from training.distributed import World
-from training.metrics import split_across_ranks
 from training.run import check_for_world, train
 from training.schema import TrainRunConfig
+from training.trainer import split_across_ranks
 
 # Four micro-batches a step: one process runs all four, each of two processes two (gradients reduced on the
 # second). eval_iters is odd so the train-split batches don't divide evenly between the ranks; the val split is

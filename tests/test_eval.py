@@ -24,13 +24,13 @@ from data.tokenizers import BpeTokenizer
 from evals.hellaswag import Example, ending_scores, hellaswag_path, hellaswag_sums, load_examples
 from evals.perplexity import count_windows, score_sequences, windows
 from inference.eval_run import run_eval
-from inference.schema import EvalConfig
+from inference.sampling import EvalConfig
 from model import GPT, GPTConfig
-from model.checkpoint import CKPT_NAME, load_checkpoint
+from model.gpt import CKPT_NAME, load_checkpoint
 from training.distributed import World
-from training.metrics import Evaluator, split_across_ranks
 from training.run import train
 from training.schema import OptimConfig, TrainRunConfig
+from training.trainer import Evaluator, split_across_ranks
 
 HELLASWAG = [
     ("The chef cracks two eggs into a bowl and", ["whisks them.", "sings a song.", "paints the wall.", "the end."], 0),

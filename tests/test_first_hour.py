@@ -28,12 +28,12 @@ from conftest import (
     wait_for_text,
 )
 from data.prepare import KNOWN_TEXTS, DataConfig, ensure_prepared
-from inference.schema import SampleConfig
-from model.checkpoint import CKPT_NAME, load_checkpoint
-from training.optim import scheduled_lr
+from inference.sampling import SampleConfig
+from model.gpt import CKPT_NAME, load_checkpoint
 from training.resume import resume_argument, resumed_config
 from training.run import train
 from training.schema import CONFIG_GROUPS, TrainRunConfig
+from training.trainer import scheduled_lr
 
 UNREACHABLE = "http://127.0.0.1:9/input.txt"  # the discard port: a download fails at once, offline or not
 # A run's settings that differ from the schema's defaults, as a preset's would: a resume must keep every one.

@@ -27,13 +27,12 @@ from common.errors import ConfigError, DataError, DiskFull, UserError
 from common.runtime import make_directory, open_for_appending, write_text_atomically
 from conftest import compose_config, run_in_process, run_script, tiny_run_overrides
 from data.prepare import DataConfig, ensure_prepared
-from inference.sampling import load_model, read_prompt
-from inference.schema import SampleConfig
+from inference.sampling import SampleConfig, load_model, read_prompt
 from model import GPT, GPTConfig
-from model.checkpoint import CKPT_NAME, Checkpoint, CheckpointError, load_checkpoint, saved_config
-from training.metrics import METRICS_NAME, MetricsLog, drop_records_after, read_records
+from model.gpt import CKPT_NAME, Checkpoint, CheckpointError, load_checkpoint, saved_config
 from training.run import train
 from training.schema import CONFIG_GROUPS, TrainRunConfig, WandbConfig
+from training.trainer import METRICS_NAME, MetricsLog, drop_records_after, read_records
 
 FAST = {"train.max_iters": 4, "train.eval_interval": 2, "train.log_interval": 1}
 
@@ -311,7 +310,7 @@ def test_every_path_key_expands_the_home_directory_once_for_checks_and_use(monke
     """`~` (quoted for Hydra, or left by the shell) in out_dir and attention_dir made a literal ./~/ directory while
     data.input was expanded: one rule now, applied when the config is built."""
     from common.config import typed_config
-    from inference.schema import EvalConfig
+    from inference.sampling import EvalConfig
 
     home = Path.home()
     train_config = typed_config(

@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from common.runtime import Runtime
 from model import GPT, GPTConfig
 from training.muon import MuonAdamW, newton_schulz
-from training.optim import FROM_CONFIG, lr_at, make_optimizer, set_hyperparameters
 from training.schema import OptimConfig
+from training.trainer import FROM_CONFIG, lr_at, make_optimizer, set_hyperparameters
 
 CPU = Runtime(torch.device("cpu"), torch.float32)
 MUON = {"muon": True, "lr": 0.02, "momentum": 0.9, "nesterov": True, "ns_steps": 5, "weight_decay": 0.1}

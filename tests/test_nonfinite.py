@@ -13,7 +13,7 @@ import torch
 from common.config import typed_config
 from common.runtime import make_runtime
 from conftest import compose_config, run_in_process, tiny_run_overrides
-from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
+from model.gpt import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
 from training.distributed import World
 from training.run import build_trainer, train
 from training.schema import TrainRunConfig

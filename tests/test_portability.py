@@ -20,12 +20,12 @@ import torch
 from filelock import FileLock
 
 import common.runtime
-import model.checkpoint
+import model.gpt
 import training.run
 from common.runtime import Runtime, make_runtime
 from conftest import REPO, compose_config, run_script, tiny_run_overrides
 from model import GPT, GPTConfig
-from model.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
+from model.gpt import CKPT_NAME, load_checkpoint, save_checkpoint
 from training.run import train
 
 
@@ -142,8 +142,8 @@ def test_each_writer_writes_its_own_temporary_file(monkeypatch: pytest.MonkeyPat
     assert renamed == [f"{CKPT_NAME}.{os.getpid()}.tmp"]
 
 
-def _checkpoint() -> model.checkpoint.Checkpoint:
-    from model.checkpoint import Checkpoint, Progress
+def _checkpoint() -> model.gpt.Checkpoint:
+    from model.gpt import Checkpoint, Progress
 
     config = GPTConfig(vocab_size=10, block_size=4, n_layer=1, n_head=1, n_embd=4)
     return Checkpoint(

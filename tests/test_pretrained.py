@@ -18,7 +18,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from common.errors import CheckpointError, ConfigError, UserError
 from conftest import REPO, TINY_BPE, compose_config, run_in_process, run_script, tiny_encoding, tiny_run_overrides
 from model import GPT, GPTConfig
-from model.checkpoint import CKPT_NAME, Checkpoint, load_checkpoint, save_checkpoint
+from model.gpt import CKPT_NAME, Checkpoint, load_checkpoint, save_checkpoint
 from model.hf_gpt2 import PRETRAINED, PretrainedError, gpt_from_hf, hf_from_gpt, load_pretrained
 from training.run import train
 

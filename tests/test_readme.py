@@ -10,7 +10,7 @@ import pytest
 from common.cli import check_overrides
 from common.config import typed_config
 from conftest import REPO, compose_config
-from inference.schema import EvalConfig, SampleConfig, ServeConfig
+from inference.sampling import EvalConfig, SampleConfig, ServeConfig
 from training.schema import CONFIG_GROUPS, TrainRunConfig
 
 README = (REPO / "README.md").read_text(encoding="utf-8")

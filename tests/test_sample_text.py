@@ -16,8 +16,7 @@ from common.errors import ConfigError
 from common.runtime import make_runtime
 from conftest import REPO, run_in_process, tiny_encoding
 from data.tokenizers import BpeTokenizer, CharTokenizer
-from inference.sampling import SEPARATOR, Sampler, SampleText, stop_strings
-from inference.schema import MAX_NEW_TOKENS, SampleConfig
+from inference.sampling import MAX_NEW_TOKENS, SEPARATOR, SampleConfig, Sampler, SampleText, stop_strings
 from model import GPT, GPTConfig
 from model.gpt import Decoding
 

@@ -77,7 +77,7 @@ def test_tokenize_gives_end_of_text_its_one_token_as_vllm_does() -> None:
     not the ordinary tokens that spell it (prompts themselves are tokenized as sample.py tokenizes them)."""
     from conftest import tiny_encoding
     from data.tokenizers import BpeTokenizer
-    from inference.schema import ServeConfig
+    from inference.sampling import ServeConfig
     from inference.server import Service
 
     tokenizer = BpeTokenizer(tiny_encoding())

@@ -27,7 +27,7 @@ from model.attention import (
     flex_windowed_attention,
     windowed_attention,
 )
-from model.checkpoint import CKPT_NAME, load_checkpoint
+from model.gpt import CKPT_NAME, load_checkpoint
 from model.hf_gpt2 import PretrainedError, hf_from_gpt
 from training.run import train
 

@@ -10,9 +10,9 @@ from omegaconf import OmegaConf
 
 from common.errors import CheckpointError, ConfigError
 from conftest import CONFIGS, REACHES_TARGET, TINY_BPE, compose_config, tiny_run_overrides
-from model.checkpoint import CKPT_NAME, load_checkpoint
-from training.optim import lr_at
+from model.gpt import CKPT_NAME, load_checkpoint
 from training.run import train
+from training.trainer import lr_at
 
 
 def _records(run: Path) -> list[dict]:
@@ -196,8 +196,7 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path: Path, corpus_pat
 
 def test_bpe_run_trains_and_samples(tmp_path: Path, corpus_path: Path) -> None:
     from common.config import typed_config
-    from inference.sampling import load_sampler
-    from inference.schema import SampleConfig
+    from inference.sampling import SampleConfig, load_sampler
     from model.gpt import Decoding
 
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"data.tokenizer": TINY_BPE})))

@@ -16,13 +16,11 @@ from common.errors import TrainingDiverged
 from common.runtime import make_runtime
 from conftest import compose_config, tiny_run_overrides
 from data.prepare import TRAIN_WINDOWS, get_batch
-from model.checkpoint import CKPT_NAME, load_checkpoint
+from model.gpt import CKPT_NAME, load_checkpoint
 from training.distributed import World
-from training.metrics import sample_table
-from training.optim import lr_at
 from training.run import build_trainer, train
 from training.schema import TrainRunConfig
-from training.trainer import Trainer
+from training.trainer import Trainer, lr_at, sample_table
 
 
 def _trainer(tmp_path: Path, corpus: Path, **extra: object) -> Trainer:
@@ -175,12 +173,11 @@ def test_two_accumulated_micro_batches_step_as_one_batch_twice_the_size(
     for it in range(3):  # each step's 8 windows; the accumulating run takes micro-batch i's half of them
         generator = training.trainer.batch_generator(big.config.seed, TRAIN_WINDOWS, it, 0)
         windows[it] = get_batch(big.data.train, 8, big.model.config.block_size, generator)
-    monkeypatch.setattr(training.trainer, "batch_generator", lambda seed, purpose, it, micro: (it, micro))
-    monkeypatch.setattr(
-        training.trainer,
-        "get_batch",
-        lambda files, size, block, key: tuple(t[key[1] * size : (key[1] + 1) * size] for t in windows[key[0]]),
-    )
+    def batch(self: training.trainer.Trainer, it: int, micro: int) -> tuple[torch.Tensor, ...]:
+        size = self.config.train.batch_size
+        return tuple(t[micro * size : (micro + 1) * size] for t in windows[it])
+
+    monkeypatch.setattr(training.trainer.Trainer, "train_batch", batch)
     accumulating = _trainer(
         tmp_path / "acc", corpus_path, **{"train.batch_size": 4, "train.grad_accum": 2, "train.optimizer": optimizer}
     )

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from common.errors import CheckpointError, ConfigError
 from model import GPTConfig
-from model.checkpoint import CKPT_NAME, Checkpoint, saved_config
+from model.gpt import CKPT_NAME, Checkpoint, saved_config
 from training.schema import CONFIG_GROUPS
 
 log = logging.getLogger("train")

@@ -31,15 +31,23 @@ from data.prepare import PreparedData, ensure_prepared
 from data.tokenizers import Tokenizer, tokenizer_from_metadata
 from evals.hellaswag import hellaswag_path, load_examples
 from model import GPT, GPTConfig
-from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
+from model.gpt import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
 from model.hf_gpt2 import SETTINGS as PRETRAINED_SETTINGS
 from model.hf_gpt2 import load_pretrained
 from training.distributed import World, world_from_env
-from training.metrics import METRICS_NAME, Evaluator, HellaSwagEval, MetricsLog, drop_records_after, read_records
-from training.optim import make_optimizer
 from training.resume import check_resume, check_same_shape
 from training.schema import OptimConfig, TrainRunConfig
-from training.trainer import Trainer, TrainResult
+from training.trainer import (
+    METRICS_NAME,
+    Evaluator,
+    HellaSwagEval,
+    MetricsLog,
+    Trainer,
+    TrainResult,
+    drop_records_after,
+    make_optimizer,
+    read_records,
+)
 
 log = logging.getLogger("train")
 CONFIG_NAME = "config.yaml"  # the run's resolved config, for reading (plot.py groups runs by it)

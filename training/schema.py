@@ -14,8 +14,9 @@ from common.errors import ConfigError
 from common.runtime import DEVICES, DTYPES
 from data.prepare import DataConfig
 from model import GPTConfig
-from training.optim import LR_SCHEDULES, OPTIMIZERS
 
+OPTIMIZERS = ("adamw", "muon")
+LR_SCHEDULES = ("cosine", "wsd")  # after warmup: a half cosine, or warmup-stable-decay
 ON_NONFINITE = ("stop", "skip")
 MAX_GRAD_ACCUM = 65536  # micro-batches per step: past any recipe (GPT-2 on one GPU: 40), short of endless
 PARALLEL = ("ddp", "fsdp")

@@ -1,13 +1,16 @@
-"""One training run: its state (model, optimizer, Progress) and its loop, fit(); training/run.py builds it."""
+"""One training run: its state (model, optimizer, Progress) and its loop, fit(); the optimizer (AdamW, or Muon for
+hidden matrices) and the learning rate's schedule (warmup, then cosine or warmup-stable-decay). run.py builds it."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
 import logging
 import math
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,16 +19,16 @@ import torch
 from torch import nn
 
 from common.errors import DiskFull, TrainingDiverged
-from common.runtime import Runtime
-from data.prepare import TRAIN_WINDOWS, PreparedData, batch_generator, every_window, get_batch
-from data.tokenizers import Tokenizer
+from common.runtime import Runtime, open_for_appending, unless_disk_full, write_text_atomically
+from data.prepare import EVAL_WINDOWS, TRAIN_WINDOWS, PreparedData, TokenFiles, batch_generator, every_window, get_batch
+from data.tokenizers import TextScore, Tokenizer, token_sums
+from evals.hellaswag import Example, hellaswag_sums
 from model import GPT
-from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, Progress, save_checkpoint
+from model.gpt import BEST_NAME, CKPT_NAME, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, Checkpoint, Progress, save_checkpoint
 from training.distributed import World, full_state, gradient_sync, load_full_state
-from training.metrics import Evaluator, HellaSwagEval, MetricsLog, sample_table
-from training.optim import group_hyperparameters, set_hyperparameters
+from training.muon import ADAMW_KEYS, MUON_KEYS, MuonAdamW
 from training.resume import resume_command
-from training.schema import TrainRunConfig
+from training.schema import OptimConfig, TrainRunConfig, WandbConfig
 
 log = logging.getLogger("train")
 MAX_SKIPS_IN_A_ROW = 100  # train.on_nonfinite=skip gives up after so many steps skipped in a row
@@ -350,3 +353,298 @@ class Trainer:
         if not (self.world.distributed and self.config.train.parallel == "fsdp"):
             first = int(next(every_window(self.data.val, 1, 1))[0][0, 0])  # the val split's first token
             self.metrics.log_samples(self.progress.iter, sample_table(self.model, self.tokenizer, first, self.runtime))
+
+
+FROM_CONFIG = tuple(dict.fromkeys(ADAMW_KEYS + MUON_KEYS))  # a param group's keys: make_optimizer sets them
+MUON_MOMENTUM_START = 0.85  # where Muon's momentum starts its warmup (train.muon_momentum_warmup)
+
+
+def make_optimizer(model: nn.Module, train: OptimConfig, runtime: Runtime) -> torch.optim.Optimizer:
+    """train.optimizer's, its param groups' hyperparameters from the config (restore() keeps them on resume)."""
+    hidden = hidden_matrices(model) if train.optimizer == "muon" else {}
+    rest = [p for name, p in model.named_parameters() if p.requires_grad and name not in hidden]
+    groups = [
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": train.weight_decay},  # matmuls, embeddings
+        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},  # biases, norms
+    ]
+    if train.optimizer == "muon":
+        return _muon(groups, hidden, train, runtime)
+    # The fused kernel: one pass over all parameters, and it skips a step on the device (the trainer's found_inf).
+    return torch.optim.AdamW(groups, lr=train.learning_rate, betas=(train.beta1, train.beta2), fused=True)
+
+
+def _muon(
+    groups: list[dict[str, Any]], hidden: dict[str, nn.Parameter], train: OptimConfig, runtime: Runtime
+) -> MuonAdamW:
+    """Muon for hidden matrices, AdamW for the rest; Newton-Schulz in bf16 under bf16 autocast (faster), else fp32."""
+    adamw = {"muon": False, "lr": train.learning_rate, "betas": (train.beta1, train.beta2), "eps": 1e-8}
+    muon = {
+        "muon": True,
+        "params": list(hidden.values()),
+        "lr": train.muon_lr,
+        "momentum": train.muon_momentum,
+        "nesterov": True,
+        "ns_steps": train.muon_ns_steps,
+        "weight_decay": train.weight_decay,  # decoupled, as AdamW's
+    }
+    return MuonAdamW(
+        [*({**adamw, **g} for g in groups), muon],
+        ns_dtype=torch.bfloat16 if runtime.dtype == torch.bfloat16 else torch.float32,
+    )
+
+
+def hidden_matrices(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Muon's, by name: the blocks' nn.Linear weights. Embeddings, the head, norms and biases stay with AdamW."""
+    return {
+        f"transformer.h.{name}.weight": module.weight
+        for name, module in model.transformer.h.named_modules()
+        if isinstance(module, nn.Linear) and module.weight.requires_grad
+    }
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, train: OptimConfig, step: int) -> float:
+    """The step's learning rate (Muon's scaled to muon_lr) and Muon's momentum, from the step alone; AdamW's lr."""
+    lr = scheduled_lr(train, step)
+    for group in optimizer.param_groups:
+        if group.get("muon"):
+            group["lr"] = train.muon_lr * lr / train.learning_rate
+            group["momentum"] = muon_momentum_at(step, train.muon_momentum, train.muon_momentum_warmup)
+        else:
+            group["lr"] = lr
+    return lr
+
+
+def scheduled_lr(train: OptimConfig, step: int) -> float:
+    """AdamW's learning rate at `step` under the config's schedule."""
+    t = train
+    return lr_at(step, t.learning_rate, t.min_lr, t.warmup_iters, t.decay_iters, t.lr_schedule, t.cooldown_frac)
+
+
+def muon_momentum_at(step: int, momentum: float, warmup_iters: int) -> float:
+    """From MUON_MOMENTUM_START up to `momentum` in a straight line over warmup_iters, then `momentum`."""
+    frac = min(step / warmup_iters, 1.0) if warmup_iters else 1.0
+    return (1 - frac) * MUON_MOMENTUM_START + frac * momentum
+
+
+def group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's config hyperparameters, for restore() to put back over a loaded state dict's (saved) ones."""
+    return [{k: group[k] for k in FROM_CONFIG if k in group} for group in optimizer.param_groups]
+
+
+
+def lr_at(step: int, learning_rate: float, min_lr: float, warmup_iters: int, decay_iters: int,
+          schedule: str = "cosine", cooldown_frac: float = 0.2) -> float:
+    """Linear warmup, then to min_lr at decay_iters: a half cosine, or (wsd) flat until a linear cooldown."""
+    if step < warmup_iters:
+        return learning_rate * (step + 1) / (warmup_iters + 1)
+    if step >= decay_iters:
+        return min_lr
+    if schedule == "wsd":
+        cooldown_start = max(warmup_iters, decay_iters - round(cooldown_frac * decay_iters))
+        progress = max(0, step - cooldown_start) / max(1, decay_iters - cooldown_start)
+        return learning_rate - progress * (learning_rate - min_lr)
+    progress = (step - warmup_iters) / max(1, decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
+
+
+METRICS_NAME = "metrics.jsonl"
+SPLIT_KEYS = {"train": 0, "val": 1}  # batch_generator's key for each split's own evaluation windows
+
+
+class MetricsLog:
+    def __init__(self, out_dir: Path, active: bool = True, max_iters: int | None = None) -> None:
+        self.path = out_dir / METRICS_NAME
+        self.active = active  # False on every torchrun rank but 0
+        self.max_iters = max_iters  # for the console's "iter N/MAX"
+        self.wandb_run: Any = None
+
+    def start_wandb(self, config: WandbConfig, run_config: dict[str, Any]) -> None:
+        """A wandb run beside the metrics (wandb is imported only here: it is slow)."""
+        import wandb
+
+        try:
+            self.wandb_run = wandb.init(
+                project=config.project,
+                entity=config.entity,
+                name=config.run_name,
+                mode=config.mode,  # None: wandb follows $WANDB_MODE, online by default
+                tags=list(config.tags),
+                group=config.group,
+                config=run_config,
+                dir=str(self.path.parent),
+                settings=wandb.Settings(init_timeout=config.init_timeout),
+            )
+        except Exception as err:  # no API key, no network, a refused login: the run matters more than its charts
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            log.warning(f"wandb did not start ({reason}); training goes on without it, metrics.jsonl has everything")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        with unless_disk_full(self.path), open_for_appending(self.path) as f:
+            f.write(json.dumps(_strict(record), allow_nan=False) + "\n")
+        log.info(_readable(record, self.max_iters))
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
+
+    def write_settings(self, iter: int, settings: dict[str, Any]) -> None:
+        """What the run resolved that its config leaves open, for plot.py's groups: to the file only (rank 0's)."""
+        with open_for_appending(self.path) as f:
+            f.write(json.dumps({"iter": iter, "settings": settings}) + "\n")
+
+    def log_samples(self, step: int, samples: list[list[str]]) -> None:
+        """A few (prompt, text) pairs as a wandb table, to see what the numbers mean."""
+        import wandb
+
+        self.wandb_run.log({"samples": wandb.Table(columns=["prompt", "sample"], data=samples)}, step=step)
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def sample_table(
+    model: GPT, tokenizer: Tokenizer, first: int, runtime: Runtime, count: int = 3, tokens: int = 200
+) -> list[list[str]]:
+    """log_samples' rows: sample.py-style continuations of `first`, cut at end of text; drawn after the RNG is saved."""
+    idx = torch.full((count, 1), first, dtype=torch.long, device=runtime.device)
+    model.eval()
+    with runtime.autocast():
+        rows = model.generate(idx, tokens, DEFAULT_TEMPERATURE, DEFAULT_TOP_K)
+    model.train()
+    prompt, end = tokenizer.decode([first]), tokenizer.end_of_text
+    texts = [tokenizer.decode(row[1:].tolist()) for row in rows]
+    return [[prompt, prompt + (text.split(end)[0] if end else text)] for text in texts]
+
+
+def read_records(out_dir: Path) -> tuple[list[dict[str, Any]], int]:
+    """metrics.jsonl's records, and how many of its lines are damaged (cut short, not UTF-8) and left out."""
+    lines = (out_dir / METRICS_NAME).read_bytes().splitlines()
+    records = [record for record in map(_record, lines) if record]
+    return records, len(lines) - len(records)
+
+
+def drop_records_after(out_dir: Path, last_iter: int) -> None:
+    """On resume, drop lines written after the last checkpoint and damaged ones; the file is replaced whole (atomic)."""
+    path = out_dir / METRICS_NAME
+    if path.is_file():
+        kept = [line.decode() + "\n" for line in path.read_bytes().splitlines() if _record(line, last_iter)]
+        write_text_atomically(path, "".join(kept))  # each line ended: the next record starts on a line of its own
+
+
+def _strict(record: dict[str, Any]) -> dict[str, Any]:
+    """NaN and inf as null, as strict JSON has them (a diverged run's losses); _record reads null back as NaN."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+
+
+def _record(line: bytes, last_iter: float = math.inf) -> dict[str, Any] | None:
+    """The line's record if it is whole and at or before last_iter, null (a NaN when written) read as NaN."""
+    try:
+        record = json.loads(line)  # bytes: decoded as UTF-8 (a bad byte is a ValueError too)
+    except (ValueError, RecursionError):  # RecursionError: brackets nested past Python's limit
+        return None
+    whole = isinstance(record, dict) and isinstance(record.get("iter"), int)
+    if not whole or record["iter"] > last_iter:
+        return None
+    return {k: math.nan if v is None else v for k, v in record.items()}
+
+
+def _readable(r: dict[str, Any], max_iters: int | None = None) -> str:
+    if "val_loss" in r:
+        line = f"step {r['iter']}: train loss {r['train_loss']:.4f}, val loss {r['val_loss']:.4f}"
+        line += f", val {r['val_bpb']:.4f} bits/byte" if "val_bpb" in r else ""
+        if "hellaswag_acc" in r:
+            line += f", hellaswag acc {r['hellaswag_acc']:.4f} (acc_norm {r['hellaswag_acc_norm']:.4f})"
+        return line
+    of = f"/{max_iters}" if max_iters else ""
+    line = f"iter {r['iter']}{of}: loss {r['train_loss']:.4f}, lr {r['lr']:.2e}"
+    if "tokens_per_sec" not in r:
+        return line + " (warm-up, not timed)"
+    line += f", {r['ms_per_iter']:.1f} ms/iter, {r['tokens_per_sec']:,.0f} tok/s"
+    line += f", mfu {100 * r['mfu']:.1f}%" if "mfu" in r else ""
+    return line + f", ETA {_duration(r['eta_s'])}" if "eta_s" in r else line
+
+
+def _duration(seconds: float) -> str:
+    """3h05m, 4m12s, 37s."""
+    s = round(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+@dataclass(frozen=True)
+class Losses:
+    train: float
+    val: float
+    val_bpb: float  # val in bits per byte of text: comparable across tokenizers
+
+
+@dataclass
+class Evaluator:
+    """Mean loss over the same eval_iters random windows of each split (full_val: every block of val), and val in
+    bits per byte of text, as nanochat. Ranks split the batches and sum: the result doesn't depend on their number."""
+
+    data: PreparedData
+    train: OptimConfig
+    seed: int
+    block_size: int
+    byte_lengths: torch.Tensor  # UTF-8 bytes of each token id (0: a special token), float64 on the device
+    runtime: Runtime
+    world: World
+
+    @torch.no_grad()
+    def __call__(self, model: torch.nn.Module) -> Losses:
+        model.eval()
+        train = TextScore.of(self._sums(model, self._batches("train", self.data.train)))
+        val = TextScore.of(self._sums(model, self._batches("val", self.data.val)))
+        model.train()
+        return Losses(train.loss, val.loss, val.bpb)
+
+    def _batches(self, split: str, files: TokenFiles) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if split == "val" and self.train.full_val:
+            # The result doesn't depend on the batch size; bigger batches keep small models' matmuls efficient.
+            windows = max(self.train.batch_size, 4096 // self.block_size)  # at least 4096 tokens a batch
+            return every_window(files, windows, self.block_size)
+        generator = batch_generator(self.seed, EVAL_WINDOWS, SPLIT_KEYS[split])
+        batch_size = self.train.batch_size
+        return (get_batch(files, batch_size, self.block_size, generator) for _ in range(self.train.eval_iters))
+
+    def _sums(self, model: torch.nn.Module, batches: Iterator) -> list[float]:
+        """Nats and count of all target tokens; nats and UTF-8 bytes of the text ones; over all ranks."""
+        sums = torch.zeros(4, dtype=torch.float64, device=self.runtime.device)
+        for x, y, counted in split_across_ranks(batches, self.world):
+            with self.runtime.autocast():
+                logits, _ = model(x.to(self.runtime.device))
+            if counted:
+                sums += token_sums(logits, y.to(self.runtime.device), self.byte_lengths)
+        return self.world.all_reduce_sum(sums).tolist()
+
+
+def split_across_ranks(items: Iterator[tuple], world: World) -> Iterator[tuple]:
+    """This rank's every world.size-th item, flagged True; one repeated, flagged False, to keep FSDP2 in step."""
+    while round_ := list(itertools.islice(items, world.size)):
+        mine = world.rank < len(round_)
+        yield (*round_[world.rank if mine else 0], mine)
+
+
+@dataclass
+class HellaSwagEval:
+    """HellaSwag accuracy at evaluations whose iteration is a multiple of `every`; ranks split the examples and sum."""
+
+    examples: list[Example]
+    every: int
+    block_size: int
+    runtime: Runtime
+    world: World
+
+    def due(self, iteration: int) -> bool:
+        return iteration % self.every == 0
+
+    @torch.no_grad()
+    def __call__(self, model: torch.nn.Module) -> dict[str, float]:
+        model.eval()
+        shares = split_across_ranks(((example,) for example in self.examples), self.world)
+        sums = hellaswag_sums(model, shares, self.block_size, self.runtime.device, self.runtime.autocast)
+        model.train()
+        correct, correct_norm, count = self.world.all_reduce_sum(sums.to(self.runtime.device)).tolist()
+        return {"hellaswag_acc": correct / count, "hellaswag_acc_norm": correct_norm / count}

@@ -189,7 +189,7 @@ def _nanogpt_sample(model: GPT, prompt: list[int], max_new_tokens: int, device: 
     idx = torch.tensor([prompt], device=device)
     for _ in range(max_new_tokens):
         idx_cond = idx[:, -model.config.block_size :]
-        logits = model.lm_head(model.hidden(idx_cond)[:, [-1], :])[:, -1, :] / NANOGPT_SAMPLING["temperature"]
+        logits = model.logits(model.hidden(idx_cond)[:, [-1], :])[:, -1, :] / NANOGPT_SAMPLING["temperature"]
         v, _ = torch.topk(logits, min(NANOGPT_SAMPLING["top_k"], logits.size(-1)))
         logits[logits < v[:, [-1]]] = -float("Inf")
         idx = torch.cat((idx, torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)), dim=1)

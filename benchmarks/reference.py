@@ -49,12 +49,13 @@ class PlainGPT(nn.Module):
                 residual = name.endswith(("c_proj.weight", "mlp.2.weight"))
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer) if residual else 0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits and the loss, as nanoGPT's model returns them (the compiled graph keeps the logits too)."""
         x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
 
 def nanogpt_step(model: PlainGPT, runtime: Runtime, tokens: TokenFiles, batch_size: int, grad_accum: int,
@@ -83,7 +84,7 @@ def nanogpt_step(model: PlainGPT, runtime: Runtime, tokens: TokenFiles, batch_si
     def step() -> None:
         for _ in range(grad_accum):
             with runtime.autocast():
-                loss = forward(*batch[0]) / grad_accum
+                loss = forward(*batch[0])[1] / grad_accum
             batch[0] = get_batch()
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)

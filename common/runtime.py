@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import os
 import re
 import shutil
@@ -38,7 +39,6 @@ GPU_PEAKS: tuple[tuple[str, float, float], ...] = (
 )
 FULL_ERRNOS = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # no space left, a spent quota
 NEARLY_FULL = 1 << 20  # free bytes under which a failed write counts as a full disk's
-_TEMPORARY = re.compile(r".+\.(\d+)\.tmp")  # temporary_beside's names: the writer's process id before .tmp
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,6 @@ def temporary_beside(path: Path) -> Path:
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """write(f) fills a new temporary beside `path`, synced, then renamed over it: a reader sees one whole file."""
-    remove_dead_temporaries(path.parent)
     tmp = temporary_beside(path)
     try:
         with unless_disk_full(path):
@@ -148,14 +147,16 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     fsync_directory(path.parent)
 
 
-def remove_dead_temporaries(directory: Path) -> None:
-    """Temporaries (temporary_beside's) whose writer was killed: its process is gone, so nobody will rename them."""
+def remove_dead_temporaries(path: Path) -> None:
+    """`path`'s temporaries (temporary_beside's) whose writer was killed: its process is gone, so nobody will rename
+    them. Only this file's: the folder's other files are not ours to judge."""
     if sys.platform == "win32":  # os.kill(pid, 0) would send Ctrl-C there
         return
-    for tmp in directory.glob("*.tmp"):
-        match = _TEMPORARY.fullmatch(tmp.name)
-        if match and not _running(int(match.group(1))) and tmp.is_file() and not tmp.is_symlink():
-            tmp.unlink(missing_ok=True)
+    for tmp in path.parent.glob(f"{glob.escape(path.name)}.*.tmp"):
+        pid = tmp.name[len(path.name) + 1 : -len(".tmp")]
+        if pid.isdigit() and not _running(int(pid)) and tmp.is_file() and not tmp.is_symlink():
+            with contextlib.suppress(OSError):  # gone already, or another user's
+                tmp.unlink()
 
 
 def _running(pid: int) -> bool:

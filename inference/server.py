@@ -253,7 +253,7 @@ class Service:
         self.waiting += 1  # on the event loop's thread only
         try:
             await asyncio.wait_for(self.turn.acquire(), deadline.left(time.monotonic()))
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11, two before
             deadline.left(time.monotonic())  # raises the ApiError that says why
             raise
         finally:
@@ -369,7 +369,7 @@ async def updates_of(service: Service, job: Job, deadline: Deadline,
             while pending:
                 try:
                     batch = await asyncio.wait_for(updates.get(), min(deadline.left(time.monotonic()), 0.5))
-                except TimeoutError:
+                except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11, two before
                     batch = []
                 if http is not None and time.monotonic() - checked > 0.5:
                     checked = time.monotonic()
@@ -685,7 +685,8 @@ def serve(cfg: ServeConfig) -> None:
               f"{where}, {auth}; Ctrl-C stops)", file=sys.stderr, flush=True)
 
     torch.set_grad_enabled(False)
-    names = ["localhost", "127.0.0.1", "::1", cfg.host]  # a loopback server's: a web page can't rebind DNS to it
+    # a loopback server's Host names (an IPv6 address in brackets, as Host headers carry it): no DNS rebinding
+    names = ["localhost", "127.0.0.1", "[::1]", f"[{cfg.host}]" if ":" in cfg.host else cfg.host]
     app = create_app(service, api_key, on_ready=ready, hosts=names if where == LOOPBACK else None)
     # uvicorn cancels what still runs SHUTDOWN_MARGIN_S after the requests' own end, which says so to each client
     config = uvicorn.Config(app, log_level=logging.WARNING, lifespan="on", ws="none",

@@ -378,7 +378,9 @@ def row_generators(seed: int | None, count: int, device: torch.device | str = "c
 
 CKPT_NAME = "ckpt.pt"  # the latest state, to resume from
 BEST_NAME = "best.pt"  # with train.keep_best: the state of the lowest val loss so far
-REMOVED_OPTIONS = ("value_embeds", "untied_head", "zero_init_proj")  # off: dropped on load; on: GPTConfig refuses
+# Options removed from the model, dropped on load: the first two only when off (on, the weights have parts this
+# model lacks), zero_init_proj always (it only changed the initial weights).
+REMOVED_OPTIONS = ("value_embeds", "untied_head", "zero_init_proj")
 
 
 @dataclass
@@ -423,7 +425,11 @@ class Checkpoint:
         progress = _typed(Progress, {f.name: raw.pop(f.name) for f in fields(Progress)}, path)
         options = raw.pop("model_config")
         if isinstance(options, dict):
-            options = {k: v for k, v in options.items() if not (k in REMOVED_OPTIONS and v is False)}
+            removed = [k for k in REMOVED_OPTIONS[:2] if options.get(k) not in (None, False)]
+            if removed:
+                raise CheckpointError(f"{path} can't be used: it was trained with model.{removed[0]}, an option this "
+                                      "version no longer has")
+            options = {k: v for k, v in options.items() if k not in REMOVED_OPTIONS}
         model_config = _typed(GPTConfig, options, path, "model_config ")
         for name, kind in _PLAIN_TYPES.items():
             if not isinstance(raw[name], kind):
@@ -452,9 +458,14 @@ class Checkpoint:
 
     def optimizer_state_for(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """The optimizer state keyed by parameter name; older checkpoints' by position are named in the optimizer's
-        order, which make_optimizer keeps."""
-        state = self.optimizer
-        if state is None or not any(isinstance(key, int) for key in state["state"]):
+        order, which make_optimizer keeps. Each group steps with this run's kernel: one saved unfused (an older MPS
+        run's) would otherwise refuse the found_inf that skips a non-finite step."""
+        if self.optimizer is None:
+            return None
+        kernels = [{"fused": group["fused"]} if "fused" in group else {} for group in optimizer.param_groups]
+        state = {**self.optimizer, "param_groups": [
+            {**saved, **kernel} for saved, kernel in zip(self.optimizer["param_groups"], kernels)]}
+        if not any(isinstance(key, int) for key in state["state"]):
             return state
         names = {id(p): name for name, p in model.named_parameters()}
         order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
@@ -495,8 +506,11 @@ def _check_weights(weights: dict[str, Any], config: GPTConfig, path: Path) -> No
     if len(weights) < 4 * config.n_layer:  # every block has at least four weight matrices
         raise CheckpointError(f"{path} can't be used: its {len(weights)} weights are too few for its model_config "
                               f"n_layer={config.n_layer}")
-    with torch.device("meta"):
-        expected = GPT(config).state_dict()
+    try:
+        with torch.device("meta"):
+            expected = GPT(config).state_dict()
+    except (RuntimeError, MemoryError):  # rotary's tables are made on the CPU, even here
+        raise CheckpointError(f"{path} can't be used: its model_config's tables don't fit in memory") from None
     for name, meta in expected.items():
         weight = weights.get(name)
         if not isinstance(weight, torch.Tensor) or weight.shape != meta.shape:

@@ -207,7 +207,10 @@ def main() -> None:
     results = []
     for budget, run in steps:
         began = time.perf_counter()
-        result = run()
+        try:
+            result = run()
+        except Exception as err:  # one failed step (a compile error, an out-of-memory) costs only its own answer
+            result = {"check": budget, "ok": False, "error": f"{type(err).__name__}: {err}"[:500]}
         result["took_s"] = time.perf_counter() - began
         result["budget_s"] = BUDGET_S[budget] / len([b for b, _ in steps if b == budget])
         results.append(result)
@@ -216,11 +219,11 @@ def main() -> None:
         over = " OVER BUDGET" if result["took_s"] > result["budget_s"] else ""
         print(f"{'PASS' if result['ok'] else 'FAIL'}  {result['check']}: {details} "
               f"[{result['took_s']:.0f} s of {result['budget_s']:.0f} s{over}]", flush=True)
+        if args.out:  # after every step: a run stopped by its time limit keeps what it answered
+            args.out.write_text(json.dumps(results, indent=1))
     total = sum(r["took_s"] for r in results)
     print(f"total {total:.0f} s of {sum(BUDGET_S.values())} s")
     shutil.rmtree(workdir, ignore_errors=True)  # throwaway runs and token files
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
     sys.exit(0 if all(r["ok"] for r in results) else 1)
 
 

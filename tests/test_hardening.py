@@ -24,7 +24,7 @@ import torch
 from common.cli import check_overrides
 from common.config import check_override
 from common.errors import ConfigError, DataError, DiskFull, UserError
-from common.runtime import make_directory, open_for_appending, write_text_atomically
+from common.runtime import make_directory, open_for_appending
 from conftest import compose_config, run_in_process, run_script, tiny_run_overrides
 from data.prepare import DataConfig, ensure_prepared
 from inference.sampling import SampleConfig, load_model, read_prompt
@@ -352,6 +352,8 @@ def _weights(raw: dict, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
         (lambda raw: raw["model_config"].update(block_size=2**40), "model_config block_size=1099511627776 must be <= "),
         (lambda raw: raw["model_config"].update(n_layer="abc"), "model_config n_layer=abc is not an integer"),
         (lambda raw: raw.update(model_config=[1]), "its model_config is a list, not a mapping"),
+        (lambda raw: raw["model_config"].update(pos_emb="rope", n_embd=65536, n_head=1, block_size=2**20),
+         "its model_config's tables don't fit in memory"),
         (lambda raw: raw["model_config"].update(n_layer=1000), "weights are too few for its model_config n_layer=1000"),
         (lambda raw: raw.update(iter=-100), "its iter=-100 must be >= 0"),
         (lambda raw: raw.update(elapsed_s="x"), "its elapsed_s=x is not a number"),
@@ -486,19 +488,17 @@ def test_exhausted_inodes_or_space_at_mkdir_are_the_disk_full_line(
         make_directory(tmp_path / "runs" / "x", "out_dir=runs/x")
 
 
-def test_a_killed_writers_temporaries_are_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
+def test_a_start_removes_its_killed_writers_temporaries_and_nothing_else(tmp_path: Path, corpus_path: Path) -> None:
     """ckpt.pt.PID.tmp of a writer killed mid-write stayed forever (up to 100 MB each)."""
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead, alive = int(finished.stdout), os.getppid()  # that process has exited; pytest's parent runs
-    other = tmp_path / "other"
-    other.mkdir()
-    made = [tmp_path / f"ckpt.pt.{dead}.tmp", tmp_path / f"metrics.jsonl.{dead}.tmp", other / f"ckpt.pt.{dead}.tmp"]
-    for path in [*made, tmp_path / f"ckpt.pt.{alive}.tmp", tmp_path / "notes.tmp"]:
-        path.write_bytes(b"partial")
-    write_text_atomically(tmp_path / "config.yaml", "a: 1\n")
-    left = sorted(path.name for path in tmp_path.iterdir())
-    assert left == sorted(["config.yaml", f"ckpt.pt.{alive}.tmp", "notes.tmp", "other"])
-    assert (other / f"ckpt.pt.{dead}.tmp").exists()  # another folder: not this writer's to judge
+    run = tmp_path / "run"
+    run.mkdir()
+    kept = [f"ckpt.pt.{alive}.tmp", "notes.tmp", f"thesis.{dead}.tmp"]  # a live writer's, and the user's own
+    for name in [f"ckpt.pt.{dead}.tmp", f"metrics.jsonl.{dead}.tmp", f"best.pt.{dead}.tmp", *kept]:
+        (run / name).write_bytes(b"partial")
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **FAST)))
+    assert sorted(p.name for p in run.glob("*.tmp")) == sorted(kept)
 
 
 def test_attention_dir_never_overwrites_the_users_files(trained_run: Path, tmp_path: Path) -> None:

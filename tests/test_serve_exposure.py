@@ -51,7 +51,7 @@ def test_a_loopback_server_answers_only_its_own_names(server: ServeProcess) -> N
         response = server.post({"prompt": PROMPT, "max_tokens": 2}, headers={"Host": host})
         assert response.status_code == 400 and response.text == "Invalid host header", (host, response.text)
         assert server.http.get("/", headers={"Host": host}).status_code == 400
-    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "LOCALHOST"):
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "LOCALHOST", f"[::1]:{port}"):  # IPv6 in brackets
         assert server.post({"prompt": PROMPT, "max_tokens": 2}, headers={"Host": host}).status_code == 200
 
 

@@ -236,3 +236,17 @@ def test_the_wandb_sample_table_continues_the_val_splits_first_token(tmp_path: P
     assert len(rows) == 2 and all(row[0] == prompt and row[1].startswith(prompt) for row in rows)
     assert all(len(row[1]) == 1 + 12 for row in rows)  # characters: the prompt's one and twelve drawn
     assert trainer.model.training  # back to training after drawing
+
+
+def test_a_checkpoint_saved_with_unfused_adamw_resumes_with_the_fused_kernel(tmp_path: Path, corpus_path: Path) -> None:
+    """An older MPS run saved its AdamW groups unfused; loaded as saved, every step refused the skip's found_inf."""
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 2})))
+    path = tmp_path / "run" / CKPT_NAME
+    raw = torch.load(path, weights_only=True)
+    for group in raw["optimizer"]["param_groups"]:
+        group["fused"] = None
+    for state in raw["optimizer"]["state"].values():  # unfused AdamW keeps its step count on the CPU, in float32
+        state["step"] = state["step"].cpu().float()
+    torch.save(raw, path)
+    more = {"resume": True, "resume_with_changes": True, "train.max_iters": 4}
+    assert train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **more))).iters == 4

@@ -25,6 +25,7 @@ from common.runtime import (
     make_directory,
     make_runtime,
     open_for_appending,
+    remove_dead_temporaries,
     write_text_atomically,
 )
 from data.prepare import PreparedData, ensure_prepared
@@ -106,6 +107,8 @@ def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_open
     except Timeout:
         raise RunLocked(f"out_dir={out_dir} is being written by another run; wait for it to end or stop it, or use "
                         "another out_dir") from None
+    for name in (CKPT_NAME, BEST_NAME, METRICS_NAME, CONFIG_NAME):  # a killed writer's: nobody will rename them
+        remove_dead_temporaries(out_dir / name)
     handler = held.enter_context(contextlib.closing(RunLog(out_dir / LOG_NAME)))
     logging.getLogger().addHandler(handler)
     held.callback(logging.getLogger().removeHandler, handler)

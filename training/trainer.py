@@ -148,7 +148,7 @@ class Trainer:
         generator = batch_generator(self.config.seed, TRAIN_WINDOWS, it, micro)
         x, y = get_batch(self.data.train, self.config.train.batch_size, self.model.config.block_size, generator)
         if self.runtime.is_cuda:
-            x, y = x.pin_memory(), y.pin_memory()
+            x, y = x.contiguous().pin_memory(), y.contiguous().pin_memory()  # a strided view's copy would not overlap
         return x.to(self.runtime.device, non_blocking=True), y.to(self.runtime.device, non_blocking=True)
 
     def optimizer_step(self, loss: torch.Tensor) -> None:
@@ -162,7 +162,8 @@ class Trainer:
         # Fused AdamW and MuonAdamW read found_inf on the device. Under float16, GradScaler sets its own (from the
         # gradients, which a NaN loss makes NaN too), and for MuonAdamW reads it on the host: a wait a step.
         self.optimizer.found_inf = (~finite).float()
-        self.scaler.step(self.optimizer)
+        if self.runtime.device.type != "mps" or finite:  # MPS's fused kernels ignore found_inf: there, a wait
+            self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         t[0] += torch.where(finite, loss, 0.0)

@@ -463,8 +463,8 @@ class Checkpoint:
         if self.optimizer is None:
             return None
         kernels = [{"fused": group["fused"]} if "fused" in group else {} for group in optimizer.param_groups]
-        state = {**self.optimizer, "param_groups": [
-            {**saved, **kernel} for saved, kernel in zip(self.optimizer["param_groups"], kernels)]}
+        groups = zip(self.optimizer["param_groups"], kernels, strict=False)  # a count that differs: load_state_dict's
+        state = {**self.optimizer, "param_groups": [{**saved, **kernel} for saved, kernel in groups]}  # to refuse
         if not any(isinstance(key, int) for key in state["state"]):
             return state
         names = {id(p): name for name, p in model.named_parameters()}

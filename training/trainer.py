@@ -103,8 +103,6 @@ class Trainer:
         """nanoGPT's loop, in which a step never waits for the device: NaN and inf losses are skipped there and
         reported at log lines and evaluations. A signal stops the run after the current step, with a checkpoint."""
         p, train = self.progress, self.config.train
-        if p.last_eval_iter == p.iter and self.reaches_target(p.val_loss):  # a resumed run that had stopped there
-            return self.finish(None)
         self.tally = torch.tensor([p.log_loss_sum, p.log_steps, 0, 0, 0], device=self.runtime.device)
         self.clock = paced_from = None  # the ETA's pace: from the end of this process's first step
         accum = train.grad_accum // self.world.size  # this process's share of the step's micro-batches

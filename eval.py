@@ -8,7 +8,7 @@ import hydra
 from omegaconf import DictConfig
 
 from common.config import end_quietly_when_stdout_closes, exit_on_user_error, run_hydra, typed_config
-from inference.eval_run import readable, run_eval
+from inference.eval_run import run_eval
 from inference.sampling import EvalConfig, register_schemas
 
 register_schemas()
@@ -37,8 +37,14 @@ def main(dict_cfg: DictConfig) -> None:
     with exit_on_user_error():
         record = run_eval(typed_config(dict_cfg, EvalConfig))  # checked: one line for a bad value
     end_quietly_when_stdout_closes()
-    for line in readable(record):
-        print(line)
+    if "loss" in record:
+        print(f"{record['input']}: {record['tokens']:,} tokens scored ({record['bytes']:,} bytes of text), "
+              f"context {record['context']}, stride {record['stride']}")
+        print(f"loss {record['loss']:.4f} nats/token, perplexity {record['perplexity']:.3f}, "
+              f"{record['bpb']:.4f} bits/byte")
+    if "hellaswag_acc" in record:
+        print(f"hellaswag: acc {record['hellaswag_acc']:.4f}, acc_norm {record['hellaswag_acc_norm']:.4f} "
+              f"over {record['hellaswag_examples']:,} examples")
     # NaN (bits per byte of a text that is all special tokens) isn't JSON: null
     print(json.dumps({k: None if isinstance(v, float) and math.isnan(v) else v for k, v in record.items()}))
 

@@ -17,7 +17,7 @@ from common.errors import DataError
 from common.runtime import why_not_a_file
 from data.prepare import DEFAULT_CACHE
 from data.source import download
-from data.tokenizers import CharTokenizer, Tokenizer
+from data.tokenizers import Tokenizer
 from evals.perplexity import Autocast
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -30,18 +30,6 @@ class Example:
     context: list[int]  # tokens of ctx
     endings: list[list[int]]  # tokens of " " + each ending
     label: int  # the index of the true ending
-
-
-def hellaswag_examples(tokenizer: Tokenizer, file: str | None, key: str) -> list[Example]:
-    """The validation set, tokenized: a char model is refused before any download."""
-    require_bpe(tokenizer)
-    return load_examples(hellaswag_path(file, key), tokenizer)
-
-
-def require_bpe(tokenizer: Tokenizer) -> None:
-    """HellaSwag is English prose, whose characters a char vocabulary may lack, and its figures are for BPE."""
-    if isinstance(tokenizer, CharTokenizer):
-        raise DataError("HellaSwag needs a BPE model (GPT-2's tokens); this model's tokenizer reads characters")
 
 
 def hellaswag_path(file: str | None, key: str, cached_copy: Path = CACHED_COPY, url: str = HELLASWAG_URL) -> Path:
@@ -58,7 +46,6 @@ def hellaswag_path(file: str | None, key: str, cached_copy: Path = CACHED_COPY, 
 
 def load_examples(path: Path, tokenizer: Tokenizer) -> list[Example]:
     """Every example of the .jsonl file, tokenized."""
-    require_bpe(tokenizer)
     examples = []
     with path.open("rb") as f:
         for number, raw in enumerate(f, 1):
@@ -66,25 +53,23 @@ def load_examples(path: Path, tokenizer: Tokenizer) -> list[Example]:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
                 raise DataError(f"{path}:{number} is not UTF-8 text; name the HellaSwag .jsonl file itself") from None
-            if line.strip():
-                ctx, endings, label = _fields(line, path, number)
-                examples.append(Example(tokenizer.encode(ctx), [tokenizer.encode(" " + end) for end in endings], label))
+            if not line.strip():
+                continue
+            try:
+                fields = json.loads(line)
+                ctx, endings, label = fields["ctx"], fields["endings"], fields["label"]
+                valid = (isinstance(ctx, str) and isinstance(label, int) and 0 <= label < ENDINGS
+                         and isinstance(endings, list) and len(endings) == ENDINGS
+                         and all(isinstance(end, str) for end in endings))
+            except (ValueError, TypeError, KeyError):
+                valid = False
+            if not valid:
+                raise DataError(f"{path}:{number} is not a HellaSwag example (ctx, {ENDINGS} endings, label 0 to "
+                                f"{ENDINGS - 1})")
+            examples.append(Example(tokenizer.encode(ctx), [tokenizer.encode(" " + end) for end in endings], label))
     if not examples:
         raise DataError(f"{path} holds no HellaSwag examples")
     return examples
-
-
-def _fields(line: str, path: Path, number: int) -> tuple[str, list[str], int]:
-    try:
-        raw = json.loads(line)
-        ctx, endings, label = raw["ctx"], raw["endings"], raw["label"]
-        valid = (isinstance(ctx, str) and isinstance(endings, list) and len(endings) == ENDINGS
-                 and all(isinstance(end, str) for end in endings) and isinstance(label, int) and 0 <= label < ENDINGS)
-    except (ValueError, TypeError, KeyError):
-        valid = False
-    if not valid:
-        raise DataError(f"{path}:{number} is not a HellaSwag example (ctx, {ENDINGS} endings, label 0-{ENDINGS - 1})")
-    return ctx, endings, label
 
 
 @torch.no_grad()

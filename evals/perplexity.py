@@ -5,8 +5,7 @@ back to end at the sequence's end), so most targets see context - stride + 1 to 
 from __future__ import annotations
 
 import contextlib
-import itertools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,44 +39,26 @@ def windows(n_tokens: int, context: int, stride: int) -> Iterator[Window]:
         scored_to, offset = start + context, offset + stride
 
 
-def count_windows(n_tokens: int, context: int, stride: int) -> int:
-    return sum(1 for _ in windows(n_tokens, context, stride))
-
-
 @torch.no_grad()
 def score_sequences(model: torch.nn.Module, sequences: Sequence[np.ndarray], byte_lengths: torch.Tensor, context: int,
                     stride: int, batch_size: int, autocast: Autocast = contextlib.nullcontext,
                     progress: bool = False) -> TextScore:
     """Each sequence (a split's files are separate ones) scored by its own windows, `batch_size` windows a forward
     pass. byte_lengths: UTF-8 bytes of each token id (0: a special token), on the model's device."""
-    if not 1 <= stride <= context:
-        raise ValueError(f"stride {stride} must be in [1, context={context}]")
     device = byte_lengths.device
     sums = torch.zeros(4, dtype=torch.float64, device=device)
-    total = sum(count_windows(len(s), context, stride) for s in sequences)
-    with tqdm(total=total, unit="window", desc="scoring", disable=not progress) as bar:
-        for tokens in sequences:
-            for batch in _batches(windows(len(tokens), context, stride), batch_size):
-                sums += _batch_sums(model, tokens, batch, byte_lengths, autocast)
+    every = [list(windows(len(tokens), context, stride)) for tokens in sequences]
+    with tqdm(total=sum(map(len, every)), unit="window", desc="scoring", disable=not progress) as bar:
+        for tokens, found in zip(sequences, every, strict=True):
+            for i in range(0, len(found), batch_size):
+                batch = found[i : i + batch_size]
+                length = batch[0].length  # a sequence's windows have one length
+                rows = np.stack([np.asarray(tokens[w.start : w.start + length + 1], dtype=np.int64) for w in batch])
+                rows = torch.from_numpy(rows).to(device)
+                scored = torch.tensor([w.scored for w in batch], device=device)
+                mask = torch.arange(length, device=device) >= (length - scored)[:, None]  # each window's last `scored`
+                with autocast():
+                    logits, _ = model(rows[:, :-1])
+                sums += token_sums(logits, rows[:, 1:], byte_lengths, mask)
                 bar.update(len(batch))
     return TextScore.of(sums.tolist())
-
-
-def _batches(items: Iterable[Window], size: int) -> Iterator[list[Window]]:
-    items = iter(items)
-    return iter(lambda: list(itertools.islice(items, size)), [])
-
-
-def _batch_sums(model: torch.nn.Module, tokens: np.ndarray, batch: list[Window], byte_lengths: torch.Tensor,
-                autocast: Autocast) -> torch.Tensor:
-    """Nats and count of the scored targets, nats and bytes of the text ones (a batch's windows have one length)."""
-    device = byte_lengths.device
-    length = batch[0].length
-    rows = np.stack([np.asarray(tokens[w.start : w.start + length + 1], dtype=np.int64) for w in batch])
-    rows = torch.from_numpy(rows).to(device)
-    x, y = rows[:, :-1], rows[:, 1:]
-    scored = torch.tensor([w.scored for w in batch], device=device)
-    mask = torch.arange(length, device=device) >= (length - scored)[:, None]  # each window's last `scored`
-    with autocast():
-        logits, _ = model(x)
-    return token_sums(logits, y, byte_lengths, mask)

@@ -1,7 +1,6 @@
 """The server's model work, one request at a time: a prompt's n choices decode as one batch through
-model/gpt.py's generate_tokens (its KVCache), exactly as sample.py draws its samples; several prompts run one after
-another. With logprobs each token comes scored (Scored); with echo the prompts are scored too, those within the
-context together, right-padded, in one forward pass."""
+GPT.generate_tokens, exactly as sample.py draws its samples, and several prompts run one after another. With logprobs
+each token comes scored; with echo the prompts are scored too, as if the model had generated them."""
 
 from __future__ import annotations
 
@@ -18,9 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from common.runtime import Runtime
+from evals.perplexity import windows
 from inference.sampling import SampleText
 from model import GPT
-from model.attention import KVCache
 from model.gpt import PREFILL_CHUNK, Decoding
 
 log = logging.getLogger("serve")
@@ -37,53 +36,31 @@ class Scored:
 def score(logits: Tensor, tokens: list[int], top: int) -> list[Scored]:
     """Each row's token's log-probability (the model's, before temperature and cut-offs), and the `top` likeliest."""
     logprobs = F.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(-1, torch.tensor(tokens, dtype=torch.long, device=logits.device)[:, None])[:, 0].tolist()
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
     values, ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())
     return [Scored(lp, list(zip(i, v, strict=True))) for lp, i, v in zip(chosen, ids.tolist(), values.tolist(),
                                                                         strict=True)]
 
 
 def prompt_scores(model: GPT, prompts: list[list[int]], top: int) -> list[list[Scored]]:
-    """Each prompt token's score but the first's, from up to block_size tokens before it (a rolling model: all), as
-    if the model had generated it. Prompts within block_size run together, right-padded (a causal model's earlier
-    positions never see the padding), PREFILL_CHUNK positions a forward pass; a longer one on its own."""
-    block = model.config.block_size
+    """Each prompt token's score but the first's, from the tokens generation would have seen before it: perplexity's
+    windows at stride 1 (one over the first `context` tokens, then one a token), right-padded together PREFILL_CHUNK
+    positions a forward pass (a causal model's earlier positions never see the padding)."""
+    config, device = model.config, next(model.parameters()).device
+    context = max(config.block_size, config.receptive_field or 0) if config.rolls else config.block_size
+    rows = sorted(((i, w) for i, p in enumerate(prompts) for w in windows(len(p), context, 1)),
+                  key=lambda row: -row[1].length)  # stable: a prompt's windows stay in order
     scores: list[list[Scored]] = [[] for _ in prompts]
-    short = sorted((i for i, p in enumerate(prompts) if len(p) <= block), key=lambda i: -len(prompts[i]))
-    while short:
-        width = len(prompts[short[0]])  # the longest left
-        rows = short[: max(1, PREFILL_CHUNK // width)]
-        idx = torch.tensor([prompts[i] + [0] * (width - len(prompts[i])) for i in rows], device=_device(model))
-        logits = model.logits(model.hidden(idx))
-        for row, i in enumerate(rows):
-            scores[i] = score(logits[row, : len(prompts[i]) - 1], prompts[i][1:], top)
-        short = short[len(rows) :]
-    for i in (i for i, p in enumerate(prompts) if len(p) > block):
-        scores[i] = _long_prompt_scores(model, prompts[i], top)
+    while rows:
+        width = rows[0][1].length  # the longest left
+        batch, rows = rows[: max(1, PREFILL_CHUNK // width)], rows[max(1, PREFILL_CHUNK // width) :]
+        pad = [prompts[i][w.start : w.start + w.length] + [0] * (width - w.length) for i, w in batch]
+        hidden = model.hidden(torch.tensor(pad, device=device))
+        for row, (i, w) in enumerate(batch):
+            end = w.start + w.length  # the index of its last target
+            scored = model.logits(hidden[row, w.length - w.scored : w.length])
+            scores[i] += score(scored, prompts[i][end - w.scored + 1 : end + 1], top)
     return scores
-
-
-def _long_prompt_scores(model: GPT, prompt: list[int], top: int) -> list[Scored]:
-    """A rolling model's prompt through the cache, PREFILL_CHUNK tokens at a time; a learned-position model's first
-    block_size tokens in one pass, then each later token from the block_size before it, many windows a pass."""
-    config, device, scores = model.config, _device(model), []
-    cache, block = KVCache(config), config.block_size
-    first = len(prompt) if config.rolls else block
-    for start in range(0, first, PREFILL_CHUNK):
-        chunk = torch.tensor([prompt[start : min(first, start + PREFILL_CHUNK)]], device=device)
-        logits = model.logits(model.hidden(chunk, cache)[0])
-        targets = prompt[start + 1 : start + 1 + chunk.size(1)]
-        scores += score(logits[: len(targets)], targets, top)
-    at_once = max(1, PREFILL_CHUNK // block)
-    for start in range(block + 1, 0 if config.rolls else len(prompt), at_once):
-        ends = range(start, min(start + at_once, len(prompt)))
-        windows = torch.tensor([prompt[end - block : end] for end in ends], device=device)
-        scores += score(model.logits(model.hidden(windows)[:, -1, :]), [prompt[end] for end in ends], top)
-    return scores
-
-
-def _device(model: GPT) -> torch.device:
-    return next(model.parameters()).device
 
 
 @dataclass(frozen=True)
@@ -109,19 +86,14 @@ class Choice:
     prompt_scores: list[Scored] | None = None  # with echo and logprobs: one per prompt token but the first
     finish_reason: str | None = None  # "stop" (a stop string, the end of text), "length", "cancelled" or "error"
 
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
 
 Update = tuple[int, str, bool, int]  # choice index, a piece of text, done, its token count when it came
 
 
 @dataclass(eq=False)
 class Job:
-    """One request's work: its choices (prompt-major: prompt p's are p*n .. p*n + n - 1), how they decode, and
-    on_update(updates), called after each step on the engine's thread with each piece of text no later token can
-    change (a choice's last with done=True)."""
+    """One request's work: its choices (prompt p's are p*n .. p*n + n - 1), how they decode, and on_update, called
+    on the engine's thread after each step with the pieces of text no later token can change."""
 
     choices: list[Choice]
     n: int
@@ -135,7 +107,7 @@ class Job:
 
 
 class Engine:
-    """The model, run on one thread (`thread`, where torch keeps serve.py's thread count) one job at a time."""
+    """The model, run on one thread (where torch keeps serve.py's thread count), one job at a time."""
 
     def __init__(self, model: GPT, runtime: Runtime) -> None:
         self.model, self.runtime = model, runtime
@@ -150,15 +122,15 @@ class Engine:
             with self.runtime.autocast():
                 if job.score_prompts:
                     prompts = [choice.prompt for choice in job.choices[:: job.n]]
-                    for p, scores in enumerate(prompt_scores(self.model, prompts, job.logprobs or 0)):
-                        for choice in job.choices[p * job.n : (p + 1) * job.n]:
+                    for i, scores in enumerate(prompt_scores(self.model, prompts, job.logprobs or 0)):
+                        for choice in job.choices[i * job.n : (i + 1) * job.n]:
                             choice.prompt_scores = scores
                 for start in range(0, len(job.choices), job.n):
                     self._generate(job, job.choices[start : start + job.n])
         except Exception:  # this request fails (too long for memory, say): the engine serves the next
             log.exception("a request failed")
-            self._end(job, "error")
-        self._end(job, "cancelled" if job.cancelled else "length")
+            self._end(job, job.choices, "error")
+        self._end(job, job.choices, "cancelled" if job.cancelled else "length")
 
     def _generate(self, job: Job, choices: list[Choice]) -> None:
         """One prompt's choices as one batch, token by token, until each ends or the job is cancelled."""
@@ -171,32 +143,29 @@ class Engine:
         with contextlib.closing(steps):
             for step in steps:
                 tokens = step[:, 0].tolist()
-                scores = [None] * len(tokens) if job.logprobs is None else score(decoding.seen[0], tokens,
-                                                                                job.logprobs)
-                updates = [self._add(choice, token, scored, job.max_new_tokens)
-                           for choice, token, scored in zip(choices, tokens, scores, strict=True) if not choice.done]
+                scores = [None] * len(tokens) if job.logprobs is None else score(decoding.seen[0], tokens, job.logprobs)
+                updates = []
+                for choice, token, scored in zip(choices, tokens, scores, strict=True):
+                    if choice.finish_reason is not None:
+                        continue
+                    choice.tokens.append(token)
+                    choice.text.add(token)
+                    if scored is not None:
+                        choice.scores.append(scored)
+                    if choice.text.stopped or len(choice.tokens) == job.max_new_tokens:
+                        self._end(job, [choice], "stop" if choice.text.stopped else "length", tell=False)
+                    updates.append((choice.index, choice.text.unshown(), choice.finish_reason is not None,
+                                    len(choice.tokens)))
                 job.on_update([update for update in updates if update[1] or update[2]])
-                if job.cancelled or all(choice.done for choice in choices):
+                if job.cancelled or all(choice.finish_reason is not None for choice in choices):
                     return
 
-    def _add(self, choice: Choice, token: int, scored: Scored | None, max_new_tokens: int) -> Update:
-        choice.tokens.append(token)
-        choice.text.add(token)
-        if scored is not None:
-            choice.scores.append(scored)
-        if choice.text.stopped or len(choice.tokens) == max_new_tokens:
-            self._finish(choice, "stop" if choice.text.stopped else "length")
-        return choice.index, choice.text.unshown(), choice.done, len(choice.tokens)
-
-    def _finish(self, choice: Choice, reason: str) -> None:
-        choice.finish_reason = reason
-        choice.text.finish()
-        self.finished[reason] += 1
-
-    def _end(self, job: Job, reason: str) -> None:
-        """Every choice not yet ended ends for `reason`, and says so."""
-        ended = [choice for choice in job.choices if not choice.done]
+    def _end(self, job: Job, choices: list[Choice], reason: str, tell: bool = True) -> None:
+        """The choices not yet ended end for `reason`; with `tell`, on_update says so."""
+        ended = [choice for choice in choices if choice.finish_reason is None]
         for choice in ended:
-            self._finish(choice, reason)
-        if ended:
+            choice.finish_reason = reason
+            choice.text.finish()
+            self.finished[reason] += 1
+        if tell and ended:
             job.on_update([(c.index, c.text.unshown(), True, len(c.tokens)) for c in ended])

@@ -23,6 +23,7 @@ CONFIGS = {
 }
 PROMPTS = [[1, 2, 3], list(range(5, 25))]
 NEW = 40
+CPU = make_runtime("cpu", "float32")
 
 
 class Letters:
@@ -50,17 +51,13 @@ def _job(prompts: list[list[int]], n: int, decoding: Decoding, seed: int | None 
     return Job(choices, n, max_new_tokens, decoding, row_generators(seed, len(choices)), logprobs, score_prompts)
 
 
-def _engine(model: GPT) -> Engine:
-    return Engine(model, make_runtime("cpu", "float32"))
-
-
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("decoding", [Decoding(0.0), Decoding(1.0, top_k=10)], ids=["greedy", "seeded"])
 def test_each_prompt_s_choices_draw_what_sample_py_draws(name: str, decoding: Decoding) -> None:
     """Choice i of a request with seed S is sample.py's sample i at seed S (its own generator, seeded S + i)."""
     model = _model(name)
     job = _job(PROMPTS, 2, decoding, seed=7)
-    _engine(model).run(job)
+    Engine(model, CPU).run(job)
     generators = row_generators(7, 4)
     expected = []
     for p, prompt in enumerate(PROMPTS):
@@ -76,12 +73,10 @@ def test_echo_scores_a_text_as_decoding_scored_it_when_it_generated_it(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The prompt's log-probabilities (echo) equal those reported for the same tokens as they were generated, past
-    the context too (the cache in chunks of 8, windows past it), a short prompt padded beside a long one."""
-    import inference.engine as engine_module
-
-    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 8)
+    the context too, 8 positions a forward pass, a short prompt padded beside a long one."""
+    monkeypatch.setattr("inference.engine.PREFILL_CHUNK", 8)
     model = _model(name)
-    engine = _engine(model)
+    engine = Engine(model, CPU)
     made = _job([[1, 2, 3]], 1, Decoding(0.7, top_k=5), seed=3, logprobs=3)
     engine.run(made)
     (choice,) = made.choices
@@ -104,8 +99,7 @@ def test_echo_scores_a_text_as_decoding_scored_it_when_it_generated_it(
 
 
 def test_a_cancelled_request_ends_at_its_next_step_and_says_so_once() -> None:
-    job = _job(PROMPTS, 2, Decoding(0.0))
-    updates = []
+    job, updates = _job(PROMPTS, 2, Decoding(0.0)), []
 
     def on_update(batch: list) -> None:
         updates.extend(batch)
@@ -113,7 +107,7 @@ def test_a_cancelled_request_ends_at_its_next_step_and_says_so_once() -> None:
             job.cancelled = True  # a client that left
 
     job.on_update = on_update
-    engine = _engine(_model("gpt2"))
+    engine = Engine(_model("gpt2"), CPU)
     engine.run(job)
     assert [len(c.tokens) for c in job.choices] == [5, 5, 0, 0]
     assert [c.finish_reason for c in job.choices] == ["cancelled"] * 4
@@ -122,13 +116,11 @@ def test_a_cancelled_request_ends_at_its_next_step_and_says_so_once() -> None:
 
 def test_a_failing_request_ends_in_error_and_the_engine_serves_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model("gpt2")
-    engine = _engine(model)
-    generate = model.generate_tokens
-    monkeypatch.setattr(model, "generate_tokens", lambda *a, **k: (_ for _ in ()).throw(MemoryError("too long")))
-    failed = _job(PROMPTS[:1], 1, Decoding(0.0))
-    engine.run(failed)
+    engine = Engine(model, CPU)
+    failed, again = _job(PROMPTS[:1], 1, Decoding(0.0)), _job(PROMPTS[:1], 1, Decoding(0.0))
+    with monkeypatch.context() as patch:
+        patch.setattr(model, "generate_tokens", lambda *a, **k: (_ for _ in ()).throw(MemoryError("too long")))
+        engine.run(failed)
     assert failed.choices[0].finish_reason == "error"
-    monkeypatch.setattr(model, "generate_tokens", generate)
-    again = _job(PROMPTS[:1], 1, Decoding(0.0))
     engine.run(again)
     assert again.choices[0].finish_reason == "length" and engine.finished == {"error": 1, "length": 1}

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from common.cli import check_overrides
 from common.config import typed_config
 from common.errors import ConfigError, DataError, UserError
 from common.runtime import make_runtime
@@ -22,7 +21,7 @@ from conftest import REPO, TINY_BPE, compose_config, run_in_process, run_script,
 from data.prepare import DataConfig, ensure_prepared
 from data.tokenizers import BpeTokenizer
 from evals.hellaswag import Example, ending_scores, hellaswag_path, hellaswag_sums, load_examples
-from evals.perplexity import count_windows, score_sequences, windows
+from evals.perplexity import score_sequences, windows
 from inference.eval_run import run_eval
 from inference.sampling import EvalConfig
 from model import GPT, GPTConfig
@@ -35,12 +34,8 @@ from training.trainer import Evaluator, split_across_ranks
 HELLASWAG = [
     ("The chef cracks two eggs into a bowl and", ["whisks them.", "sings a song.", "paints the wall.", "the end."], 0),
     ("A man is standing on a ladder. He", ["climbs up.", "eats the ladder and the house", "is a fish.", "runs."], 3),
-    (
-        "On a long and quiet afternoon, the old woman in the red house near the river sat down by the window, "
-        "took out her knitting and then, after a while, she",
-        ["fell asleep.", "and the cat.", "knitted a scarf for her grandson.", "th th th"],
-        2,
-    ),
+    ("On a long and quiet afternoon, the old woman in the red house near the river sat down by the window, took "
+     "out her knitting and then, after a while, she", ["fell asleep.", "and the cat.", "knitted a scarf.", "th"], 2),
     ("Two dogs run in the park. They", ["chase a ball.", "fly.", "read a book about the sea.", "and"], 1),
     ("She opens the door and", ["walks in.", "the the the", "closes it again behind her.", "ou"], 0),
 ]
@@ -48,10 +43,8 @@ HELLASWAG = [
 
 def _write_hellaswag(path: Path) -> Path:
     """The validation set's format: one JSON object a line, with more keys than the scorer reads."""
-    lines = [
-        json.dumps({"ind": i, "ctx": ctx, "ctx_a": ctx, "ctx_b": "", "endings": endings, "label": label})
-        for i, (ctx, endings, label) in enumerate(HELLASWAG)
-    ]
+    lines = [json.dumps({"ind": i, "ctx": ctx, "ctx_a": ctx, "ctx_b": "", "endings": endings, "label": label})
+             for i, (ctx, endings, label) in enumerate(HELLASWAG)]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
 
@@ -82,36 +75,22 @@ def test_windows_score_every_target_exactly_once(n_tokens: int, context: int, st
         assert w.start + w.length <= n_tokens - 1  # its targets exist
         scored += range(w.start + w.length - w.scored + 1, w.start + w.length + 1)  # token indices of its targets
     assert scored == list(range(1, n_tokens))  # every token but the first, once each, in order
-    assert len(found) == count_windows(n_tokens, context, stride)
     assert all(w.scored == stride for w in found[1:-1])  # the first scores all its targets, the last the rest
 
 
-def test_stride_1_gives_every_token_the_whole_context() -> None:
-    """stride=1 is the per-token definition: token j predicted from the min(j, context) tokens before it."""
-    model = _random_gpt(vocab_size=23, block_size=16)
-    tokens = np.random.default_rng(0).integers(0, 23, size=40)
-    context = 6  # each length a forward pass hasn't seen costs a first-call set-up: few of them
-    expected = [_nats(model, tokens[max(0, j - context) : j].tolist(), int(tokens[j])) for j in range(1, 40)]
-    score = score_sequences(model, [tokens], torch.ones(23, dtype=torch.float64), context, 1, batch_size=7)
-    assert score.tokens == 39
-    assert score.loss == pytest.approx(sum(expected) / 39, rel=1e-6)
-    full = score_sequences(model, [tokens], torch.ones(23, dtype=torch.float64), context, context, batch_size=3)
-    assert full.tokens == 39 and full.loss != pytest.approx(score.loss, rel=1e-4)  # less context: another loss
-
-
-def test_bits_per_byte_leave_special_tokens_out() -> None:
-    """As the training loop's val_bpb: <|endoftext|> counts no bytes and its nats are left out of bpb (not out of
-    the loss)."""
+def test_stride_1_gives_every_token_the_whole_context_and_bits_per_byte_leave_special_tokens_out() -> None:
+    """stride=1 is the per-token definition: token j predicted from the min(j, context) tokens before it. As the
+    training loop's val_bpb, <|endoftext|> counts no bytes and its nats are left out of bpb (not out of the loss)."""
     tokenizer = BpeTokenizer(tiny_encoding())
     eot = tokenizer.encoding.eot_token
-    tokens = np.array([*tokenizer.encode(" the cat"), eot, *tokenizer.encode(" and the dog")], dtype=np.int64)
+    tokens = np.array([*tokenizer.encode(" the cat" * 5), eot, *tokenizer.encode(" and the dog" * 5)], dtype=np.int64)
     model = _random_gpt(tokenizer.vocab_size, block_size=8)
     byte_lengths = torch.from_numpy(tokenizer.token_byte_lengths()).double()
-    score = score_sequences(model, [tokens], byte_lengths, 8, 1, batch_size=4)
+    score = score_sequences(model, [tokens], byte_lengths, 8, 1, batch_size=7)
     nats = [_nats(model, tokens[max(0, j - 8) : j].tolist(), int(tokens[j])) for j in range(1, len(tokens))]
     text_nats = sum(n for n, t in zip(nats, tokens[1:], strict=True) if t != eot)
-    text_bytes = len(b" the cat and the dog") - len(tokenizer.decode([int(tokens[0])]).encode())
-    assert (score.tokens, score.bytes) == (len(tokens) - 1, text_bytes)
+    text_bytes = len(b" the cat" * 5 + b" and the dog" * 5) - len(tokenizer.decode([int(tokens[0])]).encode())
+    assert len(tokens) > 16 and (score.tokens, score.bytes) == (len(tokens) - 1, text_bytes)
     assert score.loss == pytest.approx(sum(nats) / (len(tokens) - 1), rel=1e-6)
     assert score.bpb == pytest.approx(text_nats / (math.log(2) * text_bytes), rel=1e-6)
 
@@ -158,20 +137,6 @@ def test_bits_per_byte_of_ascii_text_on_a_char_model(trained_run: Path, tmp_path
     assert record["bpb"] == pytest.approx(record["loss"] / math.log(2), rel=1e-9)
 
 
-def _hf_dir(tmp_path: Path, n_positions: int) -> Path:
-    config = GPT2Config(
-        vocab_size=tiny_encoding().n_vocab, n_positions=n_positions, n_layer=2, n_head=2, n_embd=32,
-        bos_token_id=None, eos_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(3)
-    hf_model = GPT2LMHeadModel(config)
-    with torch.no_grad():
-        for p in hf_model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    hf_model.save_pretrained(tmp_path / "hf")
-    return tmp_path / "hf"
-
-
 def test_init_from_an_hf_directory_gives_hfs_own_loss_and_hellaswag(
     tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -179,26 +144,24 @@ def test_init_from_an_hf_directory_gives_hfs_own_loss_and_hellaswag(
     each scoring (labels, shifted by HF) the tokens the previous one didn't. The text is cut so that its last
     window ends where the text does, as eval.py's does."""
     monkeypatch.setattr("inference.sampling.GPT2_ENCODING", TINY_BPE)  # GPT-2's BPE stands in offline
-    hf_dir = _hf_dir(tmp_path, n_positions=64)
-    context, stride = 63, 16
     encoding = tiny_encoding()
+    config = GPT2Config(vocab_size=encoding.n_vocab, n_positions=64, n_layer=2, n_head=2, n_embd=32)
+    torch.manual_seed(3)
+    hf_model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    hf_dir = tmp_path / "hf"
+    hf_model.save_pretrained(hf_dir)
+    context, stride = 63, 16
     text = corpus_path.read_text(encoding="utf-8")[:1000]
     while (len(encoding.encode_ordinary(text)) - (context + 1)) % stride:
         text = text[:-1]
     (tmp_path / "text.txt").write_text(text, encoding="utf-8")
-    cfg = EvalConfig(
-        init_from=str(hf_dir),
-        input=str(tmp_path / "text.txt"),
-        context=context,
-        stride=stride,
-        batch_size=3,
-        hellaswag=True,
-        hellaswag_file=str(_write_hellaswag(tmp_path / "hs.jsonl")),
-        device="cpu",
-    )
+    cfg = EvalConfig(init_from=str(hf_dir), input=str(tmp_path / "text.txt"), context=context, stride=stride,
+                     batch_size=3, hellaswag=True, hellaswag_file=str(_write_hellaswag(tmp_path / "hs.jsonl")),
+                     device="cpu")
     record = run_eval(cfg, progress=False)
-
-    hf_model = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
     ids = torch.tensor([encoding.encode_ordinary(text)])
     seq_len, nll_sum, n_tokens, prev_end = ids.size(1), 0.0, 0, 0
     for begin in range(0, seq_len, stride):
@@ -218,9 +181,8 @@ def test_init_from_an_hf_directory_gives_hfs_own_loss_and_hellaswag(
 
     examples = load_examples(Path(cfg.hellaswag_file), BpeTokenizer(encoding))
     correct = _reference_hellaswag(hf_model, examples, block_size=64)[0]
-    assert record["hellaswag_examples"] == len(HELLASWAG)
-    assert record["hellaswag_acc"] == correct[0] / len(HELLASWAG)
-    assert record["hellaswag_acc_norm"] == correct[1] / len(HELLASWAG)
+    assert (record["hellaswag_acc"], record["hellaswag_acc_norm"], record["hellaswag_examples"]) == (
+        correct[0] / len(HELLASWAG), correct[1] / len(HELLASWAG), len(HELLASWAG))
 
 
 def _reference_hellaswag(model: torch.nn.Module, examples: list[Example], block_size: int) -> tuple[list, list]:
@@ -265,7 +227,10 @@ def test_hellaswag_scores_equal_a_per_ending_loop(tmp_path: Path) -> None:
     assert sum(hellaswag_sums(model, share, 24, torch.device("cpu")) for share in shares).tolist() == one.tolist()
 
 
-def test_hellaswag_file_errors_are_one_line(tmp_path: Path) -> None:
+def test_hellaswag_file_errors_are_one_line_and_a_download_cut_short_is_not_kept(tmp_path: Path) -> None:
+    import http.server
+    import threading
+
     with pytest.raises(DataError, match=r"could not download http://127\.0\.0\.1:9/hs\.jsonl .*hellaswag_file=PATH"):
         hellaswag_path(None, "hellaswag_file", tmp_path / "cache" / "hs.jsonl", url="http://127.0.0.1:9/hs.jsonl")
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # nothing half written
@@ -280,12 +245,6 @@ def test_hellaswag_file_errors_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"latin1\.jsonl:1 is not UTF-8 text"):
         load_examples(tmp_path / "latin1.jsonl", BpeTokenizer(tiny_encoding()))
 
-
-def test_a_download_cut_short_is_not_kept(tmp_path: Path) -> None:
-    """The server promises more bytes than it sends: an error, and no cached copy to trust next time."""
-    import http.server
-    import threading
-
     class Short(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (the handler's name)
             self.send_response(200)
@@ -296,71 +255,45 @@ def test_a_download_cut_short_is_not_kept(tmp_path: Path) -> None:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.HTTPServer(("127.0.0.1", 0), Short)
+    server = http.server.HTTPServer(("127.0.0.1", 0), Short)  # it promises more bytes than it sends
     threading.Thread(target=server.handle_request, daemon=True).start()
-    cached = tmp_path / "cache" / "hs.jsonl"
-    url = f"http://127.0.0.1:{server.server_port}/hs.jsonl"
+    cached = tmp_path / "cache2" / "hs.jsonl"
     try:
         with pytest.raises(DataError, match="could not download .*hellaswag_file=PATH"):
-            hellaswag_path(None, "hellaswag_file", cached, url=url)
+            hellaswag_path(None, "hellaswag_file", cached, url=f"http://127.0.0.1:{server.server_port}/hs.jsonl")
     finally:
         server.server_close()
-    assert not cached.exists() and not any(cached.parent.iterdir())
+    assert not cached.exists() and not any(cached.parent.iterdir())  # no cached copy to trust next time
 
 
-def test_a_char_model_is_refused_before_any_download(monkeypatch: pytest.MonkeyPatch, trained_run: Path) -> None:
-    import urllib.request
-
-    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: pytest.fail("downloaded for a char model"))
-    with pytest.raises(UserError, match="HellaSwag needs a BPE model"):
-        run_eval(EvalConfig(out_dir=str(trained_run), device="cpu", hellaswag=True), progress=False)
+def test_eval_mistakes_are_one_line(trained_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="^stride=0 must be >= 1; null means half the context$"):
+        EvalConfig(out_dir="run", stride=0)
     with pytest.raises(ConfigError, match="hellaswag_file=hs.jsonl is read only with hellaswag=true"):
         EvalConfig(out_dir="run", hellaswag_file="hs.jsonl")
-    with pytest.raises(ConfigError, match="train.hellaswag_file=hs.jsonl is read only with train.hellaswag_every"):
-        OptimConfig(hellaswag_file="hs.jsonl")
-
-
-def test_eval_mistakes_are_one_line(trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        check_overrides(["stride=0"], EvalConfig)  # why eval.py's Hydra refuses it
-    assert (
-        exit_info.value.code == 2
-        and capsys.readouterr().err == "error: stride=0 must be >= 1; null means half the context\n"
-    )
     with pytest.raises(ConfigError, match="init_from=gpt2 has no val split to score: pass input=FILE"):
         typed_config(compose_config(["init_from=gpt2"], config_name="eval"), EvalConfig)
-    hellaswag = str(_write_hellaswag(tmp_path / "hs.jsonl"))
     mistakes = [
         ({"stride": 33}, r"stride=33 must be in \[1, 32\]"),
         ({"context": 64}, "context=64 exceeds the model's block_size=32"),
-        ({"hellaswag": True, "hellaswag_file": hellaswag}, "HellaSwag needs a BPE model"),
         ({"input": str(tmp_path)}, "is not a file"),
     ]
     for keys, message in mistakes:
         with pytest.raises(UserError, match=message) as info:
             run_eval(EvalConfig(out_dir=str(trained_run), device="cpu", **keys), progress=False)
         assert "\n" not in str(info.value)
-    result = run_in_process(
-        "eval.py", [f"out_dir={trained_run}", "hellaswag=true", f"hellaswag_file={hellaswag}"], tmp_path
-    )
+    monkeypatch.setattr("urllib.request.urlopen", lambda *a, **k: pytest.fail("downloaded for a char model"))
+    result = run_in_process("eval.py", [f"out_dir={trained_run}", "hellaswag=true"], tmp_path)
     assert result.returncode == 2 and result.stdout == ""
-    assert (
-        result.stderr
-        == "error: HellaSwag needs a BPE model (GPT-2's tokens); this model's tokenizer reads characters\n"
-    )
+    assert result.stderr.startswith("error: HellaSwag needs a BPE model") and result.stderr.count("\n") == 1
 
 
 def test_train_hellaswag_every_writes_accuracy_at_its_evaluations(tmp_path: Path, corpus_path: Path) -> None:
     hellaswag = _write_hellaswag(tmp_path / "hs.jsonl")
     text = tmp_path / "text.txt"  # a short text: BPE-encoding the whole corpus would take most of the test's time
     text.write_text(corpus_path.read_text(encoding="utf-8")[:50_000], encoding="utf-8")
-    extra = {
-        "data.tokenizer": TINY_BPE,
-        "train.hellaswag_every": 20,
-        "train.hellaswag_file": hellaswag,
-        "train.max_iters": 20,
-        "train.eval_interval": 10,
-    }
+    extra = {"data.tokenizer": TINY_BPE, "train.hellaswag_every": 20, "train.hellaswag_file": hellaswag,
+             "train.max_iters": 20, "train.eval_interval": 10}
     train(compose_config(tiny_run_overrides(tmp_path, text, **extra)))
     evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in evals if "val_loss" in r]
@@ -374,10 +307,11 @@ def test_train_hellaswag_every_writes_accuracy_at_its_evaluations(tmp_path: Path
 def test_train_hellaswag_every_is_refused_for_char_data_and_off_the_evaluations() -> None:
     with pytest.raises(ConfigError, match="train.hellaswag_every=10 needs a BPE model"):
         typed_config(compose_config(["train.hellaswag_every=10", "train.eval_interval=10"]), TrainRunConfig)
+    overrides = ["data=shakespeare", "train.hellaswag_every=15", "train.eval_interval=10"]
     with pytest.raises(ConfigError, match="train.hellaswag_every=15 is not a multiple of train.eval_interval=10"):
-        typed_config(
-            compose_config(["data=shakespeare", "train.hellaswag_every=15", "train.eval_interval=10"]), TrainRunConfig
-        )
+        typed_config(compose_config(overrides), TrainRunConfig)
+    with pytest.raises(ConfigError, match="train.hellaswag_file=hs.jsonl is read only with train.hellaswag_every"):
+        OptimConfig(hellaswag_file="hs.jsonl")
 
 
 def test_eval_py_is_documented() -> None:

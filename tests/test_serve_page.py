@@ -1,6 +1,7 @@
 """serve.py's live page (GET /) in headless Chromium: type a prompt, watch the text stream in and the attention
 explorer follow it, replace a token and read, through window.servePage, how much each position's prediction
-moved: exactly zero before it. Also the page's own endpoints' answers and refusals, without a browser."""
+moved: exactly zero before it; a text past the context said to be cropped. Also the page's refusals, without a
+browser."""
 
 from __future__ import annotations
 
@@ -23,58 +24,38 @@ def _wait(driver, script: str, timeout: float = 60) -> object:
     raise AssertionError(f"timed out waiting for {script}")
 
 
-def test_causality_endpoint_changes_nothing_before_the_replaced_token(server: ServeProcess) -> None:
-    text = PROMPT + " shall I say?"
-    answer = server.post({"text": text, "position": 4, "replacement": "e"}, "/page/causality").json()
-    assert answer["tokens"] == list(text) and answer["position"] == 4 and answer["replacement"] == "e"
-    for changes in answer["changes"].values():
-        assert changes[:4] == [0.0] * 4
-        assert all(change > 0 for change in changes[4:])
-    assert answer["mask_held"] and answer["verdict"].startswith("mask held")
-
-
-@pytest.mark.parametrize(
-    ("body", "param", "message"),
-    [
-        ({"text": "ROMEO", "position": 5, "replacement": "e"}, "position", "position=5 is not a token of the text"),
-        ({"text": "ROMEO", "position": 1, "replacement": "ee"}, "replacement", "'ee' is 2 tokens; give one"),
-        ({"text": "ROMEO", "position": 1, "replacement": "Ω"}, "replacement", "not in the model's vocabulary"),
-        ({"text": "ROMEO", "position": 1, "replacement": "O"}, "replacement", "'O' is the token already there"),
-        ({"text": "", "position": 0, "replacement": "e"}, "text", "text is empty"),
-        ({"text": "ROMEO", "position": "one", "replacement": "e"}, "position", "valid integer"),
-    ],
-)
-def test_the_page_endpoints_refuse_bad_input_naming_the_field(
-    server: ServeProcess, body: dict, param: str, message: str
-) -> None:
-    response = server.post(body, "/page/causality")
-    assert response.status_code == 400
-    error = response.json()["error"]
-    assert error["param"] == param and message in error["message"], error
-
-
-def test_the_explorer_endpoint_serves_the_explorer_for_the_text(server: ServeProcess) -> None:
-    response = server.post({"text": PROMPT + " light", "prompt_chars": len(PROMPT)}, "/page/attention")
-    assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
-    assert "window.attentionExplorer" in response.text and '"T":' + str(len(PROMPT + " light")) in response.text
-
-
-def test_the_page_streams_text_follows_it_with_the_explorer_and_shows_the_mask_on_demand(
-    browser, server: ServeProcess
-) -> None:
+def _generate(browser, server: ServeProcess, prompt: str, max_tokens: int) -> dict:
+    """The page's prompt typed in, greedy decoding asked for, and its state once the text has come."""
     from selenium.webdriver.common.by import By
 
     browser.get(server.url + "/")
-    prompt = browser.find_element(By.ID, "prompt")
-    prompt.clear()
-    prompt.send_keys(PROMPT)
-    for field, value in (("max-tokens", "40"), ("temperature", "0")):
-        element = browser.find_element(By.ID, field)
-        element.clear()
-        element.send_keys(value)
+    for field, value in (("prompt", prompt), ("max-tokens", str(max_tokens)), ("temperature", "0")):
+        browser.find_element(By.ID, field).clear()
+        browser.find_element(By.ID, field).send_keys(value)
     browser.find_element(By.ID, "generate").click()
     _wait(browser, "return window.servePage.state.done")
-    state = browser.execute_script("return window.servePage.state")
+    return browser.execute_script("return window.servePage.state")
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"text": "ROMEO", "position": 5, "replacement": "e"}, "position", "position=5 is not a token of the text"),
+    ({"text": "ROMEO", "position": 1, "replacement": "ee"}, "replacement", "'ee' is 2 tokens; give one"),
+    ({"text": "ROMEO", "position": 1, "replacement": "Ω"}, "replacement", "not in the model's vocabulary"),
+    ({"text": "ROMEO", "position": 1, "replacement": "O"}, "replacement", "'O' is the token already there"),
+    ({"text": "", "position": 0, "replacement": "e"}, "text", "text is empty"),
+    ({"text": "ROMEO", "position": "one", "replacement": "e"}, "position", "valid integer"),
+])
+def test_the_page_endpoints_refuse_bad_input_naming_the_field(server: ServeProcess, body: dict, param: str,
+                                                              message: str) -> None:
+    response = server.post(body, "/page/causality")
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == param and message in error["message"], error
+
+
+def test_the_page_streams_text_follows_it_with_the_explorer_and_shows_the_mask_on_demand(browser, server) -> None:
+    from selenium.webdriver.common.by import By
+
+    state = _generate(browser, server, PROMPT, 40)
     assert state["error"] is None
     greedy = server.post({"prompt": PROMPT, "max_tokens": 40, "temperature": 0}).json()["choices"][0]["text"]
     assert state["text"] == PROMPT + greedy  # the page's stream is the API's text
@@ -100,20 +81,10 @@ def test_the_page_streams_text_follows_it_with_the_explorer_and_shows_the_mask_o
     assert changes["position"] == position and changes["replacement"] == replacement
     assert browser.find_element(By.ID, "change-verdict").text.startswith("mask held")
     assert browser.execute_script("return document.getElementById('change-chart').toDataURL()") != blank
-    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
-    assert errors == []
+    assert [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"] == []
 
 
 LONG = "ROMEO:\n" + "What light through yonder window breaks? " * 3  # 127 characters, past block_size 96
-
-
-def test_the_page_endpoints_say_when_the_text_is_cropped_to_the_context(server: ServeProcess) -> None:
-    note = f"showing the last 96 of the text's {len(LONG)} tokens: the model's context (block_size=96)"
-    answer = server.post({"text": LONG, "prompt_chars": len(LONG)}, "/page/tokens").json()
-    assert answer["note"] == note and "".join(answer["tokens"]) == LONG[-96:]
-    assert server.post({"text": PROMPT, "prompt_chars": len(PROMPT)}, "/page/tokens").json()["note"] is None
-    page = server.post({"text": LONG, "prompt_chars": len(LONG)}, "/page/attention").text
-    assert f'"contextNote":"{note}"' in page and 'id="context-note"' in page
 
 
 def test_the_page_shows_the_cropping_line_above_the_tokens_and_in_the_explorer(browser, server: ServeProcess) -> None:
@@ -121,17 +92,9 @@ def test_the_page_shows_the_cropping_line_above_the_tokens_and_in_the_explorer(b
 
     browser.get(server.url + "/")
     assert not browser.find_element(By.ID, "tokens-note").is_displayed()
-    prompt = browser.find_element(By.ID, "prompt")
-    prompt.clear()
-    prompt.send_keys(LONG)
-    for field, value in (("max-tokens", "3"), ("temperature", "0")):
-        browser.find_element(By.ID, field).clear()
-        browser.find_element(By.ID, field).send_keys(value)
-    browser.find_element(By.ID, "generate").click()
-    _wait(browser, "return window.servePage.state.done")
+    _generate(browser, server, LONG, 3)
     shown = browser.find_element(By.ID, "tokens-note")
-    assert shown.is_displayed() and shown.text == (
-        f"showing the last 96 of the text's {len(LONG) + 3} tokens: the model's context (block_size=96)"
-    )
+    note = f"showing the last 96 of the text's {len(LONG) + 3} tokens: the model's context (block_size=96)"
+    assert shown.is_displayed() and shown.text == note
     in_explorer = "const d = document.getElementById('explorer').contentDocument.getElementById('context-note');"
     assert browser.execute_script(in_explorer + "return [d.hidden, d.textContent]") == [False, shown.text]

@@ -1,22 +1,21 @@
-"""Compare runs: loss curves in one picture, a summary table on stdout and, for runs repeated over seeds, whether
-each difference is bigger than seed noise.
+"""Compare runs: their loss curves in one picture, a table on stdout and, for runs repeated over seeds, whether each
+difference is bigger than seed noise.
 
     python plot.py RUN_DIR [RUN_DIR ...] -o loss.png            # runs, or sweep directories holding runs
-    python plot.py multirun/2026-11-29/10-00-00                 # the picture: multirun/2026-11-29/10-00-00/loss.png
     python plot.py multirun/2026-11-29/10-00-00 --x time        # x axis: iter (default), time or tokens
     python plot.py multirun/DATE/TIME --baseline model.qk_norm=true --json ab.json   # groups of seeds, A/B tests
 
-The legend names each run by the config keys that differ between the runs; the best val loss is marked. Runs that
-differ only by seed form a group (analysis/stats.py): its mean curve with the runs' min-max band, its metric's mean
-and 95 % interval, and each group against the baseline by Welch's t-test. Without -o, the picture goes into the folder
-given (several: the deepest folder holding them all). A run plot.py can't read (a value that isn't a number, a log
-line without its loss, a config.yaml that isn't YAML or holds an alias, a metrics.jsonl that isn't a regular file)
-is skipped with one warning; a run without config.yaml is in no group.
+The legend names each run by the config keys that differ between the runs. Runs that differ only in NEUTRAL_KEYS (the
+seed, ...) form a group: its mean curve with the runs' min-max band, its metric's mean, std and Student-t 95 %
+interval, and Welch's t-test against the baseline; if no difference is found, the seeds per arm that would find it.
+Without -o the picture goes into the deepest folder holding all those given. A run that can't be read is skipped with
+one warning; a run without config.yaml is in no group.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -25,74 +24,369 @@ import statistics
 import sys
 import textwrap
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from analysis.stats import Comparison, Damaged, Group, Loaded, compare, find_baseline, group_runs, load_run, run_value
+import numpy as np
+import yaml
+from omegaconf._utils import get_yaml_loader  # the loader OmegaConf.load uses: 1e-3 is a number, as in a run
+from scipy import stats
+
 from common.cli import fail
 from common.errors import DiskFull
-from common.runtime import write_atomically, write_text_atomically
-from training.trainer import METRICS_NAME
+from common.runtime import write_atomically
+from training.trainer import METRICS_NAME, read_records
 
 IGNORED_KEYS = ("out_dir", "resume", "resume_with_changes")  # differ between runs without saying anything about them
 KEYS_WIDTH = 60  # the table's "differing keys" column wraps at this width, the legend at twice it
+# Keys that never change what is trained or measured: runs that differ only in these are replicates.
+NEUTRAL_KEYS = ("seed", "out_dir", "resume", "resume_with_changes", "data.dir", "train.log_interval", "train.keep_best")
+NEUTRAL_PREFIXES = ("wandb.",)
+HIGHER_IS_BETTER = ("tokens_per_sec", "mfu", "hellaswag_acc")  # every other metric (losses, times): lower is better
+ALPHA = 0.05  # a difference with p below this is called real
+POWER = 0.8  # the chance of detecting an effect that the seeds-per-arm estimate asks for
+MAX_SEEDS = 10_000
+ABSENT = "<absent>"  # the value of a key some runs' configs lack
 
 
-def find_runs(paths: list[Path]) -> list[Path]:
-    runs = []
-    for path in paths:
-        found = [path] if (path / METRICS_NAME).is_file() else sorted(p.parent for p in path.rglob(METRICS_NAME))
-        if not found:
-            fail(f"no metrics.jsonl in or under {path}; pass train.py run directories or a sweep directory")
-        runs += found
-    return runs
+# --- the statistics: replicates grouped, their intervals, Welch's test against the baseline ---
 
 
-def sweep_folder(paths: list[Path]) -> Path:
-    """Where the picture goes without -o: the folder given, or the deepest one holding all those given."""
-    return paths[0] if len(paths) == 1 else Path(os.path.commonpath([p.absolute() for p in paths]))
+@dataclass
+class Group:
+    config: dict[str, Any]  # the keys that differ between the groups, with this group's values
+    runs: list[Path]
+    values: list[float]  # the metric, one per run
+    trained: dict[str, Any] = field(default_factory=dict, repr=False)  # the runs' whole training_config
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.values)
+
+    @property
+    def std(self) -> float | None:
+        """The sample standard deviation; None for one run, which has no spread."""
+        return statistics.stdev(self.values) if self.n > 1 else None
+
+    @property
+    def ci95(self) -> tuple[float, float] | None:
+        if self.std is None:
+            return None
+        half = float(stats.t.ppf(0.975, self.n - 1)) * self.std / math.sqrt(self.n)
+        return (self.mean - half, self.mean + half)
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{key}={shown(value)}" for key, value in self.config.items()) or "all runs"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config, "n": self.n, "runs": [str(run) for run in self.runs], "values": self.values,
+                "mean": self.mean, "std": self.std, "ci95": None if self.ci95 is None else list(self.ci95)}
+
+
+@dataclass
+class Comparison:
+    group: Group
+    baseline: Group
+    metric: str
+    diff: float  # group's mean less the baseline's
+    ci95: tuple[float, float]
+    p_value: float  # Welch's two-sided t-test
+    seeds_needed: int | None = None  # per arm, to detect |diff| at this spread (None: detected)
+
+    @property
+    def verdict(self) -> str:
+        g, b = self.group.n, self.baseline.n
+        at = f"{g}" if g == b else f"{g} and {b}"
+        p = "p < 0.0001" if self.p_value < 1e-4 else f"p = {self.p_value:.2g}"
+        diff, low, high = (_number(x, "+") for x in (self.diff, *self.ci95))
+        head = (f"{self.group.label} vs {self.baseline.label}: {diff} {self.metric} [{low}, {high}], {p}, "
+                f"{at} seeds{' each' * (g == b)}")
+        if self.group.std == 0 and self.baseline.std == 0:  # every run of each group alike: no noise to test against
+            return f"{head}: {'no difference at all' if self.diff == 0 else 'the runs of each group are identical'}"
+        if self.p_value < ALPHA:
+            better = (self.diff > 0) == self.metric.startswith(HIGHER_IS_BETTER)
+            (low, high), (base_low, base_high) = self.group.ci95, self.baseline.ci95  # type: ignore[misc]
+            # the test judges the difference, so it can be real while the groups' intervals overlap
+            overlap = "" if low > base_high or high < base_low else (
+                "; the groups' intervals overlap, but the verdict is the difference's interval, which excludes 0")
+            return f"{head}: {'better' if better else 'worse'}{overlap}"
+        if self.diff == 0:
+            return f"{head}: no difference at all"
+        effect = f"an effect of {_number(abs(self.diff))}"
+        if self.seeds_needed is not None and self.seeds_needed <= min(g, b):
+            return f"{head}: no difference detected, though {effect} is found 4 times in 5 at these seeds; run more"
+        need = f"about {self.seeds_needed:,}" if self.seeds_needed else f"more than {MAX_SEEDS:,}"
+        return f"{head}: no difference detected at {at} seeds; {effect} would need {need} seeds per arm at this spread"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"group": self.group.config, "baseline": self.baseline.config, "diff": self.diff,
+                "ci95": list(self.ci95), "p_value": self.p_value, "seeds_needed": self.seeds_needed,
+                "verdict": self.verdict}
+
+
+def training_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A run's flat config less the keys that don't change what it trains."""
+    return {k: v for k, v in config.items() if k not in NEUTRAL_KEYS and not k.startswith(NEUTRAL_PREFIXES)}
+
+
+def group_runs(runs: list[Path], configs: list[dict[str, Any]], values: list[float]) -> list[Group]:
+    """Replicates together, in the order their first runs come, each named by the keys that differ between groups."""
+    by_config: dict[str, Group] = {}
+    for run, config, value in zip(runs, configs, values, strict=True):
+        trained = training_config(config)
+        group = by_config.setdefault(_key(trained), Group({}, [], [], trained))
+        group.runs.append(run)
+        group.values.append(value)
+    groups = list(by_config.values())
+    keys = sorted({k for g in groups for k in g.trained})
+    keys = [k for k in keys if len({_key(g.trained.get(k, ABSENT)) for g in groups}) > 1]
+    for g in groups:
+        g.config = {k: g.trained.get(k, ABSENT) for k in keys}
+    return groups
+
+
+def compare(group: Group, baseline: Group, metric: str) -> Comparison:
+    """Welch's t-test and the Welch-Satterthwaite interval of the difference; both groups need two runs."""
+    diff = group.mean - baseline.mean
+    va, vb = group.std**2 / group.n, baseline.std**2 / baseline.n  # type: ignore[operator]
+    if va + vb == 0:  # no spread at all: equal means are the same, others differ for certain
+        return Comparison(group, baseline, metric, diff, (diff, diff), 1.0 if diff == 0 else 0.0)
+    df = (va + vb) ** 2 / (va**2 / (group.n - 1) + vb**2 / (baseline.n - 1))
+    half = float(stats.t.ppf(0.975, df)) * math.sqrt(va + vb)
+    p_value = float(stats.ttest_ind(group.values, baseline.values, equal_var=False).pvalue)
+    comparison = Comparison(group, baseline, metric, diff, (diff - half, diff + half), p_value)
+    if p_value >= ALPHA and diff != 0:
+        comparison.seeds_needed = seeds_per_arm(diff, group.std, baseline.std)  # type: ignore[arg-type]
+    return comparison
+
+
+def seeds_per_arm(diff: float, sd_a: float, sd_b: float, alpha: float = ALPHA, power: float = POWER) -> int | None:
+    """The fewest runs per arm (both alike) for which Welch's two-sided test at `alpha` detects a true `diff` between
+    arms of these standard deviations with probability `power` (noncentral t, Welch's df); None past MAX_SEEDS."""
+    va, vb = sd_a**2, sd_b**2
+
+    def reached(n: int) -> bool:
+        df = (va + vb) ** 2 * (n - 1) / (va**2 + vb**2)
+        shift = abs(diff) / math.sqrt((va + vb) / n)
+        critical = stats.t.ppf(1 - alpha / 2, df)
+        return stats.nct.sf(critical, df, shift) + stats.nct.cdf(-critical, df, shift) >= power
+
+    high = 2
+    while not reached(high):  # doubling first: the noncentral t gives NaN far past the answer for large effects
+        if high >= MAX_SEEDS:
+            return None
+        high = min(2 * high, MAX_SEEDS)
+    low = max(2, high // 2)
+    while low < high:  # the first n that reaches the power
+        mid = (low + high) // 2
+        low, high = (low, mid) if reached(mid) else (mid + 1, high)
+    return low
+
+
+def find_baseline(groups: list[Group], wanted: list[str]) -> Group:
+    """The one group whose config holds every KEY=VALUE of `wanted`, a value read as Hydra reads one (1e-3 matches
+    0.001); else a ValueError."""
+    pairs = []
+    for item in wanted:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--baseline {item}: write it as KEY=VALUE, e.g. --baseline model.qk_norm=true")
+        if key not in training_config({key: None}):
+            raise ValueError(f"--baseline {item}: runs that differ only in {key} are replicates of one group")
+        if not any(key in group.trained for group in groups):
+            raise ValueError(f"--baseline {item}: no run has the key {key}")
+        try:
+            pairs.append((key, yaml.load(text, Loader=_NoAliasLoader)))
+        except yaml.YAMLError:
+            pairs.append((key, text))
+    matches = [g for g in groups if all(key in g.trained and _equal(g.trained[key], v) for key, v in pairs)]
+    if len(matches) != 1:
+        asked, among = " ".join(wanted), "; ".join(g.label for g in matches or groups)
+        raise ValueError(f"--baseline {asked} matches no group; the groups: {among}" if not matches else
+                         f"--baseline {asked} matches {len(matches)} groups ({among}); add KEY=VALUE to pick one")
+    return matches[0]
+
+
+def shown(value: Any) -> str:
+    """A value as the command line writes it: true, null, 0.001, [1,2]."""
+    if isinstance(value, bool | list | dict) or value is None:
+        return json.dumps(value, separators=(",", ":"))
+    return str(value)
+
+
+def _equal(held: Any, wanted: Any) -> bool:
+    if _is_number(held) and _is_number(wanted):
+        return math.isclose(held, wanted, rel_tol=1e-9)
+    return _key(held) == _key(wanted)
+
+
+def _key(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _number(x: float, sign: str = "") -> str:
+    return f"{x:{sign},.0f}" if abs(x) >= 100 else f"{x:{sign}.3g}"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def run_value(records: list[dict[str, Any]], metric: str) -> float | None:
+    """A run's metric: best_val_loss the lowest finite val_loss, tokens_per_sec the median, else the last (or None)."""
+    key = "val_loss" if metric == "best_val_loss" else metric
+    values = [r[key] for r in records if _is_number(r.get(key))]
+    finite = [v for v in values if math.isfinite(v)]
+    if metric == "best_val_loss":
+        return min(finite, default=None)
+    if metric == "tokens_per_sec":
+        return statistics.median(finite) if finite else None
+    return values[-1] if values else None
+
+
+# --- reading a run as train.py wrote it, or refusing it as damaged ---
+
+MAX_BYTES = {METRICS_NAME: 1 << 30, "config.yaml": 1 << 20}  # far past a run's files (~200 B a log line), short of RAM
+TOKEN_KEYS = ("train.batch_size", "train.grad_accum", "model.block_size")  # --x tokens multiplies these
+FILE_KINDS = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device",
+              stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}
+
+
+class Damaged(Exception):
+    """A run plot.py can't read; the message names the file and the problem."""
+
+
+Loaded = tuple[Path, dict[str, Any], list[dict[str, Any]], int]  # a run, its config, records and damaged lines
+
+
+def load_run(run: Path, needed: tuple[str, ...] = ()) -> Loaded:
+    """The run's flat config (key.sub: value, with the settings resolved at start), records and cut-short line count;
+    Damaged if a file is unreadable or unlike what train.py writes. needed: keys every log and eval line must hold."""
+    path = run / METRICS_NAME
+    regular_file(path)
+    try:
+        records, damaged = read_records(run)
+    except OSError as err:
+        raise Damaged(f"{path}: can't read it ({err.strerror or err})") from None
+    for r in records:
+        wanted = (("train_loss",) if "lr" in r else ()) + (needed if "lr" in r or "val_loss" in r else ())
+        missing = [key for key in wanted if key not in r]
+        if missing:
+            raise Damaged(f"{path}: the line of iter {r['iter']} has no {missing[0]}")
+        for key, value in r.items():
+            if key != "settings" and not _is_number(value):
+                raise Damaged(f"{path}: the line of iter {r['iter']} has {key}={value!r}, not a number")
+
+    def walk(node: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(node, dict):
+            return {k: v for key, value in node.items() for k, v in walk(value, f"{prefix}{key}.").items()}
+        return {prefix[:-1]: node}
+
+    settings = [r["settings"] for r in records if isinstance(r.get("settings"), dict)]
+    config = {**walk(read_config(run / "config.yaml"), ""), **(settings[-1] if settings else {})}
+    for key in TOKEN_KEYS:
+        if key in config and (not isinstance(config[key], int) or isinstance(config[key], bool)):
+            raise Damaged(f"{run / 'config.yaml'}: {key}={config[key]!r}, not a whole number")
+    return run, config, records, damaged
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """config.yaml's mapping; {} when the run has none."""
+    if not os.path.lexists(path):
+        return {}
+    regular_file(path)
+    try:
+        config = yaml.load(path.read_bytes().decode("utf-8"), Loader=_NoAliasLoader)
+    except OSError as err:
+        raise Damaged(f"{path}: can't read it ({err.strerror or err})") from None
+    except UnicodeDecodeError as err:
+        raise Damaged(f"{path}: not UTF-8 text (byte {err.start} is {err.object[err.start]:#x})") from None
+    except yaml.YAMLError as err:
+        mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None) or "unreadable"
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise Damaged(f"{path}: not YAML ({where}{problem})") from None
+    except RecursionError:
+        raise Damaged(f"{path}: nested too deep for a config") from None
+    if not isinstance(config, dict):
+        raise Damaged(f"{path}: not a mapping of keys (a {type(config).__name__})")
+    return config
+
+
+class _NoAliasLoader(get_yaml_loader()):  # type: ignore[misc]
+    """Refuses aliases, which train.py never writes: nested ones repeat a node exponentially ("billion laughs")."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"an alias, *{event.anchor}, which train.py never writes",
+                                              event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def regular_file(path: Path) -> None:
+    """Damaged unless `path` (or a link's target) is a regular file within MAX_BYTES: a FIFO or /dev/zero never ends."""
+    try:
+        info = os.stat(path)  # follows links, as the read would
+    except OSError as err:
+        raise Damaged(f"{path}: can't read it ({err.strerror or err})") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = next((name for test, name in FILE_KINDS.items() if test(info.st_mode)), "a special file")
+        raise Damaged(f"{path}: {kind}{' behind a link' if path.is_symlink() else ''}, not a regular file")
+    if info.st_size > MAX_BYTES[path.name]:
+        raise Damaged(f"{path}: {info.st_size:,} bytes, more than a run's {path.name} holds "
+                      f"({MAX_BYTES[path.name]:,} at most)")
+
+
+# --- the command: the table, the statistics and the picture ---
+
+
+def check_output(path: Path, option: str) -> None:
+    """Before any work: a file in an existing directory, and not a FIFO or a device, which is someone's channel.
+    Outputs are written beside the path and renamed over it, so a link there is replaced, not written through."""
+    if path.is_dir():
+        example = path / ("loss.png" if option == "-o" else "ab.json")
+        fail(f"{option} {path} is a directory; name a file such as {example}")
+    if not path.parent.is_dir():
+        fail(f"{option} {path}: no directory {path.parent}; create it first")
+    with contextlib.suppress(OSError):  # none yet, or a dangling link: the rename makes it
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            fail(f"{option} {path}: not a regular file (a FIFO, a device); name a file")
 
 
 def picture_path(out: Path) -> Path:
-    """-o's path, .png added when it has no extension, checked before any work."""
+    """-o's path, .png added when it has no extension, in a format matplotlib writes."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    if out.is_dir():
-        fail(f"-o {out} is a directory; name a file such as {out / 'loss.png'}")
-    if not out.suffix:
-        out = out.with_suffix(".png")
+    out = out if out.suffix or out.is_dir() else out.with_suffix(".png")
     formats = Figure().canvas.get_supported_filetypes()
-    if out.suffix[1:].lower() not in formats:
+    if out.suffix[1:].lower() not in formats and not out.is_dir():
         fail(f"-o {out}: can't write {out.suffix} pictures; use one of {', '.join('.' + f for f in sorted(formats))}")
-    if not out.parent.is_dir():
-        fail(f"-o {out}: no directory {out.parent}; create it first")
-    replaceable(out, "-o")
+    check_output(out, "-o")
     return out
 
 
-def replaceable(path: Path, option: str) -> None:
-    """Refuse an output that exists and isn't a regular file (nor a link to one): a FIFO or a device is someone's
-    channel, not a file to replace. Outputs are written beside the path and renamed over it: a link is replaced."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return  # none yet, or a dangling link: the rename makes it
-    if not stat.S_ISREG(mode):
-        fail(f"{option} {path}: not a regular file{' behind a link' if path.is_symlink() else ''} (a FIFO, a device); "
-             "name a file")
-
-
-def load_runs(runs: list[Path], needed: tuple[str, ...]) -> list[Loaded]:
-    """The runs that can be read; one warning for each that can't, or one line and status 2 if none can."""
+def load_runs(paths: list[Path], needed: tuple[str, ...]) -> list[Loaded]:
+    """The runs in or under `paths`: one warning for each that can't be read, one line and status 2 if none can."""
     loaded, problems = [], []
-    for run in runs:
-        try:
-            loaded.append(load_run(run, needed))
-        except Damaged as err:
-            problems.append(str(err))
+    for path in paths:
+        runs = [path] if (path / METRICS_NAME).is_file() else sorted(p.parent for p in path.rglob(METRICS_NAME))
+        if not runs:
+            fail(f"no metrics.jsonl in or under {path}; pass train.py run directories or a sweep directory")
+        for run in runs:
+            try:
+                loaded.append(load_run(run, needed))
+            except Damaged as err:
+                problems.append(str(err))
     if not loaded:
         fail(f"{problems[0]}; nothing left to plot" if len(problems) == 1 else
              f"all {len(problems)} runs are damaged, the first: {problems[0]}; fix or leave them out")
@@ -104,49 +398,33 @@ def load_runs(runs: list[Path], needed: tuple[str, ...]) -> list[Loaded]:
     return loaded
 
 
-def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
-    """The keys whose values differ between the runs that have them: a run without config.yaml lacks every key."""
+def summaries_of(loaded: list[Loaded]) -> list[dict[str, Any]]:
+    """A row per run, labelled by the keys that differ between the runs that have them, or else by its name or path."""
+    configs = [config for _, config, _, _ in loaded]
     keys = sorted({k for c in configs for k in c} - set(IGNORED_KEYS))
-    return [k for k in keys if len({json.dumps(c[k], default=str) for c in configs if k in c}) > 1]
-
-
-def summarize(run: Path, config: dict[str, Any], records: list[dict[str, Any]], keys: list[str]) -> dict[str, Any]:
-    finite = [r["val_loss"] for r in records if "val_loss" in r and math.isfinite(r["val_loss"])]
-    speeds = [r["tokens_per_sec"] for r in records if "tokens_per_sec" in r]
-    batch, accum, block = (config.get(k, 0) for k in ("train.batch_size", "train.grad_accum", "model.block_size"))
-    return {
-        "run": run,
-        "label": ", ".join(f"{k}={config[k]}" for k in keys if k in config) or run.name,
-        "records": records,
-        "best_val": min(finite, default=None),
-        "iters": max((r["iter"] for r in records), default=0),
-        "wall_s": max((r["elapsed_s"] for r in records if "elapsed_s" in r), default=None),
-        "tokens_per_sec": statistics.median_high(speeds) if speeds else None,
-        "tokens_per_iter": batch * accum * block,
-    }
-
-
-def distinct_labels(summaries: list[dict[str, Any]]) -> None:
-    """Runs whose differing keys are the same (repeats of one config) are told apart by their run's name."""
+    keys = [k for k in keys if len({json.dumps(c[k], default=str) for c in configs if k in c}) > 1]
+    summaries = []
+    for run, config, records, _ in loaded:
+        finite = [r["val_loss"] for r in records if "val_loss" in r and math.isfinite(r["val_loss"])]
+        speeds = [r["tokens_per_sec"] for r in records if "tokens_per_sec" in r]
+        summaries.append({
+            "run": run, "records": records, "label": ", ".join(f"{k}={config[k]}" for k in keys if k in config),
+            "best_val": min(finite, default=None), "iters": max((r["iter"] for r in records), default=0),
+            "wall_s": max((r["elapsed_s"] for r in records if "elapsed_s" in r), default=None),
+            "tokens_per_sec": statistics.median_high(speeds) if speeds else None,
+            "tokens_per_iter": math.prod(config.get(k, 0) for k in
+                                         ("train.batch_size", "train.grad_accum", "model.block_size")),
+        })
     counts = Counter(s["label"] for s in summaries)
     for s in summaries:
-        if counts[s["label"]] > 1:
-            s["label"] = f"{s['run'].name}: {s['label']}" if s["label"] != s["run"].name else s["label"]
-    if len({s["label"] for s in summaries}) < len(summaries):  # same names too (runs/a/x and runs/b/x)
+        if not s["label"]:
+            s["label"] = s["run"].name
+        elif counts[s["label"]] > 1:
+            s["label"] = f"{s['run'].name}: {s['label']}"
+    if len({s["label"] for s in summaries}) < len(summaries):  # the same names too (runs/a/x and runs/b/x)
         for s in summaries:
             s["label"] = f"{s['run']}: {s['label']}"
-
-
-def print_table(summaries: list[dict[str, Any]]) -> None:
-    """One row per run; a long "differing keys" cell wraps onto the lines below it."""
-    rows = [["run", "differing keys", "best val", "iters", "tokens/s", "wall time"]]
-    for s in summaries:
-        keys = textwrap.wrap(s["label"], KEYS_WIDTH, break_on_hyphens=False) or [""]
-        rows.append([str(s["run"]), keys[0], f"{s['best_val']:.4f}" if s["best_val"] is not None else "-",
-                     str(s["iters"]), f"{s['tokens_per_sec']:,.0f}" if s["tokens_per_sec"] else "-",
-                     f"{s['wall_s']:.1f} s" if s["wall_s"] is not None else "-"])
-        rows += [["", more, "", "", "", ""] for more in keys[1:]]
-    print_rows(rows)
+    return summaries
 
 
 def print_rows(rows: list[list[str]]) -> None:
@@ -156,24 +434,40 @@ def print_rows(rows: list[list[str]]) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
 
 
-def replicate_groups(runs: list[Path], configs: list[dict[str, Any]], records: list[list[dict[str, Any]]],
-                     args: argparse.Namespace) -> list[Group] | None:
+def print_table(summaries: list[dict[str, Any]]) -> None:
+    """One row per run; a long "differing keys" cell wraps onto the lines below it."""
+    rows = [["run", "differing keys", "best val", "iters", "tokens/s", "wall time"]]
+    for s in summaries:
+        keys = textwrap.wrap(s["label"], KEYS_WIDTH, break_on_hyphens=False) or [""]
+        rows.append([str(s["run"]), keys[0], "-" if s["best_val"] is None else f"{s['best_val']:.4f}",
+                     str(s["iters"]), f"{s['tokens_per_sec']:,.0f}" if s["tokens_per_sec"] else "-",
+                     "-" if s["wall_s"] is None else f"{s['wall_s']:.1f} s"])
+        rows += [["", more, "", "", "", ""] for more in keys[1:]]
+    print_rows(rows)
+
+
+def replicate_groups(loaded: list[Loaded], args: argparse.Namespace) -> list[Group] | None:
     """The replicate groups, baseline first; None when no run has a replicate and no statistics were asked for. A run
-    without config.yaml is in none: what it trained is unknown, so it can't be called a replicate of anything."""
+    without config.yaml is in none: what it trained is unknown, so it is no replicate of anything."""
     asked = bool(args.baseline or args.json or args.metric != "val_loss")
-    bare = [run for run in runs if not (run / "config.yaml").is_file()]
-    kept = [i for i, run in enumerate(runs) if run not in bare]
-    runs, configs, records = [runs[i] for i in kept], [configs[i] for i in kept], [records[i] for i in kept]
-    values = [run_value(r, args.metric) for r in records]
-    groups = group_runs(runs, configs, values)  # type: ignore[arg-type]  # checked next, if they matter
+    kept = [(run, config, run_value(records, args.metric)) for run, config, records, _ in loaded
+            if (run / "config.yaml").is_file()]
+    runs, configs, values = ([item[i] for item in kept] for i in range(3))
+    groups = group_runs(runs, configs, values)
     if not asked and all(g.n == 1 for g in groups):
         return None
+    bare = [run for run, _, _, _ in loaded if run not in runs]
     if bare:
         print(f"warning: {len(bare)} run(s) without config.yaml ({bare[0]}): left out of the groups", file=sys.stderr)
     if not groups:
         fail(f"none of the {len(bare)} runs has a config.yaml, so none can be grouped; pass runs that train.py wrote")
-    problem = _unusable(runs, values, args.metric)
-    if problem:
+    missing = [run for run, value in zip(runs, values, strict=True) if value is None]
+    diverged = [run for run, value in zip(runs, values, strict=True) if value is not None and not math.isfinite(value)]
+    if missing or diverged:
+        problem = (f"--metric {args.metric}: {len(missing)} of {len(runs)} runs recorded none ({missing[0]}"
+                   f"{', ...' if len(missing) > 1 else ''}); pass runs that all recorded it, or another --metric"
+                   if missing else f"--metric {args.metric}: {len(diverged)} run(s) ended with NaN or inf "
+                   f"({diverged[0]}: diverged); leave them out, or compare --metric best_val_loss")
         if asked:
             fail(problem)
         print(f"warning: {problem}; no statistics", file=sys.stderr)
@@ -190,20 +484,6 @@ def replicate_groups(runs: list[Path], configs: list[dict[str, Any]], records: l
     return [baseline, *(g for g in groups if g is not baseline)]
 
 
-def _unusable(runs: list[Path], values: list[float | None], metric: str) -> str | None:
-    """Why the runs' values can't be compared, if they can't: some recorded none, or ended diverged."""
-    missing = [run for run, value in zip(runs, values, strict=True) if value is None]
-    if missing:
-        more = ", ..." if len(missing) > 1 else ""
-        return (f"--metric {metric}: {len(missing)} of {len(runs)} runs recorded none ({missing[0]}{more}); pass runs "
-                "that all recorded it, or another --metric")
-    diverged = [run for run, value in zip(runs, values, strict=True) if not math.isfinite(value)]  # type: ignore[arg-type]
-    if diverged:
-        return (f"--metric {metric}: {len(diverged)} run(s) ended with NaN or inf ({diverged[0]}: diverged); leave "
-                "them out, or compare --metric best_val_loss")
-    return None
-
-
 def print_statistics(groups: list[Group], comparisons: list[Comparison], metric: str) -> None:
     """The groups' table (baseline first), then one verdict per comparison with the baseline."""
     rows = [["group", "n", f"{metric} mean", "std", "95% CI of the mean"]]
@@ -214,68 +494,52 @@ def print_statistics(groups: list[Group], comparisons: list[Comparison], metric:
     print()
     print_rows(rows)
     if comparisons:
-        print()
-    for c in comparisons:
-        print(c.verdict)
-
-
-def write_json(path: Path, metric: str, groups: list[Group], comparisons: list[Comparison]) -> None:
-    document = {"metric": metric, "groups": [g.to_dict() for g in groups],
-                "comparisons": [c.to_dict() for c in comparisons]}
-    try:
-        write_text_atomically(path, json.dumps(document, indent=1) + "\n")
-    except DiskFull as err:
-        fail(str(err))
-    except OSError as err:
-        fail(f"--json {path}: can't write it ({err.strerror or err})")
+        print("\n" + "\n".join(c.verdict for c in comparisons))
 
 
 def _value(x: float) -> str:
     return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4f}"
 
 
-def plot(summaries: list[dict[str, Any]], x_axis: str, out: Path, groups: list[Group] | None, metric: str) -> None:
-    """The picture, written beside `out` and renamed over it: a link at `out` is replaced, not written through."""
-    fig = figure(summaries, x_axis, groups, metric)
-    # a PNG carries its title and legend as text, for whoever reads the file without looking (and the tests)
-    texts = [t.get_text() for legend in fig.legends for t in [legend.get_title(), *legend.get_texts()]]
-    described = "\n".join(text for text in texts if text)
-    metadata = {"Title": fig.axes[0].get_title(), "Description": described} if out.suffix.lower() == ".png" else None
-    write_atomically(out, lambda f: fig.savefig(f, format=out.suffix[1:].lower(), dpi=110, metadata=metadata))
+def save(path: Path, option: str, write: Callable[[BinaryIO], object]) -> None:
+    """Written beside `path` and renamed over it; a full disk or a read-only directory is one line."""
+    try:
+        write_atomically(path, write)
+    except DiskFull as err:
+        fail(str(err))
+    except OSError as err:
+        fail(f"{option} {path}: can't write it ({err.strerror or err})")
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def figure(summaries: list[dict[str, Any]], x_axis: str, groups: list[Group] | None, metric: str) -> Any:
-    """Every run's curves; for groups of replicates, each group's mean val curve with its runs' min-max band. A
-    Figure outside pyplot: nothing to close, however main() ends."""
+    """Every run's curves, or each group's mean curves with its runs' min-max band, on a Figure outside pyplot."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import FormatStrFormatter
 
     def x_of(record: dict[str, Any], s: dict[str, Any]) -> float:
         if x_axis == "time":
             return record["elapsed_s"]
-        if x_axis == "tokens":
-            return record["iter"] * s["tokens_per_iter"]
-        return record["iter"]
+        return record["iter"] * (s["tokens_per_iter"] if x_axis == "tokens" else 1)
 
-    lines = len(groups) if groups else len(summaries)
-    fig = Figure(figsize=(9, 5 + 0.4 * lines), layout="constrained")
+    fig = Figure(figsize=(9, 5 + 0.4 * len(groups or summaries)), layout="constrained")
     ax = fig.subplots()
     legend_title = None
     if groups:
         _draw_groups(ax, groups, {s["run"]: s for s in summaries}, x_of, metric)
-        title = f"{len(groups)} group{'s' if len(groups) > 1 else ''}, {sum(g.n for g in groups)} runs in all"
+        title = f"{len(groups)} group{'s' * (len(groups) > 1)}, {sum(g.n for g in groups)} runs in all"
         legend_title = f"each group: n runs, {metric}: mean ± 95% CI half-width"  # as the table's 95% CI of the mean
         ax.set_ylabel("loss: each group's mean\n(faint: train, dots: val; bands: its runs' min-max)")
     else:
         _draw_runs(ax, summaries, x_of)
-        title = f"{len(summaries)} run{'s' if len(summaries) > 1 else ''}"
+        title = f"{len(summaries)} run{'s' * (len(summaries) > 1)}"
         ax.set_ylabel("loss (faint: train, dots: val, star: best val)")
     if ax.has_data():
         ax.set_yscale("log")  # loss curves flatten out; a log scale keeps the late differences visible
         low, high = ax.get_ylim()
-        digits = 1 if high > 1.5 * low else 2 if high > 1.05 * low else 3  # ticks that read apart
-        ax.yaxis.set_major_formatter(FormatStrFormatter(f"%.{digits}f"))
-        ax.yaxis.set_minor_formatter(FormatStrFormatter(f"%.{digits}f"))
+        ticks = FormatStrFormatter(f"%.{1 if high > 1.5 * low else 2 if high > 1.05 * low else 3}f")  # read apart
+        ax.yaxis.set_major_formatter(ticks)
+        ax.yaxis.set_minor_formatter(ticks)
     ax.set_xlabel({"iter": "iteration", "time": "wall time (s)", "tokens": "training tokens"}[x_axis])
     ax.set_title(f"{title}: loss against {x_axis}")
     ax.grid(True, which="both", alpha=0.3)
@@ -284,45 +548,43 @@ def figure(summaries: list[dict[str, Any]], x_axis: str, groups: list[Group] | N
     return fig
 
 
-def _draw_runs(ax: Any, summaries: list[dict[str, Any]], x_of: Any) -> None:
+def _draw_runs(ax: Any, summaries: list[dict[str, Any]], x_of: Callable) -> None:
     for i, s in enumerate(summaries):
-        color = f"C{i % 10}"
         train = [r for r in s["records"] if "lr" in r]
         evals = [r for r in s["records"] if "val_loss" in r]
-        ax.plot([x_of(r, s) for r in train], [r["train_loss"] for r in train], color=color, alpha=0.35, lw=1)
-        label = f"{s['label']} (best val {s['best_val']:.3f})" if s["best_val"] is not None else s["label"]
-        ax.plot([x_of(r, s) for r in evals], [r["val_loss"] for r in evals], color=color, marker="o", ms=3,
+        ax.plot([x_of(r, s) for r in train], [r["train_loss"] for r in train], color=f"C{i % 10}", alpha=0.35, lw=1)
+        label = s["label"] if s["best_val"] is None else f"{s['label']} (best val {s['best_val']:.3f})"
+        ax.plot([x_of(r, s) for r in evals], [r["val_loss"] for r in evals], color=f"C{i % 10}", marker="o", ms=3,
                 label=textwrap.fill(label, 2 * KEYS_WIDTH))
         if s["best_val"] is not None:
             best = next(r for r in evals if r["val_loss"] == s["best_val"])
-            ax.plot([x_of(best, s)], [best["val_loss"]], color=color, marker="*", ms=12, mec="black")
+            ax.plot([x_of(best, s)], [best["val_loss"]], color=f"C{i % 10}", marker="*", ms=12, mec="black")
 
 
-def _draw_groups(ax: Any, groups: list[Group], by_run: dict[Path, dict[str, Any]], x_of: Any, metric: str) -> None:
+def _draw_groups(ax: Any, groups: list[Group], by_run: dict[Path, dict[str, Any]], x_of: Callable, metric: str) -> None:
     """Faint: mean train loss; dots: mean val loss with the runs' min-max as band and bar, at shared iterations."""
     for i, g in enumerate(groups):
-        color = f"C{i % 10}"
         runs = [by_run[run] for run in g.runs]
+        curves = {kind: _across_runs(runs, key, kind, x_of)
+                  for key, kind in (("lr", "train_loss"), ("val_loss", "val_loss"))}
+        if not curves["val_loss"][0]:
+            print(f"warning: the runs of {g.label} share no evaluation's iteration: not drawn", file=sys.stderr)
+            continue
         interval = "" if g.ci95 is None else f" ± {_value((g.ci95[1] - g.ci95[0]) / 2)}"
         baseline = " (baseline)" if i == 0 and len(groups) > 1 else ""
         label = textwrap.fill(f"{g.label}{baseline}: n={g.n}, {metric} {_value(g.mean)}{interval}", 2 * KEYS_WIDTH)
-        if not _across_runs(runs, "val_loss", "val_loss", x_of)[0]:
-            print(f"warning: the runs of {g.label} share no evaluation's iteration: not drawn", file=sys.stderr)
-            continue
-        for key, kind in (("lr", "train_loss"), ("val_loss", "val_loss")):
-            xs, ys = _across_runs(runs, key, kind, x_of)
-            low, high = [min(y) for y in ys], [max(y) for y in ys]
-            mean = [min(max(statistics.fmean(y), lo), hi) for y, lo, hi in zip(ys, low, high, strict=True)]
+        for kind, (xs, ys) in curves.items():
+            low, high = np.array([min(y) for y in ys]), np.array([max(y) for y in ys])
+            mean = np.clip([statistics.fmean(y) for y in ys], low, high)  # rounding can leave the band
             if kind == "train_loss":
-                ax.plot(xs, mean, color=color, alpha=0.35, lw=1)
-                ax.fill_between(xs, low, high, color=color, alpha=0.1, lw=0)
-                continue
-            bars = [[m - lo for m, lo in zip(mean, low, strict=True)], [h - m for m, h in zip(mean, high, strict=True)]]
-            ax.errorbar(xs, mean, yerr=bars, color=color, marker="o", ms=3, capsize=3, label=label)
-            ax.fill_between(xs, low, high, color=color, alpha=0.2, lw=0)
+                ax.plot(xs, mean, color=f"C{i % 10}", alpha=0.35, lw=1)
+            else:
+                ax.errorbar(xs, mean, yerr=[mean - low, high - mean], color=f"C{i % 10}", marker="o", ms=3, capsize=3,
+                            label=label)
+            ax.fill_between(xs, low, high, color=f"C{i % 10}", alpha=0.1 if kind == "train_loss" else 0.2, lw=0)
 
 
-def _across_runs(runs: list[dict[str, Any]], key: str, value: str, x_of: Any) -> tuple[list[float], list[list[float]]]:
+def _across_runs(runs: list[dict[str, Any]], key: str, value: str, x_of: Callable) -> tuple[list, list[list[float]]]:
     """The records holding `key` at the iterations all runs share: the mean x and each run's value."""
     by_iter = [{r["iter"]: r for r in s["records"] if key in r and math.isfinite(r[value])} for s in runs]
     iters = sorted(set.intersection(*(set(b) for b in by_iter)))
@@ -334,8 +596,8 @@ def main(argv: list[str] | None = None) -> None:
     """The command: argv as the command line holds it (default: sys.argv's), so tests can call it in-process."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="*", type=Path, help="run directories, or directories holding runs")
-    parser.add_argument("-o", "--out", type=Path, help="the picture (default: loss.png in the folder given, or the "
-                        "deepest folder holding all those given)")
+    parser.add_argument("-o", "--out", type=Path, help="the picture (default: loss.png in the deepest folder holding "
+                        "all those given)")
     parser.add_argument("--x", choices=["iter", "time", "tokens"], default="iter", help="the x axis")
     parser.add_argument("--metric", default="val_loss",
                         help="what the groups compare: val_loss (the last evaluation's), best_val_loss, "
@@ -350,33 +612,26 @@ def main(argv: list[str] | None = None) -> None:
         args.baseline = [item for item in args.baseline if "=" in item] or None
     if not args.runs:
         fail("no run directory given; pass train.py run directories or a sweep directory")
-    found = find_runs(args.runs)
-    out = picture_path(args.out or sweep_folder(args.runs) / "loss.png")
+    out = picture_path(args.out or Path(os.path.commonpath([p.absolute() for p in args.runs])) / "loss.png")
     if args.json is not None:
-        if args.json.is_dir() or not args.json.parent.is_dir():
-            fail(f"--json {args.json}: name a file in an existing directory")
-        replaceable(args.json, "--json")
-    loaded = load_runs(found, ("elapsed_s",) if args.x == "time" else ())
-    runs, configs, records = ([item[i] for item in loaded] for i in range(3))
-    keys = differing_keys(configs)
-    summaries = [summarize(run, c, r, keys) for run, c, r in zip(runs, configs, records, strict=True)]
-    distinct_labels(summaries)
+        check_output(args.json, "--json")
+    loaded = load_runs(args.runs, ("elapsed_s",) if args.x == "time" else ())
+    summaries = summaries_of(loaded)
     print_table(summaries)
-    groups = replicate_groups(runs, configs, records, args)
+    groups = replicate_groups(loaded, args)
     if groups is not None:
         baseline, *others = groups
         comparisons = [compare(g, baseline, args.metric) for g in others if g.n > 1 and baseline.n > 1]
         print_statistics(groups, comparisons, args.metric)
         if args.json is not None:
-            write_json(args.json, args.metric, groups, comparisons)
-            print(f"wrote {args.json}", file=sys.stderr)
-    try:
-        plot(summaries, args.x, out, groups if groups and any(g.n > 1 for g in groups) else None, args.metric)
-    except DiskFull as err:
-        fail(str(err))
-    except OSError as err:  # a read-only directory
-        fail(f"-o {out}: can't write it ({err.strerror or err})")
-    print(f"wrote {out}", file=sys.stderr)
+            document = {"metric": args.metric, "groups": [g.to_dict() for g in groups],
+                        "comparisons": [c.to_dict() for c in comparisons]}
+            save(args.json, "--json", lambda f: f.write(json.dumps(document, indent=1).encode() + b"\n"))
+    fig = figure(summaries, args.x, groups if groups and any(g.n > 1 for g in groups) else None, args.metric)
+    # a PNG carries its title and legend as text, for whoever reads the file without looking (and the tests)
+    legend = "\n".join(t.get_text() for lg in fig.legends for t in [lg.get_title(), *lg.get_texts()] if t.get_text())
+    metadata = {"Title": fig.axes[0].get_title(), "Description": legend} if out.suffix.lower() == ".png" else None
+    save(out, "-o", lambda f: fig.savefig(f, format=out.suffix[1:].lower(), dpi=110, metadata=metadata))
 
 
 if __name__ == "__main__":

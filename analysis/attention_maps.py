@@ -14,8 +14,8 @@ from common.errors import DataError
 from model import GPT, causal_mask
 
 EXPLORER_MARK = "<!-- The attention explorer."  # the first comment of analysis/explorer_page.html
+OURS = re.compile(r"attention\.npz|index\.html|attention_layer\d+\.png")  # every file sample.py writes there
 LABELS_UP_TO = 48  # token labels on the axes only while they stay readable
-MASKED_COLOUR = "#9a9a9a"  # neutral grey: no weight's colour in the map's scale
 
 
 def save_attention_maps(model: GPT, ids: list[int], tokens: list[str], out_dir: Path) -> list[Path]:
@@ -32,12 +32,8 @@ def attention_arrays(model: GPT, ids: list[int]) -> tuple[np.ndarray, np.ndarray
     """The math path's weights, float32 (n_layer, n_head, T, T), and the mask, bool (n_layer, T, T)."""
     idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
     weights = model.attention_weights(idx)[:, 0].float().cpu().numpy()
-    T = len(ids)
-    mask = np.stack([causal_mask(T, T, window=w).numpy() for w in model.config.layer_windows()])
+    mask = np.stack([causal_mask(len(ids), len(ids), window=w).numpy() for w in model.config.layer_windows()])
     return weights, mask
-
-
-OURS = re.compile(r"attention\.npz|index\.html|attention_layer\d+\.png")  # every file sample.py writes there
 
 
 def check_output_dir(out_dir: Path, key: str = "attention_dir") -> None:
@@ -51,12 +47,6 @@ def check_output_dir(out_dir: Path, key: str = "attention_dir") -> None:
     if strangers:
         raise DataError(f"{key}={out_dir} holds files sample.py didn't write ({', '.join(strangers[:3])}); name an "
                         "empty or new directory, so nothing of yours is overwritten")
-
-
-def load_attention_maps(out_dir: Path) -> dict[str, np.ndarray]:
-    """attention.npz's arrays, as save_attention_maps wrote them."""
-    with np.load(out_dir / "attention.npz") as saved:
-        return {name: saved[name] for name in saved.files}
 
 
 def _plot_layer(weights: np.ndarray, mask: np.ndarray, tokens: list[str], layer: int, out_dir: Path) -> Path:
@@ -73,14 +63,13 @@ def _plot_layer(weights: np.ndarray, mask: np.ndarray, tokens: list[str], layer:
     fig, axes = plt.subplots(rows, cols, figsize=(size * cols + 1, size * rows + 0.6), squeeze=False,
                              layout="constrained")
     norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)  # stretch small weights; 0 stays black
-    cmap = plt.get_cmap("inferno").with_extremes(bad=MASKED_COLOUR)  # "bad": the masked cells
-    labels = [_readable(t) for t in tokens]
+    cmap = plt.get_cmap("inferno").with_extremes(bad="#9a9a9a")  # "bad", the masked cells: grey, no weight's colour
+    labels = [t.replace("\n", "\\n").replace(" ", "\u2423") or "\u2205" for t in tokens]
     for head, ax in enumerate(axes.flat):
         if head >= n_head:
             ax.axis("off")
             continue
-        cells = np.ma.masked_array(weights[head], mask=~mask)
-        image = ax.imshow(cells, cmap=cmap, norm=norm, interpolation="nearest")
+        image = ax.imshow(np.ma.masked_array(weights[head], mask=~mask), cmap=cmap, norm=norm, interpolation="nearest")
         ax.set_title(f"head {head}", fontsize=9)
         if T <= LABELS_UP_TO:
             ax.set_xticks(range(T), labels, rotation=90, fontsize=6, family="monospace")
@@ -94,7 +83,3 @@ def _plot_layer(weights: np.ndarray, mask: np.ndarray, tokens: list[str], layer:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def _readable(token: str) -> str:
-    return token.replace("\n", "\\n").replace(" ", "\u2423") or "\u2205"

@@ -3,9 +3,6 @@ the weights each KV-cache decode step used (the mask at work during generation, 
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from typing import Any
-
 import numpy as np
 import torch
 
@@ -14,7 +11,6 @@ from model.attention import KVCache
 
 DIAGNOSTIC_NAMES = ("entropy", "mean_distance", "first_token", "previous_token", "induction")
 INDUCTION_REPEAT = 50  # random tokens per repeat (fewer when block_size can't hold two)
-INDUCTION_SEED = 0
 
 
 def head_diagnostics(model: GPT, weights: np.ndarray, induction: np.ndarray | None = None) -> np.ndarray:
@@ -29,15 +25,10 @@ def pattern_scores(weights: np.ndarray) -> np.ndarray:
     each a mean over query rows; the last two over rows 1.., as row 0 has all its weight on the first token."""
     p = weights.astype(np.float64)
     T = p.shape[-1]
-    plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
-    entropy = -plogp.sum(-1).mean(-1)
-    distance = np.arange(T)[:, None] - np.arange(T)[None, :]  # i - j
-    mean_distance = (p * distance).sum(-1).mean(-1)
-    if T > 1:
-        first = p[..., 1:, 0].mean(-1)
-        previous = np.diagonal(p, offset=-1, axis1=-2, axis2=-1).mean(-1)
-    else:
-        first = previous = np.full(entropy.shape, np.nan)
+    entropy = -np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0).sum(-1).mean(-1)
+    mean_distance = (p * (np.arange(T)[:, None] - np.arange(T)[None, :])).sum(-1).mean(-1)  # i - j
+    first = p[..., 1:, 0].mean(-1) if T > 1 else np.full(entropy.shape, np.nan)
+    previous = np.diagonal(p, offset=-1, axis1=-2, axis2=-1).mean(-1) if T > 1 else np.full(entropy.shape, np.nan)
     return np.stack([entropy, mean_distance, first, previous], axis=-1)
 
 
@@ -49,30 +40,18 @@ def induction_scores(model: GPT) -> np.ndarray:
     repeat = min(config.block_size // 2, INDUCTION_REPEAT)
     if repeat < 2:
         return np.full((config.n_layer, config.n_head), np.nan)
-    generator = torch.Generator().manual_seed(INDUCTION_SEED)
-    half = torch.randint(config.vocab_size, (repeat,), generator=generator)
+    half = torch.randint(config.vocab_size, (repeat,), generator=torch.Generator().manual_seed(0))
     idx = torch.cat([half, half])[None].to(next(model.parameters()).device)
     weights = model.attention_weights(idx)[:, 0].float().cpu().numpy()  # (n_layer, n_head, 2R, 2R)
     stripe = np.diagonal(weights, offset=1 - repeat, axis1=-2, axis2=-1)  # (i, i - R + 1) for i = R - 1 .. 2R - 1
     return stripe[..., 1:].mean(-1)  # queries R .. 2R - 1: the second repeat
 
 
-def run_to_end(pieces: Generator) -> Any:
-    """A generator's return value, its pieces run one after another (serve.py's engine runs them a turn each)."""
-    while True:
-        try:
-            next(pieces)
-        except StopIteration as done:
-            return done.value
-
-
 @torch.no_grad()
-def decode_step_weights(model: GPT, ids: list[int], n_prefill: int, last: int | None = None
-                        ) -> Generator[None, None, np.ndarray]:
+def decode_step_weights(model: GPT, ids: list[int], n_prefill: int, last: int | None = None) -> np.ndarray:
     """Run `ids` as generation does (n_prefill prompt tokens in one pass, then a cached step per token): (steps,
-    n_layer, n_head, last), the last `last` tokens' steps (default: all) over the last `last` keys, 0 where none cached.
-    Captured on the math path from the same queries and cached keys: the fused path doesn't return its weights.
-    A generator (run_to_end): it yields after each forward pass, the layers no longer capturing."""
+    n_layer, n_head, last), the last `last` tokens' steps over the last `last` keys (0 where none cached), captured on
+    the math path from the same queries and cached keys, as the fused path doesn't return its weights."""
     T = len(ids)
     if not 1 <= n_prefill <= T:
         raise ValueError(f"n_prefill={n_prefill} must be between 1 and the {T} tokens")
@@ -81,28 +60,20 @@ def decode_step_weights(model: GPT, ids: list[int], n_prefill: int, last: int | 
     first_step = max(n_prefill, start)
     idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
     attentions = [block.attn for block in model.transformer.h]
-    captured: list[torch.Tensor] = []
     steps = np.zeros((T - first_step, len(attentions), model.config.n_head, last), dtype=np.float32)
     cache = KVCache(model.config)
-
-    def capture(on: bool) -> None:
+    model.hidden(idx[:, :n_prefill], cache)  # the prompt on the model's own path: no T x T weights kept
+    for t in range(n_prefill, T):
+        captured: list[torch.Tensor] = []
         for attn in attentions:
-            attn.captured = captured if on else None
-
-    try:
-        model.hidden(idx[:, :n_prefill], cache)  # the prompt on the model's own path: no T x T weights kept
-        for t in range(n_prefill, T):
-            yield
-            capture(t >= first_step)
-            captured.clear()
+            attn.captured = captured if t >= first_step else None
+        try:
             model.hidden(idx[:, t : t + 1], cache)
-            capture(False)
-            if t < first_step:
-                continue
-            for layer, weights in enumerate(captured):  # (1, n_head, 1, keys the cache returned, ending at t)
-                row = weights[0, :, 0].float().cpu().numpy()
-                lo = t - row.shape[-1] + 1  # the first key's position
-                steps[t - first_step, layer, :, max(lo, start) - start : t + 1 - start] = row[:, max(0, start - lo) :]
-    finally:
-        capture(False)
+        finally:
+            for attn in attentions:
+                attn.captured = None
+        for layer, weights in enumerate(captured):  # (1, n_head, 1, keys the cache returned, ending at t)
+            row = weights[0, :, 0].float().cpu().numpy()
+            lo = t - row.shape[-1] + 1  # the first key's position
+            steps[t - first_step, layer, :, max(lo, start) - start : t + 1 - start] = row[:, max(0, start - lo) :]
     return steps

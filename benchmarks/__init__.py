@@ -1,1 +1,1 @@
-"""bench.py's larger sections, each in a module of its own."""
+"""The estimate of a training step's memory behind bench.py memory and docs/gpu.md's table of what fits."""

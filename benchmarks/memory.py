@@ -35,15 +35,7 @@ MEMORY_PROBES = {
 
 
 def training_memory(config: GPTConfig, batch_size: int, bf16: bool, checkpointing: bool = False) -> int:
-    """Predicted peak bytes of live tensors in an AdamW training step, fitted to tensor bytes measured on a CPU.
-    Float32 weights and two moments stay (12 bytes a parameter); the gradients (4) arrive as backward frees the
-    activations. Per token and layer a GPT-2 block keeps 16C elements for backward (C = n_embd; both LayerNorms'
-    inputs and outputs, q, k, v and attention's output, c_fc's output and GELU's): 64C bytes in float32, 36C under
-    bf16 autocast (the LayerNorms' inputs stay float32); plus LayerNorm's statistics and attention's log-sum-exp,
-    and a byte mask per residual branch with dropout. The head keeps the logits, their float32 copy (the loss is
-    float32 on every device) and log-probabilities, then their gradients: 16 or 14 bytes per token and row of the
-    (padded) token table. Checkpointed, a block keeps its float32 input (4C) and backward recomputes one block at a
-    time, while the gradients fill. bf16 autocast also keeps a bf16 copy of every weight matrix it used."""
+    """Predicted peak bytes of live tensors in an AdamW step, fitted to CPU measurements (docs/gpu.md: each term)."""
     n, V = _parameters_and_rows(dataclasses.astuple(config))
     C, L = config.n_embd, config.n_layer
     layer = (36 if bf16 else 64) * C + 24 + (2 * C if config.dropout > 0 else 0)
@@ -90,8 +82,8 @@ def bench_memory(args: argparse.Namespace) -> list[dict]:
                 accum = -(-STEP_TOKENS // (batch * 1024)) if batch else 0
                 row[label] = f"batch_size={batch} grad_accum={accum}" if batch else "does not fit"
             rows.append(row)
-    device = torch.device(args.device).type
-    return rows + [probe_row(probe, args.device) for probe in MEMORY_PROBES.get(device, [])[: args.memory_probes]]
+    probes = MEMORY_PROBES.get(torch.device(args.device).type, [])[: args.memory_probes]
+    return rows + [probe_row(probe, args.device) for probe in probes]
 
 
 def probe_row(probe: tuple[int, ...], device: str, backend: str = "inductor") -> dict:
@@ -109,9 +101,8 @@ def probe_row(probe: tuple[int, ...], device: str, backend: str = "inductor") ->
 
 def measured_memory(probe: tuple[int, ...], device: str, backend: str = "inductor") -> dict[str, int]:
     """Peak bytes two AdamW steps of a probe's shape add, from building the model on: on CUDA the allocator's peaks
-    of allocated and of reserved memory; on a CPU the peak of live tensor bytes, summed in order from the
-    allocations and frees torch's profiler records (RSS would also count the allocator's slack and the
-    interpreter), and reserved 0."""
+    of allocated and of reserved memory; on a CPU the peak of live tensor bytes, summed in order from the allocations
+    and frees torch's profiler records (RSS would also count the allocator's slack and the interpreter)."""
     _, _, block_size, batch_size, checkpointing, vocab, bf16, compiled = probe
     cuda = device.startswith("cuda")
 

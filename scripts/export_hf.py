@@ -1,9 +1,6 @@
-"""Export a run's model to Hugging Face's GPT-2 format, for HF's tools (generate, pipelines, evaluation harnesses).
-
-    python scripts/export_hf.py RUN_DIR HF_DIR
-
-HF_DIR receives config.json and model.safetensors (GPT2LMHeadModel.from_pretrained(HF_DIR)), not the tokenizer.
-Needs transformers; models with activation=relu2, pos_emb=rope or an attn_window have no GPT-2 equivalent."""
+"""Export a run's model to Hugging Face's GPT-2 format: `python scripts/export_hf.py RUN_DIR HF_DIR` writes config.json
+and model.safetensors (GPT2LMHeadModel.from_pretrained(HF_DIR)), not the tokenizer. Needs transformers; models with
+activation=relu2, pos_emb=rope or an attn_window have no GPT-2 equivalent."""
 
 from __future__ import annotations
 
@@ -20,7 +17,7 @@ from model.hf_gpt2 import hf_from_gpt  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a train.py run directory, holding ckpt.pt")
     parser.add_argument("hf_dir", metavar="HF_DIR", type=Path, help="where to write the HF model (created if missing)")
     args = parser.parse_args(argv)

@@ -1,9 +1,6 @@
-"""Every GPU check in one run of at most 8 minutes (BUDGET_S), for a short loan of an H200-class GPU: flash and
-math attention agree (fp32 and bf16, full and windowed); the model compiles as one graph; a training step's peak
-memory against bench.py's prediction (eager, checkpointed, compiled; allocated and reserved); GPT-2 124M's tokens/s
-against nanoGPT's loop, eager and compiled; nanoGPT's recipe (experiment=shakespeare, stopped at val 1.47) and
-speedrun_gpu over three seeds, both scored on the whole val split, and their time-to-target ratio; sample.py's
-attention maps and causality check on the speedrun's checkpoint. Exits 1 if a check fails.
+"""Every GPU check in one run of at most 8 minutes (BUDGET_S), for a short loan of an H200-class GPU: what each step
+checks is in docs/gpu.md (flash = math, one compiled graph, memory, GPT-2 throughput, the recipe and speedrun_gpu to
+val 1.47, sample.py's maps and causality check). Exits 1 if a check fails.
 
     python scripts/gpu_check.py --text input.txt --out gpu_check.json     # on the GPU (--text: tiny Shakespeare)
     python scripts/gpu_check.py --dry-run --text input.txt                 # the same steps, tiny, on CPU
@@ -39,6 +36,25 @@ BUDGET_S = {"flash = math": 15, "compile": 55, "memory": 70, "gpt2": 130, "shake
             "sample": 20}
 
 
+def paths_agree(device: str, dtype: torch.dtype, config: GPTConfig, tolerance: float) -> dict:
+    """Largest difference of logits and gradients between the paths, relative to the largest value."""
+    torch.manual_seed(0)
+    models = {impl: GPT(replace(config, attn_impl=impl)).to(device) for impl in ("flash", "math")}
+    models["math"].load_state_dict(models["flash"].state_dict())
+    idx = torch.randint(config.vocab_size, (4, config.block_size), device=device)
+    results = {}
+    for impl, model in models.items():
+        with torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32):
+            logits, loss = model(idx, idx)
+        loss.backward()
+        results[impl] = (logits.float(), torch.cat([p.grad.flatten() for p in model.parameters()]).float())
+    rel = {name: ((results["flash"][i] - results["math"][i]).abs().max() / results["math"][i].abs().max()).item()
+           for i, name in enumerate(("logits", "grads"))}
+    window = "" if config.attn_window is None else f", window {config.attn_window}"
+    name = f"flash = math ({str(dtype).removeprefix('torch.')}{window})"
+    return {"check": name, "ok": max(rel.values()) <= tolerance, **rel, "tolerance": tolerance}
+
+
 def compiled_graphs(device: str, config: GPTConfig) -> dict:
     """torch.compile (inductor, fullgraph) of the model: graphs made over three training steps (1 expected)."""
     from torch._dynamo.utils import counters
@@ -64,9 +80,8 @@ def peak_memory(args: argparse.Namespace) -> dict:
     """bench.py memory's probes: the predicted peak against the measured one, plain, checkpointed and compiled; on
     CUDA also the allocator's reserved memory over its allocated peak. The dry run compiles with aot_eager: the same
     capture without inductor's code generation, whose memory differs, so its compiled probe isn't judged."""
-    device = "cpu" if args.dry_run else "cuda"
     probes = DRY_RUN_PROBES if args.dry_run else MEMORY_PROBES["cuda"]
-    rows = {kind: probe_row(probe, device, "aot_eager" if args.dry_run else "inductor")
+    rows = {kind: probe_row(probe, args.device, "aot_eager" if args.dry_run else "inductor")
             for kind, probe in zip(("plain", "checkpointed", "compiled"), probes, strict=True)}
     judged = [rows["plain"], rows["checkpointed"]] + ([] if args.dry_run else [rows["compiled"]])
     return {"check": "memory: peak against the prediction", "measured_gib": rows["plain"]["measured_mib"] / 1024,
@@ -75,33 +90,28 @@ def peak_memory(args: argparse.Namespace) -> dict:
             **{f"{kind} reserved_over_allocated": r["reserved_over_allocated"] for kind, r in rows.items()}}
 
 
-def bench(args: argparse.Namespace, workdir: Path, section: str, *options: str) -> tuple[list[dict], str]:
-    """bench.py's rows of one section on the check's device, and the tail of its stderr if it failed."""
-    out = workdir / f"{section}.json"
-    device = "cpu" if args.dry_run else "cuda"
-    command = [sys.executable, str(REPO / "bench.py"), section, "--device", device, *options, "--json", str(out)]
+def gpt2_throughput(args: argparse.Namespace, workdir: Path) -> dict:
+    """bench.py train on GPT-2 124M's shape (batch 12 x 1024, grad_accum 4): ours, and nanoGPT's loop eager and
+    compiled, on tiny Shakespeare in GPT-2's BPE (throughput doesn't depend on the text)."""
+    text = [f"data.input={args.text}"] if args.text else []
+    if args.dry_run:  # tiny, and compiled by aot_eager: the capture without code generation
+        overrides = [*TINY_MODEL, "data=shakespeare_char", f"data.dir={workdir / 'data'}", "train.batch_size=4",
+                     "train.grad_accum=1", *text]
+        options = ["--train-iters", "3", "--compile-backend", "aot_eager"]
+    else:
+        overrides = ["data=shakespeare", f"data.dir={workdir / 'data_bpe'}", "train.grad_accum=4", *text]
+        options = ["--train-iters", "10"]
+    out = workdir / "train.json"
+    command = [sys.executable, str(REPO / "bench.py"), "train", "--device", args.device, "--experiment", "gpt2",
+               *options, *(option for override in overrides for option in ("--override", override)), "--json", str(out)]
     result = subprocess.run(command, capture_output=True, text=True)
-    return ([], result.stderr[-500:]) if result.returncode else (json.loads(out.read_text()), "")
-
-
-def paths_agree(device: str, dtype: torch.dtype, config: GPTConfig, tolerance: float) -> dict:
-    """Largest difference of logits and gradients between the paths, relative to the largest value."""
-    torch.manual_seed(0)
-    models = {impl: GPT(replace(config, attn_impl=impl)).to(device) for impl in ("flash", "math")}
-    models["math"].load_state_dict(models["flash"].state_dict())
-    idx = torch.randint(config.vocab_size, (4, config.block_size), device=device)
-    results = {}
-    for impl, model in models.items():
-        with torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32):
-            logits, loss = model(idx, idx)
-        loss.backward()
-        results[impl] = (logits.float(), torch.cat([p.grad.flatten() for p in model.parameters()]).float())
-    rel = {name: ((results["flash"][i] - results["math"][i]).abs().max() / results["math"][i].abs().max()).item()
-           for i, name in enumerate(("logits", "grads"))}
-    dtype_name = str(dtype).removeprefix("torch.")
-    window = "" if config.attn_window is None else f", window {config.attn_window}"
-    return {"check": f"flash = math ({dtype_name}{window})", "ok": max(rel.values()) <= tolerance, **rel,
-            "tolerance": tolerance}
+    loops = {r["loop"]: r for r in ([] if result.returncode else json.loads(out.read_text()))}
+    ours = loops.get("train.py", {})
+    return {"check": "GPT-2 124M throughput" + (" (tiny stand-in)" if args.dry_run else ""), "ok": bool(ours),
+            "tokens_per_sec": ours.get("tokens_per_sec"), "mfu": ours.get("mfu"), "peak": ours.get("peak"),
+            **{f"{loop} tokens_per_sec": r["tokens_per_sec"] for loop, r in loops.items() if loop != "train.py"},
+            "vs_compiled_nanogpt": ours.get("vs_compiled_nanogpt"),
+            "stderr_tail": result.stderr[-500:] if result.returncode else ""}
 
 
 def train_runs(args: argparse.Namespace, workdir: Path, experiment: str, seeds: tuple[int, ...]) -> dict:
@@ -132,34 +142,14 @@ def train_runs(args: argparse.Namespace, workdir: Path, experiment: str, seeds: 
 def time_ratio(args: argparse.Namespace, results: list[dict]) -> dict:
     """speedrun_gpu's median time to target over the recipe's."""
     recipe, speedrun = (next(r for r in results if r["check"].startswith(name)) for name in ("shakespeare", "speedrun"))
-    ratio = sorted(speedrun["time_to_target_s"])[len(SEEDS) // 2] / recipe["time_to_target_s"][0] if (
-        recipe["ok"] and speedrun["ok"]) else None
+    ratio = None
+    if recipe["ok"] and speedrun["ok"]:
+        ratio = sorted(speedrun["time_to_target_s"])[len(SEEDS) // 2] / recipe["time_to_target_s"][0]
     ok = ratio is not None and (ratio <= TARGET_RATIO or args.dry_run)  # tiny models say nothing of the ratio
     return {"check": f"time to target: speedrun_gpu / recipe <= {TARGET_RATIO}", "ok": ok, "ratio": ratio}
 
 
-def gpt2_throughput(args: argparse.Namespace, workdir: Path) -> dict:
-    """bench.py train on GPT-2 124M's shape (batch 12 x 1024, grad_accum 4): ours, and nanoGPT's loop eager and
-    compiled, on tiny Shakespeare in GPT-2's BPE (throughput doesn't depend on the text)."""
-    text = [f"data.input={args.text}"] if args.text else []
-    if args.dry_run:
-        overrides = [*TINY_MODEL, "data=shakespeare_char", f"data.dir={workdir / 'data'}", "train.batch_size=4",
-                     "train.grad_accum=1", *text]
-    else:
-        overrides = ["data=shakespeare", f"data.dir={workdir / 'data_bpe'}", "train.grad_accum=4", *text]
-    iters = "3" if args.dry_run else "10"
-    options = [option for override in overrides for option in ("--override", override)]
-    backend = ["--compile-backend", "aot_eager"] if args.dry_run else []  # the dry run: capture, no code generation
-    rows, error = bench(args, workdir, "train", "--experiment", "gpt2", "--train-iters", iters, *backend, *options)
-    loops = {r["loop"]: r for r in rows}
-    ours = loops.get("train.py", {})
-    return {"check": "GPT-2 124M throughput" + (" (tiny stand-in)" if args.dry_run else ""), "ok": bool(ours),
-            "tokens_per_sec": ours.get("tokens_per_sec"), "mfu": ours.get("mfu"), "peak": ours.get("peak"),
-            **{f"{loop} tokens_per_sec": r["tokens_per_sec"] for loop, r in loops.items() if loop != "train.py"},
-            "vs_compiled_nanogpt": ours.get("vs_compiled_nanogpt"), "stderr_tail": error}
-
-
-def sample_with_maps(args: argparse.Namespace, workdir: Path) -> dict:
+def sample_with_maps(workdir: Path) -> dict:
     """sample.py on speedrun_gpu's first checkpoint: the attention explorer written, and the mask held on both paths."""
     maps = workdir / "maps"
     command = [sys.executable, str(REPO / "sample.py"), f"out_dir={workdir / 'speedrun_gpu' / '0'}", "start=ROMEO:",
@@ -176,11 +166,10 @@ def main() -> None:
     parser.add_argument("--text", type=Path, help="tiny Shakespeare's input.txt")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     args = parser.parse_args()
-    device = "cpu" if args.dry_run else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
+    args.device = device = "cpu" if args.dry_run else "cuda"
+    if not args.dry_run and not torch.cuda.is_available():
         sys.exit("error: no CUDA GPU here; use --dry-run to check the script on CPU")
-    if device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 comparison means fp32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 comparison means fp32
     workdir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     config = GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)
     if args.dry_run:
@@ -188,9 +177,8 @@ def main() -> None:
     # A window that is no multiple of FlexAttention's 128-token blocks, over all but the last layer.
     windowed = replace(config, attn_window=5 if args.dry_run else 100, pos_emb="rope")
     # The dry run compiles tests/test_compile.py's windowed GPT-2 block, whose graphs inductor's cache then holds
-    tiny_windowed = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=32, attn_window=16,
-                              window_pattern="SL")
-    compiled_shape = tiny_windowed if args.dry_run else windowed
+    compiled_shape = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=32, attn_window=16,
+                               window_pattern="SL") if args.dry_run else windowed
     steps = [
         ("flash = math", lambda: paths_agree(device, torch.float32, config, tolerance=1e-4)),
         ("flash = math", lambda: paths_agree(device, torch.bfloat16, config, tolerance=5e-2)),
@@ -202,7 +190,7 @@ def main() -> None:
         ("shakespeare", lambda: train_runs(args, workdir, "shakespeare", (1337,))),  # nanoGPT's baby GPT
         ("speedrun_gpu", lambda: train_runs(args, workdir, "speedrun_gpu", SEEDS)),
         ("speedrun_gpu", lambda: time_ratio(args, results)),
-        ("sample", lambda: sample_with_maps(args, workdir)),
+        ("sample", lambda: sample_with_maps(workdir)),
     ]
     results = []
     for budget, run in steps:
@@ -221,8 +209,7 @@ def main() -> None:
               f"[{result['took_s']:.0f} s of {result['budget_s']:.0f} s{over}]", flush=True)
         if args.out:  # after every step: a run stopped by its time limit keeps what it answered
             args.out.write_text(json.dumps(results, indent=1))
-    total = sum(r["took_s"] for r in results)
-    print(f"total {total:.0f} s of {sum(BUDGET_S.values())} s")
+    print(f"total {sum(r['took_s'] for r in results):.0f} s of {sum(BUDGET_S.values())} s")
     shutil.rmtree(workdir, ignore_errors=True)  # throwaway runs and token files
     sys.exit(0 if all(r["ok"] for r in results) else 1)
 

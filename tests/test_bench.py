@@ -1,4 +1,5 @@
-"""bench.py and the GPU check run end to end on tiny sizes (their figures are for real sizes, not tests)."""
+"""bench.py and the GPU check end to end on tiny sizes (their figures are for real sizes, not tests); the memory
+estimate against the tensor bytes measured, and the commands that refuse, before allocating, what can't fit."""
 
 import json
 from pathlib import Path
@@ -7,7 +8,9 @@ import pytest
 import torch
 
 import bench
+from benchmarks import memory
 from conftest import run_in_process, run_script
+from model import GPTConfig
 
 
 def test_bench_py_runs_every_section_on_tiny_sizes(tmp_path: Path, corpus_path: Path) -> None:
@@ -16,40 +19,30 @@ def test_bench_py_runs_every_section_on_tiny_sizes(tmp_path: Path, corpus_path: 
                   f"data.input={corpus_path}", f"data.dir={tmp_path / 'data'}"]
     args = ("train attention sampling sampling-batch memory --memory-probes 0 --num-samples 2 --device cpu --repeats 1 "
             "--train-iters 3 --lengths 16 --block-size 32 --new-tokens 8 --compile-backend aot_eager").split()
-    args += ["--json", str(out), *(arg for override in tiny_train for arg in ("--override", override))]
-    result = run_script("bench.py", args, cwd=tmp_path)
+    result = run_script("bench.py", [*args, "--json", str(out), *(a for o in tiny_train for a in ("--override", o))],
+                        cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())
-    train_rows = [r for r in rows if r["section"] == "train"]
-    assert [r["loop"] for r in train_rows] == ["nanoGPT, eager", "nanoGPT, compiled", "train.py"]
-    assert all(
-        r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1 and r["peak"] == "measured float32 matmul" for r in train_rows
-    )
-    assert train_rows[1]["vs_compiled_nanogpt"] == 1 and "vs_compiled_nanogpt" in result.stdout
-    attention = [r for r in rows if r["section"] == "attention"]
+    train = [r for r in rows if r["section"] == "train"]
+    assert [r["loop"] for r in train] == ["nanoGPT, eager", "nanoGPT, compiled", "train.py"]
+    assert all(r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1 and r["peak"] == "measured float32 matmul" for r in train)
+    assert train[1]["vs_compiled_nanogpt"] == 1 and "vs_compiled_nanogpt" in result.stdout
+    attention = [r for r in rows if r["section"] == "attention"]  # a fresh process each
     assert {(r["attn_impl"], r["window"], r["T"]) for r in attention} == {("flash", "-", 16), ("math", "-", 16),
-                                                                          ("flash", 256, 16)}  # a fresh process each
+                                                                          ("flash", 256, 16)}
     assert all(r["seconds"] > 0 and r["peak_mib"] >= 0 and r["time_vs_shortest"] == 1 for r in attention)
     sampling = [r for r in rows if r["section"] == "sampling"]
-    assert {(r["attn_impl"], r["kv_cache"]) for r in sampling} == {
-        (a, c) for a in ("flash", "math") for c in (False, True)
-    }
+    assert {(r["attn_impl"], r["kv_cache"]) for r in sampling} == {(a, c) for a in ("flash", "math")
+                                                                   for c in (False, True)}
     assert "speedup" in result.stdout and "time_vs_shortest" in result.stdout
     batch = [r for r in rows if r["section"] == "sampling: batch and nanoGPT"]
-    assert [r["way"] for r in batch] == [
-        "nanoGPT's loop, one at a time",
-        "one at a time, KV cache",
-        "one batch, KV cache (sample.py)",
-        "the same, streamed",
-    ]
+    assert [r["way"] for r in batch] == ["nanoGPT's loop, one at a time", "one at a time, KV cache",
+                                         "one batch, KV cache (sample.py)", "the same, streamed"]
     assert batch[0]["vs_nanogpt"] == 1 and all(r["tokens_per_sec"] > 0 and r["samples"] == 2 for r in batch)
     fits = [r for r in rows if r["section"] == "memory: what fits (bf16, block 1024)"]
     assert len(fits) == 16 and fits[0]["plain"] == "batch_size=20 grad_accum=24"  # docs/gpu.md's table
-
-
-def test_bench_py_rejects_an_unknown_section(tmp_path: Path) -> None:
-    result = run_in_process("bench.py", ["trian"], cwd=tmp_path)
-    assert result.returncode == 2 and "unknown section trian" in result.stderr
+    unknown = run_in_process("bench.py", ["trian"], cwd=tmp_path)
+    assert unknown.returncode == 2 and "unknown section trian" in unknown.stderr
 
 
 def test_the_measured_matmul_peak_leaves_the_global_random_state_alone() -> None:
@@ -65,28 +58,82 @@ def test_gpu_check_dry_run_passes_on_cpu(tmp_path: Path, corpus_path: Path) -> N
     assert result.returncode == 0, result.stdout + result.stderr
     checks = json.loads(out.read_text())
     assert [c["check"] for c in checks] == [
-        "flash = math (float32)",
-        "flash = math (bfloat16)",
-        "flash = math (float32, window 5)",
-        "flash = math (bfloat16, window 5)",
-        "compile: one graph, no recompiles",
-        "memory: peak against the prediction",
-        "GPT-2 124M throughput (tiny stand-in)",
-        "shakespeare to val <= 4.0 (whole val split, 1 seed)",
-        "speedrun_gpu to val <= 4.0 (whole val split, 3 seeds)",
-        "time to target: speedrun_gpu / recipe <= 0.35",
+        "flash = math (float32)", "flash = math (bfloat16)", "flash = math (float32, window 5)",
+        "flash = math (bfloat16, window 5)", "compile: one graph, no recompiles", "memory: peak against the prediction",
+        "GPT-2 124M throughput (tiny stand-in)", "shakespeare to val <= 4.0 (whole val split, 1 seed)",
+        "speedrun_gpu to val <= 4.0 (whole val split, 3 seeds)", "time to target: speedrun_gpu / recipe <= 0.35",
         "sample.py: attention maps and check_causal",
     ]
-    assert all(c["ok"] for c in checks)
-    compiled, memory, gpt2, recipe, speedrun, ratio = checks[4:10]
+    assert all(c["ok"] and 0 < c["took_s"] and c["budget_s"] > 0 for c in checks)
+    compiled, memory_check, gpt2, recipe, speedrun, ratio = checks[4:10]
     assert compiled["graphs"] == 1
     # tensor bytes on CPU: a vocabulary of 2048, where the logits dominate, then checkpointing in bf16 autocast
-    assert all(0.9 <= memory[f"{kind} predicted_over_measured"] <= 1.1 for kind in ("plain", "checkpointed"))
-    assert memory["compiled predicted_over_measured"] > 0  # compiled by aot_eager: captured, not judged
+    assert all(0.9 <= memory_check[f"{kind} predicted_over_measured"] <= 1.1 for kind in ("plain", "checkpointed"))
+    assert memory_check["compiled predicted_over_measured"] > 0  # compiled by aot_eager: captured, not judged
     ours, reference = gpt2["tokens_per_sec"], gpt2["nanoGPT, compiled tokens_per_sec"]
     assert ours > 0 and gpt2["vs_compiled_nanogpt"] == pytest.approx(ours / reference)
     assert len(recipe["time_to_target_s"]) == 1 and len(speedrun["time_to_target_s"]) == 3
     times = sorted(speedrun["time_to_target_s"])
     assert ratio["ratio"] == pytest.approx(times[1] / recipe["time_to_target_s"][0])
-    assert all(0 < c["took_s"] and c["budget_s"] > 0 for c in checks)
     assert result.stdout.splitlines()[-1].startswith("total ") and result.stdout.splitlines()[-1].endswith("of 480 s")
+
+
+@pytest.mark.parametrize(
+    "probe",
+    [  # (n_layer, n_embd, block_size, batch_size, checkpointing, vocab_size, bf16, compiled)
+        (2, 64, 128, 8, 0, 2048, 0, 0),  # a vocabulary whose logits dominate
+        (4, 64, 128, 8, 0, 65, 1, 0),  # the blocks dominate, under bf16 autocast
+        (4, 64, 128, 8, 1, 65, 0, 0),  # checkpointed
+        (2, 64, 128, 8, 1, 2048, 1, 0),
+    ],
+)
+def test_the_predicted_peak_is_within_10_percent_of_the_measured_tensor_bytes(probe: tuple[int, ...]) -> None:
+    """Two AdamW steps on CPU: the peak of live tensor bytes, from every allocation and free the profiler records."""
+    row = memory.probe_row(probe, "cpu")
+    assert 0.9 <= row["predicted_over_measured"] <= 1.1, row
+
+
+def test_checkpointing_fits_larger_batches_and_the_largest_batch_fits() -> None:
+    """A batch fits when its predicted tensors, with the allocator's reserve, and the CUDA context fit the GPU."""
+    gpt2 = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=False)
+    gpu = 20 * 2**30
+    plain, checkpointed = (memory.largest_batch(gpt2, gpu, True, ck) for ck in (False, True))
+    assert 0 < plain < checkpointed
+    for batch, ck in ((plain, False), (checkpointed, True)):
+        fits, one_more = (memory.training_memory(gpt2, b, True, ck) * memory.RESERVED_OVER_ALLOCATED
+                          + memory.CUDA_CONTEXT for b in (batch, batch + 1))
+        assert fits <= gpu < one_more
+    assert memory.largest_batch(gpt2, 2**30, True, True) == 0  # the weights and AdamW's state alone take 1.5 GiB
+
+
+def test_an_absurd_model_or_sample_count_is_one_line_from_the_command_line(
+    tmp_path: Path, corpus_path: Path, trained_run: Path
+) -> None:
+    """sample.py num_samples=10000000 once took 7.5 GB before it was stopped: each sample has a KV cache."""
+    args = [f"data.input={corpus_path}", f"data.dir={tmp_path / 'data'}", "model.n_embd=65536", "model.n_layer=64"]
+    result = run_in_process("train.py", [*args, "device=cpu", f"out_dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and " GiB" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+    result = run_in_process("sample.py", [f"out_dir={trained_run}", "num_samples=10000000", "max_new_tokens=5"],
+                            tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "; lower num_samples" in result.stderr
+    assert result.stderr.startswith("error: num_samples=10000000 needs about ")
+
+
+def test_evaluation_scores_in_passes_that_fit(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """eval.py batch_size=100000 on GPT-2's vocabulary once took 5 GB: the batch is lowered to what fits in half the
+    memory (the sums are the same in more passes), and a single window that can't fit is refused."""
+    import common.runtime
+    from common.errors import ConfigError
+    from inference.eval_run import _fitting_batch
+
+    config = GPTConfig(vocab_size=50257, block_size=1024, n_layer=2, n_head=2, n_embd=64)
+    per_window = 1024 * (16 * 50257 + 64 * 64)
+    monkeypatch.setattr(common.runtime, "memory_bytes", lambda device: 2 * 10 * per_window)
+    monkeypatch.setattr("inference.eval_run.memory_bytes", lambda device: 2 * 10 * per_window)
+    assert _fitting_batch(100_000, config, 1024, torch.device("cpu")) == 10
+    assert "batch_size=100000 windows don't fit in memory; scoring 10 a pass" in capsys.readouterr().err
+    assert _fitting_batch(4, config, 1024, torch.device("cpu")) == 4
+    monkeypatch.setattr(common.runtime, "memory_bytes", lambda device: per_window // 2)
+    with pytest.raises(ConfigError, match="^one window of context=1024 needs about .*; lower context$"):
+        _fitting_batch(4, config, 1024, torch.device("cpu"))

@@ -16,9 +16,7 @@ USAGE = """Tokenize a text or a corpus into data/cache/NAME (train.py does it wh
   data.input=FILE|DIR     your own UTF-8 text, or a directory of .txt / .jsonl documents
   data.tokenizer=NAME     char, or a tiktoken encoding such as r50k_base (GPT-2's)
 
-Examples:
-  python -m data.prepare data=shakespeare
-  python -m data.prepare data.input=my_text.txt data.name=mine"""
+Example: python -m data.prepare data.input=my_text.txt data.name=mine"""
 
 
 @hydra.main(version_base="1.3", config_path=str(Path(__file__).resolve().parents[1] / "configs"), config_name="prepare")

@@ -62,17 +62,17 @@ def utf8_pieces(path: Path) -> Iterator[str]:
 
 @dataclass(frozen=True)
 class TextFile:
-    """A UTF-8 text file surveyed in a pass before the encoding pass: its length and (char tokenizer) characters."""
+    """A text file surveyed before it is encoded: its length and characters, and its stamp (size, mtime) to check."""
 
     path: Path
-    length: int  # in characters
-    chars: frozenset[str]  # empty unless the survey was asked for them
-    stamp: tuple[int, int]  # size and modification time when surveyed
+    length: int
+    chars: frozenset[str]
+    stamp: tuple[int, int]
 
     @classmethod
     def survey(cls, path: Path, *, chars: bool) -> TextFile:
         """Reads the whole file, so a text that is not UTF-8 fails here, before anything is written."""
-        stamp = _stamp(path)
+        stamp = (path.stat().st_size, path.stat().st_mtime_ns)
         length, seen = 0, set()
         for piece in utf8_pieces(path):
             length += len(piece)
@@ -81,15 +81,6 @@ class TextFile:
         return cls(path, length, frozenset(seen), stamp)
 
     def check_unchanged(self) -> None:
-        """DataError if the file changed since the survey (its second pass would not be the text surveyed)."""
-        if _stamp(self.path) != self.stamp:
+        if (self.path.stat().st_size, self.path.stat().st_mtime_ns) != self.stamp:
             raise DataError(f"{self.path} changed while it was being prepared; prepare again once nothing is "
                             "writing to it")
-
-    def pieces(self) -> Iterator[str]:
-        return utf8_pieces(self.path)
-
-
-def _stamp(path: Path) -> tuple[int, int]:
-    stat = path.stat()
-    return stat.st_size, stat.st_mtime_ns

@@ -16,11 +16,11 @@ from tqdm import tqdm
 
 from common.errors import DataError
 from common.runtime import write_atomically, write_text_atomically
-from data.source import TextFile
+from data.source import TextFile, utf8_pieces
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer
 
 _CHUNK_CHARS = 1 << 20  # BPE: encode pieces of at least this many characters, cut where it is safe
-_GIANT_WORD_CHARS = _CHUNK_CHARS  # a run with no safe cut is cut here anyway (_safely_cut)
+_GIANT_WORD_CHARS = 2 * _CHUNK_CHARS  # a run with no safe cut at all is cut here anyway (_safely_cut)
 # A lone newline between two non-space characters: GPT-2's pre-tokenizer always splits after it (a safe cut)
 _SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
 
@@ -35,12 +35,13 @@ def write_dataset(text: TextFile, tokenizer: Tokenizer, out_dir: Path, val_fract
     if tokenizer.vocab_size > np.iinfo(np.uint16).max + 1:
         raise DataError(f"vocabulary of {tokenizer.vocab_size} tokens does not fit in uint16 token files")
     out_dir.mkdir(parents=True, exist_ok=True)
-    train, val = _split(text.pieces(), int(text.length * (1 - val_fraction)))
+    split = int(text.length * (1 - val_fraction))
     counts = {}
     small = text.length < 4 * _CHUNK_CHARS
     with tqdm(total=text.length, unit="char", unit_scale=True, desc="tokenizing", disable=small) as bar:
         try:
-            for name, part in (("train", train), ("val", val)):
+            for name, start, end in (("train", 0, split), ("val", split, text.length)):
+                part = _characters(text.path, start, end)
                 # characters encode one by one: any cut will do; BPE needs safe cuts
                 cut = part if isinstance(tokenizer, CharTokenizer) else _safely_cut(part, tokenizer.pretokenizer())
                 counts[f"{name}_tokens"] = _write_tokens(out_dir / f"{name}.bin", cut, tokenizer, bar)
@@ -53,82 +54,53 @@ def write_dataset(text: TextFile, tokenizer: Tokenizer, out_dir: Path, val_fract
     return meta
 
 
-def _split(pieces: Iterator[str], at: int) -> tuple[Iterator[str], Iterator[str]]:
-    """The first `at` characters of the pieces, then the rest: take the second only once the first is used up."""
-    rest: list[str] = []  # the far side of the piece the split falls in
-
-    def first() -> Iterator[str]:
-        left = at
-        for piece in pieces:
-            if len(piece) >= left:
-                yield piece[:left]
-                rest.append(piece[left:])
-                return
-            left -= len(piece)
-            yield piece
-
-    return first(), itertools.chain(rest, pieces)  # chain reads `rest` only when it gets to it
+def _characters(path: Path, start: int, end: int) -> Iterator[str]:
+    """Characters start to end of the file's text, in the pieces read."""
+    offset = 0
+    for piece in utf8_pieces(path):
+        if offset >= end:
+            return
+        if offset + len(piece) > start:
+            yield piece[max(0, start - offset) : end - offset]
+        offset += len(piece)
 
 
 def _write_tokens(path: Path, pieces: Iterable[str], tokenizer: Tokenizer, bar: tqdm) -> int:
     """Encode piece by piece into `path`, written whole (write_atomically); the token count."""
-    count = 0
 
     def write(f: BinaryIO) -> None:
-        nonlocal count
         for piece in pieces:
-            ids = np.asarray(tokenizer.encode(piece), dtype=np.uint16)
-            ids.tofile(f)
-            count += len(ids)
+            np.asarray(tokenizer.encode(piece), dtype=np.uint16).tofile(f)
             bar.update(len(piece))
 
     write_atomically(path, write)
-    return count
+    return path.stat().st_size // 2  # uint16 tokens
 
 
 def _safely_cut(pieces: Iterable[str], pretokenizer: regex.Pattern) -> Iterator[str]:
     """The pieces re-cut at safe cuts only, so BPE-encoding them one by one gives the whole text's ids. Cuts: a lone
-    newline between words (_chunks); past 2 * _CHUNK_CHARS held, where the pre-tokenizer splits (_pretoken_chunks);
-    with no cut at all, every _GIANT_WORD_CHARS anyway (tokens may differ there; memory stays bounded). These hold
-    for GPT-2's pre-tokenizer (r50k_base, p50k_base: the encodings that fit uint16), not for cl100k's or o200k's."""
-    held: list[str] = []
-    held_chars = 0
+    newline between words, _CHUNK_CHARS or more apart; past 2 * _CHUNK_CHARS held, where the pre-tokenizer splits
+    (_pretoken_chunks); with no cut at all, every _GIANT_WORD_CHARS anyway (tokens may differ there; memory stays
+    bounded). These hold for GPT-2's pre-tokenizer (r50k_base, p50k_base, which fit uint16), not for cl100k's."""
+    tail = ""
     for piece in pieces:
-        context = held[-1][-2:] if held else ""  # a newline cut looks at the two characters before it
-        held.append(piece)
-        held_chars += len(piece)
-        if len(held) > 1 and _SAFE_CUT.search(context + piece) is None and held_chars <= 2 * _CHUNK_CHARS:
-            continue
-        *whole, tail = _chunks("".join(held))
-        if not whole and len(tail) > 2 * _CHUNK_CHARS:
+        tail += piece
+        while len(tail) > _CHUNK_CHARS and (cut := _SAFE_CUT.search(tail, _CHUNK_CHARS)):
+            yield tail[: cut.start()]
+            tail = tail[cut.start() :]
+        if len(tail) > 2 * _CHUNK_CHARS:
             *whole, tail = _pretoken_chunks(tail, pretokenizer)
-        yield from whole
+            yield from whole
         while len(tail) > _GIANT_WORD_CHARS:  # no safe cut anywhere: cut anyway, memory before exactness
             yield tail[:_GIANT_WORD_CHARS]
             tail = tail[_GIANT_WORD_CHARS:]
-        held, held_chars = [tail], len(tail)
-    yield "".join(held)
-
-
-def _chunks(text: str) -> Iterator[str]:
-    """Pieces of at least _CHUNK_CHARS characters, each ending at a safe cut, then the rest."""
-    start = 0
-    while len(text) - start > _CHUNK_CHARS:
-        cut = _SAFE_CUT.search(text, start + _CHUNK_CHARS)
-        if cut is None:
-            break
-        yield text[start : cut.start()]
-        start = cut.start()
-    yield text[start:]
+    yield tail
 
 
 def _pretoken_chunks(text: str, pretokenizer: regex.Pattern, check: int = 4) -> Iterator[str]:
     """~_CHUNK_CHARS-character pieces of a text starting at a safe cut, each ending where the pre-tokenizer splits it,
     checked: the last `check` words before the cut match when the text ends there. The last is >= 1,024 characters."""
-    ends = [0, *itertools.accumulate(map(len, pretokenizer.findall(text)))]
-    if ends[-1] != len(text):  # a pattern that skips characters: no telling where words end
-        yield text
-        return
+    ends = [0, *itertools.accumulate(map(len, pretokenizer.findall(text)))]  # GPT-2's words cover every character
     start, word = 0, check  # ends[word] is where the word-th word ends
     while True:
         word = max(word, bisect.bisect_left(ends, start + _CHUNK_CHARS))

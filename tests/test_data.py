@@ -1,86 +1,158 @@
-import hashlib
+"""A text -> train.bin, val.bin and meta.json, prepared once and reused: read and encoded in pieces into exactly the
+files of the whole text encoded at once (reads of a few bytes cut every character, \\r\\n and word somewhere)."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import http.server
 import json
 import os
-import shutil
-import subprocess
-import sys
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 
-import data.text_tokens as prepare
+import data.prepare
+import data.source as source
+import data.text_tokens as text_tokens
 from common.errors import DataError
-from conftest import REPO, TINY_BPE, tiny_encoding
-from data.prepare import (
-    KNOWN_TEXTS,
-    SHAKESPEARE_URL,
-    DataConfig,
-    PreparedData,
-    TokenFiles,
-    ensure_prepared,
-    file_sha256,
-    get_batch,
-    text_file,
-)
-from data.source import read_utf8
-from data.text_tokens import write_dataset
+from conftest import TINY_BPE
+from data.prepare import KNOWN_TEXTS, SHAKESPEARE_URL, DataConfig, PreparedData, ensure_prepared, file_sha256, text_file
+from data.source import TextFile, read_utf8
+from data.text_tokens import make_tokenizer, write_dataset
 from data.tokenizers import BpeTokenizer, CharTokenizer, tokenizer_from_metadata
 
-R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
-TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 20
+SPEECH = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 20
+# Safe cuts (a lone \n between non-spaces), \r\n and lone \r (read as \n), 2-, 3- and 4-byte characters, long words.
+TEXT = (
+    "Café déjà vu:\nnaïve façade,\r\n漢字かな混じり文\rthe antidisestablishmentarianism\n"
+    "🙂🎉 emoji,   spaces\n\n  and\ttabs\n" + "".join(f"line{i} 😀 über{i}x\n" for i in range(40))
+)
+# No lone newline between two non-space characters anywhere: one paragraph a line, blank lines between.
+NO_SAFE_CUT = "".join(f"Paragraph {i}: héllo 漢 🙂 wörld, the end.\n\n" for i in range(60))
+GPT2_RANKS = pytest.mark.skipif(not os.environ.get("TIKTOKEN_CACHE_DIR"), reason="GPT-2 ranks not provided (set "
+                                "TIKTOKEN_CACHE_DIR as .ci/run does)")
 
 
-def _prepare(tmp_path: Path, input: Path, tokenizer: str = "char") -> PreparedData:
-    return ensure_prepared(DataConfig("test", tokenizer, str(input), None, str(tmp_path / "data"), 0.1))
+@pytest.fixture
+def small_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads of 7 bytes and BPE pieces of 5 characters: dozens of reads and cuts in a text of a few kB."""
+    monkeypatch.setattr(source, "_READ_BYTES", 7)
+    monkeypatch.setattr(text_tokens, "_CHUNK_CHARS", 5)
 
 
-def test_char_dataset_round_trip_and_split(tmp_path: Path, corpus_path: Path) -> None:
-    text = corpus_path.read_text(encoding="utf-8")
-    data = _prepare(tmp_path, corpus_path)
-    train = np.fromfile(data.train.paths[0], dtype=np.uint16)
-    val = np.fromfile(data.val.paths[0], dtype=np.uint16)
+def _prepare(data_dir: Path, input: Path | None, tokenizer: str = "char", val_fraction: float = 0.1,
+             url: str | None = None) -> PreparedData:
+    return ensure_prepared(DataConfig("test", tokenizer, input and str(input), url, str(data_dir), val_fraction))
+
+
+def _assert_whole_text_files(data: PreparedData, path: Path) -> None:
+    """The files prepared in pieces hold the whole text encoded at once, and meta.json's tokenizer decodes them."""
+    text = path.read_text(encoding="utf-8")
     split = int(len(text) * 0.9)
-    assert (len(train), len(val)) == (split, len(text) - split)
-    tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
-    assert tokenizer.vocab_size == data.meta["vocab_size"] == len(set(text))
-    assert tokenizer.decode(train.tolist()) + tokenizer.decode(val.tolist()) == text
+    tokenizer = make_tokenizer(data.meta["tokenizer_spec"], text)
+    decoder = tokenizer_from_metadata(data.meta["tokenizer"])
+    for name, part in (("train", text[:split]), ("val", text[split:])):
+        tokens = np.fromfile(data.dir / f"{name}.bin", dtype=np.uint16).tolist()
+        assert tokens == tokenizer.encode(part) and decoder.decode(tokens) == part
+        assert data.meta[f"{name}_tokens"] == len(tokens) and data.meta["vocab_size"] == tokenizer.vocab_size
 
 
-def test_bpe_dataset_round_trip_with_a_tiktoken_encoding(tmp_path: Path, corpus_path: Path) -> None:
-    text = corpus_path.read_text(encoding="utf-8")
-    data = _prepare(tmp_path, corpus_path, tokenizer=TINY_BPE)
-    assert data.meta["tokenizer"] == {"kind": "bpe", "encoding": TINY_BPE}
-    tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
-    train = np.fromfile(data.train.paths[0], dtype=np.uint16).tolist()
-    val = np.fromfile(data.val.paths[0], dtype=np.uint16).tolist()
-    assert tokenizer.decode(train) + tokenizer.decode(val) == text
-    assert len(train) + len(val) < 0.95 * len(text.encode())  # merges were applied
+@pytest.mark.parametrize("spec", ["char", TINY_BPE, pytest.param("r50k_base", marks=GPT2_RANKS)])
+@pytest.mark.parametrize("text", [TEXT, NO_SAFE_CUT], ids=["safe_cuts", "no_safe_cut"])
+def test_streamed_files_equal_encoding_the_whole_text(tmp_path: Path, small_reads: None, spec: str, text: str) -> None:
+    path = tmp_path / "input.txt"
+    path.write_bytes(text.encode())  # bytes: \r stays \r on disk
+    _assert_whole_text_files(_prepare(tmp_path / "data", path, spec), path)
 
 
-def test_chunked_bpe_encoding_equals_encoding_the_whole_text(
-    monkeypatch: pytest.MonkeyPatch, corpus_path: Path
+def test_safe_cuts_give_the_whole_text_s_ids_where_the_reads_would_not(
+    small_reads: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    text = corpus_path.read_text(encoding="utf-8")[:200_000]
-    monkeypatch.setattr(prepare, "_CHUNK_CHARS", 3000)
-    chunks = list(prepare._chunks(text))
-    assert len(chunks) > 20 and "".join(chunks) == text
-    encoding = tiny_encoding()
-    chunked = [t for c in chunks for t in encoding.encode_ordinary(c)]
-    assert chunked == encoding.encode_ordinary(text)
+    """BPE over the raw reads gives other ids (words cut in two). Paragraphs a line each have no lone newline to cut
+    at, so the encoding's own word boundaries are used, checked against the text ending there: checking only the
+    last word would cut "end.\n\n|Paragraph", where the text ending at the cut makes "\n\n" one word, not two."""
+    path = tmp_path / "input.txt"
+    path.write_bytes(TEXT.encode())
+    bpe = BpeTokenizer.from_name(TINY_BPE)
+    reads = list(source.utf8_pieces(path))
+    assert "".join(reads) == path.read_text(encoding="utf-8")
+    assert [t for r in reads for t in bpe.encode(r)] != bpe.encode("".join(reads))
+    cut = list(text_tokens._safely_cut(reads, bpe.pretokenizer()))
+    assert len(cut) > 20 and [t for c in cut for t in bpe.encode(c)] == bpe.encode("".join(reads))
+
+    words = bpe.pretokenizer().findall  # BPE merges within these words only: equal words, equal ids
+    text = NO_SAFE_CUT * 3
+    pieces = list(text_tokens._safely_cut([text[i : i + 7] for i in range(0, len(text), 7)], bpe.pretokenizer()))
+    assert len(pieces) > 100 and max(map(len, pieces)) < 1024 + 3 * 5 + 7  # the margin, 2 pieces and a read
+    assert [w for p in pieces for w in words(p)] == words(text)
+    assert [t for p in pieces for t in bpe.encode(p)] == bpe.encode(text)
+    monkeypatch.setattr(text_tokens, "_CHUNK_CHARS", NO_SAFE_CUT.index("Paragraph 1"))  # cut after "end.\n\n"
+    checked = list(text_tokens._pretoken_chunks(text, bpe.pretokenizer()))
+    assert len(checked) > 100 and [w for p in checked for w in words(p)] == words(text)
+    careless = list(text_tokens._pretoken_chunks(text, bpe.pretokenizer(), check=1))
+    assert "".join(careless) == text and [w for p in careless for w in words(p)] != words(text)
 
 
-def test_char_tokenizer_names_an_unknown_character() -> None:
-    tokenizer = CharTokenizer(sorted(set("abc")))
+def test_memory_stays_bounded_however_long_the_text_or_a_word(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No piece encoded is much longer than a read; a run of one letter, with no safe cut at all, is cut anyway (it
+    was held whole: 20 MB peaked at 1.16 GB of RSS)."""
+    monkeypatch.setattr(source, "_READ_BYTES", 64)
+    monkeypatch.setattr(text_tokens, "_CHUNK_CHARS", 16)
+    path = tmp_path / "input.txt"
+    path.write_bytes((TEXT * 20).encode())
+    lengths = []
+    encode = BpeTokenizer.encode
+    monkeypatch.setattr(BpeTokenizer, "encode", lambda self, text: lengths.append(len(text)) or encode(self, text))
+    _prepare(tmp_path / "data", path, TINY_BPE)
+    assert len(lengths) > 100 and max(lengths) <= 64 + 16 + 64  # a read, the minimum piece, the held tail
+    monkeypatch.setattr(text_tokens, "_GIANT_WORD_CHARS", 4096)
+    text = "a" * 20_000 + " the end\n"
+    reads = [text[i : i + 100] for i in range(0, len(text), 100)]
+    pieces = list(text_tokens._safely_cut(reads, BpeTokenizer.from_name(TINY_BPE).pretokenizer()))
+    assert "".join(pieces) == text and max(map(len, pieces)) <= 4096 + 100
+
+
+GOOD = "é漢🙂 ok\n".encode() * 3  # 36 bytes: past the first few reads
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        GOOD + b"\xff" + GOOD,  # a byte that never starts a character
+        GOOD + "漢".encode()[:2] + b"a" + GOOD,  # a character cut short
+        GOOD + "🙂".encode()[:3],  # the file ends inside a character
+        GOOD[:13] + b"\x80" + GOOD,  # a lone continuation byte, the last byte of the second read
+    ],
+    ids=["invalid_start", "cut_short", "truncated", "at_read_end"],
+)
+def test_non_utf8_text_is_the_same_one_line_error_at_the_absolute_offset(
+    tmp_path: Path, small_reads: None, raw: bytes
+) -> None:
+    path = tmp_path / "input.txt"
+    path.write_bytes(raw)
+    with pytest.raises(DataError) as whole:
+        read_utf8(path)  # the text read whole
+    with pytest.raises(DataError) as streamed:
+        _prepare(tmp_path / "data", path)
+    with pytest.raises(UnicodeDecodeError) as decoded:
+        raw.decode("utf-8")
+    assert str(streamed.value) == str(whole.value) and "\n" not in str(streamed.value)
+    assert f"at byte {decoded.value.start})" in str(streamed.value) and decoded.value.start > 7
+    assert not list((tmp_path / "data").glob("*.bin*"))  # refused before anything was written
+
+
+def test_tokenizer_errors_name_the_culprit_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="'z'"):
-        tokenizer.encode("abz")
-
-
-def test_unknown_tiktoken_encoding_is_a_one_line_error() -> None:
+        CharTokenizer(sorted(set("abc"))).encode("abz")
     with pytest.raises(DataError, match="data.tokenizer=no_such_encoding") as info:
         BpeTokenizer.from_name("no_such_encoding")
     assert "\n" not in str(info.value)
+    with pytest.raises(DataError, match="vocabulary of 70000 tokens does not fit in uint16"):
+        write_dataset("text", SimpleNamespace(vocab_size=70_000), tmp_path, 0.1, {})  # type: ignore[arg-type]
 
 
 def _files(folder: Path) -> dict[str, tuple[int, int, bytes]]:
@@ -89,41 +161,32 @@ def _files(folder: Path) -> dict[str, tuple[int, int, bytes]]:
 
 
 def test_a_folder_prepared_with_other_settings_is_refused_in_one_line_and_left_as_it_was(tmp_path: Path) -> None:
-    first = tmp_path / "a.txt"
-    first.write_text(TEXT)
-    data = _prepare(tmp_path, first)
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text(SPEECH)
+    second.write_text(SPEECH.upper())
+    data = _prepare(tmp_path / "data", first)
     before = _files(data.dir)
-    assert _prepare(tmp_path, first).meta == data.meta and _files(data.dir) == before  # the same settings: reused
-    second = tmp_path / "b.txt"
-    second.write_text(TEXT.upper())
-    fix = (
-        "name another folder for these settings (data.name=NAME or data.dir=DIR), or delete "
-        f"{data.dir} to prepare it again"
-    )
-    asked = [
-        (DataConfig("test", "char", str(second), None, str(data.dir), 0.1), f"not {second} (sha256 "),
-        (DataConfig("test", TINY_BPE, str(first), None, str(data.dir), 0.1), f"tokenizer={TINY_BPE}, val_fraction=0.1"),
-        (DataConfig("test", "char", str(first), None, str(data.dir), 0.2), "tokenizer=char, val_fraction=0.2 as"),
-    ]
-    for config, named in asked:
+    assert _prepare(data.dir, first).meta == data.meta and _files(data.dir) == before  # the same settings: reused
+    prepared_from = (f"the data folder {data.dir} was prepared from {first} (sha256 "
+                     f"{data.meta['source']['input_sha256'][:12]}) with tokenizer=char, val_fraction=0.1, not ")
+    fix = f"(data.name=NAME or data.dir=DIR), or delete {data.dir} to prepare it again"
+    for input, tokenizer, val_fraction, named in ((second, "char", 0.1, f"not {second} (sha256 "),
+                                                  (first, TINY_BPE, 0.1, f"tokenizer={TINY_BPE}, val_fraction=0.1"),
+                                                  (first, "char", 0.2, "tokenizer=char, val_fraction=0.2 as")):
         with pytest.raises(DataError) as refused:
-            ensure_prepared(config)
+            _prepare(tmp_path / "data", input, tokenizer, val_fraction)
         message = str(refused.value)
-        assert "\n" not in message and message.endswith(fix) and named in message
-        assert message.startswith(
-            f"the data folder {data.dir} was prepared from {first} (sha256 {data.meta['source']['input_sha256'][:12]})"
-            " with tokenizer=char, val_fraction=0.1, not "
-        )
+        assert "\n" not in message and message.startswith(prepared_from) and named in message and message.endswith(fix)
         assert _files(data.dir) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "data"]  # nothing was begun
     own = ensure_prepared(DataConfig("test", "char", str(second), None, str(tmp_path / "upper"), 0.1))
-    assert own.meta["tokenizer"]["chars"] == sorted(set(TEXT.upper()))  # its own folder: prepared
+    assert own.meta["tokenizer"]["chars"] == sorted(set(SPEECH.upper()))  # its own folder: prepared
 
 
 def test_preparation_leaves_no_temporary_folder_and_an_incomplete_folder_is_prepared_again(tmp_path: Path) -> None:
     text = tmp_path / "input.txt"
-    text.write_text(TEXT)
-    data = _prepare(tmp_path, text)
+    text.write_text(SPEECH)
+    data = _prepare(tmp_path / "data", text)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "input.txt"]
     assert sorted(p.name for p in data.dir.iterdir()) == ["meta.json", "train.bin", "val.bin"]
     good = {name: content for name, (_, _, content) in _files(data.dir).items()}
@@ -132,7 +195,7 @@ def test_preparation_leaves_no_temporary_folder_and_an_incomplete_folder_is_prep
         lambda: (data.dir / "meta.json").write_text("{not json"),
     ):
         damage()
-        assert _prepare(tmp_path, text).meta == data.meta
+        assert _prepare(tmp_path / "data", text).meta == data.meta
         assert {name: content for name, (_, _, content) in _files(data.dir).items()} == good
         assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "input.txt"]
     empty = tmp_path / "empty.txt"
@@ -142,41 +205,27 @@ def test_preparation_leaves_no_temporary_folder_and_an_incomplete_folder_is_prep
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "empty.txt", "input.txt"]
 
 
-def test_a_run_reading_a_folder_is_not_disturbed_when_another_process_asks_the_same_settings(tmp_path: Path) -> None:
-    text = tmp_path / "input.txt"
-    text.write_text(TEXT)
-    data = _prepare(tmp_path, text)
-    before = _files(data.dir)
-    reading = np.memmap(data.train.paths[0], dtype=np.uint16, mode="r")  # as a run reads it
-    tokens = reading.copy()
-    args = [f"data.input={text}", f"data.dir={data.dir}", "data.tokenizer=char", "data.val_fraction=0.1"]
-    other = subprocess.run(
-        [sys.executable, "-m", "data.prepare", *args], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert other.returncode == 0, other.stderr
-    assert f"{data.dir}: {data.meta['train_tokens']:,} train and" in other.stdout
-    assert _files(data.dir) == before and np.array_equal(reading, tokens)  # reused: the same inodes, not rewritten
-
-
 def test_of_two_preparing_the_same_folder_at_once_the_later_uses_the_earlier_s_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     text = tmp_path / "input.txt"
-    text.write_text(TEXT)
+    text.write_text(SPEECH)
     theirs: dict[str, tuple[int, int, bytes]] = {}
 
     def another_process_finishes_first(*args: object) -> dict:
-        monkeypatch.setattr("data.prepare.write_dataset", write_dataset)
-        theirs.update(_files(_prepare(tmp_path, text).dir))  # the other process: prepares, and moves in first
+        monkeypatch.setattr(data.prepare, "write_dataset", write_dataset)
+        theirs.update(_files(_prepare(tmp_path / "data", text).dir))  # the other process: prepares, and moves in first
         return write_dataset(*args)
 
-    monkeypatch.setattr("data.prepare.write_dataset", another_process_finishes_first)
-    later = _prepare(tmp_path, text)
+    monkeypatch.setattr(data.prepare, "write_dataset", another_process_finishes_first)
+    later = _prepare(tmp_path / "data", text)
     assert _files(later.dir) == theirs and later.meta == json.loads(theirs["meta.json"][2])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "input.txt"]  # ours went
 
 
-def test_text_source_order_input_then_cache_then_download(tmp_path: Path) -> None:
+def test_text_comes_from_data_input_else_the_cache_else_a_download_saved_then_streamed(
+    tmp_path: Path, small_reads: None
+) -> None:
     cached = tmp_path / "cache" / "input.txt"
     unreachable = "http://127.0.0.1:9/input.txt"  # a closed port on this machine: fails at once
     with pytest.raises(DataError, match="data.input=/path/to/text.txt") as info:
@@ -190,69 +239,32 @@ def test_text_source_order_input_then_cache_then_download(tmp_path: Path) -> Non
     assert read_utf8(text_file(str(mine), cached, unreachable)) == "my own text"
     with pytest.raises(DataError, match="data.input=.*does not exist"):
         text_file(str(tmp_path / "missing.txt"), cached, unreachable)
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "text.txt").write_bytes(TEXT.encode())
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    handler.log_message = lambda *args: None  # type: ignore[attr-defined]
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        data = _prepare(tmp_path / "data", None, TINY_BPE, url=f"http://127.0.0.1:{server.server_address[1]}/text.txt")
+        server.shutdown()
+    assert (data.dir / "input.txt").read_bytes() == TEXT.encode()
+    _assert_whole_text_files(data, data.dir / "input.txt")
 
 
-def test_non_utf8_input_is_a_clear_error(tmp_path: Path) -> None:
-    bad = tmp_path / "latin1.txt"
-    bad.write_bytes("café".encode("latin-1"))
-    with pytest.raises(DataError, match="not UTF-8"):
-        read_utf8(text_file(str(bad), tmp_path / "cache.txt", None))
-
-
-def test_get_batch_gives_shifted_windows_and_depends_only_on_the_generator(tmp_path: Path) -> None:
-    path = tmp_path / "tokens.bin"
-    np.arange(1000, dtype=np.uint16).tofile(path)
-    x, y = get_batch(TokenFiles((path,)), 5, 16, torch.Generator().manual_seed(3))
-    assert x.shape == y.shape == (5, 16) and x.dtype == torch.int64
-    assert torch.equal(y, x + 1)  # consecutive tokens: y is x shifted by one
-    assert torch.equal(torch.diff(x, dim=1), torch.ones(5, 15, dtype=torch.int64))
-    x2, _ = get_batch(TokenFiles((path,)), 5, 16, torch.Generator().manual_seed(3))
-    assert torch.equal(x, x2)
-
-
-def test_write_dataset_refuses_a_vocabulary_too_large_for_uint16(tmp_path: Path) -> None:
-    class Huge:
-        vocab_size = 70_000
-
-    with pytest.raises(DataError, match="uint16"):
-        write_dataset("text", Huge(), tmp_path, 0.1, {})  # type: ignore[arg-type]
-
-
-def _real_r50k_available() -> bool:
-    cache = os.environ.get("TIKTOKEN_CACHE_DIR")
-    return bool(cache) and (Path(cache) / hashlib.sha1(R50K_URL.encode()).hexdigest()).is_file()
-
-
-@pytest.mark.skipif(
-    not _real_r50k_available(), reason="GPT-2 ranks not provided (set TIKTOKEN_CACHE_DIR as .ci/run does)"
-)
-def test_real_gpt2_bpe_on_tiny_shakespeare_matches_nanogpt(tmp_path: Path, corpus_path: Path) -> None:
+@pytest.mark.parametrize(("tokenizer", "counts"), [
+    ("char", (1_003_854, 111_540, 65)), pytest.param("r50k_base", (301_966, 36_059, 50257), marks=GPT2_RANKS)])
+def test_tiny_shakespeare_matches_nanogpt(tmp_path: Path, corpus_path: Path, tokenizer: str, counts: tuple) -> None:
     if file_sha256(corpus_path) != KNOWN_TEXTS[SHAKESPEARE_URL]:  # whatever the file's name (input.txt)
         pytest.skip("tiny Shakespeare not provided (set GPT_TEST_CORPUS as .ci/run does)")
-    data = ensure_prepared(DataConfig("shakespeare", "r50k_base", str(corpus_path), None, str(tmp_path), 0.1))
-    assert (data.meta["train_tokens"], data.meta["val_tokens"]) == (301_966, 36_059)  # nanoGPT's README
-    assert data.meta["vocab_size"] == 50257
-    tokenizer = tokenizer_from_metadata(data.meta["tokenizer"])
-    assert tokenizer.encode("Hello world") == [15496, 995]  # GPT-2's ids
-
-
-@pytest.mark.skipif(not os.environ.get("GPT_TEST_CORPUS"), reason="tiny Shakespeare not provided (set GPT_TEST_CORPUS)")
-def test_real_char_level_tiny_shakespeare_matches_nanogpt(tmp_path: Path) -> None:
-    source = tmp_path / "copy.txt"
-    shutil.copy(os.environ["GPT_TEST_CORPUS"], source)
-    data = _prepare(tmp_path, source)
-    assert data.meta["vocab_size"] == 65
-    assert (data.meta["train_tokens"], data.meta["val_tokens"]) == (1_003_854, 111_540)
-    assert json.loads((data.dir / "meta.json").read_text())["vocab_size"] == 65
+    meta = _prepare(tmp_path / "data", corpus_path, tokenizer).meta
+    assert (meta["train_tokens"], meta["val_tokens"], meta["vocab_size"]) == counts  # nanoGPT's README
 
 
 @pytest.mark.parametrize("added", ["Ω", " more of the same text"])
 def test_a_text_that_changes_during_preparation_is_named_as_such(tmp_path: Path, added: str) -> None:
     """It was "character 'Ω' is not in the model's vocabulary ...; remove it from the text" for a character the
     survey never saw, and silently a split and counts from another text otherwise."""
-    from data.source import TextFile
-    from data.text_tokens import make_tokenizer, write_dataset
-
     path = tmp_path / "input.txt"
     path.write_text("To be, or not to be, that is the question.\n" * 50)
     text = TextFile.survey(path, chars=True)
@@ -268,9 +280,6 @@ def test_a_data_folder_on_another_disk_is_prepared_by_copying(
     tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """data.dir a mount point or a link to another disk: the files can't be renamed in (EXDEV), so they are moved."""
-    import errno
-
-    import data.prepare
 
     def across_disks(source: Path, target: Path) -> None:
         raise OSError(errno.EXDEV, "Invalid cross-device link")

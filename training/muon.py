@@ -1,6 +1,5 @@
-"""MuonAdamW: Muon (modded-nanogpt's) for hidden weight matrices, AdamW for embeddings, head, norm gains and biases.
-Muon: Nesterov momentum, then the update orthogonalised by a few Newton-Schulz steps so every direction of the matrix
-moves about as much. One Optimizer holds both kinds (group["muon"]), so clipping, GradScaler, state dicts work as is."""
+"""MuonAdamW: Muon (modded-nanogpt's Nesterov update, orthogonalised so every direction of a matrix moves about as
+much) for hidden weight matrices, AdamW for the rest, in one Optimizer: clipping, GradScaler, state dicts work as is."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from typing import Any
 import torch
 from torch.optim._functional import adamw
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's: the steepest slope at zero that still stays near 1
 MUON_KEYS = ("lr", "momentum", "nesterov", "ns_steps", "weight_decay")  # what each kind of group must carry
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 
@@ -18,12 +16,11 @@ ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 def newton_schulz(grad: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """About U V^T of G = U S V^T, in grad's dtype: after a Frobenius normalisation (spectral norm <= 1), singular
     values go to roughly 0.7..1.2, not 1 (faster, no worse for training). grad: (..., rows, cols), each on its own."""
-    a, b, c = NS_COEFFICIENTS
+    a, b, c = 3.4445, -4.7750, 2.0315  # the quintic's: the steepest slope at zero that still stays near 1
     x = grad.reshape(-1, *grad.shape[-2:])
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     tall = x.size(-2) > x.size(-1)
-    if tall:
-        x = x.mT
+    x = x.mT if tall else x
     for _ in range(steps):
         gram = x @ x.mT
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a X + (b A + c A^2) X
@@ -38,8 +35,6 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(param_groups, defaults={})
         self.ns_dtype = ns_dtype
         for group in self.param_groups:
-            if group["muon"] and any(p.dim() != 2 for p in group["params"]):
-                raise ValueError("Muon's groups take 2-D matrices only")
             missing = set(MUON_KEYS if group["muon"] else ADAMW_KEYS) - set(group)
             if missing:
                 raise ValueError(f"a {'Muon' if group['muon'] else 'AdamW'} group lacks {sorted(missing)}")

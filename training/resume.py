@@ -1,4 +1,4 @@
-"""`train.py resume=true`: saved settings + overrides of CHANGEABLE_ON_RESUME keys only, unless resume_with_changes."""
+"""`train.py resume=true`: the saved settings, changed only in CHANGEABLE_ON_RESUME keys unless resume_with_changes."""
 
 from __future__ import annotations
 
@@ -26,13 +26,8 @@ CHANGEABLE_ON_RESUME = frozenset({
                                  "log_interval", "compile", "activation_checkpointing", "dtype", "on_nonfinite",
                                  "peak_tflops", "parallel", "hellaswag_every", "hellaswag_file")),
 })
-# model.* keys a checkpoint's weights don't fix (the rest is its shape, never changed: _check_same_shape says so)
+# model.* keys a checkpoint's weights don't fix (the rest is its shape, never changed: check_same_shape says so)
 FREE_MODEL_KEYS = ("attn_impl", "dropout")
-
-
-def _never_changeable(key: str) -> bool:
-    """Keys with their own refusal, whatever resume_with_changes says: the model's shape, the optimizer."""
-    return key == "train.optimizer" or (key.startswith("model.") and key.removeprefix("model.") not in FREE_MODEL_KEYS)
 
 
 def resumed_config(cfg: DictConfig, overrides: list[str], schema: type) -> DictConfig:
@@ -46,28 +41,44 @@ def resumed_config(cfg: DictConfig, overrides: list[str], schema: type) -> DictC
         return cfg
     base = OmegaConf.create(_known_keys(saved, schema))
     base.resume, base.resume_with_changes = True, False  # asked anew each time, never inherited from a resume
-    recorded = _recorded_choices(out_dir)
+    try:  # the config groups the run was started with (Hydra's runtime.choices, which train.py keeps in .hydra/)
+        recorded = dict(OmegaConf.select(OmegaConf.load(out_dir / ".hydra" / "hydra.yaml"), "hydra.runtime.choices"))
+    except Exception:  # missing, unreadable, not YAML, or without choices: no record
+        recorded = {}
     for override in OverridesParser.create().parse_overrides(overrides):
-        key = override.key_or_group
+        key, raw = override.key_or_group, override.value()
         if override.is_hydra_override():
             continue
         if key in CONFIG_GROUPS and not override.is_delete():
-            _check_group(key, override.value(), recorded, out_dir)
-            continue
+            if key in recorded and recorded[key] == raw:
+                continue  # the start command repeated
+            was = f"was started with {key}={_shown(recorded[key])}" if key in recorded else "keeps no record of them"
+            raise ConfigError(f"{key}={_shown(raw)}: resume=true continues {out_dir} with the settings it was started "
+                              f"with, and it {was}; drop {key}={_shown(raw)} (set the keys you mean to change, with "
+                              "resume_with_changes=true)")
         if override.is_delete():
             raise ConfigError(f"~{key}: resume=true continues the run with its saved settings, so there is nothing "
                               f"to delete; set {key}=VALUE instead")
-        raw = override.value()
         value = raw if isinstance(raw, str) and "${" in raw else OmegaConf.select(cfg, key)  # ${..}: the run's
         OmegaConf.update(base, key, value, merge=False, force_add=True)
     base.out_dir = str(out_dir)  # the directory whose checkpoint was read (where the run writes train.log)
     return base
 
 
+def _known_keys(saved: dict[str, Any], schema: type) -> dict[str, Any]:
+    """The saved config less keys this version's schema no longer has (nothing reads them)."""
+    hints = typing.get_type_hints(schema)
+    return {key: _known_keys(value, hints[key]) if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict)
+            else value for key, value in saved.items() if key in hints}
+
+
 def check_resume(checkpoint: Checkpoint, config: Any) -> None:
     """Before any data is prepared: the checkpoint's optimizer and model shape (a finetune's is checked once loaded),
     the changes this command makes to what the run trains, and a max_iters it has already passed."""
-    _check_same_optimizer(checkpoint.config, config.train.optimizer)
+    before, optimizer = checkpoint.config.get("train", {}).get("optimizer", "adamw"), config.train.optimizer
+    if before != optimizer:  # one optimizer's state is no start for another's
+        raise CheckpointError(f"resume=true with train.optimizer={optimizer}, but the checkpoint's run was trained "
+                              f"with {before}; resume with train.optimizer={before}, or start a new run")
     if config.init_from is None:
         check_same_shape(checkpoint.model_config, config.model.gpt_config(checkpoint.model_config.vocab_size))
     reached = checkpoint.progress.iter
@@ -79,8 +90,10 @@ def check_resume(checkpoint: Checkpoint, config: Any) -> None:
 
 
 def check_resume_changes(saved: dict[str, Any], current: dict[str, Any], allowed: bool) -> None:
-    """Log each key changed from the saved run; refuse those outside CHANGEABLE_ON_RESUME and wandb.* unless allowed."""
-    changes = [change for change in _differences(saved, current) if not _never_changeable(change[0])]
+    """Log each key changed from the saved run; refuse those outside CHANGEABLE_ON_RESUME and wandb.* unless allowed.
+    The optimizer and the model's shape have their own refusals, whatever resume_with_changes says."""
+    changes = [(key, old, new) for key, old, new in _differences(saved, current) if key != "train.optimizer"
+               and not (key.startswith("model.") and key.removeprefix("model.") not in FREE_MODEL_KEYS)]
     meaningful = [(key, old, new) for key, old, new in changes
                   if key not in CHANGEABLE_ON_RESUME and not key.startswith("wandb.")]
     if meaningful and not allowed:
@@ -93,9 +106,7 @@ def check_resume_changes(saved: dict[str, Any], current: dict[str, Any], allowed
 
 def _differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
     found = []
-    for key in current:
-        if key not in saved:
-            continue
+    for key in [key for key in current if key in saved]:
         old, new = saved[key], current[key]
         if isinstance(old, dict) and isinstance(new, dict):
             found += _differences(old, new, f"{prefix}{key}.")
@@ -106,39 +117,6 @@ def _differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "
 
 def _shown(value: Any) -> str:
     return "null" if value is None else str(value)
-
-
-def _known_keys(saved: dict[str, Any], schema: type) -> dict[str, Any]:
-    """The saved config less keys this version's schema no longer has (nothing reads them)."""
-    hints = typing.get_type_hints(schema)
-    kept = {}
-    for key, value in saved.items():
-        if key not in hints:
-            continue
-        nested = dataclasses.is_dataclass(hints[key]) and isinstance(value, dict)
-        kept[key] = _known_keys(value, hints[key]) if nested else value
-    return kept
-
-
-def _recorded_choices(out_dir: Path) -> dict[str, Any]:
-    """The config groups the run was started with (Hydra's runtime.choices, which train.py keeps in .hydra/)."""
-    path = out_dir / ".hydra" / "hydra.yaml"
-    try:
-        choices = OmegaConf.select(OmegaConf.load(path), "hydra.runtime.choices")
-    except Exception:  # missing, unreadable or not YAML: no record
-        return {}
-    return dict(choices) if choices is not None else {}
-
-
-def _check_group(group: str, value: Any, recorded: dict[str, Any], out_dir: Path) -> None:
-    if group in recorded and recorded[group] == value:
-        return  # the start command repeated
-    was = "it has no record of its groups"
-    if group in recorded:
-        was = f"it was started with {group}={_shown(recorded[group])}"
-    raise ConfigError(f"{group}={_shown(value)}: resume=true continues {out_dir} with the settings it was started "
-                      f"with, and {was}; drop {group}={_shown(value)} (set the keys you mean to change, with "
-                      "resume_with_changes=true)")
 
 
 def check_same_shape(saved: GPTConfig, current: GPTConfig) -> None:
@@ -154,14 +132,6 @@ def check_same_shape(saved: GPTConfig, current: GPTConfig) -> None:
                               "model.* overrides that change it (none given: the checkpoint contradicts its config)")
 
 
-def _check_same_optimizer(saved: dict[str, Any], optimizer: str) -> None:
-    """One optimizer's state is no start for another's."""
-    before = saved.get("train", {}).get("optimizer", "adamw")
-    if before != optimizer:
-        raise CheckpointError(f"resume=true with train.optimizer={optimizer}, but the checkpoint's run was trained "
-                              f"with {before}; resume with train.optimizer={before}, or start a new run")
-
-
 def resume_command(out_dir: Path) -> str:
     return f"python train.py {resume_argument(out_dir)} resume=true"
 
@@ -171,9 +141,9 @@ def resume_argument(out_dir: Path) -> str:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     path = str(out_dir)
-    if re.fullmatch(r"[A-Za-z0-9_./:+@%-]+", path):  # and read back as this text, not a number or a bool
-        if OverridesParser.create().parse_overrides([f"out_dir={path}"])[0].value() == path:
-            return f"out_dir={path}"
+    plain = re.fullmatch(r"[A-Za-z0-9_./:+@%-]+", path)  # and read back as this text, not a number or a bool
+    if plain and OverridesParser.create().parse_overrides([f"out_dir={path}"])[0].value() == path:
+        return f"out_dir={path}"
     # Hydra: a quote is escaped, and so are the backslashes right before a quote or the closing one
     body = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", path)
     argument = "out_dir='" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, body) + "'"

@@ -67,15 +67,9 @@ def look_inside(cfg: SampleConfig, sampler: Sampler, first: list[int], prompt_le
         out_dir = Path(cfg.attention_dir)
         window = sampler.last_window(first, "attention maps")
         paths = save_attention_maps(sampler.model, window, decode_each[-len(window) :], out_dir)
-        page = save_explorer(
-            sampler.model,
-            first,
-            prompt_length,
-            out_dir,
-            f"{cfg.init_from if cfg.out_dir is None else cfg.out_dir}: {cfg.start!r}",
-            None if causality is None else causality_data(*causality),
-            use_cache=cfg.use_cache,
-        )
+        title = f"{cfg.init_from if cfg.out_dir is None else cfg.out_dir}: {cfg.start!r}"
+        page = save_explorer(sampler.model, first, prompt_length, out_dir, title,
+                             None if causality is None else causality_data(*causality), use_cache=cfg.use_cache)
         print(f"wrote {out_dir / 'attention.npz'}, {len(paths)} PNGs and {page}", file=sys.stderr)
 
 

@@ -18,9 +18,7 @@ if TYPE_CHECKING:
     from model.gpt import GPTConfig
 
 
-def masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout_p: float = 0.0
-) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
     """softmax(QKᵀ/√d_k, -inf where `mask` is False) @ V, and the (pre-dropout) weights: the only copy of the formula.
     q: (..., m, d); k, v: (..., n, d); mask: bool, broadcastable to (..., m, n), True where a query may attend."""
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
@@ -28,9 +26,8 @@ def masked_attention(
     return F.dropout(weights, p=dropout_p) @ v, weights
 
 
-def causal_mask(
-    n_queries: int, n_keys: int, device: torch.device | str | None = None, window: int | None = None
-) -> torch.Tensor:
+def causal_mask(n_queries: int, n_keys: int, device: torch.device | str | None = None,
+                window: int | None = None) -> Tensor:
     """Causal mask for the last `n_queries` of `n_keys` positions; with a window, query i sees keys i-window+1 .. i."""
     ones = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device)
     mask = ones.tril(diagonal=n_keys - n_queries)
@@ -42,9 +39,7 @@ def causal_mask(
 QUERY_BLOCK = 64  # queries per SDPA call off CUDA: smaller blocks waste fewer keys, but each call has overhead
 
 
-def windowed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, dropout_p: float = 0.0
-) -> torch.Tensor:
+def windowed_attention(q: Tensor, k: Tensor, v: Tensor, window: int, dropout_p: float = 0.0) -> Tensor:
     """Sliding-window attention linear in T: FlexAttention on CUDA, else SDPA per query block on the keys it reaches."""
     T = q.size(-2)
     if window >= T:
@@ -62,9 +57,8 @@ def windowed_attention(
         # band's columns span reach + 1 whole key blocks ending with block j: drop those before the sequence
         mask = band[:n, (reach - (j - first)) * QUERY_BLOCK : reach * QUERY_BLOCK + n]
         block_keys, block_values = torch.cat(keys[first : j + 1], -2), torch.cat(values[first : j + 1], -2)
-        outputs.append(
-            F.scaled_dot_product_attention(block, block_keys, block_values, attn_mask=mask, dropout_p=dropout_p)
-        )
+        outputs.append(F.scaled_dot_product_attention(block, block_keys, block_values, attn_mask=mask,
+                                                      dropout_p=dropout_p))
     return torch.cat(outputs, dim=-2)
 
 

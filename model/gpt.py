@@ -289,17 +289,8 @@ class GPT(nn.Module):
         return hidden
 
     @torch.inference_mode()
-    def generate(
-        self,
-        idx: Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        use_cache: bool = True,
-        *,
-        top_p: float | None = None,
-        min_p: float | None = None,
-    ) -> Tensor:
+    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 use_cache: bool = True, *, top_p: float | None = None, min_p: float | None = None) -> Tensor:
         """idx (B, T) followed by max_new_tokens sampled tokens: nanoGPT's generate, on generate_tokens."""
         steps = self.generate_tokens(idx, max_new_tokens, Decoding(temperature, top_k, top_p, min_p), use_cache)
         return torch.cat([idx, *steps], dim=1)
@@ -424,12 +415,8 @@ class Checkpoint:
         raw = dict(raw) if raw.keys() == _KEYS else _upgraded(raw)
         progress = _typed(Progress, {f.name: raw.pop(f.name) for f in fields(Progress)}, path)
         options = raw.pop("model_config")
-        if isinstance(options, dict):
-            removed = [k for k in REMOVED_OPTIONS[:2] if options.get(k) not in (None, False)]
-            if removed:
-                raise CheckpointError(f"{path} can't be used: it was trained with model.{removed[0]}, an option this "
-                                      "version no longer has")
-            options = {k: v for k, v in options.items() if k not in REMOVED_OPTIONS}
+        if isinstance(options, dict) and options.keys() & set(REMOVED_OPTIONS):
+            options = _without_removed_options(options, path)
         model_config = _typed(GPTConfig, options, path, "model_config ")
         for name, kind in _PLAIN_TYPES.items():
             if not isinstance(raw[name], kind):
@@ -558,6 +545,16 @@ def _check_rng(states: list[Any], path: Path) -> None:
 
 def _shown(shape: Any) -> str:
     return f"of shape {tuple(shape)}" if isinstance(shape, torch.Size) else str(shape)
+
+
+def _without_removed_options(options: dict[str, Any], path: Path) -> dict[str, Any]:
+    """An older model config's removed options dropped, unless the weights need one (on, they have parts this model
+    lacks)."""
+    removed = [k for k in REMOVED_OPTIONS[:2] if options.get(k) not in (None, False)]
+    if removed:
+        raise CheckpointError(f"{path} can't be used: it was trained with model.{removed[0]}, an option this version "
+                              "no longer has")
+    return {k: v for k, v in options.items() if k not in REMOVED_OPTIONS}
 
 
 def _upgraded(old: dict[str, Any]) -> dict[str, Any]:

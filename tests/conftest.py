@@ -38,34 +38,11 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
 TINY_BPE = "tiny_test_bpe"
 # Every modern model option on at once (model/gpt.py's GPTConfig), as the speedrun may combine them.
-MODERN = dict(
-    norm="rmsnorm",
-    qk_norm=True,
-    logit_softcap=15.0,
-    x0_mix=True,
-    value_residual=True,
-    bigram_embed=True,
-    pos_emb="rope",
-    activation="relu2",
-)
+MODERN = dict(norm="rmsnorm", qk_norm=True, logit_softcap=15.0, x0_mix=True, value_residual=True, bigram_embed=True,
+              pos_emb="rope", activation="relu2")
 # Merges in rank order; each is the concatenation of two earlier tokens, as BPE learns them.
-_TINY_MERGES = [
-    b"th",
-    b"he",
-    b"in",
-    b"er",
-    b"an",
-    b" t",
-    b" a",
-    b"the",
-    b" the",
-    b"ou",
-    b"on",
-    b"re",
-    b"nd",
-    b"and",
-    b" and",
-]
+_TINY_MERGES = [b"th", b"he", b"in", b"er", b"an", b" t", b" a", b"the", b" the", b"ou", b"on", b"re", b"nd", b"and",
+                b" and"]
 
 training.schema.register_schemas()
 inference.sampling.register_schemas()
@@ -258,34 +235,16 @@ def compose_config(overrides: list[str], config_name: str = "config") -> DictCon
 
 
 # A tiny run that reaches val 3.6 well before its 400 iterations.
-REACHES_TARGET = {
-    "train.target_val_loss": 3.6,
-    "train.max_iters": 400,
-    "train.eval_interval": 5,
-    "train.learning_rate": 3e-3,
-}
+REACHES_TARGET = {"train.target_val_loss": 3.6, "train.max_iters": 400, "train.eval_interval": 5,
+                  "train.learning_rate": 3e-3}
 
 
 def tiny_run_overrides(tmp_path: Path, corpus: Path, **extra: object) -> list[str]:
     """A run small enough to take seconds on CPU."""
-    base = {
-        "out_dir": tmp_path / "run",
-        "device": "cpu",
-        "data.input": corpus,
-        "data.dir": tmp_path / "data",
-        "model.n_layer": 2,
-        "model.n_head": 2,
-        "model.n_embd": 32,
-        "model.block_size": 32,
-        "train.batch_size": 8,
-        "train.max_iters": 20,
-        "train.eval_interval": 10,
-        "train.eval_iters": 4,
-        "train.log_interval": 5,
-        "train.warmup_iters": 2,
-        # runs compared number for number say their precision
-        "train.dtype": "float32",
-    }
+    base = {"out_dir": tmp_path / "run", "device": "cpu", "data.input": corpus, "data.dir": tmp_path / "data",
+            "model.n_layer": 2, "model.n_head": 2, "model.n_embd": 32, "model.block_size": 32, "train.batch_size": 8,
+            "train.max_iters": 20, "train.eval_interval": 10, "train.eval_iters": 4, "train.log_interval": 5,
+            "train.warmup_iters": 2, "train.dtype": "float32"}  # runs compared number for number say their precision
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 

@@ -13,8 +13,7 @@ from model import GPT, GPTConfig
 
 
 def _saved_bytes(model: GPT, idx: torch.Tensor) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
-    """The bytes forward keeps for backward (outside checkpointed blocks: theirs are dropped), the loss, and the
-    gradients."""
+    """The bytes forward keeps for backward (a checkpointed block drops its own), the loss, and the gradients."""
     saved = 0
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -29,9 +28,12 @@ def _saved_bytes(model: GPT, idx: torch.Tensor) -> tuple[int, torch.Tensor, dict
     return saved, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_checkpointed_blocks_give_the_same_loss_and_gradients_and_keep_far_less() -> None:
+def test_checkpointed_blocks_give_the_same_loss_and_gradients_keep_far_less_and_only_in_training(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Every modern option (value_residual's first-layer values cross blocks) and dropout (its draws are
-    replayed): the same loss and gradients bit for bit, a fraction of the activations kept."""
+    replayed): the same loss and gradients bit for bit, a fraction of the activations kept. In eval mode or without
+    gradients (evaluation, generation) blocks run plainly: nothing to recompute."""
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=50, block_size=256, n_layer=6, n_head=4, n_embd=64, dropout=0.1, **MODERN)
     model = GPT(config).train()
@@ -48,20 +50,12 @@ def test_checkpointed_blocks_give_the_same_loss_and_gradients_and_keep_far_less(
     assert all(torch.equal(plain[2][n], recomputed[2][n]) for n in plain[2])
     assert recomputed[0] < 0.2 * plain[0], (recomputed[0], plain[0])
 
-
-def test_checkpointing_is_for_training_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In eval mode or without gradients (evaluation, generation) blocks run plainly: nothing to recompute."""
-    model = GPT(GPTConfig(vocab_size=20, block_size=16, n_layer=2, n_head=2, n_embd=16)).eval()
-    model.activation_checkpointing = True
-    idx = torch.randint(20, (2, 16))
     calls = []
     original = gpt_module.checkpoint
     monkeypatch.setattr(gpt_module, "checkpoint", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
     with torch.no_grad():
-        model(idx)
-    model.train()
-    with torch.no_grad():
-        model(idx)
+        model(idx[:, :16])
+    model.eval()(idx[:, :16])
     assert calls == []
-    model(idx, idx)
-    assert len(calls) == model.config.n_layer
+    model.train()(idx[:, :16], idx[:, :16])
+    assert len(calls) == config.n_layer

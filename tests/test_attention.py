@@ -46,21 +46,14 @@ def test_cross_attention_of_three_queries_over_five_keys() -> None:
     torch.testing.assert_close(out, expected)
 
 
-def test_sliding_window_mask_zeroes_exactly_the_entries_outside_the_window() -> None:
-    torch.manual_seed(2)
-    T, window = 8, 3
-    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    mask = (j <= i) & (j > i - window)
-    q, k, v = torch.randn(T, 4), torch.randn(T, 4), torch.randn(T, 4)
-    _, weights = masked_attention(q, k, v, mask)
-    assert torch.equal(weights == 0, ~mask)
-    torch.testing.assert_close(weights.sum(-1), torch.ones(T))
-
-
-def test_kv_cache_decode_is_the_causal_mask_aligned_to_the_last_keys() -> None:
+def test_the_causal_mask_aligns_to_the_last_keys_and_a_window_bands_it() -> None:
+    """A KV-cache decode step's queries see the keys up to their own; a window of w lets query i see i - w + 1 to i."""
     torch.manual_seed(3)
     q, k, v = torch.randn(5, 4), torch.randn(5, 4), torch.randn(5, 4)
     full, _ = masked_attention(q, k, v, causal_mask(5, 5))
     last_two, _ = masked_attention(q[3:], k, v, causal_mask(2, 5))
     torch.testing.assert_close(last_two, full[3:])
-    assert torch.equal(causal_mask(2, 5), torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool))
+    assert causal_mask(2, 5).tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert causal_mask(4, 4, window=2).tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    assert causal_mask(1, 7, window=3).tolist() == [[0, 0, 0, 0, 1, 1, 1]]  # query 6 of 7 sees keys 4 to 6
+    assert torch.equal(causal_mask(6, 6, window=6), causal_mask(6, 6))

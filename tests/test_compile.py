@@ -1,7 +1,5 @@
-"""torch.compile with inductor (code generation, not the eager backend) on CPU: the model compiles as one graph
-(fullgraph), computes what eager computes, and training steps don't recompile; evaluation adds one more graph; a
-compiled decode step generates eager's tokens. A test's graphs take up to half a minute each on 2 cores, cold.
-DDP + compile: tests/test_distributed.py."""
+"""torch.compile with inductor on CPU: one graph (fullgraph) that computes what eager computes and doesn't recompile,
+and a compiled decode step that draws eager's tokens. DDP + compile: tests/test_distributed.py."""
 
 from __future__ import annotations
 
@@ -18,21 +16,16 @@ from model import GPT, GPTConfig
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 SHAPE = dict(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=32)
-MODELS = {
-    # GPT-2's block with a sliding window in its first layer (the blocked SDPA path off CUDA) and a full second one;
-    # gpu_check.py's dry run (tests/test_bench.py) and the compiled DDP run (tests/test_distributed.py) train this
-    # shape at this batch too, so only the first of them compiles it cold
-    "gpt2_windowed": GPTConfig(**SHAPE, attn_window=16, window_pattern="SL"),
-    "every_modern_option": GPTConfig(**SHAPE, **MODERN),
-}
-# Then three more steps with train.activation_checkpointing (one more graph, against plain eager): value_residual's
-# first-layer values cross the recomputed blocks as an argument and a return, and fullgraph proves nothing breaks.
-RECOMPUTED = {"every_modern_option"}
+# GPT-2's block with a sliding window in its first layer (the blocked SDPA path off CUDA) and a full second one:
+# gpu_check.py's dry run (tests/test_bench.py) and the compiled DDP run (tests/test_distributed.py) train this shape at
+# this batch too, so only the first of them compiles it cold. Every modern option then takes three more steps with
+# train.activation_checkpointing (one more graph, against plain eager): value_residual's first-layer values cross the
+# recomputed blocks as an argument and a return, and fullgraph proves nothing breaks.
+MODELS = {"gpt2_windowed": dict(attn_window=16, window_pattern="SL"), "every_modern_option": MODERN}
 
 
 def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens and targets as data/batches.py's get_batch makes them: two views of one (4, 65) block, whose strides
-    are part of the graph (and of inductor's cache key)."""
+    """Two views of one (4, 65) block, as training's batches are: their strides are part of the graph."""
     block = torch.randint(65, (4, 65), generator=torch.Generator().manual_seed(seed))
     return block[:, :-1], block[:, 1:]
 
@@ -46,14 +39,14 @@ def test_inductor_compiles_one_graph_that_trains_and_evaluates_like_eager(name: 
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    eager = GPT(MODELS[name]).train()
+    eager = GPT(GPTConfig(**SHAPE, **MODELS[name])).train()
     with torch.no_grad():  # zero-initialised parts would leave gradients exactly 0 on both sides
         for p in eager.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     plain = copy.deepcopy(eager)
     compiled = torch.compile(plain, fullgraph=True)  # inductor: fullgraph fails on any graph break
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, plain)]
-    phases = (False, True) if name in RECOMPUTED else (False,)
+    phases = (False, True) if name == "every_modern_option" else (False,)
     for graphs, recompute in enumerate(phases, start=1):
         plain.activation_checkpointing = recompute
         for step in range(3):
@@ -82,8 +75,7 @@ def test_inductor_compiles_one_graph_that_trains_and_evaluates_like_eager(name: 
 
 def test_generation_with_a_compiled_decode_step_gives_the_eager_tokens() -> None:
     """The KV-cache step (GPT.prefill) under inductor with dynamic shapes, as docs/gpu.md measured it: the cache's
-    live length grows every token, so the graphs take it as a size, not a constant (one for the empty cache, one
-    for every later step), and greedy decoding draws eager's tokens. One small windowed layer: about 12 s cold."""
+    length grows every token, so the graphs take it as a size, not a constant (one for the empty cache, one after)."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
@@ -91,6 +83,5 @@ def test_generation_with_a_compiled_decode_step_gives_the_eager_tokens() -> None
     prompt = torch.randint(65, (2, 3), generator=torch.Generator().manual_seed(1))
     eager = model.generate(prompt, max_new_tokens=20, temperature=0)
     model.prefill = torch.compile(model.prefill, dynamic=True)  # the instance's: generate_tokens calls self.prefill
-    compiled = model.generate(prompt, max_new_tokens=20, temperature=0)
-    assert torch.equal(compiled, eager)
+    assert torch.equal(model.generate(prompt, max_new_tokens=20, temperature=0), eager)
     assert 1 <= _graphs() <= 3  # compiled, and not a graph per token

@@ -10,51 +10,35 @@ from omegaconf import OmegaConf
 
 from common.config import typed_config
 from common.errors import ConfigError
-from conftest import compose_config, run_in_process
+from conftest import compose_config
 from inference.sampling import SampleConfig
 from training.schema import TrainRunConfig
 
 
 @pytest.mark.parametrize(
-    ("override", "message"),
+    ("override", "schema", "message"),
     [
-        ("temperature=-1", "temperature=-1.0 must be >= 0.0; 0 means greedy decoding \\(the most likely token\\)"),
-        ("top_p=1.01", "top_p=1.01 must be <= 1.0; null means no cut-off"),
-        ("top_k=0", "top_k=0 must be >= 1; null means no cut-off"),
-        ("num_samples=0", "num_samples=0 must be >= 1"),
-        ("max_new_tokens=0", "max_new_tokens=0 must be >= 1"),
-        ("attn_impl=fast", "attn_impl=fast is unknown; use one of flash, math"),
-        ("dtype=fp8", "dtype=fp8 is unknown; use one of auto, float32, bfloat16, float16"),
+        ("temperature=-1", SampleConfig, "temperature=-1.0 must be >= 0.0; 0 means greedy decoding (the most likely "
+                                         "token)"),
+        ("top_p=1.01", SampleConfig, "top_p=1.01 must be <= 1.0; null means no cut-off"),
+        ("top_k=0", SampleConfig, "top_k=0 must be >= 1; null means no cut-off"),
+        ("num_samples=0", SampleConfig, "num_samples=0 must be >= 1"),
+        ("max_new_tokens=0", SampleConfig, "max_new_tokens=0 must be >= 1"),
+        ("attn_impl=fast", SampleConfig, "attn_impl=fast is unknown; use one of flash, math"),
+        ("dtype=fp8", SampleConfig, "dtype=fp8 is unknown; use one of auto, float32, bfloat16, float16"),
+        # a key added with + must exist like any other
+        ("+temp=0.5", SampleConfig, "temp is not a key of this config; did you mean temperature?"),
+        ("+train.learning_rat=1", TrainRunConfig, "train.learning_rat is not a key of this config; did you mean "
+                                                  "train.learning_rate?"),
+        ("+model.attn_windw=4", TrainRunConfig, "model.attn_windw is not a key of this config; did you mean "
+                                                "model.attn_window?"),
+        ("+train.foo=1", TrainRunConfig, "train.foo is not a key of this config; see the keys with --cfg job"),
     ],
 )
-def test_sample_values_are_checked_when_typed(override: str, message: str) -> None:
-    with pytest.raises(ConfigError, match=f"^{message}$"):
-        typed_config(compose_config(["out_dir=RUN", override], config_name="sample"), SampleConfig)
-
-
-@pytest.mark.parametrize(
-    ("overrides", "config_name", "key", "hint"),
-    [
-        (["+train.learning_rat=1"], "config", "train.learning_rat", "did you mean train.learning_rate?"),
-        (["+model.attn_windw=4"], "config", "model.attn_windw", "did you mean model.attn_window?"),
-        (["+train.foo=1"], "config", "train.foo", "see the keys with --cfg job"),
-        (["out_dir=RUN", "+temp=0.5"], "sample", "temp", "did you mean temperature?"),
-    ],
-)
-def test_a_key_added_with_plus_must_exist_like_any_other(
-    overrides: list[str], config_name: str, key: str, hint: str
-) -> None:
-    schema = TrainRunConfig if config_name == "config" else SampleConfig
-    with pytest.raises(ConfigError, match=f"^{re.escape(f'{key} is not a key of this config; {hint}')}$"):
-        typed_config(compose_config(overrides, config_name=config_name), schema)
-
-
-def test_a_misspelt_plus_key_stops_train_py_with_one_line(tmp_path: Path) -> None:
-    result = run_in_process("train.py", ["+train.foo=1"], cwd=tmp_path)
-    assert result.returncode == 2
-    one_line = "error: train.foo is not a key of this config; see the keys with --cfg job"
-    assert result.stderr.strip().splitlines() == [one_line]
-    assert not list(tmp_path.rglob("ckpt.pt"))
+def test_a_bad_value_or_an_unknown_key_is_one_config_error(override: str, schema: type, message: str) -> None:
+    overrides, name = (["out_dir=RUN", override], "sample") if schema is SampleConfig else ([override], "config")
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        typed_config(compose_config(overrides, config_name=name), schema)
 
 
 def test_sample_needs_a_run_or_pretrained_weights() -> None:
@@ -65,10 +49,14 @@ def test_sample_needs_a_run_or_pretrained_weights() -> None:
     assert isinstance(config, SampleConfig) and config.top_k is None
 
 
-def test_a_run_config_is_typed_all_the_way_down_and_resolved() -> None:
+def test_a_run_config_is_typed_all_the_way_down_and_resolved_from_hydra_or_python() -> None:
+    """train(TrainRunConfig(...)) works without Hydra: the default out_dir's ${now:} is resolved."""
     config = typed_config(compose_config(["experiment=speedrun_cpu"]), TrainRunConfig)
     assert type(config.model).__name__ == "ModelConfig" and config.model.pos_emb == "rope"
     assert config.train.target_val_loss == 1.89 and "${" not in config.out_dir
+    config = typed_config(TrainRunConfig(), TrainRunConfig)
+    assert config.out_dir.startswith("outputs/") and "${" not in config.out_dir
+    assert config.model.n_layer == 4  # the schema's own defaults: the baby model
 
 
 def test_a_saved_config_yaml_types_like_the_composed_one(tmp_path: Path) -> None:
@@ -79,10 +67,3 @@ def test_a_saved_config_yaml_types_like_the_composed_one(tmp_path: Path) -> None
     assert typed_config(OmegaConf.load(path), TrainRunConfig) == typed_config(composed, TrainRunConfig)
     with pytest.raises(ConfigError, match="train.eval_iters=0 must be >= 1"):
         typed_config(OmegaConf.merge(OmegaConf.load(path), {"train": {"eval_iters": 0}}), TrainRunConfig)
-
-
-def test_a_config_built_in_python_is_resolved_like_hydras() -> None:
-    """train(TrainRunConfig(...)) works without Hydra: the default out_dir's ${now:} is resolved."""
-    config = typed_config(TrainRunConfig(), TrainRunConfig)
-    assert config.out_dir.startswith("outputs/") and "${" not in config.out_dir
-    assert config.model.n_layer == 4  # the schema's own defaults: the baby model

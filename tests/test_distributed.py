@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -10,19 +9,20 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from common.config import typed_config
 from common.errors import ConfigError
-from conftest import REPO, built_once, compose_config, run_in_process, tiny_run_overrides
+from conftest import REPO, built_once, compose_config, run_in_process, tiny_run_overrides, wait_for_text
 from model.gpt import CKPT_NAME, load_checkpoint
-from training.distributed import World
+from training.distributed import World, close_process_group
 from training.run import check_for_world, train
 from training.schema import TrainRunConfig
 from training.trainer import split_across_ranks
@@ -42,23 +42,16 @@ RUN = {
 
 
 def torchrun_env(processes: int, threads: int | None = None) -> dict[str, str]:
-    """The cores shared out between the processes (threads: each one's, if given): conftest pins OMP_NUM_THREADS
-    to all of them, and two processes with every core's thread each ran 3.5x slower on 2 cores (these runs compare
-    within 1e-4, not bit for bit)."""
-    threads = threads or max(1, torch.get_num_threads() // processes)
-    return {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    """The cores shared out between the processes (threads: each one's, if given): two processes with every core's
+    thread each ran 3.5x slower on 2 cores (these runs compare within 1e-4, not bit for bit)."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads or max(1, torch.get_num_threads() // processes))}
 
 
 def torchrun(processes: int, args: list[str], cwd: Path, threads: int | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    return subprocess.run(
-        [*command, str(REPO / "train.py"), *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=torchrun_env(processes, threads),
-    )
+    env = torchrun_env(processes, threads)
+    return subprocess.run([*command, str(REPO / "train.py"), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env=env)
 
 
 def failure(result: subprocess.CompletedProcess) -> str:
@@ -72,35 +65,14 @@ def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _last_iter_logged(run: Path) -> int:
-    """While the run writes metrics.jsonl: its last line may be half written, so read whole lines only."""
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return 0
-    iters = [0]
-    for line in path.read_text().split("\n")[:-1]:  # the piece after the last newline is still being written
-        with contextlib.suppress(json.JSONDecodeError):
-            iters.append(json.loads(line)["iter"])
-    return max(iters)
-
-
-def evals(run: Path) -> list[tuple[int, float, float, float]]:
-    return [(r["iter"], r["train_loss"], r["val_loss"], r["val_bpb"]) for r in records(run) if "val_loss" in r]
-
-
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Callable[[Path], Path]:
-    """The one-process run with a 2-process run's optimizer (each trained once)."""
-
-    def like(run: Path) -> Path:
-        optimizer = OmegaConf.load(run / "config.yaml").train.optimizer
-
-        def build(tmp: Path) -> None:
-            train(compose_config(tiny_run_overrides(tmp, corpus_path, **RUN, **{"train.optimizer": optimizer})))
-
-        return built_once(tmp_path_factory, f"one-{optimizer}", build) / "run"
-
-    return like
+def same_evaluations(one: Path, two: Path, iters: list[int]) -> list[list[float]]:
+    """Two runs' losses at every evaluation (train, val, val_bpb), equal within 1e-4: the second's."""
+    evals = [[r for r in records(run) if "val_loss" in r] for run in (one, two)]
+    assert [r["iter"] for r in evals[0]] == [r["iter"] for r in evals[1]] == iters
+    losses = [[[r["train_loss"], r["val_loss"], r["val_bpb"]] for r in run_evals] for run_evals in evals]
+    for want, have in zip(*losses, strict=True):
+        assert have == pytest.approx(want, abs=1e-4)
+    return losses[1]
 
 
 # The two-process runs: FSDP2 with AdamW, and Muon under DDP (every rank orthogonalises the same averaged gradients;
@@ -109,12 +81,13 @@ def one_process(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> 
 TWO_PROCESS_RUNS = {"fsdp": ("fsdp", "adamw"), "ddp-muon": ("ddp", "muon")}
 
 
-@pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Callable[[str], Path]:
-    """A TWO_PROCESS_RUNS run (each trained once; a test that changes it works on a copy) whose out_dir each rank
-    resolves differently (its ${now:}, here even its rank): all must use rank 0's."""
-    def build(tmp: Path, name: str) -> None:
-        parallel, optimizer = TWO_PROCESS_RUNS[name]
+@pytest.fixture(params=list(TWO_PROCESS_RUNS))
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, corpus_path: Path):
+    """A TWO_PROCESS_RUNS run and the one-process run with its optimizer, each trained once. Each rank resolves the
+    former's out_dir differently (its ${now:}, here even its rank): all must use rank 0's."""
+    parallel, optimizer = TWO_PROCESS_RUNS[request.param]
+
+    def two(tmp: Path) -> None:
         overrides = [o for o in tiny_run_overrides(tmp, corpus_path, **RUN) if not o.startswith("out_dir=")]
         out_dir = "out_dir=outputs/${now:%Y-%m-%d_%H-%M-%S}/rank${oc.env:RANK}"
         chosen = [f"train.parallel={parallel}", f"train.optimizer={optimizer}", "train.activation_checkpointing=true"]
@@ -122,27 +95,18 @@ def two_process_run(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path)
         assert result.returncode == 0, failure(result)
         assert [p.name for p in tmp.glob("outputs/*/*")] == ["rank0"], "the ranks wrote to different directories"
 
-    def run(name: str) -> Path:
-        return next(built_once(tmp_path_factory, name, lambda tmp: build(tmp, name)).glob("outputs/*/rank0"))
+    def one(tmp: Path) -> None:
+        train(compose_config(tiny_run_overrides(tmp, corpus_path, **RUN, **{"train.optimizer": optimizer})))
 
-    return run
-
-
-@pytest.fixture(params=list(TWO_PROCESS_RUNS))
-def two_processes(request: pytest.FixtureRequest, two_process_run: Callable[[str], Path]) -> Path:
-    return two_process_run(request.param)
+    two_dir = next(built_once(tmp_path_factory, request.param, two).glob("outputs/*/rank0"))
+    return two_dir, built_once(tmp_path_factory, f"one-{optimizer}", one) / "run"
 
 
-def test_two_processes_match_one_process(one_process: Callable[[Path], Path], two_processes: Path) -> None:
+def test_two_processes_match_one_process_and_only_rank_0_writes_the_run(runs: tuple[Path, Path]) -> None:
     """The standard for DDP and FSDP2 alike: the same losses at every evaluation, within 1e-4."""
-    expected, got = evals(one_process(two_processes)), evals(two_processes)
-    assert [e[0] for e in got] == [e[0] for e in expected] == [0, 10, 12]
-    for (_, *want), (_, *have) in zip(expected, got, strict=True):
-        assert have == pytest.approx(want, abs=1e-4)
-    assert got[-1][2] < got[0][2] - 0.2  # and the runs did learn something
-
-
-def test_only_rank_0_writes_the_run(two_processes: Path) -> None:
+    two_processes, one_process = runs
+    got = same_evaluations(one_process, two_processes, [0, 10, 12])
+    assert got[-1][1] < got[0][1] - 0.2  # and the runs did learn something
     lines = [(r["iter"], "val_loss" in r) for r in records(two_processes)]
     assert len(lines) == len(set(lines))  # no record written twice
     files = sorted(p.name for p in two_processes.iterdir())
@@ -153,12 +117,11 @@ def test_only_rank_0_writes_the_run(two_processes: Path) -> None:
     assert (cwd / OmegaConf.load(two_processes / "config.yaml").out_dir).resolve() == two_processes.resolve()
 
 
-def test_fsdp_checkpoint_loads_in_one_process_resumes_and_samples(
-    one_process: Callable[[Path], Path], two_processes: Path, tmp_path: Path
-) -> None:
+def test_fsdp_checkpoint_loads_in_one_process_resumes_and_samples(runs: tuple[Path, Path], tmp_path: Path) -> None:
     """Gathered full state: the names and shapes of a one-process checkpoint, for FSDP2 (and DDP)."""
+    two_processes, one_process = runs
     sharded = load_checkpoint(two_processes / CKPT_NAME)
-    single = load_checkpoint(one_process(two_processes) / CKPT_NAME)
+    single = load_checkpoint(one_process / CKPT_NAME)
     assert sharded.model.keys() == single.model.keys()
     for name, tensor in single.model.items():
         torch.testing.assert_close(sharded.model[name], tensor, atol=1e-3, rtol=0)
@@ -172,23 +135,17 @@ def test_fsdp_checkpoint_loads_in_one_process_resumes_and_samples(
     config = OmegaConf.load(run / "config.yaml")  # resumed by one process, optimizer state and all
     config.out_dir, config.resume, config.train.max_iters = str(run), True, 14
     config.resume_with_changes = True
-    assert train(config).iters == 14 and evals(run)[-1][0] == 14
+    assert train(config).iters == 14 and [r["iter"] for r in records(run) if "val_loss" in r][-1] == 14
 
 
-def test_grad_accum_is_global_and_must_divide_among_the_processes() -> None:
-    train = typed_config(compose_config(["train.grad_accum=3"]), TrainRunConfig).train
+def test_grad_accum_must_divide_among_the_processes_and_muon_refuses_fsdp() -> None:
+    """grad_accum is global; Muon needs each hidden matrix whole, which FSDP2 would shard (one process shards none)."""
+    overrides = ["train.optimizer=muon", "train.parallel=fsdp", "train.grad_accum=3"]
+    train = typed_config(compose_config(overrides), TrainRunConfig).train
     check_for_world(train, World(size=1))
     with pytest.raises(ConfigError, match=r"train.grad_accum=3 .* not divisible by the 2 processes"):
         check_for_world(train, World(rank=1, size=2))
-    with pytest.raises(ConfigError, match="train.parallel=zero is unknown; use one of ddp, fsdp"):
-        typed_config(compose_config(["train.parallel=zero"]), TrainRunConfig)
-
-
-def test_muon_refuses_fsdp_which_would_shard_its_matrices() -> None:
-    train = typed_config(
-        compose_config(["train.optimizer=muon", "train.parallel=fsdp", "train.grad_accum=2"]), TrainRunConfig
-    ).train
-    check_for_world(train, World(size=1))  # one process: nothing is sharded
+    train.grad_accum = 2
     line = (
         "train.optimizer=muon needs each hidden matrix whole, and train.parallel=fsdp shards them; "
         "use train.parallel=ddp (or train.optimizer=adamw)"
@@ -208,24 +165,22 @@ def test_eval_batches_are_shared_once_each_with_equal_passes(batches: int) -> No
     assert counted == list(range(batches))
 
 
+@pytest.mark.parametrize("runs", ["fsdp"], indirect=True)
 def test_an_fsdp_run_resumes_on_two_processes_and_a_sigterm_to_torchrun_stops_it_with_a_checkpoint(
-    two_process_run: Callable[[str], Path], tmp_path: Path
+    runs: tuple[Path, Path], tmp_path: Path
 ) -> None:
     """The full checkpoint's optimizer state loaded sharded; then a scheduler's SIGTERM reaches torchrun, which
     forwards it: the ranks agree on a step, and rank 0 writes the checkpoint before any rank exits."""
     run = tmp_path / "run"
-    shutil.copytree(two_process_run("fsdp"), run)
+    shutil.copytree(runs[0], run)
     resumed_at = load_checkpoint(run / CKPT_NAME).progress.iter
     args = [f"out_dir={run}", "resume=true", "resume_with_changes=true", "train.max_iters=100000"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", REPO / "train.py"]
     process = subprocess.Popen(
-        [*command, str(REPO / "train.py"), *args], cwd=tmp_path, stderr=subprocess.PIPE, text=True, env=torchrun_env(2)
+        [*command, *args, "train.log_interval=1"], cwd=tmp_path, stderr=subprocess.PIPE, text=True, env=torchrun_env(2)
     )
-    deadline = time.monotonic() + 120
-    while _last_iter_logged(run) < resumed_at + 3:
-        assert process.poll() is None, process.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the resumed run did not get going"
-        time.sleep(0.2)
+    wait_for_text(run / "metrics.jsonl", f'{{"iter": {resumed_at + 3}, ')  # a few steps after the resume
+    assert process.poll() is None, process.communicate()[1][-3000:]
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
     stopped_at = load_checkpoint(run / CKPT_NAME).progress.iter
@@ -238,12 +193,6 @@ def test_an_fsdp_run_resumes_on_two_processes_and_a_sigterm_to_torchrun_stops_it
 def test_closing_frees_an_fsdp_process_group_at_once_not_at_interpreter_exit(tmp_path: Path) -> None:
     """DTensor's caches keep FSDP2's mesh, and its gloo group, alive until exit, where the group's threads may
     drop tensors after Python is gone (a rare SIGABRT once training is done). close_process_group frees it."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from training.distributed import close_process_group
-
     def gloo_threads() -> int:
         names = [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
         return sum(name.startswith("pt_gloo") for name in names)
@@ -264,18 +213,9 @@ def test_closing_frees_an_fsdp_process_group_at_once_not_at_interpreter_exit(tmp
 
 # One micro-batch a process, so DDP syncs every backward (no no_sync variant to trace), and test_compile.py's GPT-2
 # block with a windowed layer at its batch: the graphs it compiled are inductor's cache hits here.
-COMPILED_RUN = {
-    "model.bias": True,
-    "model.block_size": 64,
-    "model.attn_window": 16,
-    "model.window_pattern": "SL",
-    "train.batch_size": 4,
-    "train.grad_accum": 2,
-    "train.max_iters": 6,
-    "train.eval_interval": 6,
-    "train.eval_iters": 2,
-    "train.full_val": False,
-}
+COMPILED_RUN = {"model.bias": True, "model.block_size": 64, "model.attn_window": 16, "model.window_pattern": "SL",
+                "train.batch_size": 4, "train.grad_accum": 2, "train.max_iters": 6, "train.eval_interval": 6,
+                "train.eval_iters": 2, "train.full_val": False}
 
 
 def test_compiled_ddp_on_two_processes_matches_one_eager_process(tmp_path: Path, corpus_path: Path) -> None:
@@ -287,8 +227,5 @@ def test_compiled_ddp_on_two_processes_matches_one_eager_process(tmp_path: Path,
     result = torchrun(2, [*overrides, "train.parallel=ddp"], cwd=tmp_path, threads=torch.get_num_threads())
     assert result.returncode == 0, failure(result)
     assert "compile True, 2 processes (ddp)" in (tmp_path / "two" / "run" / "train.log").read_text()
-    expected, got = evals(tmp_path / "one" / "run"), evals(tmp_path / "two" / "run")
-    assert [e[0] for e in got] == [e[0] for e in expected] == [0, 6]
-    for (_, *want), (_, *have) in zip(expected, got, strict=True):
-        assert have == pytest.approx(want, abs=1e-4)
-    assert got[-1][2] < got[0][2]  # it learned
+    got = same_evaluations(tmp_path / "one" / "run", tmp_path / "two" / "run", [0, 6])
+    assert got[-1][1] < got[0][1]  # it learned

@@ -1,14 +1,12 @@
-"""Windows and macOS branches, forced on this Linux machine: a directory that can't be opened or fsynced, the run
-lock, files never held open across a rename, compile's default, Windows paths in overrides, and MPS where it
-exists. (Corpus encoding under spawn equals fork's: tests/test_corpus.py.)"""
+"""Windows and macOS branches, forced on this Linux machine: directories that can't be fsynced, the run lock, files
+never held open, compile's default, Windows paths in overrides, and MPS. (Corpus encoding under spawn: test_corpus.)"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,142 +18,76 @@ import torch
 from filelock import FileLock
 
 import common.runtime
-import model.gpt
 import training.run
 from common.runtime import Runtime, make_runtime
-from conftest import REPO, compose_config, run_script, tiny_run_overrides
+from conftest import compose_config, sample_py, tiny_run_overrides, train_py, user_error
 from model import GPT, GPTConfig
-from model.gpt import CKPT_NAME, load_checkpoint, save_checkpoint
-from training.run import train
+from model.gpt import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
 
 
-def _windows_directories(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Windows refuses os.open on a directory (PermissionError), so a rename can't be fsynced there."""
-    real_open = os.open
+def _checkpoint() -> Checkpoint:
+    config = GPTConfig(vocab_size=10, block_size=4, n_layer=1, n_head=1, n_embd=4)
+    tokenizer = {"kind": "char", "chars": list("abcdefghij")}
+    return Checkpoint(config, GPT(config).state_dict(), tokenizer, {}, Progress(), {}, {}, [])
 
-    def refusing(path: object, flags: int, *args: object, **kwargs: object) -> int:
+
+def test_a_checkpoint_goes_through_its_own_temporary_fsynced_with_its_directory_where_that_can_be(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The file, then the directory holding the rename. Windows refuses os.open on a directory (PermissionError), and
+    some filesystems can't fsync one (EINVAL): either way the checkpoint is written; an I/O error is not swallowed."""
+    synced, renamed, failure = [], [], None
+    real_open, real_fsync, real_replace = os.open, os.fsync, os.replace
+
+    def windows_open(path: object, flags: int, *args: object) -> int:
         if Path(str(path)).is_dir():
             raise PermissionError(13, "Permission denied", str(path))
-        return real_open(path, flags, *args, **kwargs)
+        return real_open(path, flags, *args)
 
-    monkeypatch.setattr(common.runtime.os, "open", refusing)
-
-
-def _val_losses(run: Path) -> list[float]:
-    lines = (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
-    return [r["val_loss"] for r in lines if "val_loss" in r]
-
-
-def test_a_run_checkpoints_and_resumes_exactly_where_directories_cant_be_fsynced(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, corpus_path: Path
-) -> None:
-    _windows_directories(monkeypatch)
-    schedule = {"train.lr_decay_iters": 20}  # the same schedule whether the run stops at 10 or goes on to 20
-    whole = tiny_run_overrides(tmp_path / "whole", corpus_path, **schedule, **{"train.max_iters": 20})
-    train(compose_config(whole))
-    half = tiny_run_overrides(tmp_path / "half", corpus_path, **schedule, **{"train.max_iters": 10})
-    train(compose_config(half))
-    train(compose_config([*half, "resume=true", "resume_with_changes=true", "train.max_iters=20"]))
-    assert _val_losses(tmp_path / "half" / "run") == _val_losses(tmp_path / "whole" / "run")  # bit for bit
-    assert not list((tmp_path / "half" / "run").glob("*.tmp"))
-
-
-def test_a_filesystem_that_refuses_to_fsync_a_directory_still_gets_the_checkpoint(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    real_fsync = os.fsync
-
-    def refusing(fd: int) -> None:
-        if os.path.isdir(f"/proc/self/fd/{fd}"):
-            raise OSError(22, "Invalid argument")
-        real_fsync(fd)
-
-    monkeypatch.setattr(common.runtime.os, "fsync", refusing)
-    checkpoint = _checkpoint()
-    save_checkpoint(tmp_path / CKPT_NAME, checkpoint)
-    assert load_checkpoint(tmp_path / CKPT_NAME).model.keys() == checkpoint.model.keys()
-
-
-def test_a_directory_is_fsynced_where_it_can_be_and_an_io_error_is_not_swallowed(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    synced: list[bool] = []
-    real_fsync = os.fsync
-
-    def spying(fd: int) -> None:
+    def fsync(fd: int) -> None:
         synced.append(os.path.isdir(f"/proc/self/fd/{fd}"))
+        if synced[-1] and failure is not None:
+            raise OSError(failure, os.strerror(failure))
         real_fsync(fd)
 
-    monkeypatch.setattr(common.runtime.os, "fsync", spying)
+    monkeypatch.setattr(common.runtime.os, "fsync", fsync)
+    monkeypatch.setattr(common.runtime.os, "replace", lambda src, dst: (renamed.append(src), real_replace(src, dst)))
     save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
-    assert synced == [False, True]  # the file, then the directory holding the rename
-
-    def failing(fd: int) -> None:
-        if os.path.isdir(f"/proc/self/fd/{fd}"):
-            raise OSError(errno.EIO, "Input/output error")
-        real_fsync(fd)
-
-    monkeypatch.setattr(common.runtime.os, "fsync", failing)
+    assert synced == [False, True] and [Path(p).name for p in renamed] == [f"{CKPT_NAME}.{os.getpid()}.tmp"]
+    failure = errno.EIO
     with pytest.raises(OSError, match="Input/output error"):
         save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
+    failure = errno.EINVAL
+    save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
+    monkeypatch.setattr(common.runtime.os, "open", windows_open)
+    (tmp_path / CKPT_NAME).unlink()
+    save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
+    assert load_checkpoint(tmp_path / CKPT_NAME).model.keys() == _checkpoint().model.keys()
+    assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_a_replace_that_meets_a_reader_on_windows_is_tried_again(
+def test_a_replace_that_meets_a_reader_is_tried_again_on_windows_only(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    refusals = iter([True, True, False])
-    real_replace = os.replace
+    """Windows won't replace a file another process holds open: tried again, waiting longer each time, and the last
+    refusal raised; elsewhere a PermissionError means something else, raised at once."""
+    refusals, waits, real_replace = iter(()), [], os.replace  # the waits between tries, taken note of, not slept
 
     def windows_replace(src: object, dst: object) -> None:
-        if next(refusals):  # another process has the target open
+        if next(refusals, False):  # another process has the target open
             raise PermissionError(13, "The process cannot access the file", str(dst))
         real_replace(src, dst)
 
-    waits: list[float] = []  # the waits between tries, taken note of rather than slept
     monkeypatch.setattr(common.runtime.os, "replace", windows_replace)
-    monkeypatch.setattr(common.runtime.sys, "platform", "win32")
     monkeypatch.setattr(common.runtime.time, "sleep", waits.append)
-    save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
-    assert load_checkpoint(tmp_path / CKPT_NAME).model_config.n_embd == 4
-    assert len(waits) == 2 and 0 < waits[0] < waits[1]  # tried again, waiting longer each time
-    refusals = iter([True] * 10)  # a reader that never lets go: the last refusal is raised
-    (tmp_path / "a").write_text("new")
-    waits.clear()
-    with pytest.raises(PermissionError):
-        common.runtime.replace_file(tmp_path / "a", tmp_path / "b")
-    assert len(waits) == 9 and waits == sorted(waits)
-    monkeypatch.setattr(common.runtime.sys, "platform", "linux")  # there it means something else: at once
-    refusals = iter([True, False])
-    waits.clear()
-    with pytest.raises(PermissionError):
-        common.runtime.replace_file(tmp_path / "a", tmp_path / "b")
-    assert waits == []
-
-
-def test_each_writer_writes_its_own_temporary_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    renamed: list[str] = []
-    real_replace = os.replace
-    monkeypatch.setattr(
-        common.runtime.os, "replace", lambda src, dst: (renamed.append(Path(src).name), real_replace(src, dst))
-    )
-    save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
-    assert renamed == [f"{CKPT_NAME}.{os.getpid()}.tmp"]
-
-
-def _checkpoint() -> model.gpt.Checkpoint:
-    from model.gpt import Checkpoint, Progress
-
-    config = GPTConfig(vocab_size=10, block_size=4, n_layer=1, n_head=1, n_embd=4)
-    return Checkpoint(
-        model_config=config,
-        model=GPT(config).state_dict(),
-        tokenizer={"kind": "char", "chars": list("abcdefghij")},
-        config={},
-        progress=Progress(),
-        optimizer={},
-        scaler={},
-        rng=[],
-    )
+    for platform, refused, waited in (("win32", 2, 2), ("win32", 10, 9), ("linux", 1, 0)):
+        monkeypatch.setattr(common.runtime.sys, "platform", platform)
+        refusals, waits[:] = iter([True] * refused), []
+        (tmp_path / "a").write_text("new")
+        with pytest.raises(PermissionError) if refused > waited else contextlib.nullcontext():
+            common.runtime.replace_file(tmp_path / "a", tmp_path / "b")
+        assert len(waits) == waited and all(0 < a < b for a, b in zip(waits, waits[1:], strict=False))
+    assert (tmp_path / "b").read_text() == "new"
 
 
 HOLD_THE_LOCK = textwrap.dedent(
@@ -163,7 +95,6 @@ HOLD_THE_LOCK = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from filelock import FileLock
-    Path(sys.argv[1]).mkdir(parents=True, exist_ok=True)
     with FileLock(Path(sys.argv[1]) / ".lock"):
         print("held", flush=True)
         time.sleep(120)
@@ -171,57 +102,43 @@ HOLD_THE_LOCK = textwrap.dedent(
 )
 
 
-def test_a_second_writer_is_refused_until_the_first_dies(
+def test_a_locked_run_refuses_a_second_writer_until_the_holder_dies_and_can_be_sampled_meanwhile(
     tmp_path: Path, corpus_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    from conftest import train_py, user_error
+    """A resume of a run still training (a scheduler's requeue) writes nothing there; readers take no lock; once the
+    holder is killed (as the OOM killer would: no cleanup runs), the kernel has released its lock."""
+    args = tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 2})
+    train_py(args)
+    run, data_dir = tmp_path / "run", str((tmp_path / "data").resolve())
+    # Windows can't replace or delete an open file: the token files are closed for the next run in this process.
+    open_files = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
+    assert data_dir not in Path("/proc/self/maps").read_text() and not [f for f in open_files if data_dir in f]
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"iter": 3, "train_loss": 1.0}\n')  # the live run's, after its checkpoint
 
-    run = tmp_path / "run"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_THE_LOCK, str(run)], cwd=REPO, stdout=subprocess.PIPE, text=True
-    )
+    def files() -> dict[Path, bytes]:
+        return {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+
+    before = files()
+    resume = [*args, "resume=true", "resume_with_changes=true", "train.max_iters=4"]
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_LOCK, str(run)], stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        (run / ".hydra").mkdir()
-        (run / ".hydra" / "overrides.yaml").write_text("the running command's\n")
-        args = tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 2})
-        refused = run_script("train.py", args, cwd=tmp_path)
-        assert refused.returncode == 2
-        assert refused.stderr.strip().splitlines()[-1] == (
+        assert holder.stdout.readline().strip() == "held"
+        assert user_error(capsys, lambda: train_py(resume)).strip().splitlines()[-1] == (
             f"error: out_dir={run} is being written by another run; "
             "wait for it to end or stop it, or use another out_dir"
         )
-        assert not (run / CKPT_NAME).exists()
-        assert (run / ".hydra" / "overrides.yaml").read_text() == "the running command's\n"  # left as it was
-    finally:
-        holder.send_signal(signal.SIGKILL)  # as the OOM killer would: no cleanup runs
-        holder.wait()
-    train_py(args)  # train.py's main, here: the kernel released the dead holder's lock
-    assert (run / CKPT_NAME).exists()
-    assert "train.max_iters=2" in (run / ".hydra" / "overrides.yaml").read_text()  # now the run's own
-    again = user_error(capsys, lambda: train_py([*args, "train.max_iters=3"]))  # forgot resume=true
-    assert "already holds a run" in again
-    assert "train.max_iters=3" not in (run / ".hydra" / "overrides.yaml").read_text()  # the record is the run's
-
-
-def test_sample_py_reads_a_run_whose_lock_another_process_holds(
-    trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
-    """Readers take no lock: a run being trained can be sampled (its ckpt.pt is only ever replaced whole)."""
-    from conftest import sample_py
-
-    run = tmp_path / "run"
-    shutil.copytree(trained_run, run)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_THE_LOCK, str(run)], cwd=REPO, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        sample_py([f"out_dir={run}", "max_new_tokens=5", "num_samples=1"])  # sample.py's main, here
+        assert files() == before
+        sample_py([f"out_dir={run}", "max_new_tokens=5", "num_samples=1"])
         assert capsys.readouterr().out.count("---------------") == 1
     finally:
-        holder.send_signal(signal.SIGTERM)
+        holder.send_signal(signal.SIGKILL)
         holder.wait()
+    train_py(resume)
+    assert load_checkpoint(run / CKPT_NAME).progress.iter == 4
+    before = files()
+    assert "already holds a run" in user_error(capsys, lambda: train_py([*args, "train.max_iters=3"]))  # no resume
+    assert files() == before  # .hydra's record, too, stays the run's
 
 
 def test_under_torchrun_every_rank_stops_when_the_run_is_locked(tmp_path: Path, corpus_path: Path) -> None:
@@ -234,21 +151,11 @@ def test_under_torchrun_every_rank_stops_when_the_run_is_locked(tmp_path: Path, 
     assert f"out_dir={tmp_path / 'run'} is being written by another run" in result.stdout + result.stderr
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc to see open files")
-def test_no_token_file_stays_open_or_mapped_after_a_run(tmp_path: Path, corpus_path: Path) -> None:
-    """Windows can't replace or delete an open file: re-preparing data after a run in the same process (a sweep)
-    must find the token files closed."""
-    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 3})))
-    data_dir = str((tmp_path / "data").resolve())
-    maps = Path("/proc/self/maps").read_text()
-    open_files = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
-    assert data_dir not in maps and not [f for f in open_files if f.startswith(data_dir)]
-
-
 @pytest.mark.parametrize("triton", [False, True])
 def test_compile_is_on_by_default_on_windows_only_with_triton(monkeypatch: pytest.MonkeyPatch, triton: bool) -> None:
+    monkeypatch.setattr(training.run.sys, "platform", "win32")
     monkeypatch.setattr(training.run.importlib.util, "find_spec", lambda name: object() if triton else None)
-    assert training.run._compiles_on_windows() is triton
+    assert training.run._compiles_here() is triton
 
 
 @pytest.mark.parametrize(
@@ -261,18 +168,13 @@ def test_compile_is_on_by_default_on_windows_only_with_triton(monkeypatch: pytes
     ],
 )
 def test_windows_paths_reach_the_config_intact(override: str, value: str) -> None:
-    data = compose_config([override]).data
-    assert (data.input if override.startswith("data.input") else data.dir) == value
+    assert compose_config([override]).data[override.split("=")[0].removeprefix("data.")] == value
 
 
-def test_auto_picks_mps_on_apple_silicon_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    assert make_runtime("auto", "auto") == Runtime(torch.device("mps"), torch.float32)
-
-
-def test_flash_equals_math_in_float32_on_this_machines_device() -> None:
-    """On a Mac this runs on MPS; elsewhere on the CPU (CUDA has scripts/gpu_check.py)."""
+def test_auto_picks_mps_on_apple_silicon_in_float32_and_flash_equals_math_on_this_machines_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a Mac the comparison runs on MPS; elsewhere on the CPU (CUDA has scripts/gpu_check.py)."""
     device = "mps" if torch.backends.mps.is_available() else "cpu"
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -281,19 +183,6 @@ def test_flash_equals_math_in_float32_on_this_machines_device() -> None:
     math_.load_state_dict(flash.state_dict())
     idx = torch.randint(50, (2, 32), device=device)
     torch.testing.assert_close(flash(idx)[0], math_(idx)[0], atol=1e-4, rtol=1e-4)
-
-
-def test_a_resume_refused_by_the_lock_changes_nothing_in_the_run(tmp_path: Path, corpus_path: Path) -> None:
-    """A second process resuming a run that is still training (a scheduler's requeue) writes nothing there: the
-    live run's metrics since its last checkpoint stay."""
-    from common.errors import RunLocked
-
-    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 2})))
-    run = tmp_path / "run"
-    with (run / "metrics.jsonl").open("a") as f:
-        f.write('{"iter": 3, "train_loss": 1.0}\n')  # the live run's, after its checkpoint
-    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
-    with FileLock(run / ".lock"), pytest.raises(RunLocked):
-        more = {"train.max_iters": 4, "resume_with_changes": True}  # a finished run's resume writes nothing anyway
-        train(compose_config(tiny_run_overrides(tmp_path, corpus_path, resume=True, **more)))
-    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert make_runtime("auto", "auto") == Runtime(torch.device("mps"), torch.float32)

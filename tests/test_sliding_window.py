@@ -16,19 +16,10 @@ import torch.nn.functional as F
 import model.attention
 from analysis.attention_maps import save_attention_maps
 from analysis.causality import check_causality, format_report
-from common.errors import CheckpointError, ConfigError
-from conftest import compose_config, run_in_process, tiny_run_overrides
+from conftest import MODERN, compose_config, run_in_process, tiny_run_overrides
 from model import GPT, GPTConfig, causal_mask, masked_attention
-from model.attention import (
-    ROLL_SLACK,
-    KVCache,
-    Rotary,
-    _cached_band_block_mask,
-    flex_windowed_attention,
-    windowed_attention,
-)
+from model.attention import ROLL_SLACK, KVCache, Rotary, flex_windowed_attention, windowed_attention
 from model.gpt import CKPT_NAME, load_checkpoint
-from model.hf_gpt2 import PretrainedError, hf_from_gpt
 from training.run import train
 
 SMALL = dict(vocab_size=40, block_size=32, n_layer=3, n_head=2, n_embd=16)
@@ -37,23 +28,6 @@ SMALL = dict(vocab_size=40, block_size=32, n_layer=3, n_head=2, n_embd=16)
 def _model(attn_impl: str = "math", **overrides: object) -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(**{**SMALL, "attn_impl": attn_impl, **overrides})).eval()
-
-
-def _twin(model: GPT, attn_impl: str) -> GPT:
-    twin = GPT(replace(model.config, attn_impl=attn_impl)).eval()
-    twin.load_state_dict(model.state_dict())
-    return twin
-
-
-def test_the_band_mask_lets_query_i_see_keys_i_minus_w_plus_1_to_i() -> None:
-    band = causal_mask(5, 5, window=2)
-    expected = torch.tensor(
-        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.bool
-    )
-    assert torch.equal(band, expected)
-    # Aligned to the last keys, as a KV-cache decode step sees them: query 6 of 7 sees keys 4..6.
-    assert torch.equal(causal_mask(1, 7, window=3), torch.tensor([[0, 0, 0, 0, 1, 1, 1]], dtype=torch.bool))
-    assert torch.equal(causal_mask(6, 6, window=6), causal_mask(6, 6))
 
 
 @pytest.mark.parametrize("window", [1, 2, 63, 64, 65, 100, 150, 400])
@@ -70,158 +44,93 @@ def test_the_fused_path_equals_the_math_path_in_values_and_gradients(window: int
         torch.testing.assert_close(got, want)
 
 
-def test_flex_attentions_block_mask_is_the_same_band() -> None:
-    # CUDA runs FlexAttention compiled; here it runs eagerly (forward only on CPU), which checks the mask.
+@pytest.mark.parametrize("compiled", [False, True])
+def test_flex_attentions_block_mask_is_the_same_band_eager_or_traced(compiled: bool) -> None:
+    """CUDA runs FlexAttention compiled, its block mask traced into the graph; here the eager backend runs that trace,
+    or FlexAttention runs eagerly (forward only on CPU): either way the mask is checked."""
     torch.manual_seed(1)
-    q, k, v = (torch.randn(1, 2, 200, 16) for _ in range(3))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "called without torch.compile": expected off CUDA
-        flex = flex_windowed_attention(q, k, v, 37)
-    reference, _ = masked_attention(q, k, v, causal_mask(200, 200, window=37))
-    torch.testing.assert_close(flex, reference, atol=1e-5, rtol=1e-5)
-
-
-def test_flex_attention_inside_a_compiled_model_builds_the_same_band() -> None:
-    # Under torch.compile the block mask is traced into the graph; the eager backend runs that trace here.
-    torch.manual_seed(2)
     q, k, v = (torch.randn(1, 2, 130, 16) for _ in range(3))
-    compiled = torch.compile(flex_windowed_attention, backend="eager", fullgraph=True)
+    attend = flex_windowed_attention
+    if compiled:
+        attend = torch.compile(attend, backend="eager", fullgraph=True)
     with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        flex = compiled(q, k, v, 37)
+        warnings.simplefilter("ignore")  # "called without torch.compile": expected off CUDA
+        flex = attend(q, k, v, 37)
     reference, _ = masked_attention(q, k, v, causal_mask(130, 130, window=37))
     torch.testing.assert_close(flex, reference, atol=1e-5, rtol=1e-5)
 
 
 def test_a_block_mask_made_while_sampling_can_serve_training() -> None:
-    _cached_band_block_mask.cache_clear()
+    cached = model.attention._cached_band_block_mask
+    cached.cache_clear()
     with torch.inference_mode():  # as generate() runs
-        block_mask = _cached_band_block_mask(96, 9, torch.device("cpu"))
+        block_mask = cached(96, 9, torch.device("cpu"))
     assert not block_mask.kv_num_blocks.is_inference() and not block_mask.kv_indices.is_inference()
-    assert _cached_band_block_mask(96, 9, torch.device("cpu")) is block_mask
+    assert cached(96, 9, torch.device("cpu")) is block_mask
 
 
 def test_the_fused_path_costs_keys_in_the_window_not_the_whole_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[tuple[int, int]] = []
-    sdpa = F.scaled_dot_product_attention
-
-    def counting(q: torch.Tensor, k: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        seen.append((q.size(-2), k.size(-2)))
-        return sdpa(q, k, *args, **kwargs)
-
-    monkeypatch.setattr(model.attention.F, "scaled_dot_product_attention", counting)
+    seen, sdpa = [], F.scaled_dot_product_attention  # the (queries, keys) of each call
+    monkeypatch.setattr(model.attention.F, "scaled_dot_product_attention",
+                        lambda q, k, *args, **kw: seen.append((q.size(-2), k.size(-2))) or sdpa(q, k, *args, **kw))
     q = torch.randn(1, 1, 1024, 8)
     windowed_attention(q, q, q, 64)
     assert sum(n_q for n_q, _ in seen) == 1024
     assert max(n_k for _, n_k in seen) <= 2 * 64  # a block of queries, its keys and the previous block's
 
 
-@pytest.mark.parametrize(
-    ("pattern", "n_layer", "expected"),
-    [
-        (None, 4, "SSSL"),
-        (None, 1, "S"),
-        ("SL", 5, "SLSLL"),
-        ("SSL", 6, "SSLSSL"),
-        ("SSSS", 4, "SSSS"),
-        ("LS", 2, "LS"),
-    ],
-)
-def test_window_pattern_is_tiled_with_the_last_layer_full_unless_written_out(
-    pattern: str | None, n_layer: int, expected: str
-) -> None:
-    config = GPTConfig(**{**SMALL, "n_layer": n_layer}, attn_window=8, window_pattern=pattern)
-    assert "".join("L" if w is None else "S" for w in config.layer_windows()) == expected
-    assert set(config.layer_windows()) <= {8, None}
-
-
-def test_what_rolls_and_how_far_a_token_reaches() -> None:
-    assert GPTConfig(**SMALL).layer_windows() == [None, None, None]
+def test_the_window_pattern_is_tiled_with_the_last_layer_full_unless_written_out_and_what_rolls() -> None:
+    patterns = [(None, 4, "SSSL"), (None, 1, "S"), ("SL", 5, "SLSLL"), ("SSL", 6, "SSLSSL"), ("SSSS", 4, "SSSS"),
+                ("LS", 2, "LS")]
+    for pattern, n_layer, expected in patterns:
+        windows = GPTConfig(**{**SMALL, "n_layer": n_layer}, attn_window=8, window_pattern=pattern).layer_windows()
+        assert "".join("L" if w is None else "S" for w in windows) == expected and set(windows) <= {8, None}
     assert GPTConfig(**SMALL, window_pattern="SSS").layer_windows() == [None, None, None]  # no window: none
-    assert GPTConfig(**SMALL, window_pattern="LL").layer_windows() == [None, None, None]
     assert GPTConfig(**SMALL).receptive_field is None
     everywhere = GPTConfig(**SMALL, attn_window=5, window_pattern="SSS", pos_emb="rope")
     assert everywhere.rolls and everywhere.receptive_field == 1 + 3 * 4
     assert not replace(everywhere, pos_emb="learned").rolls  # learned positions stop at block_size
-    assert not GPTConfig(**SMALL, attn_window=5, pos_emb="rope").rolls  # its last layer is full
     assert not replace(everywhere, attn_window=33).rolls  # wider than block_size: reaches further than training
-    assert GPTConfig(**SMALL, attn_window=5, pos_emb="rope").receptive_field is None
+    last_full = GPTConfig(**SMALL, attn_window=5, pos_emb="rope")
+    assert not last_full.rolls and last_full.receptive_field is None
 
 
+@pytest.mark.parametrize("attn_impl", ["flash", "math"])
 @pytest.mark.parametrize(
-    ("overrides", "message"),
+    ("window", "sizes", "options"),
     [
-        (dict(attn_window=0), "attn_window=0 must be >= 1"),
-        (dict(attn_window=4, window_pattern="SXL"), "only hold the letters S"),
-        (dict(attn_window=4, window_pattern="SSSS"), "more letters than n_layer=3"),
-        (dict(attn_window=4, window_pattern="LL"), "windows no layer"),
+        # a prompt, then a token a step; a prompt of 80 is more than a buffer of windows 1 and 4 has slots for
+        *((window, [prompt] + [1] * (240 - prompt), {}) for window in (1, 4, 70) for prompt in (1, 9, 80)),
+        # chunks after a cache (GPT.prefill's); 100: more than the 72 slots after a roll, and than block_size
+        (5, [7, 3, 1, 12, 2, 40, 1, 1, 33, 100, 1], {}),
+        (5, [7, 3, 1, 12, 2, 40, 1, 1, 33, 100, 1], MODERN),  # the bigram of a chunk's first token: from the cache
     ],
 )
-def test_bad_window_settings_are_one_line_errors(overrides: dict, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        GPTConfig(**SMALL, **overrides)
-
-
-@pytest.mark.parametrize("attn_impl", ["flash", "math"])
-@pytest.mark.parametrize("window", [1, 4, 70])
-@pytest.mark.parametrize("prompt_length", [1, 9, 80])  # 80: more than a buffer of windows 1 and 4 has slots for
-def test_cached_logits_equal_one_pass_over_the_sequence_across_the_window_and_past_block_size(
-    attn_impl: str, window: int, prompt_length: int
+def test_cached_logits_equal_one_pass_past_block_size_with_the_memory_bounded(
+    attn_impl: str, window: int, sizes: list[int], options: dict
 ) -> None:
+    """Every layer windowed, the cache rolls past block_size; each layer's buffer holds 2 (W - 1) + 64 slots (at most
+    block_size), grown only for a longer chunk."""
     block_size = 80  # room for a window over one query block of 64
-    rolling = _model(attn_impl, block_size=block_size, attn_window=window, window_pattern="SSS", pos_emb="rope")
-    T = 3 * block_size  # a rolling model runs past block_size: positions are relative, every layer windowed
-    idx = torch.randint(SMALL["vocab_size"], (2, T))
-    with torch.no_grad():
-        full, _ = _twin(rolling, "math")(idx)
-        cache = KVCache(rolling.config)
-        logits, _ = rolling(idx[:, :prompt_length], cache=cache)
-        torch.testing.assert_close(logits, full[:, :prompt_length], atol=1e-5, rtol=0)
-        for t in range(prompt_length, T):
-            step, _ = rolling(idx[:, t : t + 1], cache=cache)
-            torch.testing.assert_close(step[:, 0], full[:, t], atol=1e-5, rtol=0)
-    # Memory stays bounded: each layer's buffer is back to 2 (W - 1) + 64 slots (at most block_size), whatever
-    # the prompt was.
+    config = {**options, "block_size": block_size, "attn_window": window, "window_pattern": "SSS", "pos_emb": "rope"}
+    rolling = _model(attn_impl, **config)
+    with torch.no_grad():  # no zero-initialised table or mix hides a path
+        for p in rolling.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    idx = torch.randint(SMALL["vocab_size"], (2, sum(sizes)))
     slots = min(block_size, 2 * (window - 1) + ROLL_SLACK)
-    assert [layer.buffer.size(3) for layer in cache.layers] == [slots] * SMALL["n_layer"]
-
-
-@pytest.mark.parametrize("attn_impl", ["flash", "math"])
-def test_cached_decoding_in_chunks_equals_one_pass(attn_impl: str) -> None:
-    rolling = _model(attn_impl, attn_window=5, window_pattern="SSS", pos_emb="rope")
-    sizes = [7, 3, 1, 12, 2, 40, 1, 1, 33, 80, 1]  # 80: more than the 32 slots (block_size) after a roll
-    idx = torch.randint(SMALL["vocab_size"], (3, sum(sizes)))
     with torch.no_grad():
-        full, _ = rolling(idx)
-        cache, chunks, start = KVCache(rolling.config), [], 0
-        for size in sizes:  # both paths take several new tokens after a cache (GPT.prefill's chunks)
-            chunks.append(rolling(idx[:, start : start + size], cache=cache)[0])
+        math_ = GPT(replace(rolling.config, attn_impl="math")).eval()
+        math_.load_state_dict(rolling.state_dict())
+        full, _ = math_(idx)
+        cache, start, largest = KVCache(rolling.config), 0, 0
+        for size in sizes:
+            logits, _ = rolling(idx[:, start : start + size], cache=cache)
+            torch.testing.assert_close(logits, full[:, start : start + size], atol=1e-5, rtol=0)
             start += size
-            if size == 80:
-                assert cache.layers[0].buffer.size(3) == 4 + 80  # grown for the chunk: the window's 4 and it
-    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=0)
-    assert cache.layers[0].buffer.size(3) == SMALL["block_size"]  # and back at the next roll
-
-
-def test_a_rolling_models_long_prompt_runs_in_chunks_with_the_cache_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GPT.prefill: a prompt of any length, PREFILL_CHUNK tokens at a time, gives the one-pass prompt's
-    next-token logits and the same greedy continuation, and no layer's cache grows past its window and a chunk
-    (run at once, 100k characters on window_cpu's shape with 3 samples peaked at 3.6 GB; now 0.3 GB)."""
-    import model.gpt as gpt_module
-
-    rolling = _model("flash", attn_window=5, window_pattern="SSS", pos_emb="rope")
-    prompt = torch.randint(SMALL["vocab_size"], (2, 150))
-    with torch.no_grad():
-        whole = rolling.logits(rolling.hidden(prompt)[:, -1])
-    monkeypatch.setattr(gpt_module, "PREFILL_CHUNK", 16)
-    cache = KVCache(rolling.config)
-    with torch.no_grad():
-        chunked = rolling.logits(rolling.prefill(prompt, cache)[:, -1])
-    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
-    assert cache.length == 150 and all(layer.buffer.size(3) <= 4 + 16 + ROLL_SLACK for layer in cache.layers)
-    chunked_tokens = rolling.generate(prompt, 20, temperature=0)
-    monkeypatch.setattr(gpt_module, "PREFILL_CHUNK", 10_000)
-    assert torch.equal(chunked_tokens, rolling.generate(prompt, 20, temperature=0))
+            largest = max(largest, *(layer.buffer.size(3) for layer in cache.layers))
+    assert largest <= max(slots, window - 1 + max(sizes))
+    assert [layer.buffer.size(3) for layer in cache.layers] == [slots] * SMALL["n_layer"]
 
 
 def test_rotary_positions_stay_exact_far_past_the_table() -> None:
@@ -239,38 +148,28 @@ def test_rotary_positions_stay_exact_far_past_the_table() -> None:
 
 
 @pytest.mark.parametrize("attn_impl", ["flash", "math"])
-def test_a_rolling_model_generates_past_block_size_one_token_a_step(
+def test_a_rolling_model_runs_a_long_prompt_in_chunks_then_generates_past_block_size_one_token_a_step(
     attn_impl: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """GPT.prefill runs a prompt PREFILL_CHUNK tokens at a time, bounding its memory; then each new token costs one
+    position, never a recompute, and greedy decoding draws the recomputed tokens."""
+    import model.gpt as gpt_module
+
     rolling = _model(attn_impl, attn_window=6, window_pattern="SSS", pos_emb="rope")
-    prompt = torch.randint(SMALL["vocab_size"], (1, 5))
+    prompt = torch.randint(SMALL["vocab_size"], (2, 150))
     new = 3 * SMALL["block_size"]
     recomputed = rolling.generate(prompt, new, top_k=1, use_cache=False)
+    monkeypatch.setattr(gpt_module, "PREFILL_CHUNK", 16)
     lengths: list[int] = []
     hidden = rolling.hidden
-
-    def counting(idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        lengths.append(idx.size(1))
-        return hidden(idx, cache)
-
-    monkeypatch.setattr(rolling, "hidden", counting)
-    cached = rolling.generate(prompt, new, top_k=1, use_cache=True)
-    assert torch.equal(cached, recomputed) and cached.size(1) == 5 + new > SMALL["block_size"]
-    assert lengths == [5] + [1] * (new - 1)  # the prompt once, then never a recompute
+    monkeypatch.setattr(rolling, "hidden", lambda idx, cache=None: lengths.append(idx.size(1)) or hidden(idx, cache))
+    assert torch.equal(rolling.generate(prompt, new, top_k=1, use_cache=True), recomputed)
+    assert lengths == [16] * 9 + [6] + [1] * (new - 1)
 
 
-@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
-def test_a_model_with_a_full_layer_still_recomputes_past_block_size(pos_emb: str) -> None:
-    windowed = _model("flash", attn_window=5, pos_emb=pos_emb)  # SSL: the last layer sees the whole block
-    prompt = torch.randint(SMALL["vocab_size"], (1, 3))
-    new = 2 * SMALL["block_size"]
-    cached = windowed.generate(prompt, new, top_k=1)
-    assert torch.equal(cached, windowed.generate(prompt, new, top_k=1, use_cache=False))
-    with pytest.raises(ValueError, match="exceeds block_size"):
-        windowed(torch.zeros(1, SMALL["block_size"] + 1, dtype=torch.long))
-
-
-def test_the_causality_check_shows_the_receptive_field_on_both_paths() -> None:
+def test_the_causality_check_shows_the_receptive_field_on_both_paths_and_catches_a_window_silently_ignored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     windowed = _model("flash", attn_window=4, window_pattern="SSS", pos_emb="rope")
     ids = list(range(3, 33))
     report = check_causality(windowed, ids, position=10)
@@ -279,30 +178,19 @@ def test_the_causality_check_shows_the_receptive_field_on_both_paths() -> None:
         assert torch.all(change[:10] == 0) and torch.all(change[20:] == 0)  # exactly, before and past the field
         assert torch.all(change[10:20] > 0)
     assert report.mask_held and report.information_flows
-    verdict = format_report(report, [str(i) for i in ids], "x").splitlines()[-1]
-    assert verdict == (
+    assert format_report(report, [str(i) for i in ids], "x").splitlines()[-1] == (
         "mask held: positions 0-9 and 20-29 are unchanged on flash and math, "
         "expected positions 10-19 (receptive field: 10 tokens) to change, found 10-19 changed"
     )
 
-
-def test_the_causality_check_catches_a_window_that_is_silently_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
-    windowed = _model("flash", attn_window=4, window_pattern="SSS", pos_emb="rope")
-    band = model.attention.causal_mask
-
-    def ignoring_the_window(n_queries: int, n_keys: int, device: object = None, window: int | None = None):
-        return band(n_queries, n_keys, device)
-
-    monkeypatch.setattr(model.attention, "causal_mask", ignoring_the_window)
+    band, sdpa = model.attention.causal_mask, F.scaled_dot_product_attention
+    monkeypatch.setattr(model.attention, "causal_mask", lambda q, k, device=None, window=None: band(q, k, device))
     monkeypatch.setattr(
-        model.attention,
-        "windowed_attention",
-        lambda q, k, v, window, dropout_p=0.0: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        model.attention, "windowed_attention", lambda q, k, v, window, dropout_p=0.0: sdpa(q, k, v, is_causal=True)
     )
-    report = check_causality(windowed, list(range(3, 33)), position=10)
+    report = check_causality(windowed, ids, position=10)
     assert not report.mask_held
-    verdict = format_report(report, [str(i) for i in range(30)], "x").splitlines()[-1]
-    assert verdict == (
+    assert format_report(report, [str(i) for i in ids], "x").splitlines()[-1] == (
         "MASK LEAKED: positions outside the expected positions 10-19 (receptive field: 10 tokens) changed "
         "(flash: 10, math: 10)"
     )
@@ -314,10 +202,7 @@ def test_attention_maps_draw_the_cells_outside_the_band_as_masked(tmp_path: Path
     full_dir, band_dir = tmp_path / "full", tmp_path / "band"
     save_attention_maps(_model(n_layer=1), ids, tokens, full_dir)
     save_attention_maps(_model(n_layer=1, attn_window=3), ids, tokens, band_dir)
-    saved = np.load(band_dir / "attention.npz")
-    assert np.array_equal(saved["mask"][0], causal_mask(T, T, window=3).numpy())
-    weights = saved["weights"][0]
-    assert np.all(weights[:, ~saved["mask"][0]] == 0) and np.all(weights[:, saved["mask"][0]] > 0)
+    assert np.array_equal(np.load(band_dir / "attention.npz")["mask"][0], causal_mask(T, T, window=3).numpy())
 
     def grey_pixels(png_dir: Path) -> int:
         rgb = (matplotlib.image.imread(png_dir / "attention_layer0.png")[..., :3] * 255).round()
@@ -327,11 +212,6 @@ def test_attention_maps_draw_the_cells_outside_the_band_as_masked(tmp_path: Path
     assert grey_pixels(band_dir) > 1.5 * grey_pixels(full_dir) > 0
 
 
-def test_export_refuses_a_window_naming_it() -> None:
-    with pytest.raises(PretrainedError, match="attn_window=4 can't be exported"):
-        hf_from_gpt(_model(attn_window=4))
-
-
 def test_a_windowed_run_resumes_and_samples_past_block_size(tmp_path: Path, corpus_path: Path) -> None:
     window = {"model.pos_emb": "rope", "model.attn_window": 6, "model.window_pattern": "SS", "train.max_iters": 10}
     overrides = tiny_run_overrides(tmp_path, corpus_path, **window)  # block_size 32, 2 layers: rolls
@@ -339,8 +219,6 @@ def test_a_windowed_run_resumes_and_samples_past_block_size(tmp_path: Path, corp
     run = tmp_path / "run"
     saved = load_checkpoint(run / CKPT_NAME).model_config
     assert (saved.attn_window, saved.window_pattern, saved.rolls) == (6, "SS", True)
-    with pytest.raises(CheckpointError, match="attn_window: 6 -> 7"):
-        train(compose_config([*overrides, "resume=true", "model.attn_window=7"]))
     train(compose_config([*overrides, "resume=true", "resume_with_changes=true", "train.max_iters=20"]))
     assert load_checkpoint(run / CKPT_NAME).progress.iter == 20
 
@@ -350,9 +228,7 @@ def test_a_windowed_run_resumes_and_samples_past_block_size(tmp_path: Path, corp
     sample, report = result.stdout.split("\n---------------\n")
     assert len(sample) == len("ROMEO:") + 80  # 86 characters from a model of block_size 32
     # The sample rolled on without a word; the check looks at the last block (more than twice the receptive field).
-    assert result.stderr.splitlines() == [
-        "warning: causality check: the sequence has 86 tokens; using its last 32 (block_size)"
-    ]
+    assert result.stderr == "warning: causality check: the sequence has 86 tokens; using its last 32 (block_size)\n"
     # 1 + 2 x 5 = 11 positions may change: the check changes token 10, which centres them.
     verdict = report.rstrip().splitlines()[-1]
     assert verdict.startswith(

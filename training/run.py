@@ -116,17 +116,15 @@ def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_open
     settings = {"device": trainer.runtime.device.type, "train.dtype": trainer.runtime.dtype_name,  # for plot.py
                 "train.compile": hasattr(trainer.step_model, "_orig_mod"), "threads": torch.get_num_threads()}
     if config.resume:
-        log.info(f"resuming {out_dir} at iter {trainer.progress.iter}")
-        drop_records_after(out_dir, trainer.progress.iter)  # a killed run's lines after its checkpoint
-        _warn_of_other_settings(out_dir, settings)
+        _cut_history(out_dir, trainer.progress.iter, settings)
     else:  # a run that died before its first ckpt.pt left these: not this run's
         (out_dir / METRICS_NAME).unlink(missing_ok=True)
         (out_dir / BEST_NAME).unlink(missing_ok=True)
     on_run_opened(out_dir)
-    write_text_atomically(out_dir / CONFIG_NAME, OmegaConf.to_yaml(trainer.resolved))
+    write_text_atomically(out_dir / CONFIG_NAME, OmegaConf.to_yaml(dataclasses.asdict(config)))
     trainer.metrics.write_settings(trainer.progress.iter, settings)
     if config.wandb.enabled:
-        trainer.metrics.start_wandb(config.wandb, trainer.resolved)
+        trainer.metrics.start_wandb(config.wandb, dataclasses.asdict(config))
     if trainer.eval_due():  # it may take a while before the first log line
         train = config.train
         val = "every window" if train.full_val else f"{train.eval_iters} batches"
@@ -144,9 +142,12 @@ def _start_line(trainer: Trainer) -> str:
             f"{hasattr(trainer.step_model, '_orig_mod')}{processes}, out_dir {trainer.out_dir}{mfu}")
 
 
-def _warn_of_other_settings(out_dir: Path, settings: dict[str, Any]) -> None:
-    """A resume whose threads (or device, precision, compile) differ from the run's last start: said in one line,
-    since they change the float sums' order and plot.py groups runs by them."""
+def _cut_history(out_dir: Path, iter: int, settings: dict[str, Any]) -> None:
+    """A resume drops a killed run's lines after its checkpoint, and says in one line where its threads (or device,
+    precision, compile) differ from the run's last start: they change the float sums' order, and plot.py groups runs
+    by them."""
+    log.info(f"resuming {out_dir} at iter {iter}")
+    drop_records_after(out_dir, iter)
     records = read_records(out_dir)[0] if (out_dir / METRICS_NAME).is_file() else []
     saved = next((r["settings"] for r in reversed(records) if "settings" in r), {})
     changed = [f"{key} {saved[key]} -> {value}" for key, value in settings.items() if saved.get(key, value) != value]
@@ -193,24 +194,22 @@ def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime,
     model.activation_checkpointing = train.activation_checkpointing
     if not (world.distributed and train.parallel == "fsdp"):  # FSDP2 moves each rank's shards to its device itself
         model.to(runtime.device)
-    wrapped = world.wrap(model, train.parallel, runtime.device)
-    use_compile = runtime.is_cuda if train.compile is None else train.compile
-    if use_compile and sys.platform == "win32" and train.compile is None:
-        use_compile = _compiles_on_windows()
+    step_model = world.wrap(model, train.parallel, runtime.device)
+    if train.compile or (train.compile is None and runtime.is_cuda and _compiles_here()):
+        step_model = torch.compile(step_model)
     byte_lengths = torch.from_numpy(tokenizer.token_byte_lengths()).to(runtime.device, torch.float64)
     peak = train.peak_tflops * 1e12 if train.peak_tflops else None
     if peak is None and runtime.is_cuda:
         peak = datasheet_peak(runtime.device, runtime.dtype)
     trainer = Trainer(
         config=config, world=world, runtime=runtime, out_dir=out_dir, data=data, tokenizer=tokenizer, model=model,
-        step_model=torch.compile(wrapped) if use_compile else wrapped,
-        optimizer=make_optimizer(model, train, runtime),
+        step_model=step_model, optimizer=make_optimizer(model, train, runtime),
         scaler=torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16),
         evaluator=Evaluator(data, train, config.seed, model.config.block_size, byte_lengths, runtime, world),
         hellaswag=_hellaswag(train, tokenizer, model.config.block_size, runtime, world)
         if train.hellaswag_every else None,
         metrics=MetricsLog(out_dir, active=world.is_main, max_iters=train.max_iters),
-        flops_per_token=flops_per_token, peak_flops=None if peak is None else peak * world.size, started=started,
+        flops_per_token=flops_per_token, peak_flops=peak * world.size if peak else None, started=started,
         before_step=before_step,
     )
     if checkpoint is not None:
@@ -326,9 +325,9 @@ def _hellaswag(train: OptimConfig, tokenizer: Tokenizer, block_size: int, runtim
     return HellaSwagEval(examples, train.hellaswag_every, block_size, runtime, world)
 
 
-def _compiles_on_windows() -> bool:
+def _compiles_here() -> bool:
     """torch.compile's GPU backend on Windows needs triton, which PyTorch doesn't bring: off without it, said."""
-    if importlib.util.find_spec("triton") is None:
+    if sys.platform == "win32" and importlib.util.find_spec("triton") is None:
         log.info("train.compile: off (torch.compile on Windows needs triton: pip install triton-windows)")
         return False
     return True

@@ -104,17 +104,14 @@ class Trainer:
         reported at log lines and evaluations. A signal stops the run after the current step, with a checkpoint."""
         p, train = self.progress, self.config.train
         self.tally = torch.tensor([p.log_loss_sum, p.log_steps, 0, 0, 0], device=self.runtime.device)
-        self.clock = paced_from = None  # the ETA's pace: from the end of this process's first step
         accum = train.grad_accum // self.world.size  # this process's share of the step's micro-batches
-        stopped_by = None
+        paced_from = stopped_by = None  # paced_from: the ETA's pace, from the end of this process's first step
         self.model.train()
         with StopRequests(second_quits=not self.world.distributed) as stop:
             while True:
                 lr = set_hyperparameters(self.optimizer, train, p.iter)
-                if self.eval_due() and self.evaluate_and_save():
-                    break  # the target is reached
-                if p.iter >= train.max_iters:
-                    break
+                if self.eval_due() and self.evaluate_and_save() or p.iter >= train.max_iters:
+                    break  # the target is reached, or the last step taken
                 if self.before_step is not None:
                     self.before_step(p.iter)
                 loss = torch.zeros((), device=self.runtime.device)
@@ -171,12 +168,17 @@ class Trainer:
         t[4] = (t[4] + 1) * ~finite
 
     def check_skips(self, evaluation: bool = False) -> int:
-        """train.on_nonfinite for the steps skipped since the last check: stop (ckpt.pt keeps the last good state), or
-        warn and go on, giving up after MAX_SKIPS_IN_A_ROW in a row, or at an evaluation none of whose steps since
-        the last applied. Returns the skips in a row up to now."""
+        """train.on_nonfinite for the steps skipped since the last check; returns the skips in a row up to now."""
         skipped, first, in_a_row = (int(v) for v in self.tally[2:].tolist())
-        p, train = self.progress, self.config.train
         self.tally[2] = 0  # and the next skip overwrites the first one's iteration
+        if skipped or in_a_row:
+            self.report_skips(skipped, first, in_a_row, evaluation)
+        return in_a_row
+
+    def report_skips(self, skipped: int, first: int, in_a_row: int, evaluation: bool) -> None:
+        """Stop (ckpt.pt keeps the last good state), or warn and go on, giving up after MAX_SKIPS_IN_A_ROW in a row,
+        or at an evaluation none of whose steps since the last applied."""
+        p, train = self.progress, self.config.train
         said = f"the loss is not finite at iter {first}" + (f" and {skipped - 1} later step(s)" if skipped > 1 else "")
         if skipped and train.on_nonfinite == "stop":
             raise TrainingDiverged(f"{said}; {self.last_checkpoint()}. Lower train.learning_rate (or keep "
@@ -187,7 +189,6 @@ class Trainer:
                                    "train.learning_rate")
         if skipped:
             log.warning(f"skipped {skipped} step(s): {said}")
-        return in_a_row
 
     def last_checkpoint(self) -> str:
         """What the run directory holds now: the words of every message about the last good state."""
@@ -202,24 +203,21 @@ class Trainer:
         losses = self.evaluator(self.step_model)
         # against best.pt's own val loss, not best_val_loss: that may come from before keep_best was turned on
         best = train.keep_best and losses.val < p.kept_best_val_loss
-        if best:
-            p.kept_best_val_loss = losses.val
-        p.val_loss, p.last_eval_iter = losses.val, p.iter
-        p.best_val_loss = min(p.best_val_loss, losses.val)
-        reached = self.reaches_target(losses.val)
+        p.kept_best_val_loss = losses.val if best else p.kept_best_val_loss
+        p.val_loss, p.last_eval_iter, p.best_val_loss = losses.val, p.iter, min(p.best_val_loss, losses.val)
         record = {"iter": p.iter, "train_loss": losses.train, "val_loss": losses.val, "val_bpb": losses.val_bpb,
                   "elapsed_s": self.elapsed()}  # before HellaSwag: time_to_target_s is the training's
-        if self.hellaswag is not None and self.hellaswag.due(p.iter):
+        if self.hellaswag is not None and p.iter % self.hellaswag.every == 0:
             record |= self.hellaswag(self.model)  # not compiled: each example has its own length
-        if reached:
-            record["time_to_target_s"] = record["elapsed_s"]
-        self.metrics.write(record)
+        reached = self.reaches_target(losses.val)
+        self.metrics.write(record | ({"time_to_target_s": record["elapsed_s"]} if reached else {}))
         if reached:
             log.info(f"reached val loss {losses.val:.4f} <= {train.target_val_loss} at iter {p.iter}")
+        latest = p.iter > 0 or p.iter >= train.max_iters  # at iter 0 only best.pt (or max_iters=0's end)
         if not math.isfinite(losses.val):
             log.warning(f"val loss is {losses.val} at iter {p.iter}: keeping the previous checkpoint")
-        elif p.iter > 0 or p.iter >= train.max_iters or best:  # at iter 0 only best.pt (or max_iters=0's end)
-            self.save(latest=p.iter > 0 or p.iter >= train.max_iters, best=best)
+        elif latest or best:
+            self.save(latest, best)
         if self.clock is not None:  # the evaluation and the save are left out of the log line's timing
             self.clock = (time.perf_counter(), p.iter)
         return reached
@@ -232,11 +230,6 @@ class Trainer:
     def reaches_target(self, val_loss: float) -> bool:
         target = self.config.train.target_val_loss
         return target is not None and val_loss <= target
-
-    @property
-    def resolved(self) -> dict[str, Any]:
-        """The config as config.yaml and the checkpoint hold it."""
-        return dataclasses.asdict(self.config)
 
     def log_line(self, lr: float, paced_from: tuple[float, int]) -> None:
         """The mean loss of the steps applied since the last line; tokens/s and MFU over the steps since the line or
@@ -271,15 +264,12 @@ class Trainer:
         rng = self.world.all_gather(self.rng_state())  # each rank's dropout stream
         if not self.world.is_main:
             return
-        progress = dataclasses.replace(self.progress, elapsed_s=self.elapsed())
-        if self.tally is not None:  # the log line under way: a resumed run logs the same mean
-            progress.log_loss_sum, applied = self.tally[:2].tolist()
-            progress.log_steps = int(applied)
-        checkpoint = Checkpoint(
-            model_config=self.model.config, model=model_state, tokenizer=self.data.meta["tokenizer"],
-            config=self.resolved, progress=progress,
-            optimizer=optimizer_state, scaler=self.scaler.state_dict(), rng=rng, dtype=self.runtime.dtype_name,
-        )
+        loss_sum, applied = self.tally[:2].tolist()  # the log line under way: a resumed run logs the same mean
+        progress = dataclasses.replace(self.progress, elapsed_s=self.elapsed(), log_loss_sum=loss_sum,
+                                       log_steps=int(applied))
+        checkpoint = Checkpoint(self.model.config, model_state, self.data.meta["tokenizer"],
+                                dataclasses.asdict(self.config), progress, optimizer_state, self.scaler.state_dict(),
+                                rng, self.runtime.dtype_name)
         try:
             if best:
                 save_checkpoint(self.out_dir / BEST_NAME, checkpoint)
@@ -372,24 +362,14 @@ def make_optimizer(model: nn.Module, train: OptimConfig, runtime: Runtime) -> to
     return torch.optim.AdamW(groups, lr=train.learning_rate, betas=(train.beta1, train.beta2), fused=True)
 
 
-def _muon(
-    groups: list[dict[str, Any]], hidden: dict[str, nn.Parameter], train: OptimConfig, runtime: Runtime
-) -> MuonAdamW:
+def _muon(groups: list[dict[str, Any]], hidden: dict[str, nn.Parameter], train: OptimConfig,
+          runtime: Runtime) -> MuonAdamW:
     """Muon for hidden matrices, AdamW for the rest; Newton-Schulz in bf16 under bf16 autocast (faster), else fp32."""
     adamw = {"muon": False, "lr": train.learning_rate, "betas": (train.beta1, train.beta2), "eps": 1e-8}
-    muon = {
-        "muon": True,
-        "params": list(hidden.values()),
-        "lr": train.muon_lr,
-        "momentum": train.muon_momentum,
-        "nesterov": True,
-        "ns_steps": train.muon_ns_steps,
-        "weight_decay": train.weight_decay,  # decoupled, as AdamW's
-    }
-    return MuonAdamW(
-        [*({**adamw, **g} for g in groups), muon],
-        ns_dtype=torch.bfloat16 if runtime.dtype == torch.bfloat16 else torch.float32,
-    )
+    muon = {"muon": True, "params": list(hidden.values()), "lr": train.muon_lr, "momentum": train.muon_momentum,
+            "nesterov": True, "ns_steps": train.muon_ns_steps, "weight_decay": train.weight_decay}  # decoupled
+    ns_dtype = torch.bfloat16 if runtime.dtype == torch.bfloat16 else torch.float32
+    return MuonAdamW([*({**adamw, **g} for g in groups), muon], ns_dtype=ns_dtype)
 
 
 def hidden_matrices(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -403,7 +383,8 @@ def hidden_matrices(model: nn.Module) -> dict[str, nn.Parameter]:
 
 def set_hyperparameters(optimizer: torch.optim.Optimizer, train: OptimConfig, step: int) -> float:
     """The step's learning rate (Muon's scaled to muon_lr) and Muon's momentum, from the step alone; AdamW's lr."""
-    lr = scheduled_lr(train, step)
+    t = train
+    lr = lr_at(step, t.learning_rate, t.min_lr, t.warmup_iters, t.decay_iters, t.lr_schedule, t.cooldown_frac)
     for group in optimizer.param_groups:
         if group.get("muon"):
             group["lr"] = train.muon_lr * lr / train.learning_rate
@@ -411,12 +392,6 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer, train: OptimConfig, st
         else:
             group["lr"] = lr
     return lr
-
-
-def scheduled_lr(train: OptimConfig, step: int) -> float:
-    """AdamW's learning rate at `step` under the config's schedule."""
-    t = train
-    return lr_at(step, t.learning_rate, t.min_lr, t.warmup_iters, t.decay_iters, t.lr_schedule, t.cooldown_frac)
 
 
 def muon_momentum_at(step: int, momentum: float, warmup_iters: int) -> float:
@@ -462,17 +437,10 @@ class MetricsLog:
         import wandb
 
         try:
-            self.wandb_run = wandb.init(
-                project=config.project,
-                entity=config.entity,
-                name=config.run_name,
-                mode=config.mode,  # None: wandb follows $WANDB_MODE, online by default
-                tags=list(config.tags),
-                group=config.group,
-                config=run_config,
-                dir=str(self.path.parent),
-                settings=wandb.Settings(init_timeout=config.init_timeout),
-            )
+            self.wandb_run = wandb.init(  # mode None: wandb follows $WANDB_MODE, online by default
+                project=config.project, entity=config.entity, name=config.run_name, mode=config.mode,
+                tags=list(config.tags), group=config.group, config=run_config, dir=str(self.path.parent),
+                settings=wandb.Settings(init_timeout=config.init_timeout))
         except Exception as err:  # no API key, no network, a refused login: the run matters more than its charts
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             log.warning(f"wandb did not start ({reason}); training goes on without it, metrics.jsonl has everything")
@@ -635,9 +603,6 @@ class HellaSwagEval:
     block_size: int
     runtime: Runtime
     world: World
-
-    def due(self, iteration: int) -> bool:
-        return iteration % self.every == 0
 
     @torch.no_grad()
     def __call__(self, model: torch.nn.Module) -> dict[str, float]:

@@ -15,7 +15,6 @@ register_schemas()
 
 
 def usage() -> str:
-    """`python eval.py --help`: the keys set most; every key: docs/reference.md."""
     return """Score a model: loss, perplexity and bits per byte of a text, and HellaSwag. Settings are key=value.
 
 Keys set most:

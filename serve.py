@@ -11,7 +11,6 @@ register_schemas()
 
 
 def usage() -> str:
-    """`python serve.py --help`: the keys set most; every key: docs/reference.md."""
     return """Serve a model through OpenAI's completions API, with a live page at /. Settings are key=value.
 
 Keys set most:

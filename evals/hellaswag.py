@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 from common.errors import DataError
 from common.runtime import why_not_a_file
 from data.prepare import DEFAULT_CACHE
-from data.source import download
+from data.source import download, read_utf8
 from data.tokenizers import Tokenizer
 from evals.perplexity import Autocast
 
@@ -35,7 +34,7 @@ class Example:
 def hellaswag_path(file: str | None, key: str, cached_copy: Path = CACHED_COPY, url: str = HELLASWAG_URL) -> Path:
     """The validation set: the file named by `key` (its config key), else the cached copy, else its download."""
     if file is not None:
-        path = Path(os.path.expanduser(file))
+        path = Path(file)
         if not path.is_file():
             raise DataError(f"{key}={file} {why_not_a_file(path)}; name a HellaSwag .jsonl file (hellaswag_val.jsonl)")
         return path
@@ -47,26 +46,21 @@ def hellaswag_path(file: str | None, key: str, cached_copy: Path = CACHED_COPY, 
 def load_examples(path: Path, tokenizer: Tokenizer) -> list[Example]:
     """Every example of the .jsonl file, tokenized."""
     examples = []
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise DataError(f"{path}:{number} is not UTF-8 text; name the HellaSwag .jsonl file itself") from None
-            if not line.strip():
-                continue
-            try:
-                fields = json.loads(line)
-                ctx, endings, label = fields["ctx"], fields["endings"], fields["label"]
-                valid = (isinstance(ctx, str) and isinstance(label, int) and 0 <= label < ENDINGS
-                         and isinstance(endings, list) and len(endings) == ENDINGS
-                         and all(isinstance(end, str) for end in endings))
-            except (ValueError, TypeError, KeyError):
-                valid = False
-            if not valid:
-                raise DataError(f"{path}:{number} is not a HellaSwag example (ctx, {ENDINGS} endings, label 0 to "
-                                f"{ENDINGS - 1})")
-            examples.append(Example(tokenizer.encode(ctx), [tokenizer.encode(" " + end) for end in endings], label))
+    for number, line in enumerate(read_utf8(path).split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            fields = json.loads(line)
+            ctx, endings, label = fields["ctx"], fields["endings"], fields["label"]
+            valid = (isinstance(ctx, str) and isinstance(label, int) and 0 <= label < ENDINGS
+                     and isinstance(endings, list) and len(endings) == ENDINGS
+                     and all(isinstance(end, str) for end in endings))
+        except (ValueError, TypeError, KeyError):
+            valid = False
+        if not valid:
+            raise DataError(f"{path}:{number} is not a HellaSwag example (ctx, {ENDINGS} endings, label 0 to "
+                            f"{ENDINGS - 1})")
+        examples.append(Example(tokenizer.encode(ctx), [tokenizer.encode(" " + end) for end in endings], label))
     if not examples:
         raise DataError(f"{path} holds no HellaSwag examples")
     return examples
@@ -100,6 +94,5 @@ def hellaswag_sums(model: torch.nn.Module, examples: Iterable[tuple[Example, boo
     for example, counted in examples:
         total, mean = ending_scores(model, example, block_size, device, autocast)
         if counted:
-            label = example.label
-            sums += torch.tensor([int(total.argmax()) == label, int(mean.argmax()) == label, 1], dtype=torch.float64)
+            sums += torch.tensor([total.argmax() == example.label, mean.argmax() == example.label, 1]).double()
     return sums

@@ -26,17 +26,12 @@ class Window:
 
 def windows(n_tokens: int, context: int, stride: int) -> Iterator[Window]:
     """Windows over n_tokens tokens: each of the n_tokens - 1 targets (all but the first) scored by exactly one."""
-    targets = n_tokens - 1
-    if targets < 1:
-        return
-    if targets <= context:
-        yield Window(0, targets, targets)
-        return
+    targets, length = n_tokens - 1, min(context, n_tokens - 1)  # a text shorter than the context: one window
     scored_to, offset = 0, 0  # targets scored so far; where the next window would start
     while scored_to < targets:
-        start = min(offset, targets - context)
-        yield Window(start, context, start + context - scored_to)
-        scored_to, offset = start + context, offset + stride
+        start = min(offset, targets - length)
+        yield Window(start, length, start + length - scored_to)
+        scored_to, offset = start + length, offset + stride
 
 
 @torch.no_grad()

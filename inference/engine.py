@@ -120,11 +120,10 @@ class Engine:
         """The job's prompts scored (echo with logprobs), then each prompt's n choices generated as one batch."""
         try:
             with self.runtime.autocast():
-                if job.score_prompts:
-                    prompts = [choice.prompt for choice in job.choices[:: job.n]]
-                    for i, scores in enumerate(prompt_scores(self.model, prompts, job.logprobs or 0)):
-                        for choice in job.choices[i * job.n : (i + 1) * job.n]:
-                            choice.prompt_scores = scores
+                if job.score_prompts:  # each prompt once, however many choices it has
+                    scores = prompt_scores(self.model, [c.prompt for c in job.choices[:: job.n]], job.logprobs or 0)
+                    for choice in job.choices:
+                        choice.prompt_scores = scores[choice.index // job.n]
                 for start in range(0, len(job.choices), job.n):
                     self._generate(job, job.choices[start : start + job.n])
         except Exception:  # this request fails (too long for memory, say): the engine serves the next

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,12 +15,11 @@ from common.errors import ConfigError, DataError
 from common.runtime import check_memory, make_runtime, memory_bytes
 from data.prepare import DataConfig, dataset_dir, ensure_prepared
 from data.source import read_utf8
-from data.tokenizers import CharTokenizer, Tokenizer
+from data.tokenizers import CharTokenizer
 from evals.hellaswag import hellaswag_path, hellaswag_sums, load_examples
 from evals.perplexity import score_sequences
 from inference.sampling import EvalConfig, load_model
 from model import GPTConfig
-from model.gpt import Checkpoint
 
 
 def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
@@ -45,10 +43,23 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
     record: dict[str, Any] = {}
     source = None  # init_from with hellaswag=true alone: no text to score
     if cfg.input is not None:
-        source, sequences = cfg.input, [_file_tokens(cfg.input, tokenizer)]
-    elif loaded.checkpoint is not None:
-        data_dir, sequences = _val_split(loaded.checkpoint, cfg.out_dir)
-        source = f"{data_dir} (val split)"
+        if not Path(cfg.input).is_file():
+            raise DataError(f"input={cfg.input} is not a file; name a UTF-8 text file")
+        source, sequences = cfg.input, [np.asarray(tokenizer.encode(read_utf8(Path(cfg.input))), dtype=np.int64)]
+        if len(sequences[0]) < 2:
+            raise DataError(f"input={cfg.input} has {len(sequences[0])} token(s): at least 2 are needed to score one")
+    elif loaded.checkpoint is not None:  # the val split the run was trained beside, found by its saved data.* keys
+        known = {f.name for f in dataclasses.fields(DataConfig)}
+        data_cfg = DataConfig(**{k: v for k, v in loaded.checkpoint.config["data"].items() if k in known})
+        try:
+            data = ensure_prepared(data_cfg, prepare=False)  # read, never made: a moved or changed source is an error
+        except DataError:
+            raise DataError(f"no val split of {cfg.out_dir} in {dataset_dir(data_cfg.name, data_cfg.dir)} (train.py "
+                            "prepares it there from the run's data.* keys; gone, or its source changed since): pass "
+                            "input=FILE") from None
+        if data.meta["tokenizer"] != loaded.checkpoint.tokenizer:
+            raise DataError(f"the val split in {data.dir} was tokenized unlike {cfg.out_dir}'s model; pass input=FILE")
+        source, sequences = f"{data.dir} (val split)", [data.val.open(i) for i in range(len(data.val.paths))]
     if source is not None:
         batch_size = cfg.batch_size or max(1, 4096 // context)  # a big batch keeps small models' matmuls efficient
         batch_size = _fitting_batch(batch_size, model.config, context, runtime.device)
@@ -75,28 +86,3 @@ def _fitting_batch(batch_size: int, config: GPTConfig, context: int, device: tor
         print(f"eval.py: batch_size={batch_size} windows don't fit in memory; scoring {fitting} a pass",
               file=sys.stderr)
     return fitting
-
-
-def _file_tokens(input_path: str, tokenizer: Tokenizer) -> np.ndarray:
-    path = Path(os.path.expanduser(input_path))
-    if not path.is_file():
-        raise DataError(f"input={input_path} is not a file; name a UTF-8 text file")
-    tokens = np.asarray(tokenizer.encode(read_utf8(path)), dtype=np.int64)
-    if len(tokens) < 2:
-        raise DataError(f"input={input_path} has {len(tokens)} token(s): at least 2 are needed to score one")
-    return tokens
-
-
-def _val_split(checkpoint: Checkpoint, out_dir: str | None) -> tuple[Path, list[np.ndarray]]:
-    """The token files of the val split the run was trained beside, found through its saved data.* keys."""
-    known = {f.name for f in dataclasses.fields(DataConfig)}
-    config = DataConfig(**{k: v for k, v in checkpoint.config["data"].items() if k in known})
-    try:
-        data = ensure_prepared(config, prepare=False)  # read, never made: a moved or changed source is an error
-    except DataError:
-        where = dataset_dir(config.name, config.dir)
-        raise DataError(f"no val split of {out_dir} in {where} (train.py prepares it there from the run's data.* "
-                        "keys; gone, or its source changed since): pass input=FILE") from None
-    if data.meta["tokenizer"] != checkpoint.tokenizer:
-        raise DataError(f"the val split in {data.dir} was tokenized unlike {out_dir}'s model; pass input=FILE")
-    return data.dir, [data.val.open(i) for i in range(len(data.val.paths))]

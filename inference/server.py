@@ -27,7 +27,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.sse import EventSourceResponse, format_sse_event
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import ClientDisconnect
@@ -64,9 +64,6 @@ class ApiError(Exception):
         self.status, self.headers = status, headers
         self.body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
-
 
 class CompletionRequest(BaseModel):
     """OpenAI's /v1/completions fields, plus vLLM's top_k and min_p; other fields only at no-op values."""
@@ -88,13 +85,6 @@ class CompletionRequest(BaseModel):
     logprobs: StrictInt | None = Field(None, ge=0, le=5)  # each token's log-probability and this many likeliest others'
     echo: StrictBool = False  # the prompt's text (and its tokens' logprobs) before the generated text
 
-    @field_validator("prompt")
-    @classmethod
-    def _prompts(cls, prompt: Any) -> Any:
-        if isinstance(prompt, list) and (not prompt or any(p == [] for p in prompt)):
-            raise ValueError("prompt is an empty list; give a string, a list of strings or of token ids")
-        return prompt
-
 
 class TokenizeRequest(BaseModel):  # vLLM's add_special_tokens is ignored: these tokenizers add none
     prompt: str
@@ -104,16 +94,12 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt]
 
 
-class PageText(BaseModel):
-    """The live page's text, whose first prompt_chars characters are the prompt."""
-
+class PageText(BaseModel):  # the live page's text
     text: str
-    prompt_chars: StrictInt = 0
+    prompt_chars: StrictInt = 0  # its first prompt_chars characters are the prompt
 
 
-class PageChange(PageText):
-    """Replace the text's token `position` (of its last block_size) with `replacement`, one token's text."""
-
+class PageChange(PageText):  # replace the text's token `position` (of its last block_size) with `replacement`
     position: StrictInt
     replacement: str
 
@@ -140,7 +126,7 @@ class Service:
         for name, allowed in UNSUPPORTED.items():
             if (value := (r.model_extra or {}).get(name)) not in allowed:
                 raise ApiError(400, f"{name}={value!r} is not supported by this server; leave it out", name)
-        prompts = [r.prompt] if isinstance(r.prompt, str) or isinstance(r.prompt[0], int) else r.prompt
+        prompts = [r.prompt] if isinstance(r.prompt, str) or all(isinstance(p, int) for p in r.prompt) else r.prompt
         choices, stops = len(prompts) * r.n, [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
         checks = [
             (r.max_tokens >= (0 if r.echo else 1), "max_tokens",
@@ -153,7 +139,7 @@ class Service:
             ("" not in stops, "stop", "stop has an empty string, which would stop at once; remove it"),
             (len(stops) <= MAX_STOPS and max(map(len, stops), default=0) <= MAX_STOP_CHARS, "stop",
              f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters"),
-            (all(prompts), "prompt", "prompt is empty; give at least one character"),
+            (all(prompts), "prompt", "prompt is empty; give at least one character or token id"),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -171,16 +157,15 @@ class Service:
         generators = row_generators(r.seed, len(choices), self.engine.runtime.device)
         return Job(choices, r.n, r.max_tokens, decoding, generators, r.logprobs, r.echo and r.logprobs is not None)
 
-    def encode(self, text: str, end_of_text: bool = False) -> list[int]:
-        """Its tokens, as sample.py's prompts; end_of_text: its end-of-text marks as that token (vLLM's /tokenize)."""
-        end = self.tokenizer.end_of_text
+    def encode(self, text: str, end_of_text: bool = False, param: str = "prompt") -> list[int]:
+        """Its tokens, as sample.py's prompts (a 400 naming `param` for a character a char-level model has never
+        seen); end_of_text: its end-of-text marks as that token (vLLM's /tokenize)."""
+        end = self.tokenizer.end_of_text if end_of_text else None
         try:
-            if not (end_of_text and end):
-                return self.tokenizer.encode(text)
-            parts = [self.tokenizer.encode(part) for part in text.split(end)]
-            return [i for n, part in enumerate(parts) for i in ([self.tokenizer.end_of_text_id] if n else []) + part]
-        except UserError as err:  # a character a char-level model has never seen
-            raise ApiError(400, f"prompt: {err}", "prompt") from None
+            parts = [self.tokenizer.encode(part) for part in (text.split(end) if end else [text])]
+        except UserError as err:
+            raise ApiError(400, f"{param}: {err}", param) from None
+        return [i for n, part in enumerate(parts) for i in ([self.tokenizer.end_of_text_id] if n else []) + part]
 
     def known_ids(self, ids: list[int], param: str = "tokens") -> list[int]:
         unknown = [i for i in ids if self.token_text(i) is None]
@@ -191,10 +176,8 @@ class Service:
 
     def token_text(self, token: int) -> str | None:
         """A token's text; None for an id with none (the model's padded vocabulary, an encoding's unused ids)."""
-        if not 0 <= token < self.tokenizer.vocab_size:
-            return None
         try:
-            return self.tokenizer.decode([token])
+            return self.tokenizer.decode([token]) if 0 <= token < self.tokenizer.vocab_size else None
         except KeyError:  # tiktoken's encodings with gaps (cl100k_base)
             return None
 
@@ -232,14 +215,30 @@ class Service:
         finally:
             self.turn.release()
 
+    async def body(self, http: Request, schema: type[Body]) -> Body:
+        """The body, at most max_body_bytes by its Content-Length (which h11 holds it to), parsed as `schema`."""
+        length, max_bytes = http.headers.get("content-length", ""), self.limits.max_body_bytes
+        if not length.isdigit():  # every client sends it with a JSON body; a chunked one could grow without a bound
+            raise ApiError(411, "send the body with a Content-Length header")
+        if int(length) > max_bytes:
+            raise ApiError(413, f"the body is larger than {max_bytes} bytes (max_body_bytes)")
+        try:
+            return schema.model_validate_json(await http.body())
+        except ClientDisconnect:
+            raise ApiError(400, "the client left before sending the whole body") from None
+        except ValidationError as err:
+            first = err.errors()[0]
+            if first["type"] == "json_invalid":
+                raise ApiError(400, "the body is not valid JSON") from None
+            where = [str(part) for part in first["loc"]]
+            value = f" (got {json.dumps(first['input'])[:80]})" if where else ""
+            param = where[0] if where else None
+            raise ApiError(400, f"{'.'.join(where) or 'body'}: {first['msg']}{value}", param) from None
+
     async def run(self, work: Callable[[], Any]) -> Any:
         """work() on the engine's thread in its turn (the live page's model work), queued as a request is."""
         async with self.in_turn(time.monotonic() + self.limits.timeout_s):
             return await asyncio.get_running_loop().run_in_executor(self.engine.thread, work)
-
-    def answer(self, completion_id: str, created: int, choices: list[dict[str, Any]], **extra: Any) -> dict:
-        return {"id": completion_id, "object": "text_completion", "created": created, "model": self.model_id,
-                "choices": choices, **extra}
 
 
 @dataclasses.dataclass
@@ -274,10 +273,8 @@ class Reported:
             top = None if scored is None else {}
             for t, p in [] if scored is None else scored.top:  # likeliest first: tokens of one text keep the first
                 top.setdefault(self.token_text(t) or "", p)
-            body["tokens"].append(text)
-            body["token_logprobs"].append(None if scored is None else scored.logprob)
-            body["top_logprobs"].append(top)
-            body["text_offset"].append(self.offset)
+            for key, value in zip(body, (text, scored and scored.logprob, top, self.offset), strict=True):
+                body[key].append(value)
             self.offset += len(text)
         return body
 
@@ -313,7 +310,7 @@ async def updates_of(service: Service, job: Job, timeout_at: float) -> AsyncIter
         job.cancelled = True
 
 
-async def stream_events(service: Service, answer: Callable[..., dict], job: Job, reported: list[Reported],
+async def stream_events(service: Service, head: dict[str, Any], job: Job, reported: list[Reported],
                         timeout_at: float, include_usage: bool) -> AsyncIterator[bytes]:
     """OpenAI's chunks as server-sent events, one per choice per model step (an engine batch names a choice once),
     then `data: [DONE]`. With include_usage each chunk has "usage": null, and a last one without choices the usage."""
@@ -322,46 +319,20 @@ async def stream_events(service: Service, answer: Callable[..., dict], job: Job,
         async for batch in updates_of(service, job, timeout_at):
             for index, piece, done, tokens in batch:
                 choice = reported[index].chunk(piece, tokens, job.choices[index].finish_reason if done else None)
-                yield format_sse_event(data_str=json.dumps(answer([choice], **extra)))
+                yield format_sse_event(data_str=json.dumps({**head, "choices": [choice], **extra}))
     except ApiError as err:
         yield format_sse_event(data_str=json.dumps(err.body))
     if include_usage:
-        yield format_sse_event(data_str=json.dumps(answer([], usage=usage(job))))
+        yield format_sse_event(data_str=json.dumps({**head, "choices": [], "usage": usage(job)}))
     yield format_sse_event(data_str="[DONE]")
 
 
-async def read_body(http: Request, schema: type[Body], max_bytes: int) -> Body:
-    """The body, at most max_bytes by its Content-Length (which h11 holds it to), parsed as `schema` (400 naming
-    the field)."""
-    length = http.headers.get("content-length", "")
-    if not length.isdigit():  # every client sends it with a JSON body; a chunked one could grow without a bound
-        raise ApiError(411, "send the body with a Content-Length header")
-    if int(length) > max_bytes:
-        raise ApiError(413, f"the body is larger than {max_bytes} bytes (max_body_bytes)")
-    try:
-        body = await http.body()
-    except ClientDisconnect:
-        raise ApiError(400, "the client left before sending the whole body") from None
-    try:
-        return schema.model_validate_json(body)
-    except ValidationError as err:
-        first = err.errors()[0]
-        if first["type"] == "json_invalid":
-            raise ApiError(400, "the body is not valid JSON") from None
-        where = [str(part) for part in first["loc"]]
-        value = f" (got {json.dumps(first['input'])[:80]})" if where else ""
-        param = where[0] if where else None
-        raise ApiError(400, f"{'.'.join(where) or 'body'}: {first['msg']}{value}", param) from None
-
-
-def create_app(service: Service, api_key: str | None = None, on_ready: Callable[[], None] | None = None,
-               hosts: list[str] | None = None) -> FastAPI:
-    """The ASGI app; hosts: the only Host header names it answers (Starlette's TrustedHostMiddleware), or any."""
+def create_app(service: Service, api_key: str | None, banner: str, hosts: list[str] | None) -> FastAPI:
+    """The ASGI app, which prints the banner once it listens; hosts: the only Host header names it answers, or any."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if on_ready is not None:
-            on_ready()
+        print(banner, file=sys.stderr, flush=True)
         yield
         await asyncio.to_thread(service.engine.thread.shutdown, cancel_futures=True)
 
@@ -370,26 +341,29 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts, www_redirect=False)
 
     def key_given(credentials: HTTPAuthorizationCredentials | None) -> bool:
-        """The header's bytes (HTTP hands them over as latin-1) against the key's UTF-8, in constant time."""
+        """No key is set, or the header's bytes (HTTP hands them over as latin-1) equal its UTF-8, in constant time."""
         given = b"" if credentials is None else credentials.credentials.encode("latin-1", "replace")
-        return credentials is not None and secrets.compare_digest(given, api_key.encode("utf-8"))
+        return api_key is None or secrets.compare_digest(given, api_key.encode("utf-8"))  # b"" never equals a key
 
     async def authorised(credentials: Credentials) -> None:
-        if api_key is not None and not key_given(credentials):
+        if not key_given(credentials):
             raise ApiError(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
                            code="invalid_api_key")
 
-    async def body(http: Request, schema: type[Body]) -> Body:
-        return await read_body(http, schema, service.limits.max_body_bytes)
+    # errors as OpenAI's error object: a refused request, an unknown endpoint (a bug stays Starlette's 500)
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, err: ApiError) -> JSONResponse:
+        return JSONResponse(err.body, status_code=err.status, headers=err.headers)
 
-    _answer_errors(app)
-    _add_page(app, service, authorised, body)
-    _add_tokenizer(app, service, authorised, body)
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no such endpoint: {request.url.path}"}.get(err.status_code, str(err.detail))
+        return await api_error(request, ApiError(err.status_code, message))
 
     @app.get("/health")
     async def health(credentials: Credentials) -> dict[str, Any]:
         """Alive, for anyone (a load balancer's checks); the load too, with the key if one is set."""
-        if api_key is not None and not key_given(credentials):
+        if not key_given(credentials):
             return {"status": "ok"}
         return {"status": "ok", "model": service.model_id, "running": int(service.turn.locked()),
                 "waiting": service.waiting, "finished": dict(service.engine.finished)}
@@ -401,29 +375,32 @@ def create_app(service: Service, api_key: str | None = None, on_ready: Callable[
 
     @app.post("/v1/completions", dependencies=[Depends(authorised)])
     async def completions(http: Request):
-        request = await body(http, CompletionRequest)
+        request = await service.body(http, CompletionRequest)
         job = await asyncio.to_thread(service.job, request)  # tokenizing a long prompt: off the event loop
         token_text = service.token_text if request.logprobs is not None else None
         reported = [Reported(c, service.tokenizer.decode(c.prompt) if request.echo else "", token_text)
                     for c in job.choices]
-        answer = functools.partial(service.answer, f"cmpl-{secrets.token_hex(12)}", int(time.time()))
+        head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
+                "model": service.model_id}  # one for the whole stream
         timeout_at = time.monotonic() + service.limits.timeout_s
         if request.stream:
             service.has_room()
             include_usage = bool((request.stream_options or {}).get("include_usage"))
-            return EventSourceResponse(stream_events(service, answer, job, reported, timeout_at, include_usage))
+            return EventSourceResponse(stream_events(service, head, job, reported, timeout_at, include_usage))
         async for _ in updates_of(service, job, timeout_at):
             pass
         choices = [r.chunk(r.choice.text.text, len(r.choice.tokens), r.choice.finish_reason) for r in reported]
-        return answer(choices, usage=usage(job))
+        return {**head, "choices": choices, "usage": usage(job)}
 
+    add_tokenizer_and_page(app, service, authorised)
     return app
 
 
-def _add_tokenizer(app: FastAPI, service: Service, authorised: Callable[..., Any], body: Callable) -> None:
-    """vLLM's tokenizer endpoints, which lm-evaluation-harness's local-completions uses by itself."""
-    block_size = service.engine.model.config.block_size
+def add_tokenizer_and_page(app: FastAPI, service: Service, authorised: Callable[..., Any]) -> None:
+    """vLLM's tokenizer endpoints, and the live page with its endpoints."""
+    model, block_size = service.engine.model, service.engine.model.config.block_size
 
+    # vLLM's tokenizer endpoints, which lm-evaluation-harness's local-completions uses by itself
     @app.get("/tokenizer_info", dependencies=[Depends(authorised)])
     async def tokenizer_info() -> dict[str, Any]:
         return {"eos_token": service.tokenizer.end_of_text, "bos_token": None, "pad_token": None,
@@ -431,46 +408,29 @@ def _add_tokenizer(app: FastAPI, service: Service, authorised: Callable[..., Any
 
     @app.post("/tokenize", dependencies=[Depends(authorised)])
     async def tokenize(http: Request) -> dict[str, Any]:
-        ids = await asyncio.to_thread(service.encode, (await body(http, TokenizeRequest)).prompt, True)
+        ids = await asyncio.to_thread(service.encode, (await service.body(http, TokenizeRequest)).prompt, True)
         return {"tokens": ids, "count": len(ids), "max_model_len": block_size}
 
     @app.post("/detokenize", dependencies=[Depends(authorised)])
     async def detokenize(http: Request) -> dict[str, str]:
-        ids = await asyncio.to_thread(service.known_ids, (await body(http, DetokenizeRequest)).tokens)
+        ids = await asyncio.to_thread(service.known_ids, (await service.body(http, DetokenizeRequest)).tokens)
         return {"prompt": await asyncio.to_thread(service.tokenizer.decode, ids)}
 
-
-def _answer_errors(app: FastAPI) -> None:
-    """Errors as OpenAI's error object: a refused request, an unknown endpoint (a bug stays Starlette's 500)."""
-
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, err: ApiError) -> JSONResponse:
-        return err.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
-        message = {404: f"no such endpoint: {request.url.path}"}.get(err.status_code, str(err.detail))
-        return ApiError(err.status_code, message).response()
-
-
-def _add_page(app: FastAPI, service: Service, authorised: Callable[..., Any], body: Callable) -> None:
-    """The live page at / and its endpoints under /page/: the tokens, the attention explorer and the causal-mask
-    demo, whose model work takes its turn as a request does (the attention maps switch the layers to capturing)."""
-    model = service.engine.model
-
+    # the live page and its endpoints, whose model work takes its turn as a request does
     @app.get("/", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"))
 
     @app.post("/page/tokens", dependencies=[Depends(authorised)])
     async def page_tokens(http: Request) -> dict[str, Any]:
-        _, tokens, n_prompt, note = await asyncio.to_thread(tokens_on_page, service, await body(http, PageText))
+        _, tokens, n_prompt, note = await asyncio.to_thread(tokens_on_page, service, await service.body(http, PageText))
         return {"tokens": tokens, "prompt_tokens": n_prompt, "note": note}
 
     @app.post("/page/attention", dependencies=[Depends(authorised)], response_class=HTMLResponse)
     async def page_attention(http: Request) -> HTMLResponse:
-        """The attention explorer's page (analysis/explorer.py) for the text on screen."""
-        ids, tokens, n_prompt, note = await asyncio.to_thread(tokens_on_page, service, await body(http, PageText))
+        """The attention explorer's page (analysis/explorer.py) for the text on screen (the layers capture the maps)."""
+        page = await service.body(http, PageText)
+        ids, tokens, n_prompt, note = await asyncio.to_thread(tokens_on_page, service, page)
         if service.induction is None:
             service.induction = await service.run(lambda: induction_scores(model))
         title = f"{service.model_id} (live)"
@@ -479,14 +439,25 @@ def _add_page(app: FastAPI, service: Service, authorised: Callable[..., Any], bo
 
     @app.post("/page/causality", dependencies=[Depends(authorised)])
     async def page_causality(http: Request) -> dict[str, Any]:
-        """Replace one token: how much every position's prediction changes, on both attention paths."""
-        change = await body(http, PageChange)
-        ids, tokens, replacement = await asyncio.to_thread(checked_change, service, change)
-        report = await service.run(functools.partial(check_causality, model, ids, change.position, replacement))
-        return {"tokens": tokens, "position": change.position, "replacement": service.tokenizer.decode([replacement]),
+        """Replace one token with another: how much every position's prediction changes, on both attention paths."""
+        change = await service.body(http, PageChange)
+        ids, tokens, _, _ = await asyncio.to_thread(tokens_on_page, service, change)
+        if not 0 <= change.position < len(ids):
+            raise ApiError(400, f"position={change.position} is not a token of the text (0 to {len(ids) - 1})",
+                           "position")
+        replacement = service.encode(change.replacement, param="replacement")
+        if len(replacement) != 1:
+            raise ApiError(400, f"replacement {change.replacement!r} is {len(replacement)} tokens; give one token's "
+                           "text", "replacement")
+        if replacement[0] == ids[change.position]:
+            raise ApiError(400, f"replacement {change.replacement!r} is the token already there; give another",
+                           "replacement")
+        report = await service.run(functools.partial(check_causality, model, ids, change.position, replacement[0]))
+        return {"tokens": tokens, "position": change.position, "replacement": service.tokenizer.decode(replacement),
                 "changes": {impl: change.tolist() for impl, change in report.changes.items()},
                 "receptive_field": report.receptive_field, "last_reachable": report.last_reachable,
                 "mask_held": report.mask_held, "verdict": verdict(report)}
+
 
 
 def tokens_on_page(service: Service, page: PageText) -> tuple[list[int], list[str], int, str | None]:
@@ -494,41 +465,17 @@ def tokens_on_page(service: Service, page: PageText) -> tuple[list[int], list[st
     if not page.text:
         raise ApiError(400, "text is empty; generate something first", "text")
     block_size = service.engine.model.config.block_size
-    try:
-        ids = service.tokenizer.encode(page.text)
-        prompt = page.text[: max(0, page.prompt_chars)]
-        n_prompt = len(service.tokenizer.encode(prompt)) if prompt else 0
-    except UserError as err:
-        raise ApiError(400, f"text: {err}", "text") from None
+    ids, prompt = service.encode(page.text, param="text"), page.text[: max(0, page.prompt_chars)]
+    n_prompt = len(service.encode(prompt, param="text")) if prompt else 0
     cut = max(0, len(ids) - block_size)
     note = (f"showing the last {block_size} of the text's {len(ids)} tokens: the model's context "
             f"(block_size={block_size})") if cut else None
     return ids[cut:], [service.tokenizer.decode([i]) for i in ids[cut:]], max(0, n_prompt - cut), note
 
 
-def checked_change(service: Service, change: PageChange) -> tuple[list[int], list[str], int]:
-    """The page's tokens and texts, and the one token that replaces token `position`, checked."""
-    ids, tokens, _, _ = tokens_on_page(service, change)
-    if not 0 <= change.position < len(ids):
-        raise ApiError(400, f"position={change.position} is not a token of the text (0 to {len(ids) - 1})",
-                       "position")
-    try:
-        replacement = service.tokenizer.encode(change.replacement)
-    except UserError as err:
-        raise ApiError(400, f"replacement: {err}", "replacement") from None
-    if len(replacement) != 1:
-        raise ApiError(400, f"replacement {change.replacement!r} is {len(replacement)} tokens; give one token's "
-                       "text", "replacement")
-    if replacement[0] == ids[change.position]:
-        raise ApiError(400, f"replacement {change.replacement!r} is the token already there; give another",
-                       "replacement")
-    return ids, tokens, replacement[0]
-
-
 def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY (no Nagle delay for each chunk) only on sockets naming it
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -562,15 +509,12 @@ def serve(cfg: ServeConfig) -> None:
                           f"can use the model; set api_key=KEY (or ${API_KEY_ENV}), or allow_no_api_key=true")
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     device = f"cpu ({torch.get_num_threads()} threads)" if runtime.device.type == "cpu" else runtime.device
-
-    def ready() -> None:
-        print(f"serving {model_id} on {device} at {url} (OpenAI API at {url}/v1, page at {url}/; {where}, "
-              f"{'an' if api_key else 'no'} API key; Ctrl-C stops)", file=sys.stderr, flush=True)
-
+    banner = (f"serving {model_id} on {device} at {url} (OpenAI API at {url}/v1, page at {url}/; {where}, "
+              f"{'an' if api_key else 'no'} API key; Ctrl-C stops)")
     torch.set_grad_enabled(False)
     # a loopback server answers only its own names (an IPv6 address in brackets, as Host carries it): no DNS rebinding
     names = ["localhost", "127.0.0.1", "[::1]", f"[{cfg.host}]" if ":" in cfg.host else cfg.host]
-    app = create_app(service, api_key, on_ready=ready, hosts=names if address.is_loopback else None)
+    app = create_app(service, api_key, banner, names if address.is_loopback else None)
     # uvicorn cancels what still runs a second after the requests' own end, which tells each client so
     config = uvicorn.Config(app, log_level=logging.WARNING, lifespan="on", ws="none",
                             limit_concurrency=cfg.max_connections, timeout_keep_alive=5,

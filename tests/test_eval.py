@@ -242,7 +242,7 @@ def test_hellaswag_file_errors_are_one_line_and_a_download_cut_short_is_not_kept
     with pytest.raises(DataError, match=r"bad\.jsonl:1 is not a HellaSwag example"):
         load_examples(tmp_path / "bad.jsonl", BpeTokenizer(tiny_encoding()))
     (tmp_path / "latin1.jsonl").write_bytes(b'{"ctx": "caf\xe9"}\n')  # for eval.py and train.hellaswag_file alike
-    with pytest.raises(DataError, match=r"latin1\.jsonl:1 is not UTF-8 text"):
+    with pytest.raises(DataError, match=r"latin1\.jsonl is not UTF-8 text"):
         load_examples(tmp_path / "latin1.jsonl", BpeTokenizer(tiny_encoding()))
 
     class Short(http.server.BaseHTTPRequestHandler):

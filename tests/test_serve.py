@@ -169,7 +169,7 @@ BAD_REQUESTS = [
     ({"prompt": PROMPT, "logprobs": 6}, 400, "logprobs", "logprobs: Input should be less than or equal to 5"),
     ({"prompt": PROMPT, "model": "gpt-4"}, 404, "model", "model 'gpt-4' does not exist; this server serves"),
     ({"prompt": ""}, 400, "prompt", "prompt is empty"),
-    ({"prompt": [[3, 4], []]}, 400, "prompt", "prompt is an empty list"),
+    ({"prompt": [[3, 4], []]}, 400, "prompt", "prompt is empty; give at least one character or token id"),
     ({"prompt": [5, 99999]}, 400, "prompt", "token id 99999 is not in this model's vocabulary (0 to "),
     ({"prompt": ["x" * 151] * 2}, 400, "prompt", "the prompts have 302 tokens; this server takes at most 300 a "
      "request (max_prompt_tokens)"),

@@ -10,6 +10,7 @@ import json
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -33,8 +34,7 @@ if TYPE_CHECKING:  # data.prepare imports this module
 
 # A shard has llm.c's FineWeb layout (dev/data/fineweb.py), so each reads the other's: a 256-int32 header (magic,
 # version, token count), then the tokens as uint16.
-MAGIC = 20240520
-VERSION = 1
+MAGIC, VERSION = 20240520, 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * np.dtype(np.int32).itemsize
 _CHUNKSIZE = 16  # documents per task sent to a worker, as in llm.c's fineweb.py
@@ -146,7 +146,9 @@ def prepare_corpus(config: DataConfig, fingerprint: dict[str, Any], into: Path) 
         raise DataError("data.tokenizer=char can't encode a corpus (its vocabulary would need every character "
                         "first); use a BPE such as data.tokenizer=r50k_base")
     tokenizer = BpeTokenizer.from_name(config.tokenizer)
-    _ = tokenizer.eot_token  # fails here if there is none: a worker that fails to start is restarted forever
+    if tokenizer.end_of_text_id is None:  # checked here: a worker that fails to start is restarted forever
+        raise DataError(f"data.tokenizer={config.tokenizer} has no <|endoftext|> token to separate documents; use one "
+                        "that has, such as r50k_base")
     if tokenizer.vocab_size > np.iinfo(np.uint16).max + 1:
         raise DataError(f"data.tokenizer={config.tokenizer} has {tokenizer.vocab_size} tokens, too many for uint16 "
                         "shards")
@@ -163,7 +165,7 @@ def prepare_corpus(config: DataConfig, fingerprint: dict[str, Any], into: Path) 
 def encode_documents(documents: Iterable[str], tokenizer: BpeTokenizer, num_proc: int) -> Iterator[np.ndarray]:
     """<|endoftext|> + the tokens of each document, in order, from num_proc processes (1: this one), a window ahead."""
     if num_proc == 1:
-        yield from (_encode(tokenizer.encoding, tokenizer.eot_token, doc) for doc in documents)
+        yield from (_encode(tokenizer.encoding, doc) for doc in documents)
         return
     enc = tokenizer.encoding  # sent as its ranks (tiktoken's own pickled form): a fresh worker may not know its name
     ranks = {"name": enc.name, "pat_str": enc._pat_str, "mergeable_ranks": enc._mergeable_ranks,
@@ -186,15 +188,14 @@ def encode_documents(documents: Iterable[str], tokenizer: BpeTokenizer, num_proc
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-_worker: tuple[tiktoken.Encoding, int]  # the encoding and its <|endoftext|>, set in each worker by _init_worker
+_worker: tiktoken.Encoding  # set in each worker by _init_worker
 
 
 def _init_worker(encoding_args: dict[str, Any], main: int) -> None:
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: one KeyboardInterrupt, the main process's
     exit_with_parent(main)
-    encoding = tiktoken.Encoding(**encoding_args)
-    _worker = (encoding, encoding.eot_token)
+    _worker = tiktoken.Encoding(**encoding_args)
 
 
 def exit_with_parent(main: int, every_s: float = 0.5) -> None:
@@ -212,12 +213,12 @@ def exit_with_parent(main: int, every_s: float = 0.5) -> None:
 
 
 def _encode_chunk(docs: list[str]) -> list[np.ndarray]:
-    return [_encode(*_worker, doc) for doc in docs]
+    return [_encode(_worker, doc) for doc in docs]
 
 
-def _encode(encoding: tiktoken.Encoding, eot: int, doc: str) -> np.ndarray:
+def _encode(encoding: tiktoken.Encoding, doc: str) -> np.ndarray:
     # A literal "<|endoftext|>" in the text is plain text; the vocabulary was checked to fit uint16.
-    return np.asarray([eot, *encoding.encode_ordinary(doc)], dtype=np.uint16)
+    return np.asarray([encoding.eot_token, *encoding.encode_ordinary(doc)], dtype=np.uint16)
 
 
 def write_shards(token_docs: Iterable[np.ndarray], out_dir: Path, shard_tokens: int,
@@ -225,6 +226,7 @@ def write_shards(token_docs: Iterable[np.ndarray], out_dir: Path, shard_tokens: 
     """Shards of shard_tokens tokens (the first val, the last maybe short) up to max_tokens; counts for meta.json."""
     buffer = np.empty(shard_tokens, dtype=np.uint16)
     filled = documents = total = 0
+    limit = sys.maxsize if max_tokens is None else max_tokens
     lengths: list[int] = []  # of the shards written, val's first
 
     def flush() -> None:
@@ -234,10 +236,8 @@ def write_shards(token_docs: Iterable[np.ndarray], out_dir: Path, shard_tokens: 
 
     with tqdm(total=max_tokens, unit="tok", unit_scale=True, desc="tokenizing") as bar:
         for tokens in token_docs:
-            if max_tokens is not None:
-                tokens = tokens[: max_tokens - total]
-            documents += 1
-            total += len(tokens)
+            tokens = tokens[: limit - total]
+            documents, total = documents + 1, total + len(tokens)
             bar.update(len(tokens))
             while len(tokens):
                 take = min(len(tokens), shard_tokens - filled)
@@ -246,7 +246,7 @@ def write_shards(token_docs: Iterable[np.ndarray], out_dir: Path, shard_tokens: 
                 if filled == shard_tokens:
                     flush()
                     filled = 0
-            if max_tokens is not None and total >= max_tokens:
+            if total >= limit:
                 break
     if filled:
         flush()

@@ -64,7 +64,6 @@ class PrepareConfig:  # `python -m data.prepare`'s: the data group alone
 DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
 # The token files PreparedData.split reads: an unfinished preparation's go before another's move in
 _TOKEN_FILES = ("train.bin", "val.bin", "train_[0-9]*.bin", "val_[0-9]*.bin")
-Make = Callable[[Path], dict[str, Any]]  # writes a dataset into the folder given; its meta
 
 
 @dataclass(frozen=True)
@@ -75,14 +74,12 @@ class TokenFiles:
     sharded: bool = False
 
     def open(self, index: int) -> np.ndarray:
-        path = self.paths[index]
         if self.sharded:  # its header was checked once, by lengths
-            return map_shard(path, self.lengths[index])
-        return np.memmap(path, dtype=np.uint16, mode="r")
+            return map_shard(self.paths[index], self.lengths[index])
+        return np.memmap(self.paths[index], dtype=np.uint16, mode="r")
 
-    @cached_property
+    @cached_property  # read once: get_batch needs them on every call, and opening 100 shards costs milliseconds
     def lengths(self) -> tuple[int, ...]:
-        """Read once: get_batch needs them on every call, and opening 100 shards costs milliseconds."""
         if self.sharded:
             return tuple(len(read_shard(path)) for path in self.paths)
         return tuple(path.stat().st_size // 2 for path in self.paths)  # uint16 tokens; an empty file is 0
@@ -97,18 +94,16 @@ def batch_generator(*keys: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def get_batch(
-    files: TokenFiles, batch_size: int, block_size: int, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(files: TokenFiles, batch_size: int, block_size: int,
+              generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) of shape (batch_size, block_size), y shifted by one; windows uniform over the files, none across two."""
     valid = np.maximum(np.asarray(files.lengths) - block_size, 0)  # starts in each file
     ends = np.cumsum(valid)
     starts = torch.randint(int(ends[-1]), (batch_size,), generator=generator).numpy()
     file_of = np.searchsorted(ends, starts, side="right")
+    starts -= (ends - valid)[file_of]  # within its file
     opened = {int(i): files.open(int(i)) for i in np.unique(file_of)}
-    windows = [
-        opened[int(f)][s - (ends[f] - valid[f]) :][: block_size + 1] for f, s in zip(file_of, starts, strict=True)
-    ]
+    windows = [opened[int(f)][s : s + block_size + 1] for f, s in zip(file_of, starts, strict=True)]
     batch = torch.from_numpy(np.stack(windows).astype(np.int64))
     return batch[:, :-1], batch[:, 1:]
 
@@ -137,36 +132,14 @@ class PreparedData:
     def val(self) -> TokenFiles:
         return self.split("val")
 
-    def split(self, name: str) -> TokenFiles:
-        """name.bin from a text, or the shards name_000000.bin, name_000001.bin, ... from a corpus."""
+    def split(self, name: str) -> TokenFiles:  # name.bin from a text; shards name_000000.bin, ... from a corpus
         if self.meta.get("sharded"):
             return TokenFiles(tuple(sorted(self.dir.glob(f"{name}_[0-9]*.bin"))), sharded=True)
         return TokenFiles((self.dir / f"{name}.bin",))
 
 
 def dataset_dir(name: str, dir: str | None) -> Path:
-    return Path(os.path.expanduser(dir)) if dir else DEFAULT_CACHE / name
-
-
-def input_file(input_path: str) -> Path:
-    path = Path(os.path.expanduser(input_path))
-    if not path.is_file():
-        raise DataError(
-            f"data.input={input_path} {why_not_a_file(path)}; pass a UTF-8 text file or a directory of .txt / .jsonl "
-            "documents"
-        )
-    return path
-
-
-def text_file(input_path: str | None, cached_copy: Path, url: str | None) -> Path:
-    """The file holding the text: data.input, else the cached copy, else the download saved as the cached copy."""
-    if input_path:
-        return input_file(input_path)
-    if cached_copy.is_file():
-        return cached_copy
-    if not url:
-        raise DataError("no text to train on: pass data.input=/path/to/text.txt")
-    return download(url, cached_copy, "point at a local copy with data.input=/path/to/text.txt")
+    return Path(dir) if dir else DEFAULT_CACHE / name  # DataConfig expanded its ~ already
 
 
 def file_sha256(path: Path) -> str:
@@ -177,39 +150,39 @@ def file_sha256(path: Path) -> str:
     return hasher.hexdigest()
 
 
-def source_fingerprint(input_path: str | None, url: str | None) -> dict[str, str | None]:
-    """What the bins were made from, so a different data.input is never served stale tokens."""
-    if input_path:
-        return {"input_sha256": file_sha256(input_file(input_path))}
-    return {"url": url}
-
-
 def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData:
     """The dataset folder's token files, prepared first if it holds none; prepare=False: only read (torchrun ranks)."""
     out_dir = dataset_dir(config.name, config.dir)
     if config.hf_dataset or (config.input and Path(config.input).is_dir()):
         return _ensure_corpus(out_dir, config, prepare)
     settings = {"tokenizer_spec": config.tokenizer, "val_fraction": config.val_fraction}
-    gone = config.input and not os.path.exists(config.input)  # DataConfig expanded its ~ already
-    if gone or not (config.input or (out_dir / "input.txt").is_file()):
-        prepared = _prepared_before(out_dir, config, settings)
-        if prepared:
-            return prepared
-    fingerprint = {"source": source_fingerprint(config.input, config.url), **settings}
+    at_hand = os.path.exists(config.input) if config.input else (out_dir / "input.txt").is_file()
+    if not at_hand and (prepared := _prepared_before(out_dir, config, settings)):
+        return prepared
+    if config.input and not os.path.isfile(config.input):
+        raise DataError(f"data.input={config.input} {why_not_a_file(Path(config.input))}; pass a UTF-8 text file or a "
+                        "directory of .txt / .jsonl documents")
+    source = {"input_sha256": file_sha256(Path(config.input))} if config.input else {"url": config.url}
+    fingerprint = {"source": source, **settings}  # a changed data.input is never served stale tokens
     made_from = {"input": str(Path(config.input).absolute())} if config.input else {}  # said when refused or reused
     make = functools.partial(_prepare_text, config, out_dir, {**fingerprint, **made_from})
     return _reusable(out_dir, fingerprint) or _prepare_new(out_dir, fingerprint, made_from, prepare, make)
 
 
 def _prepare_text(config: DataConfig, out_dir: Path, meta: dict[str, Any], into: Path) -> dict[str, Any]:
-    """train.bin and val.bin of the text (data.input, or the download) in the folder `into`; their meta."""
-    cached = out_dir / "input.txt"  # an earlier download; a new one goes into the new folder
-    path = text_file(config.input, cached if cached.is_file() else into / "input.txt", config.url)
+    """train.bin and val.bin in `into` of data.input, else of an earlier download, else of one saved there; the meta."""
+    if config.input:
+        path = Path(config.input)
+    elif (out_dir / "input.txt").is_file():
+        path = out_dir / "input.txt"
+    elif config.url:
+        path = download(config.url, into / "input.txt", "point at a local copy with data.input=/path/to/text.txt")
+    else:
+        raise DataError("no text to train on: pass data.input=/path/to/text.txt")
     text = TextFile.survey(path, chars=config.tokenizer == "char")
     if not text.length:
         raise DataError(f"the text for dataset {config.name!r} is empty; pass a non-empty file with data.input=PATH")
-    tokenizer = make_tokenizer(config.tokenizer, text.chars)
-    return write_dataset(text, tokenizer, into, config.val_fraction, meta)
+    return write_dataset(text, make_tokenizer(config.tokenizer, text.chars), into, config.val_fraction, meta)
 
 
 def _prepared_before(out_dir: Path, config: DataConfig, settings: dict[str, Any]) -> PreparedData | None:
@@ -219,21 +192,17 @@ def _prepared_before(out_dir: Path, config: DataConfig, settings: dict[str, Any]
     source = meta.get("source") if isinstance(meta, dict) else None
     if not isinstance(source, dict) or "input_sha256" not in source:
         return None
-    if config.input and meta.get("input") != str(Path(config.input).absolute()):
-        return None
-    prepared = _reusable(out_dir, {**settings, "source": source})
-    if prepared is None:
-        return None
     made_from = meta.get("input", "an earlier data.input")
+    prepared = _reusable(out_dir, {**settings, "source": source})
+    if prepared is None or (config.input and made_from != str(Path(config.input).absolute())):
+        return None
     if config.input:
         log.warning(f"data.input={config.input} is gone; using the data prepared from it in {out_dir}")
     elif source["input_sha256"] == KNOWN_TEXTS.get(config.url):
         log.info(f"data: using {out_dir}, prepared from {made_from}, a copy of {config.url}")
     else:
-        log.warning(
-            f"data: {out_dir} holds the text of {made_from}, not {config.url}; training on it (data.input=FILE "
-            "prepares another text; another data.name keeps both)"
-        )
+        log.warning(f"data: {out_dir} holds the text of {made_from}, not {config.url}; training on it (data.input=FILE "
+                    "prepares another text; another data.name keeps both)")
     return prepared
 
 
@@ -243,16 +212,13 @@ def _ensure_corpus(out_dir: Path, config: DataConfig, prepare: bool) -> Prepared
     return _reusable(out_dir, fingerprint) or _prepare_new(out_dir, fingerprint, {}, prepare, make)
 
 
-def _prepare_new(
-    out_dir: Path, fingerprint: dict[str, Any], made_from: dict[str, str], prepare: bool, make: Make
-) -> PreparedData:
-    """A dataset made by `make` in a new folder beside out_dir and moved in (out_dir holds none of these settings)."""
+def _prepare_new(out_dir: Path, fingerprint: dict[str, Any], made_from: dict[str, str], prepare: bool,
+                 make: Callable[[Path], dict[str, Any]]) -> PreparedData:
+    """A dataset written by `make` (which returns its meta) in a new folder beside out_dir, then moved in."""
     _refuse_other(out_dir, fingerprint, made_from)
     if not prepare:  # a torchrun rank other than 0 only reads what rank 0 prepared
-        raise DataError(
-            f"no prepared dataset in {out_dir} matches data.*, though rank 0 prepared it: put data.dir on a "
-            "filesystem every node shares, or run python -m data.prepare on each node first"
-        )
+        raise DataError(f"no prepared dataset in {out_dir} matches data.*, though rank 0 prepared it: put data.dir on "
+                        "a filesystem every node shares, or run python -m data.prepare on each node first")
     into = out_dir.parent / f".{out_dir.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"  # this preparation's own
     try:
         make_directory(into, f"data.dir={out_dir}")
@@ -264,27 +230,22 @@ def _prepare_new(
         shutil.rmtree(into, ignore_errors=True)  # after an error or Ctrl-C too; only a killed process leaves it
 
 
-def _move_in(
-    into: Path, out_dir: Path, meta: dict[str, Any], fingerprint: dict[str, Any], made_from: dict[str, str]
-) -> PreparedData:
+def _move_in(into: Path, out_dir: Path, meta: dict[str, Any], fingerprint: dict[str, Any],
+             made_from: dict[str, str]) -> PreparedData:
     """The new folder becomes out_dir, or, where out_dir is there, its files move in, meta.json last (an
-    unfinished preparation's token files go first). Another process that prepared the same meanwhile: theirs."""
+    unfinished preparation's files go first). Another process that prepared the same meanwhile: theirs."""
     try:
         into.rename(out_dir)
         return PreparedData(out_dir, meta)
     except OSError:
         if not out_dir.is_dir():
             raise
-    theirs = _reusable(out_dir, fingerprint)
-    if theirs:
+    if theirs := _reusable(out_dir, fingerprint):
         return theirs
     _refuse_other(out_dir, fingerprint, made_from)  # prepared with other settings meanwhile
-    (out_dir / "meta.json").unlink(missing_ok=True)  # damaged, or of damaged token files: not complete now
-    ours = {path.name for path in into.iterdir()}
-    for pattern in _TOKEN_FILES:
+    for pattern in ("meta.json", *_TOKEN_FILES):  # meta.json first: damaged, or of damaged token files
         for stale in out_dir.glob(pattern):
-            if stale.name not in ours:
-                stale.unlink()
+            stale.unlink()
     for path in sorted(into.iterdir(), key=lambda path: path.name == "meta.json"):
         try:
             replace_file(path, out_dir / path.name)
@@ -302,16 +263,12 @@ def _refuse_other(out_dir: Path, fingerprint: dict[str, Any], made_from: dict[st
     if meta is None:
         return
     if not isinstance(meta, dict) or not {"source", "tokenizer_spec"} <= meta.keys():
-        raise DataError(
-            f"data.dir={out_dir} holds a meta.json this project didn't write; preparing would replace it and the "
-            "token files beside it: name another data.dir"
-        )
+        raise DataError(f"data.dir={out_dir} holds a meta.json this project didn't write; preparing would replace it "
+                        "and the token files beside it: name another data.dir")
     if any(meta.get(key) != value for key, value in fingerprint.items()):
-        asked = _described({**fingerprint, **made_from})
-        raise DataError(
-            f"the data folder {out_dir} was prepared from {_described(meta)}, not {asked} as asked: name another "
-            f"folder for these settings (data.name=NAME or data.dir=DIR), or delete {out_dir} to prepare it again"
-        )
+        raise DataError(f"the data folder {out_dir} was prepared from {_described(meta)}, not "
+                        f"{_described({**fingerprint, **made_from})} as asked: name another folder for these settings "
+                        f"(data.name=NAME or data.dir=DIR), or delete {out_dir} to prepare it again")
 
 
 def _described(meta: dict[str, Any]) -> str:
@@ -330,17 +287,13 @@ def _described(meta: dict[str, Any]) -> str:
 
 
 def _reusable(out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData | None:
-    """The folder's dataset if its meta.json, written last and the record of what was prepared, matches."""
+    """The folder's dataset if its meta.json (written last: the record of what was prepared) matches and is intact."""
     meta = _read_meta(out_dir)
-    if isinstance(meta, dict) and all(meta.get(k) == v for k, v in fingerprint.items()) and _intact(meta):
-        return PreparedData(out_dir, meta)
-    return None
-
-
-def _intact(meta: dict[str, Any]) -> bool:
-    """Its tokenizer and vocabulary size usable (else damaged: prepared again, as an unreadable meta.json is)."""
-    size = meta.get("vocab_size")
-    return not metadata_problem(meta.get("tokenizer")) and isinstance(size, int) and 1 <= size <= 2**16
+    if not isinstance(meta, dict) or any(meta.get(k) != v for k, v in fingerprint.items()):
+        return None
+    size = meta.get("vocab_size")  # and the tokenizer: else damaged, prepared again as an unreadable meta.json is
+    intact = not metadata_problem(meta.get("tokenizer")) and isinstance(size, int) and 1 <= size <= 2**16
+    return PreparedData(out_dir, meta) if intact else None
 
 
 def _read_meta(out_dir: Path) -> Any:

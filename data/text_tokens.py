@@ -34,21 +34,18 @@ def write_dataset(text: TextFile, tokenizer: Tokenizer, out_dir: Path, val_fract
     """Split the text (first part train, last part val), encode each part and write the streams; their meta.json."""
     if tokenizer.vocab_size > np.iinfo(np.uint16).max + 1:
         raise DataError(f"vocabulary of {tokenizer.vocab_size} tokens does not fit in uint16 token files")
-    out_dir.mkdir(parents=True, exist_ok=True)
     split = int(text.length * (1 - val_fraction))
     counts = {}
-    small = text.length < 4 * _CHUNK_CHARS
-    with tqdm(total=text.length, unit="char", unit_scale=True, desc="tokenizing", disable=small) as bar:
+    with tqdm(total=text.length, unit="char", unit_scale=True, desc="tokenizing",
+              disable=text.length < 4 * _CHUNK_CHARS) as bar:
         try:
             for name, start, end in (("train", 0, split), ("val", split, text.length)):
                 part = _characters(text.path, start, end)
                 # characters encode one by one: any cut will do; BPE needs safe cuts
                 cut = part if isinstance(tokenizer, CharTokenizer) else _safely_cut(part, tokenizer.pretokenizer())
                 counts[f"{name}_tokens"] = _write_tokens(out_dir / f"{name}.bin", cut, tokenizer, bar)
-        except DataError:  # "not in the vocabulary": a character added since the survey, say so
+        finally:  # the text encoded is the text surveyed (its split, its vocabulary), else say it changed
             text.check_unchanged()
-            raise
-    text.check_unchanged()  # the text encoded is the text surveyed: its split and its vocabulary
     meta = {"tokenizer": tokenizer.metadata(), "vocab_size": tokenizer.vocab_size, **counts, **extra_meta}
     write_text_atomically(out_dir / "meta.json", json.dumps(meta, ensure_ascii=False))  # last: now they count
     return meta

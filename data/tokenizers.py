@@ -18,19 +18,20 @@ from common.errors import DataError
 
 class Tokenizer(Protocol):
     vocab_size: int
+    end_of_text: str | None  # the special token that ends a document, as text ("<|endoftext|>"), if there is one
+    end_of_text_id: int | None  # its id (ordinary encoding, as prompts are tokenized, would spell it in several)
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def token_bytes(self, token: int) -> bytes: ...
-    @property
-    def end_of_text(self) -> str | None: ...
-    @property
-    def end_of_text_id(self) -> int | None: ...
     def metadata(self) -> dict[str, Any]: ...
     def token_byte_lengths(self) -> np.ndarray: ...
 
 
 class CharTokenizer:
+    end_of_text: str | None = None  # a character vocabulary has no token that ends a document
+    end_of_text_id: int | None = None
+
     def __init__(self, chars: list[str]) -> None:
         self.chars = chars
         self.vocab_size = len(chars)
@@ -40,25 +41,14 @@ class CharTokenizer:
         try:
             return [self._index[c] for c in text]
         except KeyError as err:
-            raise DataError(
-                f"character {err.args[0]!r} is not in the model's vocabulary of {self.vocab_size} characters; "
-                "remove it from the text"
-            ) from None
+            raise DataError(f"character {err.args[0]!r} is not in the model's vocabulary of {self.vocab_size} "
+                            "characters; remove it from the text") from None
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i] for i in ids)
 
     def token_bytes(self, token: int) -> bytes:
         return self.chars[token].encode("utf-8")
-
-    @property
-    def end_of_text(self) -> str | None:
-        """None: a character vocabulary has no token that ends a document."""
-        return None
-
-    @property
-    def end_of_text_id(self) -> int | None:
-        return None
 
     def metadata(self) -> dict[str, Any]:
         return {"kind": "char", "chars": self.chars}
@@ -72,21 +62,20 @@ class BpeTokenizer:
     def __init__(self, encoding: tiktoken.Encoding) -> None:
         self.encoding = encoding
         self.vocab_size = encoding.n_vocab
+        self.end_of_text = "<|endoftext|>" if "<|endoftext|>" in encoding.special_tokens_set else None
+        self.end_of_text_id = encoding.eot_token if self.end_of_text else None
 
     @classmethod
     def from_name(cls, name: str) -> BpeTokenizer:
         try:
             return cls(tiktoken.get_encoding(name))
         except ValueError:  # unknown encoding name
-            raise DataError(
-                f"data.tokenizer={name} is not a tiktoken encoding; "
-                f"use char or one of {', '.join(tiktoken.list_encoding_names())}"
-            ) from None
+            raise DataError(f"data.tokenizer={name} is not a tiktoken encoding; use char or one of "
+                            f"{', '.join(tiktoken.list_encoding_names())}") from None
         except Exception as err:  # tiktoken downloads its ranks on first use
-            raise DataError(
-                f"could not load the tiktoken encoding {name!r} ({type(err).__name__}); offline, set "
-                "TIKTOKEN_CACHE_DIR to a folder holding its ranks file named by the sha1 hex of its URL"
-            ) from None
+            raise DataError(f"could not load the tiktoken encoding {name!r} ({type(err).__name__}); offline, set "
+                            "TIKTOKEN_CACHE_DIR to a folder holding its ranks file named by the sha1 hex of its "
+                            "URL") from None
 
     def encode(self, text: str) -> list[int]:
         return self.encoding.encode_ordinary(text)
@@ -102,53 +91,22 @@ class BpeTokenizer:
         """A token's own bytes, which may be part of a character (inference/sampling.py decodes incrementally)."""
         return self.encoding.decode_single_token_bytes(token)
 
-    @property
-    def end_of_text(self) -> str | None:
-        """The special token that ends a document, as text ("<|endoftext|>"), if the encoding has one."""
-        return "<|endoftext|>" if "<|endoftext|>" in self.encoding.special_tokens_set else None
-
-    @property
-    def end_of_text_id(self) -> int | None:
-        """end_of_text's token (ordinary encoding, as prompts are tokenized, would spell it in several)."""
-        end = self.end_of_text
-        return None if end is None else self.encoding.encode_single_token(end)
-
     def metadata(self) -> dict[str, Any]:
         return {"kind": "bpe", "encoding": self.encoding.name}
-
-    @property
-    def eot_token(self) -> int:
-        """<|endoftext|>, the token a corpus puts before each document."""
-        try:
-            return self.encoding.eot_token
-        except KeyError:
-            raise DataError(
-                f"the tiktoken encoding {self.encoding.name!r} has no <|endoftext|> token to separate documents; "
-                "use one that has, such as data.tokenizer=r50k_base"
-            ) from None
 
     def token_byte_lengths(self) -> np.ndarray:
         """UTF-8 bytes of each token, for bits per byte; special tokens (<|endoftext|>) and unused ids count 0."""
         lengths = np.zeros(self.vocab_size, dtype=np.int32)
-        special = {self.encoding.encode_single_token(s) for s in self.encoding.special_tokens_set}
-        for token in range(self.vocab_size):
-            if token in special:
-                continue
-            try:
-                lengths[token] = len(self.encoding.decode_single_token_bytes(token))
-            except KeyError:  # a gap in the vocabulary (cl100k_base has some)
-                pass
+        for token_bytes, token in self.encoding._mergeable_ranks.items():  # every token but the special ones
+            lengths[token] = len(token_bytes)
         return lengths
 
 
 def tokenizer_from_metadata(meta: Any, source: object = "meta.json") -> Tokenizer:
     """Rebuild the tokenizer a dataset or checkpoint (`source`, the file it came from) was made with."""
-    problem = metadata_problem(meta)
-    if problem:
+    if problem := metadata_problem(meta):
         raise DataError(f"{source} holds damaged tokenizer metadata ({problem}); use a file train.py wrote")
-    if meta["kind"] == "char":
-        return CharTokenizer(meta["chars"])
-    return BpeTokenizer.from_name(meta["encoding"])
+    return CharTokenizer(meta["chars"]) if meta["kind"] == "char" else BpeTokenizer.from_name(meta["encoding"])
 
 
 def metadata_problem(meta: Any) -> str:
@@ -178,8 +136,7 @@ class TextScore:
         return cls(nats, round(count), text_nats, round(n_bytes))
 
     @property
-    def loss(self) -> float:
-        """Mean nats per token."""
+    def loss(self) -> float:  # mean nats per token
         return self.nats / self.tokens if self.tokens else math.nan
 
     @property
@@ -187,14 +144,12 @@ class TextScore:
         return math.exp(self.loss)
 
     @property
-    def bpb(self) -> float:
-        """Bits per byte of text: comparable across tokenizers."""
+    def bpb(self) -> float:  # bits per byte of text: comparable across tokenizers
         return self.text_nats / (math.log(2) * self.bytes) if self.bytes else math.nan
 
 
-def token_sums(
-    logits: torch.Tensor, targets: torch.Tensor, byte_lengths: torch.Tensor, scored: torch.Tensor | None = None
-) -> torch.Tensor:
+def token_sums(logits: torch.Tensor, targets: torch.Tensor, byte_lengths: torch.Tensor,
+               scored: torch.Tensor | None = None) -> torch.Tensor:
     """Sums of the targets' nats and count, and of the text ones' nats and UTF-8 bytes (for bits per byte)."""
     nats = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none").double()
     targets = targets.flatten()

@@ -132,10 +132,10 @@ encoding = tiktoken.Encoding("bytes", pat_str=r"\S+|\s+", mergeable_ranks=ranks,
 corpus.START_METHOD = "fork"  # the workers inherit the patched _encode
 encode = corpus._encode
 
-def encode_or_die(encoding, eot, doc):
+def encode_or_die(encoding, doc):
     if doc == "die":
         os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer does
-    return [signal.getsignal(signal.SIGINT) == signal.SIG_IGN] if doc == "SIGINT?" else encode(encoding, eot, doc)
+    return [signal.getsignal(signal.SIGINT) == signal.SIG_IGN] if doc == "SIGINT?" else encode(encoding, doc)
 
 def shards(docs, folder, max_tokens):
     start = time.monotonic()
@@ -257,7 +257,7 @@ def test_hf_streaming_path_gives_the_tokens_of_the_local_path_and_its_errors_say
         assert "\n" not in str(info.value)
 
 
-def test_bad_corpora_and_corpus_keys_are_one_line_errors(tmp_path: Path) -> None:
+def test_bad_corpora_and_corpus_keys_are_one_line_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "doc.txt").write_text("text")
     for keys, message in (({"hf_name": "x"}, "data.hf_name=x needs data.hf_dataset"),
                           ({"shard_tokens": 0}, "data.shard_tokens=0"),
@@ -280,8 +280,9 @@ def test_bad_corpora_and_corpus_keys_are_one_line_errors(tmp_path: Path) -> None
         _prepare(tmp_path / "data", tmp_path)
     ranks = {bytes([b]): b for b in range(256)}
     no_eot = tiktoken.Encoding(name="no_eot", pat_str=r"\S+|\s+", mergeable_ranks=ranks, special_tokens={})
-    with pytest.raises(DataError, match=re.escape("no <|endoftext|> token")):
-        _ = BpeTokenizer(no_eot).eot_token
+    monkeypatch.setitem(tiktoken.registry.ENCODINGS, "no_eot", no_eot)
+    with pytest.raises(DataError, match=re.escape("data.tokenizer=no_eot has no <|endoftext|> token")):
+        ensure_prepared(DataConfig("c", "no_eot", str(tmp_path), None, str(tmp_path / "data"), 0.1))
 
 
 def test_token_byte_lengths_add_up_to_the_utf8_bytes_of_the_text(docs_dir: tuple[Path, list[str]]) -> None:

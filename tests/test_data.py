@@ -20,7 +20,7 @@ import data.source as source
 import data.text_tokens as text_tokens
 from common.errors import DataError
 from conftest import TINY_BPE
-from data.prepare import KNOWN_TEXTS, SHAKESPEARE_URL, DataConfig, PreparedData, ensure_prepared, file_sha256, text_file
+from data.prepare import KNOWN_TEXTS, SHAKESPEARE_URL, DataConfig, PreparedData, ensure_prepared, file_sha256
 from data.source import TextFile, read_utf8
 from data.text_tokens import make_tokenizer, write_dataset
 from data.tokenizers import BpeTokenizer, CharTokenizer, tokenizer_from_metadata
@@ -226,19 +226,19 @@ def test_of_two_preparing_the_same_folder_at_once_the_later_uses_the_earlier_s_f
 def test_text_comes_from_data_input_else_the_cache_else_a_download_saved_then_streamed(
     tmp_path: Path, small_reads: None
 ) -> None:
-    cached = tmp_path / "cache" / "input.txt"
     unreachable = "http://127.0.0.1:9/input.txt"  # a closed port on this machine: fails at once
     with pytest.raises(DataError, match="data.input=/path/to/text.txt") as info:
-        read_utf8(text_file(None, cached, unreachable))
+        _prepare(tmp_path / "none", None, url=unreachable)
     assert "\n" not in str(info.value)
-    cached.parent.mkdir()
-    cached.write_text("cached copy")
-    assert read_utf8(text_file(None, cached, unreachable)) == "cached copy"
     mine = tmp_path / "mine.txt"
     mine.write_text("my own text")
-    assert read_utf8(text_file(str(mine), cached, unreachable)) == "my own text"
+    for folder, input in (("cache", None), ("mine", mine)):  # data.input, else the cached copy
+        cached = tmp_path / folder / "input.txt"
+        cached.parent.mkdir()
+        cached.write_text("cached copy")
+        _assert_whole_text_files(_prepare(cached.parent, input, url=unreachable), input or cached)
     with pytest.raises(DataError, match="data.input=.*does not exist"):
-        text_file(str(tmp_path / "missing.txt"), cached, unreachable)
+        _prepare(tmp_path / "none", tmp_path / "missing.txt")
     served = tmp_path / "served"
     served.mkdir()
     (served / "text.txt").write_bytes(TEXT.encode())
@@ -272,8 +272,8 @@ def test_a_text_that_changes_during_preparation_is_named_as_such(tmp_path: Path,
     with path.open("a") as f:  # another program writes on
         f.write(added)
     with pytest.raises(DataError, match=r"input\.txt changed while it was being prepared; prepare again once"):
-        write_dataset(text, tokenizer, tmp_path / "data", 0.1, {})
-    assert not (tmp_path / "data" / "meta.json").exists()  # nothing that counts as prepared
+        write_dataset(text, tokenizer, tmp_path, 0.1, {})
+    assert not (tmp_path / "meta.json").exists()  # nothing that counts as prepared
 
 
 def test_a_data_folder_on_another_disk_is_prepared_by_copying(

@@ -2,7 +2,7 @@
 
 train           train.py's loop against nanoGPT's (PlainGPT and nanogpt_step below: its model and loop on our tokens),
                 eager and compiled: tokens/s, ms/iter, MFU (`peak`: its source), speed over the compiled reference's
-attention       flash, math and flash with a 256-token window: forward + backward of attention alone, fresh processes
+attention       flash, math and flash with a 256-token window: forward + backward of attention alone
 sampling        model.generate with and without the KV cache; --attn-window adds a model whose cache rolls
 sampling-batch  sample.py's samples as one batch (also streamed), one at a time, and nanoGPT's sampling loop
 memory          training_memory's prediction: what fits on 24-141 GB GPUs, and the prediction against measurements
@@ -14,15 +14,14 @@ memory          training_memory's prediction: what fits on 24-141 GB GPUs, and t
 from __future__ import annotations
 
 import argparse
+import bisect
+import dataclasses
 import functools
+import gc
 import io
 import itertools
 import json
 import math
-import resource
-import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.memory import bench_memory
 from common.config import typed_config
 from common.runtime import Runtime, datasheet_peak, make_runtime, synchronize
 from data.prepare import TokenFiles, ensure_prepared
@@ -108,9 +107,8 @@ class PlainGPT(nn.Module):
 
 def nanogpt_step(model: PlainGPT, runtime: Runtime, tokens: TokenFiles, t: OptimConfig,
                  backend: str | None) -> Callable[[], None]:
-    """One iteration of nanoGPT's train.py loop at the run's batch size, grad_accum and AdamW settings: the model
-    compiled by torch.compile's `backend` (None: eager), the next batch drawn while the device runs the forward,
-    fused AdamW where the device has it, clipping at 1.0."""
+    """One iteration of nanoGPT's train.py loop at the run's batch size, grad_accum and AdamW settings, the model
+    compiled by torch.compile's `backend` (None: eager); the next batch is drawn while the device runs the forward."""
     block, batch_size, grad_accum = model.wpe.num_embeddings, t.batch_size, t.grad_accum
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": t.weight_decay},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
@@ -149,12 +147,10 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
                  "train.target_val_loss=null"]
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         config = typed_config(compose(config_name="config", overrides=overrides), TrainRunConfig)
-    config.out_dir = tempfile.mkdtemp(prefix="bench-")
-    try:  # the first n iterations warm up (and compile), the second n are measured; a throwaway run
-        train(config)
-        ours = [json.loads(line) for line in (Path(config.out_dir) / "metrics.jsonl").read_text().splitlines()][-2]
-    finally:
-        shutil.rmtree(config.out_dir, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="bench-", ignore_cleanup_errors=True) as out_dir:  # a throwaway run
+        config.out_dir = out_dir
+        train(config)  # the first n iterations warm up (and compile), the second n are measured
+        ours = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()][-2]
 
     runtime = make_runtime(config.device, config.train.dtype)  # the run's precision, for the reference too
     data = ensure_prepared(config.data)
@@ -188,44 +184,47 @@ def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def bench_attention(args: argparse.Namespace) -> list[dict]:
-    rows = []
-    for length, (impl, window) in itertools.product(args.lengths, (("flash", 0), ("math", 0), ("flash", 256))):
-        probe = [sys.executable, str(REPO / "bench.py"), "--device", args.device, "--repeats", str(args.repeats),
-                 "--attention-probe", impl, str(length), str(window)]
-        result = subprocess.run(probe, capture_output=True, text=True, check=True)  # a fresh process: a clean peak
-        rows.append({"section": "attention", "attn_impl": impl, "window": window or "-", "T": length,
-                     **json.loads(result.stdout)})
-    for row in rows:
-        shortest = min((r for r in rows if (r["attn_impl"], r["window"]) == (row["attn_impl"], row["window"])),
-                       key=lambda r: r["T"])
-        row["time_vs_shortest"] = row["seconds"] / shortest["seconds"]
+    """Forward + backward of attention alone in the baby GPU model's heads (batch 4, 6 of 64), training's dtype."""
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    rows, shortest = [], {}
+    for length, path in itertools.product(sorted(args.lengths), (("flash", None), ("math", None), ("flash", 256))):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(4, 6, length, 64, device=args.device, dtype=dtype, requires_grad=True) for _ in range(3))
+        run = functools.partial(attention_pass, q, k, v, *path)
+        peak, _ = peak_bytes(run, args.device)  # the first pass warms up too
+        seconds = min(timed(run, args.device) for _ in range(args.repeats))
+        shortest.setdefault(path, seconds)  # the lengths in order: each path's first is its shortest
+        rows.append({"section": "attention", "attn_impl": path[0], "window": path[1] or "-", "T": length,
+                     "seconds": seconds, "peak_mib": peak / 2**20, "time_vs_shortest": seconds / shortest[path]})
     return rows
 
 
-def attention_probe(impl: str, length: int, window: int | None, device: str, repeats: int) -> dict:
-    """Forward + backward of causal (or sliding-window) attention alone, in the baby GPU model's heads (batch 4, 6
-    heads of 64); peak memory above the inputs, in MiB."""
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32  # as training runs on each
-    q, k, v = (torch.randn(4, 6, length, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+def attention_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str, window: int | None) -> None:
+    """Causal (or sliding-window) attention on `impl`'s path, and its backward."""
+    if impl == "math":
+        out, _ = masked_attention(q, k, v, causal_mask(q.size(2), q.size(2), q.device, window))
+    elif window:
+        out = windowed_attention(q, k, v, window)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out.backward(torch.ones_like(out))
 
-    def run() -> None:
-        if impl == "math":
-            out, _ = masked_attention(q, k, v, causal_mask(length, length, device, window))
-        elif window:
-            out = windowed_attention(q, k, v, window)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out.backward(torch.ones_like(out))
 
-    cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.synchronize()
+def peak_bytes(fn: Callable[[], object], device: str) -> tuple[int, int]:
+    """The peak bytes fn adds, allocated and reserved: the CUDA allocator's peaks, or on a CPU the peak of live tensor
+    bytes from the allocations and frees the profiler records (RSS would count the allocator's slack too)."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    run()
-    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"seconds": min(timed(run, device) for _ in range(repeats)), "peak_mib": (peak - base) / 2**20}
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        fn()
+        return torch.cuda.max_memory_allocated() - allocated, torch.cuda.max_memory_reserved() - reserved
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = prof.profiler.kineto_results.events()
+    changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    return max(itertools.accumulate((change for _, change in changes), initial=0)), 0
 
 
 def cpu_model(block_size: int, **options: object) -> GPT:
@@ -274,6 +273,107 @@ def bench_batched_sampling(args: argparse.Namespace) -> list[dict]:
             for way, s in seconds.items()]
 
 
+# --- memory: a training step's peak, predicted (training_memory, behind docs/gpu.md's table of what fits) and measured
+GIB = 2**30
+GPT2_SHAPES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280),
+               "gpt2-xl": (48, 25, 1600)}
+GPU_GIB = (24, 40, 80, 141)  # a 4090 or 3090, an A100 40GB, an A100/H100 80GB, an H200
+# Assumed, not yet measured on a GPU (scripts/gpu_check.py reports both): memory outside PyTorch's allocator (the
+# CUDA context and its kernels), and the allocator's reserved memory over its peak of live tensors.
+CUDA_CONTEXT = GIB // 2
+RESERVED_OVER_ALLOCATED = 1.05
+STEP_TOKENS = 491_520  # nanoGPT's GPT-2 step (12 x 1024 x 40): grad_accum reaches it from the largest batch
+# (n_layer, n_embd, block_size, batch_size, checkpointing, vocab_size, bf16, compiled); about a second each on CPU
+# eager, the compiled ones half a minute or more
+MEMORY_PROBES = {
+    "cpu": [(2, 128, 256, 8, 0, 50257, 0, 0), (6, 192, 256, 16, 1, 65, 0, 0), (2, 128, 256, 8, 1, 50257, 1, 0),
+            (6, 192, 256, 16, 0, 65, 0, 0), (6, 192, 256, 16, 0, 65, 1, 0), (6, 192, 256, 16, 1, 65, 1, 0),
+            (4, 128, 256, 8, 0, 65, 0, 1)],
+    "cuda": [(12, 768, 1024, 16, 0, 50257, 1, 0), (12, 768, 1024, 16, 1, 50257, 1, 0),
+             (12, 768, 1024, 16, 0, 50257, 1, 1)],
+}
+
+
+def training_memory(config: GPTConfig, batch_size: int, bf16: bool, checkpointing: bool = False) -> int:
+    """Predicted peak bytes of live tensors in an AdamW step, fitted to CPU measurements (docs/gpu.md: each term)."""
+    n, V = _parameters_and_rows(dataclasses.astuple(config))
+    C, L = config.n_embd, config.n_layer
+    layer = (36 if bf16 else 64) * C + 24 + (2 * C if config.dropout > 0 else 0)
+    head = (14 if bf16 else 16) * V + (10 if bf16 else 15) * C
+    recompute = layer + (12 if bf16 else 20) * C  # one block's activations and their gradients
+    tokens = batch_size * config.block_size
+    if checkpointing:
+        activations = max(tokens * (L * 4 * C + max(head, recompute)), 4 * n + tokens * (4 * C + recompute))
+    else:
+        activations = max(tokens * (L * layer + head), 4 * n)
+    casts = 2 * (12 * C * C * (1 if checkpointing else L) + V * C) if bf16 else 0
+    return 12 * n + casts + activations
+
+
+@functools.lru_cache(maxsize=64)
+def _parameters_and_rows(shape: tuple) -> tuple[int, int]:
+    """GPT(GPTConfig(*shape))'s parameter count and token-table rows, from a model on the meta device."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(*shape))
+    return model.num_params(non_embedding=False), model.transformer.wte.num_embeddings
+
+
+def largest_batch(config: GPTConfig, gpu_bytes: float, bf16: bool, checkpointing: bool) -> int:
+    """The largest micro-batch (up to 4096) whose training fits on a GPU of `gpu_bytes`: the predicted tensors with
+    the allocator's reserve, plus the CUDA context; 0 if not one."""
+    budget = (gpu_bytes - CUDA_CONTEXT) / RESERVED_OVER_ALLOCATED
+    return bisect.bisect_right(range(1, 4097), budget, key=lambda b: training_memory(config, b, bf16, checkpointing))
+
+
+def bench_memory(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for name, (n_layer, n_head, n_embd) in GPT2_SHAPES.items():
+        model = GPTConfig(vocab_size=50257, block_size=1024, n_layer=n_layer, n_head=n_head, n_embd=n_embd, bias=False)
+        for gib in GPU_GIB:
+            row = {"section": "memory: what fits (bf16, block 1024)", "model": name, "gpu_gib": gib}
+            for label, ck in (("plain", False), ("checkpointed", True)):
+                batch = largest_batch(model, gib * GIB, True, ck)
+                accum = -(-STEP_TOKENS // (batch * 1024)) if batch else 0
+                row[label] = f"batch_size={batch} grad_accum={accum}" if batch else "does not fit"
+            rows.append(row)
+    probes = MEMORY_PROBES.get(torch.device(args.device).type, [])[: args.memory_probes]
+    return rows + [probe_row(probe, args.device) for probe in probes]
+
+
+def adamw_steps(model: GPT, forward: nn.Module, batch_size: int, bf16: bool, steps: int) -> None:
+    """AdamW steps of `forward` (the model, or its compiled self) on random tokens, cut as get_batch cuts them."""
+    device = next(model.parameters()).device
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
+    for _ in range(steps):
+        block = torch.randint(model.config.vocab_size, (batch_size, model.config.block_size + 1), device=device)
+        with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+            _, loss = forward(block[:, :-1], block[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def probe_row(probe: tuple[int, ...], device: str, backend: str = "inductor") -> dict:
+    """A probe's prediction against the peak bytes two AdamW steps add, from building the model on."""
+    n_layer, n_embd, block_size, batch_size, checkpointing, vocab, bf16, compiled = probe
+    config = GPTConfig(vocab_size=vocab, block_size=block_size, n_layer=n_layer, n_head=n_embd // 64, n_embd=n_embd,
+                       bias=False)
+
+    def two_steps() -> None:  # the second step holds AdamW's state too
+        torch.manual_seed(0)
+        model = GPT(config).to(device).train()
+        model.activation_checkpointing = bool(checkpointing)
+        adamw_steps(model, torch.compile(model, backend=backend) if compiled else model, batch_size, bool(bf16), 2)
+
+    allocated, reserved = peak_bytes(two_steps, device)
+    predicted = training_memory(config, batch_size, bool(bf16), bool(checkpointing))
+    return {"section": f"memory: predicted against measured ({torch.device(device).type})",
+            "shape": f"{n_layer}x{n_embd}, vocab {vocab}, block {block_size}, batch {batch_size}",
+            "dtype": "bfloat16" if bf16 else "float32", "checkpointing": bool(checkpointing),
+            "compiled": bool(compiled), "measured_mib": allocated / 2**20, "predicted_mib": predicted / 2**20,
+            "predicted_over_measured": predicted / allocated, "reserved_over_allocated": reserved / allocated or "-"}
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {
     "train": bench_train, "attention": bench_attention, "sampling": bench_sampling,
     "sampling-batch": bench_batched_sampling, "memory": bench_memory,
@@ -312,15 +412,10 @@ def main() -> None:
     parser.add_argument("--attn-window", type=int, help="sampling: also a model with this window in every layer")
     parser.add_argument("--num-samples", type=int, default=8, help="sampling-batch: samples in the batch")
     parser.add_argument("--memory-probes", type=int, default=10, help="memory: at most this many shapes measured")
-    parser.add_argument("--attention-probe", nargs=3, metavar=("IMPL", "T", "W"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if set(args.sections) - set(SECTIONS):
         parser.error(f"unknown section {', '.join(sorted(set(args.sections) - set(SECTIONS)))}; choose from "
                      f"{', '.join(SECTIONS)}")
-    if args.attention_probe:
-        impl, length, window = args.attention_probe
-        print(json.dumps(attention_probe(impl, int(length), int(window) or None, args.device, args.repeats)))
-        return
     rows = [row for name in (args.sections or SECTIONS) for row in SECTIONS[name](args)]
     print(f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads\n")
     print_table(rows)

@@ -15,6 +15,7 @@ one warning; a run without config.yaml is in no group.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import json
 import math
@@ -52,8 +53,6 @@ ABSENT = "<absent>"  # the value of a key some runs' configs lack
 
 
 # --- the statistics: replicates grouped, their intervals, Welch's test against the baseline ---
-
-
 @dataclass
 class Group:
     config: dict[str, Any]  # the keys that differ between the groups, with this group's values
@@ -70,8 +69,7 @@ class Group:
         return statistics.fmean(self.values)
 
     @property
-    def std(self) -> float | None:
-        """The sample standard deviation; None for one run, which has no spread."""
+    def std(self) -> float | None:  # the sample standard deviation; None for one run, which has no spread
         return statistics.stdev(self.values) if self.n > 1 else None
 
     @property
@@ -184,10 +182,7 @@ def seeds_per_arm(diff: float, sd_a: float, sd_b: float, alpha: float = ALPHA, p
             return None
         high = min(2 * high, MAX_SEEDS)
     low = max(2, high // 2)
-    while low < high:  # the first n that reaches the power
-        mid = (low + high) // 2
-        low, high = (low, mid) if reached(mid) else (mid + 1, high)
-    return low
+    return low + bisect.bisect_left(range(low, high), True, key=reached)  # the first n that reaches the power
 
 
 def find_baseline(groups: list[Group], wanted: list[str]) -> Group:
@@ -203,7 +198,7 @@ def find_baseline(groups: list[Group], wanted: list[str]) -> Group:
         if not any(key in group.trained for group in groups):
             raise ValueError(f"--baseline {item}: no run has the key {key}")
         try:
-            pairs.append((key, yaml.load(text, Loader=_NoAliasLoader)))
+            pairs.append((key, yaml.load(text, Loader=get_yaml_loader())))
         except yaml.YAMLError:
             pairs.append((key, text))
     matches = [g for g in groups if all(key in g.trained and _equal(g.trained[key], v) for key, v in pairs)]
@@ -252,7 +247,6 @@ def run_value(records: list[dict[str, Any]], metric: str) -> float | None:
 
 
 # --- reading a run as train.py wrote it, or refusing it as damaged ---
-
 MAX_BYTES = {METRICS_NAME: 1 << 30, "config.yaml": 1 << 20}  # far past a run's files (~200 B a log line), short of RAM
 TOKEN_KEYS = ("train.batch_size", "train.grad_accum", "model.block_size")  # --x tokens multiplies these
 FILE_KINDS = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device",
@@ -268,13 +262,10 @@ Loaded = tuple[Path, dict[str, Any], list[dict[str, Any]], int]  # a run, its co
 
 def load_run(run: Path, needed: tuple[str, ...] = ()) -> Loaded:
     """The run's flat config (key.sub: value, with the settings resolved at start), records and cut-short line count;
-    Damaged if a file is unreadable or unlike what train.py writes. needed: keys every log and eval line must hold."""
+    Damaged if a file is unlike what train.py writes. needed: keys every log and eval line must hold."""
     path = run / METRICS_NAME
     regular_file(path)
-    try:
-        records, damaged = read_records(run)
-    except OSError as err:
-        raise Damaged(f"{path}: can't read it ({err.strerror or err})") from None
+    records, damaged = read_records(run)
     for r in records:
         wanted = (("train_loss",) if "lr" in r else ()) + (needed if "lr" in r or "val_loss" in r else ())
         missing = [key for key in wanted if key not in r]
@@ -303,9 +294,12 @@ def read_config(path: Path) -> dict[str, Any]:
         return {}
     regular_file(path)
     try:
-        config = yaml.load(path.read_bytes().decode("utf-8"), Loader=_NoAliasLoader)
-    except OSError as err:
-        raise Damaged(f"{path}: can't read it ({err.strerror or err})") from None
+        text = path.read_bytes().decode("utf-8")
+        alias = next((token for token in yaml.scan(text) if isinstance(token, yaml.AliasToken)), None)
+        if alias:  # train.py never writes one, and nested ones repeat a node exponentially ("billion laughs")
+            problem = f"an alias, *{alias.value}, which train.py never writes"
+            raise yaml.MarkedYAMLError(problem=problem, problem_mark=alias.start_mark)
+        config = yaml.load(text, Loader=get_yaml_loader())
     except UnicodeDecodeError as err:
         raise Damaged(f"{path}: not UTF-8 text (byte {err.start} is {err.object[err.start]:#x})") from None
     except yaml.YAMLError as err:
@@ -319,23 +313,9 @@ def read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-class _NoAliasLoader(get_yaml_loader()):  # type: ignore[misc]
-    """Refuses aliases, which train.py never writes: nested ones repeat a node exponentially ("billion laughs")."""
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise yaml.composer.ComposerError(None, None, f"an alias, *{event.anchor}, which train.py never writes",
-                                              event.start_mark)
-        return super().compose_node(parent, index)
-
-
 def regular_file(path: Path) -> None:
     """Damaged unless `path` (or a link's target) is a regular file within MAX_BYTES: a FIFO or /dev/zero never ends."""
-    try:
-        info = os.stat(path)  # follows links, as the read would
-    except OSError as err:
-        raise Damaged(f"{path}: can't read it ({err.strerror or err})") from None
+    info = os.stat(path)  # follows links, as the read would
     if not stat.S_ISREG(info.st_mode):
         kind = next((name for test, name in FILE_KINDS.items() if test(info.st_mode)), "a special file")
         raise Damaged(f"{path}: {kind}{' behind a link' if path.is_symlink() else ''}, not a regular file")
@@ -345,8 +325,6 @@ def regular_file(path: Path) -> None:
 
 
 # --- the command: the table, the statistics and the picture ---
-
-
 def check_output(path: Path, option: str) -> None:
     """Before any work: a file in an existing directory, and not a FIFO or a device, which is someone's channel.
     Outputs are written beside the path and renamed over it, so a link there is replaced, not written through."""
@@ -387,6 +365,8 @@ def load_runs(paths: list[Path], needed: tuple[str, ...]) -> list[Loaded]:
                 loaded.append(load_run(run, needed))
             except Damaged as err:
                 problems.append(str(err))
+            except OSError as err:  # no permission, or gone since the listing
+                problems.append(f"{err.filename or run}: can't read it ({err.strerror or err})")
     if not loaded:
         fail(f"{problems[0]}; nothing left to plot" if len(problems) == 1 else
              f"all {len(problems)} runs are damaged, the first: {problems[0]}; fix or leave them out")
@@ -412,8 +392,7 @@ def summaries_of(loaded: list[Loaded]) -> list[dict[str, Any]]:
             "best_val": min(finite, default=None), "iters": max((r["iter"] for r in records), default=0),
             "wall_s": max((r["elapsed_s"] for r in records if "elapsed_s" in r), default=None),
             "tokens_per_sec": statistics.median_high(speeds) if speeds else None,
-            "tokens_per_iter": math.prod(config.get(k, 0) for k in
-                                         ("train.batch_size", "train.grad_accum", "model.block_size")),
+            "tokens_per_iter": math.prod(config.get(k, 0) for k in TOKEN_KEYS),
         })
     counts = Counter(s["label"] for s in summaries)
     for s in summaries:
@@ -531,7 +510,16 @@ def figure(summaries: list[dict[str, Any]], x_axis: str, groups: list[Group] | N
         legend_title = f"each group: n runs, {metric}: mean ± 95% CI half-width"  # as the table's 95% CI of the mean
         ax.set_ylabel("loss: each group's mean\n(faint: train, dots: val; bands: its runs' min-max)")
     else:
-        _draw_runs(ax, summaries, x_of)
+        for i, s in enumerate(summaries):
+            train = [r for r in s["records"] if "lr" in r]
+            evals = [r for r in s["records"] if "val_loss" in r]
+            ax.plot([x_of(r, s) for r in train], [r["train_loss"] for r in train], color=f"C{i % 10}", alpha=0.35, lw=1)
+            label = s["label"] if s["best_val"] is None else f"{s['label']} (best val {s['best_val']:.3f})"
+            ax.plot([x_of(r, s) for r in evals], [r["val_loss"] for r in evals], color=f"C{i % 10}", marker="o", ms=3,
+                    label=textwrap.fill(label, 2 * KEYS_WIDTH))
+            if s["best_val"] is not None:
+                best = next(r for r in evals if r["val_loss"] == s["best_val"])
+                ax.plot([x_of(best, s)], [best["val_loss"]], color=f"C{i % 10}", marker="*", ms=12, mec="black")
         title = f"{len(summaries)} run{'s' * (len(summaries) > 1)}"
         ax.set_ylabel("loss (faint: train, dots: val, star: best val)")
     if ax.has_data():
@@ -548,25 +536,15 @@ def figure(summaries: list[dict[str, Any]], x_axis: str, groups: list[Group] | N
     return fig
 
 
-def _draw_runs(ax: Any, summaries: list[dict[str, Any]], x_of: Callable) -> None:
-    for i, s in enumerate(summaries):
-        train = [r for r in s["records"] if "lr" in r]
-        evals = [r for r in s["records"] if "val_loss" in r]
-        ax.plot([x_of(r, s) for r in train], [r["train_loss"] for r in train], color=f"C{i % 10}", alpha=0.35, lw=1)
-        label = s["label"] if s["best_val"] is None else f"{s['label']} (best val {s['best_val']:.3f})"
-        ax.plot([x_of(r, s) for r in evals], [r["val_loss"] for r in evals], color=f"C{i % 10}", marker="o", ms=3,
-                label=textwrap.fill(label, 2 * KEYS_WIDTH))
-        if s["best_val"] is not None:
-            best = next(r for r in evals if r["val_loss"] == s["best_val"])
-            ax.plot([x_of(best, s)], [best["val_loss"]], color=f"C{i % 10}", marker="*", ms=12, mec="black")
-
-
 def _draw_groups(ax: Any, groups: list[Group], by_run: dict[Path, dict[str, Any]], x_of: Callable, metric: str) -> None:
     """Faint: mean train loss; dots: mean val loss with the runs' min-max as band and bar, at shared iterations."""
     for i, g in enumerate(groups):
-        runs = [by_run[run] for run in g.runs]
-        curves = {kind: _across_runs(runs, key, kind, x_of)
-                  for key, kind in (("lr", "train_loss"), ("val_loss", "val_loss"))}
+        runs, curves = [by_run[run] for run in g.runs], {}
+        for key, kind in (("lr", "train_loss"), ("val_loss", "val_loss")):  # at the iterations all runs share
+            by_iter = [{r["iter"]: r for r in s["records"] if key in r and math.isfinite(r[kind])} for s in runs]
+            iters = sorted(set.intersection(*(set(b) for b in by_iter)))
+            xs = [statistics.fmean(x_of(b[it], s) for b, s in zip(by_iter, runs, strict=True)) for it in iters]
+            curves[kind] = xs, [[b[it][kind] for b in by_iter] for it in iters]
         if not curves["val_loss"][0]:
             print(f"warning: the runs of {g.label} share no evaluation's iteration: not drawn", file=sys.stderr)
             continue
@@ -584,14 +562,6 @@ def _draw_groups(ax: Any, groups: list[Group], by_run: dict[Path, dict[str, Any]
             ax.fill_between(xs, low, high, color=f"C{i % 10}", alpha=0.1 if kind == "train_loss" else 0.2, lw=0)
 
 
-def _across_runs(runs: list[dict[str, Any]], key: str, value: str, x_of: Callable) -> tuple[list, list[list[float]]]:
-    """The records holding `key` at the iterations all runs share: the mean x and each run's value."""
-    by_iter = [{r["iter"]: r for r in s["records"] if key in r and math.isfinite(r[value])} for s in runs]
-    iters = sorted(set.intersection(*(set(b) for b in by_iter)))
-    xs = [statistics.fmean(x_of(b[it], s) for b, s in zip(by_iter, runs, strict=True)) for it in iters]
-    return xs, [[b[it][value] for b in by_iter] for it in iters]
-
-
 def main(argv: list[str] | None = None) -> None:
     """The command: argv as the command line holds it (default: sys.argv's), so tests can call it in-process."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -599,10 +569,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-o", "--out", type=Path, help="the picture (default: loss.png in the deepest folder holding "
                         "all those given)")
     parser.add_argument("--x", choices=["iter", "time", "tokens"], default="iter", help="the x axis")
-    parser.add_argument("--metric", default="val_loss",
-                        help="what the groups compare: val_loss (the last evaluation's), best_val_loss, "
-                        "time_to_target_s, tokens_per_sec (the median log line's), or any other key of metrics.jsonl "
-                        "(its last value)")
+    parser.add_argument("--metric", default="val_loss", help="what the groups compare: val_loss (the last "
+                        "evaluation's), best_val_loss, time_to_target_s, tokens_per_sec (the median log line's), or "
+                        "any other key of metrics.jsonl (its last value)")
     parser.add_argument("--baseline", nargs="+", action="extend", metavar="KEY=VALUE",
                         help="the group the others are compared with (default: the first group)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the groups and comparisons as JSON")

@@ -50,25 +50,22 @@ def check_output_dir(out_dir: Path, key: str = "attention_dir") -> None:
 
 
 def _plot_layer(weights: np.ndarray, mask: np.ndarray, tokens: list[str], layer: int, out_dir: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    from matplotlib import colormaps
     from matplotlib.colors import PowerNorm
+    from matplotlib.figure import Figure  # outside pyplot: files only, no display
 
     n_head, T, _ = weights.shape
     cols = min(n_head, 4)
     rows = -(-n_head // cols)
     size = 3.2 if T <= LABELS_UP_TO // 2 else 4.2
-    fig, axes = plt.subplots(rows, cols, figsize=(size * cols + 1, size * rows + 0.6), squeeze=False,
-                             layout="constrained")
+    fig = Figure(figsize=(size * cols + 1, size * rows + 0.6), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False)
     norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)  # stretch small weights; 0 stays black
-    cmap = plt.get_cmap("inferno").with_extremes(bad="#9a9a9a")  # "bad", the masked cells: grey, no weight's colour
+    cmap = colormaps["inferno"].with_extremes(bad="#9a9a9a")  # "bad", the masked cells: grey, no weight's colour
     labels = [t.replace("\n", "\\n").replace(" ", "\u2423") or "\u2205" for t in tokens]
-    for head, ax in enumerate(axes.flat):
-        if head >= n_head:
-            ax.axis("off")
-            continue
+    for ax in axes.flat[n_head:]:
+        ax.axis("off")
+    for head, ax in enumerate(axes.flat[:n_head]):
         image = ax.imshow(np.ma.masked_array(weights[head], mask=~mask), cmap=cmap, norm=norm, interpolation="nearest")
         ax.set_title(f"head {head}", fontsize=9)
         if T <= LABELS_UP_TO:
@@ -81,5 +78,4 @@ def _plot_layer(weights: np.ndarray, mask: np.ndarray, tokens: list[str], layer:
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="weight (grey: masked, no weight)")
     path = out_dir / f"attention_layer{layer}.png"
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path

@@ -63,17 +63,17 @@ def decode_step_weights(model: GPT, ids: list[int], n_prefill: int, last: int | 
     steps = np.zeros((T - first_step, len(attentions), model.config.n_head, last), dtype=np.float32)
     cache = KVCache(model.config)
     model.hidden(idx[:, :n_prefill], cache)  # the prompt on the model's own path: no T x T weights kept
-    for t in range(n_prefill, T):
-        captured: list[torch.Tensor] = []
-        for attn in attentions:
-            attn.captured = captured if t >= first_step else None
-        try:
-            model.hidden(idx[:, t : t + 1], cache)
-        finally:
+    try:
+        for t in range(n_prefill, T):
+            captured: list[torch.Tensor] = []
             for attn in attentions:
-                attn.captured = None
-        for layer, weights in enumerate(captured):  # (1, n_head, 1, keys the cache returned, ending at t)
-            row = weights[0, :, 0].float().cpu().numpy()
-            lo = t - row.shape[-1] + 1  # the first key's position
-            steps[t - first_step, layer, :, max(lo, start) - start : t + 1 - start] = row[:, max(0, start - lo) :]
+                attn.captured = captured if t >= first_step else None
+            model.hidden(idx[:, t : t + 1], cache)
+            for layer, weights in enumerate(captured):  # (1, n_head, 1, keys the cache returned, ending at t)
+                row = weights[0, :, 0].float().cpu().numpy()
+                lo = t - row.shape[-1] + 1  # the first key's position
+                steps[t - first_step, layer, :, max(lo, start) - start : t + 1 - start] = row[:, max(0, start - lo) :]
+    finally:
+        for attn in attentions:
+            attn.captured = None
     return steps

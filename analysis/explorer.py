@@ -73,8 +73,7 @@ def live_page(model: GPT, ids: list[int], tokens: list[str], n_prompt: int, titl
               induction: np.ndarray | None = None, context_note: str | None = None, causality: dict | None = None,
               use_cache: bool = True) -> str:
     """The page for a sequence in memory (serve.py's live page; save_explorer writes one): its last block_size tokens,
-    tokens[i] the text of ids[i], with the decode steps of those after n_prompt where generation took them.
-    induction: induction_scores(model), if known; context_note: the cropped-context line."""
+    tokens[i] the text of ids[i], with the decode steps of those after n_prompt where generation took them."""
     config = model.config
     T = min(len(ids), config.block_size)
     weights, mask = attention_arrays(model, ids[-T:])

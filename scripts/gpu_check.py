@@ -9,6 +9,7 @@ val 1.47, sample.py's maps and causality check). Exits 1 if a check fails.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.memory import MEMORY_PROBES, probe_row  # noqa: E402
+from bench import MEMORY_PROBES, adamw_steps, probe_row  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 TINY_MODEL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
@@ -63,15 +64,7 @@ def compiled_graphs(device: str, config: GPTConfig) -> dict:
     counters.clear()
     torch.manual_seed(0)
     model = GPT(config).to(device).train()
-    compiled = torch.compile(model, fullgraph=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for _ in range(3):
-        block = torch.randint(config.vocab_size, (4, config.block_size + 1), device=device)  # as get_batch cuts it
-        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
-            _, loss = compiled(block[:, :-1], block[:, 1:])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    adamw_steps(model, torch.compile(model, fullgraph=True), 4, device == "cuda", steps=3)
     graphs = counters["stats"]["unique_graphs"]
     return {"check": "compile: one graph, no recompiles", "ok": graphs == 1, "graphs": graphs}
 
@@ -172,18 +165,15 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 comparison means fp32
     workdir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     config = GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)
-    if args.dry_run:
-        config = GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    config = replace(config, block_size=32, n_layer=2, n_head=2, n_embd=32) if args.dry_run else config
     # A window that is no multiple of FlexAttention's 128-token blocks, over all but the last layer.
     windowed = replace(config, attn_window=5 if args.dry_run else 100, pos_emb="rope")
     # The dry run compiles tests/test_compile.py's windowed GPT-2 block, whose graphs inductor's cache then holds
     compiled_shape = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=32, attn_window=16,
                                window_pattern="SL") if args.dry_run else windowed
-    steps = [
-        ("flash = math", lambda: paths_agree(device, torch.float32, config, tolerance=1e-4)),
-        ("flash = math", lambda: paths_agree(device, torch.bfloat16, config, tolerance=5e-2)),
-        ("flash = math", lambda: paths_agree(device, torch.float32, windowed, tolerance=1e-4)),
-        ("flash = math", lambda: paths_agree(device, torch.bfloat16, windowed, tolerance=5e-2)),
+    steps = [("flash = math", functools.partial(paths_agree, device, dtype, shape, tolerance)) for shape in
+             (config, windowed) for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2))]
+    steps += [
         ("compile", lambda: compiled_graphs(device, compiled_shape)),
         ("memory", lambda: peak_memory(args)),
         ("gpt2", lambda: gpt2_throughput(args, workdir)),

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import bench
-from benchmarks import memory
 from conftest import run_in_process, run_script
 from model import GPTConfig
 
@@ -89,7 +88,7 @@ def test_gpu_check_dry_run_passes_on_cpu(tmp_path: Path, corpus_path: Path) -> N
 )
 def test_the_predicted_peak_is_within_10_percent_of_the_measured_tensor_bytes(probe: tuple[int, ...]) -> None:
     """Two AdamW steps on CPU: the peak of live tensor bytes, from every allocation and free the profiler records."""
-    row = memory.probe_row(probe, "cpu")
+    row = bench.probe_row(probe, "cpu")
     assert 0.9 <= row["predicted_over_measured"] <= 1.1, row
 
 
@@ -97,13 +96,13 @@ def test_checkpointing_fits_larger_batches_and_the_largest_batch_fits() -> None:
     """A batch fits when its predicted tensors, with the allocator's reserve, and the CUDA context fit the GPU."""
     gpt2 = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=False)
     gpu = 20 * 2**30
-    plain, checkpointed = (memory.largest_batch(gpt2, gpu, True, ck) for ck in (False, True))
+    plain, checkpointed = (bench.largest_batch(gpt2, gpu, True, ck) for ck in (False, True))
     assert 0 < plain < checkpointed
     for batch, ck in ((plain, False), (checkpointed, True)):
-        fits, one_more = (memory.training_memory(gpt2, b, True, ck) * memory.RESERVED_OVER_ALLOCATED
-                          + memory.CUDA_CONTEXT for b in (batch, batch + 1))
+        fits, one_more = (bench.training_memory(gpt2, b, True, ck) * bench.RESERVED_OVER_ALLOCATED
+                          + bench.CUDA_CONTEXT for b in (batch, batch + 1))
         assert fits <= gpu < one_more
-    assert memory.largest_batch(gpt2, 2**30, True, True) == 0  # the weights and AdamW's state alone take 1.5 GiB
+    assert bench.largest_batch(gpt2, 2**30, True, True) == 0  # the weights and AdamW's state alone take 1.5 GiB
 
 
 def test_an_absurd_model_or_sample_count_is_one_line_from_the_command_line(

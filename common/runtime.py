@@ -55,9 +55,6 @@ class Runtime:
         """float32, bfloat16, float16: the dtype keys' names."""
         return str(self.dtype).removeprefix("torch.")
 
-    def synchronize(self) -> None:
-        synchronize(self.device)
-
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype == torch.float32:
             return contextlib.nullcontext()
@@ -173,26 +170,16 @@ def write_text_atomically(path: Path, text: str) -> None:
     write_atomically(path, lambda f: f.write(text.encode("utf-8")))
 
 
-def replace_file(source: Path, target: Path) -> None:
-    """os.replace, the atomic step on every platform."""
-    try:
-        os.replace(source, target)
-    except PermissionError:
-        if sys.platform != "win32":
-            raise
-        _replace_on_windows(source, target)
-
-
-def _replace_on_windows(source: Path, target: Path, attempts: int = 10) -> None:
-    """Windows won't replace a file another process has open (sample.py reading it); readers are brief, so retry."""
-    for attempt in range(1, attempts):
-        time.sleep(0.05 * attempt)
+def replace_file(source: Path, target: Path, attempts: int = 10) -> None:
+    """os.replace, the atomic step on every platform. Windows won't replace a file another process has open (sample.py
+    reading it); readers are brief, so there it is tried again, waiting longer each time."""
+    for attempt in range(1, attempts + 1):
         try:
-            os.replace(source, target)
-            return
+            return os.replace(source, target)
         except PermissionError:
-            if attempt == attempts - 1:
+            if sys.platform != "win32" or attempt == attempts:
                 raise
+            time.sleep(0.05 * attempt)
 
 
 def fsync_directory(directory: Path) -> None:
@@ -229,19 +216,22 @@ def check_regular_file(path: Path) -> None:
 
 
 def make_directory(path: Path, named: str) -> None:
-    """A directory (with its parents) made unless there; `named`, how its one-line errors name it (out_dir=runs/x):
-    a file where it goes, no permission, a full disk or no inodes left."""
+    """A directory (with its parents) made unless there; `named`, how its one-line errors name it (out_dir=runs/x)."""
     try:
         path.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError) as err:
-        raise ConfigError(f"{named}: {err.filename or path} is a file, not a directory; name another") from None
-    except PermissionError as err:
-        raise ConfigError(f"{named} is not writable ({err.strerror}: {err.filename}); name a folder you can write "
-                          "to") from None
     except OSError as err:
-        if err.errno not in FULL_ERRNOS:
-            raise
-        raise DiskFull(f"{named} not made: the disk holding it is full (no space or no inodes left)") from None
+        raise _not_made(err, path, named) from None
+
+
+def _not_made(err: OSError, path: Path, named: str) -> Exception:
+    """A directory's mkdir error as one line: a file where it goes, no permission, a full disk or no inodes left."""
+    if isinstance(err, FileExistsError | NotADirectoryError):
+        return ConfigError(f"{named}: {err.filename or path} is a file, not a directory; name another")
+    if isinstance(err, PermissionError):
+        return ConfigError(f"{named} is not writable ({err.strerror}: {err.filename}); name a folder you can write to")
+    if err.errno in FULL_ERRNOS:
+        return DiskFull(f"{named} not made: the disk holding it is full (no space or no inodes left)")
+    return err
 
 
 def open_for_appending(path: Path) -> TextIO:

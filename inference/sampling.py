@@ -219,11 +219,14 @@ MAX_NEW_TOKENS = 1_000_000
 
 @dataclass
 class ModelChoice:
-    """The keys that pick the model sample.py and eval.py run."""
+    """The keys that pick the model sample.py, eval.py and serve.py run, and how it runs."""
 
     out_dir: str | None = option(None, path=True)  # a train.py run directory holding ckpt.pt (or init_from)
     init_from: str | None = option(None, path=True)  # instead of out_dir: gpt2[-medium|-large|-xl] or a HF GPT-2 dir
     ckpt: str = option("latest", choices=("latest", "best"))  # the run's ckpt.pt, or its best.pt (train.keep_best)
+    device: str = option("auto", choices=DEVICES)
+    dtype: str = option("auto", choices=DTYPES)
+    attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -244,9 +247,6 @@ class SampleConfig(ModelChoice):
     top_p: float | None = option(None, above=0.0, at_most=1.0, hint="null means no cut-off")  # nucleus: mass p
     min_p: float | None = option(None, above=0.0, at_most=1.0, hint="null means no cut-off")  # p >= min_p * top
     seed: int = option(1337, at_least=0, at_most=SEED_MAX)
-    device: str = option("auto", choices=DEVICES)
-    dtype: str = option("auto", choices=DTYPES)
-    attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
     use_cache: bool = True  # KV cache: run the prompt once, then one token per step
     # a sample ends before the first of these strings (\n, \t: newline, tab); BPE's <|endoftext|> too, unless stop=[]
     stop: list[str] | None = None
@@ -271,9 +271,6 @@ class EvalConfig(ModelChoice):
     batch_size: int | None = option(None, at_least=1, hint="null means 4096 // context windows")
     hellaswag: bool = False  # also score HellaSwag's validation set (BPE models)
     hellaswag_file: str | None = option(None, path=True)  # local hellaswag_val.jsonl; null: in data/cache/hellaswag
-    device: str = option("auto", choices=DEVICES)
-    dtype: str = option("auto", choices=DTYPES)
-    attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -291,9 +288,6 @@ class ServeConfig(ModelChoice):
 
     host: str = "127.0.0.1"  # loopback: only this machine; 0.0.0.0 listens on every interface
     port: int = option(8000, at_least=0, at_most=65535)  # 0: any free port (printed when ready)
-    device: str = option("auto", choices=DEVICES)
-    dtype: str = option("auto", choices=DTYPES)
-    attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
     api_key: str | None = None  # every request then needs Authorization: Bearer KEY; null: $GPT_LAB_API_KEY, if set
     allow_no_api_key: bool = False  # else a host beyond loopback needs api_key: anyone reaching the port may use it
     model_id: str | None = None  # the id /v1/models lists and requests name; null: the run directory's name

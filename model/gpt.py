@@ -111,21 +111,15 @@ class GPTConfig:
         """The token table's rows: vocab_size rounded up to a multiple of vocab_multiple."""
         return math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple
 
-    @property
-    def bigram_rows(self) -> int:
-        """A row per (previous token or none, token) while that fits BIGRAM_ROWS, else BIGRAM_ROWS rows that the
-        pairs share by hashing (a prime modulus spreads them)."""
-        return min(self.vocab_size * (self.vocab_size + 1), BIGRAM_ROWS)
-
 
 class BigramEmbedding(nn.Module):
     """A row per (previous token, token) pair, so pair statistics needn't be learnt through attention. Row
-    vocab_size * vocab_size + token: no previous token; past GPTConfig.bigram_rows, pairs share rows (id modulo)."""
+    vocab_size * vocab_size + token: no previous token; past BIGRAM_ROWS rows, pairs share rows (a prime modulus)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.vocab_size = config.vocab_size
-        self.table = nn.Embedding(config.bigram_rows, config.n_embd)
+        self.table = nn.Embedding(min(config.vocab_size * (config.vocab_size + 1), BIGRAM_ROWS), config.n_embd)
 
     def forward(self, idx: Tensor, previous: Tensor | None) -> Tensor:
         """Embeddings (B, T, n_embd) of idx (B, T); previous (B, 1): the token before idx[:, 0], if any."""
@@ -476,15 +470,19 @@ def _typed(schema: type[Config], values: Any, path: Path, what: str = "") -> Con
         typed = typed_config(values, schema)
         check_fields(typed)  # bounds GPTConfig checks itself, Progress's
         return typed
-    except ConfigError as err:
-        problem = str(err)
-    except OmegaConfBaseException as err:  # a type: said as a command line's key=value would be
-        problem = f"{err.full_key}: {err.msg}"
+    except (ConfigError, OmegaConfBaseException) as err:
+        raise CheckpointError(f"{path} can't be used: its {what}{_one_line(err, schema, values)}") from None
+
+
+def _one_line(err: Exception, schema: type, values: dict[str, Any]) -> str:
+    """A config's error in one line; a type's as a command line's key=value would be said (OmegaConf's takes three)."""
+    if isinstance(err, OmegaConfBaseException):
         try:
             check_override(schema, str(err.full_key), values.get(err.full_key))
         except ConfigError as named:
-            problem = str(named)
-    raise CheckpointError(f"{path} can't be used: its {what}{problem}") from None
+            return str(named)
+        return f"{err.full_key}: {str(err.msg).splitlines()[0]}"
+    return str(err)
 
 
 def _check_weights(weights: dict[str, Any], config: GPTConfig, path: Path) -> None:

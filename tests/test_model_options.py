@@ -16,7 +16,7 @@ from common.errors import ConfigError
 from conftest import MODERN, assert_same_logits_and_gradients, compose_config, tiny_run_overrides
 from model import GPT, GPTConfig
 from model.attention import KVCache
-from model.gpt import BIGRAM_ROWS, CKPT_NAME, load_checkpoint
+from model.gpt import BIGRAM_ROWS, CKPT_NAME, BigramEmbedding, load_checkpoint
 from model.hf_gpt2 import PretrainedError, hf_from_gpt
 from training.run import train
 
@@ -77,8 +77,8 @@ def test_the_bigram_widens_the_receptive_field_by_one_token_and_the_mask_still_h
 
 
 def test_bigram_rows_are_exact_for_a_small_vocabulary_and_hashed_for_a_large_one() -> None:
-    assert GPTConfig(**{**SMALL, "vocab_size": 65}).bigram_rows == 65 * 66
-    assert GPTConfig(**{**SMALL, "vocab_size": 50257}).bigram_rows == BIGRAM_ROWS
+    rows = [BigramEmbedding(GPTConfig(**{**SMALL, "vocab_size": v})).table.num_embeddings for v in (65, 50257)]
+    assert rows == [65 * 66, BIGRAM_ROWS]
     model = _model(bigram_embed=True)
     table = model.transformer.bigram.table.weight
     idx = torch.tensor([[3, 7, 7]])

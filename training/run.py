@@ -67,9 +67,10 @@ def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] |
     world.open(runtime.device)
     try:
         trainer = build_trainer(config, world, runtime, before_step)
-        finished = _finished(trainer)
-        if finished is not None:
-            return finished
+        if config.resume and _finished(trainer):
+            p = trainer.progress
+            return TrainResult(trainer.out_dir, p.iter, p.val_loss, p.best_val_loss, trainer.elapsed_before, None,
+                               runtime.dtype_name)
         with contextlib.ExitStack() as held:
             if world.is_main:  # should this fail, torchrun stops the other ranks
                 open_run_directory(trainer, held, on_run_opened)
@@ -155,16 +156,15 @@ def _cut_history(out_dir: Path, iter: int, settings: dict[str, Any]) -> None:
         log.warning(f"resume: {', '.join(changed)} since the run last started (OMP_NUM_THREADS sets the threads)")
 
 
-def _finished(trainer: Trainer) -> TrainResult | None:
-    """A resumed run that already evaluated its last iteration (train.max_iters, or the target): nothing is written."""
+def _finished(trainer: Trainer) -> bool:
+    """A resumed run that already evaluated its last iteration (train.max_iters, or the target): said, and nothing
+    is written."""
     p, train = trainer.progress, trainer.config.train
-    if not trainer.config.resume or p.last_eval_iter != p.iter or (
-            p.iter < train.max_iters and not trainer.reaches_target(p.val_loss)):
-        return None
+    if p.last_eval_iter != p.iter or (p.iter < train.max_iters and not trainer.reaches_target(p.val_loss)):
+        return False
     log.info(f"out_dir={trainer.out_dir} is finished: {p.iter} iters, val loss {p.val_loss:.4f}; nothing written "
              "(to train on, raise train.max_iters and add resume_with_changes=true)")
-    return TrainResult(trainer.out_dir, p.iter, p.val_loss, p.best_val_loss, trainer.elapsed_before, None,
-                       trainer.runtime.dtype_name)
+    return True
 
 
 def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime,
@@ -219,20 +219,12 @@ def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime,
 
 def check_for_world(train: OptimConfig, world: World) -> None:
     """The checks that need the number of processes (torchrun's: one process passes them all)."""
-    if train.grad_accum % world.size or (world.distributed and train.parallel == "fsdp" and train.optimizer == "muon"):
-        raise ConfigError(_world_conflict(train, world))
-
-
-def _world_conflict(train: OptimConfig, world: World) -> str:
     if train.grad_accum % world.size:
-        return (
-            f"train.grad_accum={train.grad_accum} (micro-batches per step, all processes together) is not divisible "
-            f"by the {world.size} processes; use a multiple of {world.size}"
-        )
-    return (
-        "train.optimizer=muon needs each hidden matrix whole, and train.parallel=fsdp shards them; "
-        "use train.parallel=ddp (or train.optimizer=adamw)"
-    )
+        raise ConfigError(f"train.grad_accum={train.grad_accum} (micro-batches per step, all processes together) is "
+                          f"not divisible by the {world.size} processes; use a multiple of {world.size}")
+    if world.distributed and train.parallel == "fsdp" and train.optimizer == "muon":
+        raise ConfigError("train.optimizer=muon needs each hidden matrix whole, and train.parallel=fsdp shards them; "
+                          "use train.parallel=ddp (or train.optimizer=adamw)")
 
 
 def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: PreparedData, runtime: Runtime,
@@ -281,11 +273,9 @@ def _pretrained_model(config: TrainRunConfig, data: PreparedData) -> GPT:
     settings = {name: getattr(keys, name) for name in PRETRAINED_SETTINGS}
     model = load_pretrained(config.init_from, block_size=keys.block_size, **settings)
     if model.config.vocab_size != data.meta["vocab_size"]:
-        raise ConfigError(
-            f"init_from={config.init_from} has a vocabulary of {model.config.vocab_size} tokens, the data's has "
-            f"{data.meta['vocab_size']}; use data tokenized like the model (GPT-2: data.tokenizer=r50k_base, e.g. "
-            "data=shakespeare)"
-        )
+        raise ConfigError(f"init_from={config.init_from} has a vocabulary of {model.config.vocab_size} tokens, the "
+                          f"data's has {data.meta['vocab_size']}; use data tokenized like the model (GPT-2: "
+                          "data.tokenizer=r50k_base, e.g. data=shakespeare)")
     shape = {k: getattr(model.config, k) for k in ("n_layer", "n_head", "n_embd", "bias", "activation", "pos_emb")}
     if model.config.attn_window is not None:
         shape["layer_windows"] = model.config.layer_windows()
@@ -298,18 +288,11 @@ def _check_data_fits(data: PreparedData, block_size: int) -> None:
     """Every split has a file longer than a window (windows don't span files)."""
     for split, files in (("train", data.train), ("val", data.val)):
         if max(files.lengths) <= block_size:
-            raise ConfigError(_too_short(data, split, max(files.lengths), block_size))
-
-
-def _too_short(data: PreparedData, split: str, n: int, block_size: int) -> str:
-    if data.meta.get("sharded"):
-        more = " (or raise data.shard_tokens)"
-    else:
-        more = f" (or {'raise' if split == 'val' else 'lower'} data.val_fraction)"
-    return (
-        f"the {split} split's longest token file has {n} tokens, too few for model.block_size={block_size}; "
-        f"lower model.block_size or train on more text{more}"
-    )
+            more = f"{'raise' if split == 'val' else 'lower'} data.val_fraction"
+            more = "raise data.shard_tokens" if data.meta.get("sharded") else more
+            raise ConfigError(f"the {split} split's longest token file has {max(files.lengths)} tokens, too few "
+                              f"for model.block_size={block_size}; lower model.block_size or train on more text (or "
+                              f"{more})")
 
 
 def _hellaswag(train: OptimConfig, tokenizer: Tokenizer, block_size: int, runtime: Runtime,

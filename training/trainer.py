@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from common.errors import DiskFull, TrainingDiverged
-from common.runtime import Runtime, open_for_appending, unless_disk_full, write_text_atomically
+from common.runtime import Runtime, open_for_appending, synchronize, unless_disk_full, write_text_atomically
 from data.prepare import EVAL_WINDOWS, TRAIN_WINDOWS, PreparedData, TokenFiles, batch_generator, every_window, get_batch
 from data.tokenizers import TextScore, Tokenizer, token_sums
 from evals.hellaswag import Example, hellaswag_sums
@@ -128,7 +128,7 @@ class Trainer:
                 self.optimizer_step(loss)
                 p.iter += 1
                 if paced_from is None:  # the first step (compilation, warm-up) is left out of the timing
-                    self.runtime.synchronize()
+                    synchronize(self.runtime.device)
                     paced_from = self.clock = (time.perf_counter(), p.iter)
                 if p.iter % train.log_interval == 0:
                     self.log_line(lr, paced_from)
@@ -340,8 +340,12 @@ class Trainer:
     def log_samples(self) -> None:
         """A few samples to wandb, to see what the numbers mean (generate() can't run on one rank's shards)."""
         if not (self.world.distributed and self.config.train.parallel == "fsdp"):
+            import wandb
+
             first = int(next(every_window(self.data.val, 1, 1))[0][0, 0])  # the val split's first token
-            self.metrics.log_samples(self.progress.iter, sample_table(self.model, self.tokenizer, first, self.runtime))
+            rows = sample_table(self.model, self.tokenizer, first, self.runtime)
+            self.metrics.wandb_run.log({"samples": wandb.Table(columns=["prompt", "sample"], data=rows)},
+                                       step=self.progress.iter)
 
 
 FROM_CONFIG = tuple(dict.fromkeys(ADAMW_KEYS + MUON_KEYS))  # a param group's keys: make_optimizer sets them
@@ -459,20 +463,13 @@ class MetricsLog:
         with open_for_appending(self.path) as f:
             f.write(json.dumps({"iter": iter, "settings": settings}) + "\n")
 
-    def log_samples(self, step: int, samples: list[list[str]]) -> None:
-        """A few (prompt, text) pairs as a wandb table, to see what the numbers mean."""
-        import wandb
-
-        self.wandb_run.log({"samples": wandb.Table(columns=["prompt", "sample"], data=samples)}, step=step)
-
     def close(self) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()
 
 
-def sample_table(
-    model: GPT, tokenizer: Tokenizer, first: int, runtime: Runtime, count: int = 3, tokens: int = 200
-) -> list[list[str]]:
+def sample_table(model: GPT, tokenizer: Tokenizer, first: int, runtime: Runtime, count: int = 3,
+                 tokens: int = 200) -> list[list[str]]:
     """log_samples' rows: sample.py-style continuations of `first`, cut at end of text; drawn after the RNG is saved."""
     idx = torch.full((count, 1), first, dtype=torch.long, device=runtime.device)
     model.eval()

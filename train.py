@@ -11,8 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from common.cli import presets
-from common.config import exit_on_user_error, run_hydra
+from common.config import exit_on_user_error, presets, run_hydra
 from common.runtime import write_text_atomically
 from training.resume import resumed_config
 from training.run import train
@@ -79,11 +78,9 @@ def _sweep_job(cfg: DictConfig, hydra_cfg: DictConfig) -> str:
 
 def _defaults_note(cfg: DictConfig, choices: DictConfig) -> str:
     """`python train.py` alone runs something: said, so that nobody mistakes it for a chosen recipe."""
-    return (
-        f"no settings given: configs/config.yaml's defaults, model={choices.model} on data={choices.data} for "
-        f"{cfg.train.max_iters:,} iterations into out_dir {cfg.out_dir} (the log lines' ETA says how long); "
-        "python train.py --help lists the experiments"
-    )
+    return (f"no settings given: configs/config.yaml's defaults, model={choices.model} on data={choices.data} for "
+            f"{cfg.train.max_iters:,} iterations into out_dir {cfg.out_dir} (the log lines' ETA says how long); "
+            "python train.py --help lists the experiments")
 
 
 def _hydra_files(cfg: DictConfig, hydra_cfg: DictConfig) -> Callable[[Path], None]:

@@ -37,15 +37,10 @@ class World:
         """Leave them (Torchrun)."""
 
     def wrap(self, model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
-        """The model as the steps call it: replicated by DDP or sharded by FSDP2 under torchrun."""
-        return model
+        return model  # Torchrun's: DDP or FSDP2
 
     def barrier(self) -> None:
         """Wait for every rank."""
-
-    def broadcast(self, value: Any) -> Any:
-        """Rank 0's value on every rank, e.g. the run directory each rank's Hydra derived from its own clock."""
-        return value
 
     def all_gather(self, value: Any) -> list[Any]:
         """Every rank's value, in rank order, on every rank."""
@@ -92,11 +87,6 @@ class Torchrun(World):
     def barrier(self) -> None:
         dist.barrier()
 
-    def broadcast(self, value: Any) -> Any:
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
     def all_gather(self, value: Any) -> list[Any]:
         values: list[Any] = [None] * self.size
         dist.all_gather_object(values, value)
@@ -107,7 +97,6 @@ class Torchrun(World):
         return tensor
 
     def agree_on_step(self, step_loss: torch.Tensor, stop_requested: bool) -> tuple[torch.Tensor, bool]:
-        """In one reduction."""
         both = torch.stack((step_loss, torch.tensor(float(stop_requested), device=step_loss.device)))
         dist.all_reduce(both, op=dist.ReduceOp.SUM)
         return both[0] / self.size, bool(both[1] > 0)
@@ -152,12 +141,12 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, world: World)
     return model_state, optimizer_state
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict,
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
                     optimizer_state: dict | None) -> None:
     """The inverse of full_state, on every rank (each shards what it reads); the optimizer state keyed by name."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_state, options=options)
-    if optimizer is not None and optimizer_state is not None:
+    if optimizer_state is not None:
         set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)

@@ -3,14 +3,10 @@ much) for hidden weight matrices, AdamW for the rest, in one Optimizer: clipping
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.optim._functional import adamw
-
-MUON_KEYS = ("lr", "momentum", "nesterov", "ns_steps", "weight_decay")  # what each kind of group must carry
-ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 def newton_schulz(grad: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -28,16 +24,12 @@ def newton_schulz(grad: torch.Tensor, steps: int = 5) -> torch.Tensor:
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Param groups with group["muon"] True: Muon (MUON_KEYS), for 2-D matrices, orthogonalised in ns_dtype; the
-    others AdamW (ADAMW_KEYS), as torch.optim.AdamW. Each group carries all its keys: there are no defaults."""
+    """Param groups with group["muon"] True: Muon (lr, momentum, nesterov, ns_steps, weight_decay), for 2-D matrices,
+    orthogonalised in ns_dtype; the others AdamW (lr, betas, eps, weight_decay). There are no defaults."""
 
     def __init__(self, param_groups: list[dict[str, Any]], ns_dtype: torch.dtype = torch.float32) -> None:
         super().__init__(param_groups, defaults={})
         self.ns_dtype = ns_dtype
-        for group in self.param_groups:
-            missing = set(MUON_KEYS if group["muon"] else ADAMW_KEYS) - set(group)
-            if missing:
-                raise ValueError(f"a {'Muon' if group['muon'] else 'AdamW'} group lacks {sorted(missing)}")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """AdamW's step counts on their parameters' device, where the fused kernel counts (older checkpoints: CPU)."""
@@ -47,19 +39,14 @@ class MuonAdamW(torch.optim.Optimizer):
                 p_state["step"] = p_state["step"].to(p.device, torch.float32)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One step of every group; none at all, decided on the device, when self.found_inf (set by the trainer, as
-        GradScaler sets it for torch's fused optimizers) holds 1: the weights and the state stay as they were."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self, closure: None = None) -> None:
+        """One step of every group (no closure); none at all, decided on the device, when self.found_inf (set by the
+        trainer, as GradScaler sets it for torch's fused optimizers) holds 1: weights and state stay as they were."""
         found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if params:
                 (self._muon if group["muon"] else self._adamw)(group, params, found_inf)
-        return loss
 
     def _muon(self, group: dict[str, Any], params: list[torch.Tensor], found_inf: torch.Tensor | None) -> None:
         """Each shape's matrices stacked: one Newton-Schulz and a few whole-stack operations per shape."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from common.config import shown
 from common.errors import CheckpointError, ConfigError
 from model import GPTConfig
 from model.gpt import CKPT_NAME, Checkpoint, saved_config
@@ -52,9 +53,9 @@ def resumed_config(cfg: DictConfig, overrides: list[str], schema: type) -> DictC
         if key in CONFIG_GROUPS and not override.is_delete():
             if key in recorded and recorded[key] == raw:
                 continue  # the start command repeated
-            was = f"was started with {key}={_shown(recorded[key])}" if key in recorded else "keeps no record of them"
-            raise ConfigError(f"{key}={_shown(raw)}: resume=true continues {out_dir} with the settings it was started "
-                              f"with, and it {was}; drop {key}={_shown(raw)} (set the keys you mean to change, with "
+            was = f"was started with {key}={shown(recorded[key])}" if key in recorded else "keeps no record of them"
+            raise ConfigError(f"{key}={shown(raw)}: resume=true continues {out_dir} with the settings it was started "
+                              f"with, and it {was}; drop {key}={shown(raw)} (set the keys you mean to change, with "
                               "resume_with_changes=true)")
         if override.is_delete():
             raise ConfigError(f"~{key}: resume=true continues the run with its saved settings, so there is nothing "
@@ -81,11 +82,10 @@ def check_resume(checkpoint: Checkpoint, config: Any) -> None:
                               f"with {before}; resume with train.optimizer={before}, or start a new run")
     if config.init_from is None:
         check_same_shape(checkpoint.model_config, config.model.gpt_config(checkpoint.model_config.vocab_size))
-    reached = checkpoint.progress.iter
-    if config.train.max_iters < reached:
-        raise ConfigError(f"train.max_iters={config.train.max_iters} is below the {reached} iterations the run "
-                          f"already took; resume with train.max_iters={reached} or more, or sample and evaluate the "
-                          "run as it is")
+    done = checkpoint.progress.iter
+    if config.train.max_iters < done:
+        raise ConfigError(f"train.max_iters={config.train.max_iters} is below the {done} iterations the run already "
+                          f"took; resume with train.max_iters={done} or more, or sample and evaluate the run as it is")
     check_resume_changes(checkpoint.config, dataclasses.asdict(config), config.resume_with_changes)
 
 
@@ -97,11 +97,11 @@ def check_resume_changes(saved: dict[str, Any], current: dict[str, Any], allowed
     meaningful = [(key, old, new) for key, old, new in changes
                   if key not in CHANGEABLE_ON_RESUME and not key.startswith("wandb.")]
     if meaningful and not allowed:
-        listed = ", ".join(f"{key} {_shown(old)} -> {_shown(new)}" for key, old, new in meaningful)
+        listed = ", ".join(f"{key} {shown(old)} -> {shown(new)}" for key, old, new in meaningful)
         raise ConfigError(f"resume=true would change what the run trains ({listed}); drop those overrides to "
                           "continue the run as it was, or add resume_with_changes=true to resume with them")
     for key, old, new in changes:
-        log.info(f"resume: {key} changed from {_shown(old)} to {_shown(new)}")
+        log.info(f"resume: {key} changed from {shown(old)} to {shown(new)}")
 
 
 def _differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -113,10 +113,6 @@ def _differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "
         elif old != new and f"{prefix}{key}" not in ("resume", "resume_with_changes"):
             found.append((f"{prefix}{key}", old, new))
     return found
-
-
-def _shown(value: Any) -> str:
-    return "null" if value is None else str(value)
 
 
 def check_same_shape(saved: GPTConfig, current: GPTConfig) -> None:

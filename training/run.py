@@ -56,7 +56,7 @@ LOG_NAME = "train.log"  # the run's console output, appended to by each resume
 LOCK_NAME = ".lock"  # held by the run writing the directory; the OS releases it however the run ends
 
 
-def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] | None = None,
+def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] = lambda it: None,
           on_run_opened: Callable[[Path], None] = lambda out_dir: None) -> TrainResult:
     """Nothing is written until every check has passed; then on_run_opened(out_dir) on rank 0 (Hydra's files)."""
     world = world_from_env()
@@ -66,11 +66,10 @@ def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] |
     runtime = make_runtime(config.device, config.train.dtype, world.local_rank if world.distributed else None)
     world.open(runtime.device)
     try:
-        trainer = build_trainer(config, world, runtime, before_step)
-        if config.resume and _finished(trainer):
-            p = trainer.progress
-            return TrainResult(trainer.out_dir, p.iter, p.val_loss, p.best_val_loss, trainer.elapsed_before, None,
-                               runtime.dtype_name)
+        trainer = build_trainer(config, world, runtime)
+        trainer.before_step = before_step
+        if config.resume and (finished := _finished(trainer)):
+            return finished
         with contextlib.ExitStack() as held:
             if world.is_main:  # should this fail, torchrun stops the other ranks
                 open_run_directory(trainer, held, on_run_opened)
@@ -101,7 +100,7 @@ class RunLog(logging.StreamHandler):
 
 def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_opened: Callable[[Path], None]) -> None:
     """out_dir made and locked for the run's life, train.log opened; the history cut back to the checkpoint."""
-    out_dir, config = trainer.out_dir, trainer.config
+    out_dir, config, train = trainer.out_dir, trainer.config, trainer.config.train
     make_directory(out_dir, f"out_dir={out_dir}")  # a file there, no permission, a full disk: one line
     try:
         held.enter_context(FileLock(out_dir / LOCK_NAME, timeout=0))
@@ -127,7 +126,6 @@ def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_open
     if config.wandb.enabled:
         trainer.metrics.start_wandb(config.wandb, dataclasses.asdict(config))
     if trainer.eval_due():  # it may take a while before the first log line
-        train = config.train
         val = "every window" if train.full_val else f"{train.eval_iters} batches"
         log.info(f"evaluating at iter {trainer.progress.iter}: {train.eval_iters} batches of train, {val} of val")
 
@@ -144,9 +142,8 @@ def _start_line(trainer: Trainer) -> str:
 
 
 def _cut_history(out_dir: Path, iter: int, settings: dict[str, Any]) -> None:
-    """A resume drops a killed run's lines after its checkpoint, and says in one line where its threads (or device,
-    precision, compile) differ from the run's last start: they change the float sums' order, and plot.py groups runs
-    by them."""
+    """A resume drops a killed run's lines after its checkpoint, and warns where threads, device, precision or compile
+    differ from the run's last start: they change the float sums' order, and plot.py groups runs by them."""
     log.info(f"resuming {out_dir} at iter {iter}")
     drop_records_after(out_dir, iter)
     records = read_records(out_dir)[0] if (out_dir / METRICS_NAME).is_file() else []
@@ -156,25 +153,25 @@ def _cut_history(out_dir: Path, iter: int, settings: dict[str, Any]) -> None:
         log.warning(f"resume: {', '.join(changed)} since the run last started (OMP_NUM_THREADS sets the threads)")
 
 
-def _finished(trainer: Trainer) -> bool:
-    """A resumed run that already evaluated its last iteration (train.max_iters, or the target): said, and nothing
-    is written."""
+def _finished(trainer: Trainer) -> TrainResult | None:
+    """A resumed run that already evaluated its last iteration (train.max_iters, or the target): said, its result
+    returned, and nothing written."""
     p, train = trainer.progress, trainer.config.train
     if p.last_eval_iter != p.iter or (p.iter < train.max_iters and not trainer.reaches_target(p.val_loss)):
-        return False
+        return None
     log.info(f"out_dir={trainer.out_dir} is finished: {p.iter} iters, val loss {p.val_loss:.4f}; nothing written "
              "(to train on, raise train.max_iters and add resume_with_changes=true)")
-    return True
+    return TrainResult(trainer.out_dir, p.iter, p.val_loss, p.best_val_loss, p.elapsed_s, None,
+                       trainer.runtime.dtype_name)
 
 
-def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime,
-                  before_step: Callable[[int], None] | None = None) -> Trainer:
+def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime) -> Trainer:
     """Everything the run needs (from ckpt.pt when resuming); it writes nothing. The run's clock starts here."""
     started = time.perf_counter()
     if world.distributed:
         check_for_world(config.train, world)
     # Each rank's Hydra resolved ${now:} on its own clock: all write to rank 0's directory.
-    config = dataclasses.replace(config, out_dir=world.broadcast(config.out_dir))
+    config = dataclasses.replace(config, out_dir=world.all_gather(config.out_dir)[0])
     out_dir, train = Path(config.out_dir), config.train
     checkpoint = None
     if config.resume:
@@ -201,17 +198,14 @@ def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime,
     peak = train.peak_tflops * 1e12 if train.peak_tflops else None
     if peak is None and runtime.is_cuda:
         peak = datasheet_peak(runtime.device, runtime.dtype)
+    hellaswag = _hellaswag(train, tokenizer, model.config.block_size, runtime, world) if train.hellaswag_every else None
     trainer = Trainer(
         config=config, world=world, runtime=runtime, out_dir=out_dir, data=data, tokenizer=tokenizer, model=model,
         step_model=step_model, optimizer=make_optimizer(model, train, runtime),
         scaler=torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16),
         evaluator=Evaluator(data, train, config.seed, model.config.block_size, byte_lengths, runtime, world),
-        hellaswag=_hellaswag(train, tokenizer, model.config.block_size, runtime, world)
-        if train.hellaswag_every else None,
-        metrics=MetricsLog(out_dir, active=world.is_main, max_iters=train.max_iters),
-        flops_per_token=flops_per_token, peak_flops=peak * world.size if peak else None, started=started,
-        before_step=before_step,
-    )
+        metrics=MetricsLog(out_dir, active=world.is_main, max_iters=train.max_iters), hellaswag=hellaswag,
+        flops_per_token=flops_per_token, peak_flops=peak * world.size if peak else None, started=started)
     if checkpoint is not None:
         trainer.restore(checkpoint)
     return trainer
@@ -230,24 +224,22 @@ def check_for_world(train: OptimConfig, world: World) -> None:
 def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: PreparedData, runtime: Runtime,
                  world: World) -> GPT:
     """A new model from model.*, init_from's pretrained one, or (resume) one of the checkpoint's shape."""
-    if checkpoint is not None:
-        model_config = _resumed_model_config(config, checkpoint, data)
-    elif config.init_from is not None:
+    if checkpoint is None and config.init_from is not None:
         return _pretrained_model(config, data)
-    else:
-        model_config = config.model.gpt_config(data.meta["vocab_size"])
+    model_config = config.model.gpt_config(data.meta["vocab_size"])
+    if checkpoint is not None:
+        model_config = _resumed_model_config(config, checkpoint, model_config, data)
     _check_data_fits(data, model_config.block_size)  # the plainer mistake first
     check_fits(model_config, config.train, runtime.device, world)  # before allocating it
     return GPT(model_config)
 
 
-def _resumed_model_config(config: TrainRunConfig, checkpoint: Checkpoint, data: PreparedData) -> GPTConfig:
+def _resumed_model_config(config: TrainRunConfig, checkpoint: Checkpoint, model_config: GPTConfig,
+                          data: PreparedData) -> GPTConfig:
     """The checkpoint's model, the settings its weights leave open from the config; another shape is refused."""
     if config.init_from is not None:  # a finetune: the shape is the pretrained model's, as saved
         settings = {k: getattr(config.model, k) for k in ("block_size", *PRETRAINED_SETTINGS)}
         model_config = dataclasses.replace(checkpoint.model_config, **settings)
-    else:
-        model_config = config.model.gpt_config(data.meta["vocab_size"])
     check_same_shape(checkpoint.model_config, model_config)
     if checkpoint.tokenizer_for_decoding(Path(config.out_dir) / CKPT_NAME) != data.meta["tokenizer"]:
         raise CheckpointError("resume=true with data tokenized differently from the checkpoint's; use its data")
@@ -269,9 +261,8 @@ def check_fits(model: GPTConfig, train: OptimConfig, device: torch.device, world
 
 def _pretrained_model(config: TrainRunConfig, data: PreparedData) -> GPT:
     """init_from's weights and shape; block_size (cropped) and what the weights leave open from the config."""
-    keys = config.model
-    settings = {name: getattr(keys, name) for name in PRETRAINED_SETTINGS}
-    model = load_pretrained(config.init_from, block_size=keys.block_size, **settings)
+    settings = {name: getattr(config.model, name) for name in PRETRAINED_SETTINGS}
+    model = load_pretrained(config.init_from, block_size=config.model.block_size, **settings)
     if model.config.vocab_size != data.meta["vocab_size"]:
         raise ConfigError(f"init_from={config.init_from} has a vocabulary of {model.config.vocab_size} tokens, the "
                           f"data's has {data.meta['vocab_size']}; use data tokenized like the model (GPT-2: "
@@ -298,11 +289,9 @@ def _check_data_fits(data: PreparedData, block_size: int) -> None:
 def _hellaswag(train: OptimConfig, tokenizer: Tokenizer, block_size: int, runtime: Runtime,
                world: World) -> HellaSwagEval:
     """HellaSwag examples, read at start to fail before training; rank 0 downloads them once while the others wait."""
-    if world.is_main:
-        path = hellaswag_path(train.hellaswag_file, "train.hellaswag_file")
+    path = hellaswag_path(train.hellaswag_file, "train.hellaswag_file") if world.is_main else None
     world.barrier()
-    if not world.is_main:
-        path = hellaswag_path(train.hellaswag_file, "train.hellaswag_file")
+    path = path or hellaswag_path(train.hellaswag_file, "train.hellaswag_file")
     examples = load_examples(path, tokenizer)
     log.info(f"HellaSwag: {len(examples):,} examples from {path}, every {train.hellaswag_every} iterations")
     return HellaSwagEval(examples, train.hellaswag_every, block_size, runtime, world)

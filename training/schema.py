@@ -32,7 +32,6 @@ def _model_keys() -> type:
             for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size"]
 
     def gpt_config(self: Any, vocab_size: int) -> GPTConfig:
-        """The model these keys describe, for the data's vocabulary."""
         return GPTConfig(vocab_size=vocab_size, **dataclasses.asdict(self))
 
     def check(self: Any) -> None:
@@ -75,8 +74,7 @@ class OptimConfig:
     muon_momentum_warmup: int = option(300, at_least=0)  # iterations to go from 0.85 to muon_momentum; 0: none
     muon_ns_steps: int = option(5, at_least=1)  # Newton-Schulz iterations per update: fewer are cheaper, rougher
     eval_interval: int = option(250, at_least=1)
-    # evaluate only from this iteration on (and after the last step): a timed run skips evaluations that come too
-    # early (each a pass over val with full_val); ckpt.pt is written at evaluations, so there is none before it either
+    # evaluate (and write ckpt.pt) only from this iteration on, and after the last step: a timed run skips early ones
     eval_from: int = option(0, at_least=0)
     eval_iters: int = option(100, at_least=1)  # batches per split in each evaluation
     full_val: bool = False  # evaluate val on every block of the split, in order, instead of eval_iters batches
@@ -104,7 +102,6 @@ class OptimConfig:
 
     @property
     def decay_iters(self) -> int:
-        """Where the schedule reaches min_lr: lr_decay_iters, or max_iters when that is null."""
         return self.max_iters if self.lr_decay_iters is None else self.lr_decay_iters
 
 
@@ -139,10 +136,8 @@ class TrainRunConfig:
     def __post_init__(self) -> None:
         check_fields(self)  # its own keys; the groups checked themselves as they were built
         if self.train.hellaswag_every and self.data.tokenizer == "char":
-            raise ConfigError(
-                f"train.hellaswag_every={self.train.hellaswag_every} needs a BPE model (HellaSwag is scored in GPT-2's "
-                "tokens); this run's data.tokenizer is char (use e.g. data=shakespeare)"
-            )
+            raise ConfigError(f"train.hellaswag_every={self.train.hellaswag_every} needs a BPE model (HellaSwag is "
+                              "scored in GPT-2's tokens); this run's data.tokenizer is char (try data=shakespeare)")
 
 
 def register_schemas() -> None:

@@ -20,13 +20,13 @@ from torch import nn
 
 from common.errors import DiskFull, TrainingDiverged
 from common.runtime import Runtime, open_for_appending, synchronize, unless_disk_full, write_text_atomically
-from data.prepare import EVAL_WINDOWS, TRAIN_WINDOWS, PreparedData, TokenFiles, batch_generator, every_window, get_batch
+from data.prepare import EVAL_WINDOWS, TRAIN_WINDOWS, PreparedData, batch_generator, every_window, get_batch
 from data.tokenizers import TextScore, Tokenizer, token_sums
 from evals.hellaswag import Example, hellaswag_sums
 from model import GPT
 from model.gpt import BEST_NAME, CKPT_NAME, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, Checkpoint, Progress, save_checkpoint
 from training.distributed import World, full_state, gradient_sync, load_full_state
-from training.muon import ADAMW_KEYS, MUON_KEYS, MuonAdamW
+from training.muon import MuonAdamW
 from training.resume import resume_command
 from training.schema import OptimConfig, TrainRunConfig, WandbConfig
 
@@ -45,13 +45,13 @@ class TrainResult:
     dtype: str = "float32"  # the precision it trained in
 
 
+@dataclass
 class StopRequests:
     """Ctrl-C and SIGTERM while the loop runs: noted, so the step under way finishes and a checkpoint is written. A
     second one quits at once, except under torchrun, whose ranks may get two at once (torchrun kills what lingers)."""
 
-    def __init__(self, second_quits: bool) -> None:
-        self.signal: signal.Signals | None = None
-        self.second_quits = second_quits
+    second_quits: bool
+    signal: signal.Signals | None = None  # the first one received
 
     def __enter__(self) -> StopRequests:
         self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -88,10 +88,9 @@ class Trainer:
     metrics: MetricsLog
     flops_per_token: float  # the whole model's, forward and backward, for MFU
     peak_flops: float | None  # all processes together; None: MFU left out
-    started: float  # perf_counter() when this process's part of the run began
+    started: float  # perf_counter() when the run began, its earlier processes' time (a resumed run's) included
     progress: Progress = field(default_factory=Progress)
-    elapsed_before: float = 0.0  # the run's wall time before this process (a resumed run's)
-    before_step: Callable[[int], None] | None = None  # a test seam: called with the iteration before each step
+    before_step: Callable[[int], None] = lambda it: None  # a test seam: called with the iteration before each step
     hellaswag: HellaSwagEval | None = None  # train.hellaswag_every > 0
     checkpointed_iter: int | None = None  # the iteration ckpt.pt holds (None: none written yet), for messages
     # Sums on the device, so that no step waits for them: the applied steps' loss and their number since the last
@@ -112,8 +111,7 @@ class Trainer:
                 lr = set_hyperparameters(self.optimizer, train, p.iter)
                 if self.eval_due() and self.evaluate_and_save() or p.iter >= train.max_iters:
                     break  # the target is reached, or the last step taken
-                if self.before_step is not None:
-                    self.before_step(p.iter)
+                self.before_step(p.iter)
                 loss = torch.zeros((), device=self.runtime.device)
                 for micro in range(accum):
                     x, y = self.train_batch(p.iter, self.world.rank * accum + micro)
@@ -218,8 +216,7 @@ class Trainer:
             log.warning(f"val loss is {losses.val} at iter {p.iter}: keeping the previous checkpoint")
         elif latest or best:
             self.save(latest, best)
-        if self.clock is not None:  # the evaluation and the save are left out of the log line's timing
-            self.clock = (time.perf_counter(), p.iter)
+        self.clock = (time.perf_counter(), p.iter)  # the evaluation and the save are left out of the log line's timing
         return reached
 
     def eval_due(self) -> bool:
@@ -256,12 +253,13 @@ class Trainer:
 
     def elapsed(self) -> float:
         """The run's wall time, its earlier processes included."""
-        return round(self.elapsed_before + time.perf_counter() - self.started, 3)
+        return round(time.perf_counter() - self.started, 3)
 
     def save(self, latest: bool = True, best: bool = False) -> None:
         """best.pt first: a run killed between the two resumes from the previous ckpt.pt and writes it again."""
         model_state, optimizer_state = full_state(self.model, self.optimizer, self.world)
-        rng = self.world.all_gather(self.rng_state())  # each rank's dropout stream
+        cuda = [torch.cuda.get_rng_state(self.runtime.device)] if self.runtime.is_cuda else []
+        rng = self.world.all_gather({"torch": torch.get_rng_state(), "cuda": cuda})  # each rank's dropout stream
         if not self.world.is_main:
             return
         loss_sum, applied = self.tally[:2].tolist()  # the log line under way: a resumed run logs the same mean
@@ -283,7 +281,7 @@ class Trainer:
 
     def restore(self, checkpoint: Checkpoint) -> None:
         """Continue a saved run exactly, but keep the config's optimizer hyperparameters (resume may change them)."""
-        configured = group_hyperparameters(self.optimizer)  # make_optimizer's, from this run's config
+        configured = [{k: group[k] for k in FROM_CONFIG if k in group} for group in self.optimizer.param_groups]
         optimizer_state = checkpoint.optimizer_state_for(self.model, self.optimizer)
         load_full_state(self.model, self.optimizer, checkpoint.model, optimizer_state)
         for group, hyperparameters in zip(self.optimizer.param_groups, configured, strict=True):
@@ -292,18 +290,14 @@ class Trainer:
             self.scaler.load_state_dict(checkpoint.scaler)
         self.progress = dataclasses.replace(checkpoint.progress)
         self.checkpointed_iter = checkpoint.progress.iter
-        self.elapsed_before = checkpoint.progress.elapsed_s
+        self.started -= checkpoint.progress.elapsed_s
         self.restore_rng(checkpoint.rng)
         if not self.config.train.keep_best and (self.out_dir / BEST_NAME).is_file() and self.world.is_main:
             log.warning(f"{BEST_NAME} stays as it is: this resume has train.keep_best=false")
 
-    def rng_state(self) -> dict[str, Any]:
-        """Dropout draws from torch's global generators; batches and evaluation use their own."""
-        cuda = [torch.cuda.get_rng_state(self.runtime.device)] if self.runtime.is_cuda else []
-        return {"torch": torch.get_rng_state(), "cuda": cuda}
-
     def restore_rng(self, states: list[dict[str, Any]]) -> None:
-        """Each rank's own stream; with another number of processes than saved, dropout streams start afresh."""
+        """Each rank's own dropout stream (batches and evaluation draw from their own generators); with another number
+        of processes than saved, dropout streams start afresh."""
         if len(states) != self.world.size:
             log.warning(f"resuming {len(states)} processes' run with {self.world.size}: dropout won't repeat exactly")
             return
@@ -320,10 +314,8 @@ class Trainer:
         self.world.barrier()  # none exits before rank 0 has written: torchrun stops the others when one exits
         name = (received or signal.SIGTERM).name  # another rank's signal, forwarded by World.agree_on_step
         where = f"checkpoint {self.out_dir / CKPT_NAME}" if save else self.last_checkpoint()
-        resume = "Nothing to resume"
-        if self.checkpointed_iter is not None:
-            resume = f"Resume with: {resume_command(self.out_dir)}"
-        log.warning(f"stopped by {name} at iter {self.progress.iter}; {where}. {resume}")
+        then = "Nothing to resume" if self.checkpointed_iter is None else f"Resume with: {resume_command(self.out_dir)}"
+        log.warning(f"stopped by {name} at iter {self.progress.iter}; {where}. {then}")
         return name
 
     def finish(self, stopped_by: str | None) -> TrainResult:
@@ -348,7 +340,7 @@ class Trainer:
                                        step=self.progress.iter)
 
 
-FROM_CONFIG = tuple(dict.fromkeys(ADAMW_KEYS + MUON_KEYS))  # a param group's keys: make_optimizer sets them
+FROM_CONFIG = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov", "ns_steps")  # set by make_optimizer
 MUON_MOMENTUM_START = 0.85  # where Muon's momentum starts its warmup (train.muon_momentum_warmup)
 
 
@@ -378,36 +370,21 @@ def _muon(groups: list[dict[str, Any]], hidden: dict[str, nn.Parameter], train: 
 
 def hidden_matrices(model: nn.Module) -> dict[str, nn.Parameter]:
     """Muon's, by name: the blocks' nn.Linear weights. Embeddings, the head, norms and biases stay with AdamW."""
-    return {
-        f"transformer.h.{name}.weight": module.weight
-        for name, module in model.transformer.h.named_modules()
-        if isinstance(module, nn.Linear) and module.weight.requires_grad
-    }
+    linears = [(name, m.weight) for name, m in model.transformer.h.named_modules() if isinstance(m, nn.Linear)]
+    return {f"transformer.h.{name}.weight": weight for name, weight in linears if weight.requires_grad}
 
 
-def set_hyperparameters(optimizer: torch.optim.Optimizer, train: OptimConfig, step: int) -> float:
-    """The step's learning rate (Muon's scaled to muon_lr) and Muon's momentum, from the step alone; AdamW's lr."""
-    t = train
+def set_hyperparameters(optimizer: torch.optim.Optimizer, t: OptimConfig, step: int) -> float:
+    """The step's learning rate, from the step alone; Muon's scaled to muon_lr, and its momentum going in a straight
+    line from MUON_MOMENTUM_START to muon_momentum over muon_momentum_warmup steps."""
     lr = lr_at(step, t.learning_rate, t.min_lr, t.warmup_iters, t.decay_iters, t.lr_schedule, t.cooldown_frac)
     for group in optimizer.param_groups:
+        group["lr"] = lr
         if group.get("muon"):
-            group["lr"] = train.muon_lr * lr / train.learning_rate
-            group["momentum"] = muon_momentum_at(step, train.muon_momentum, train.muon_momentum_warmup)
-        else:
-            group["lr"] = lr
+            frac = min(step / t.muon_momentum_warmup, 1.0) if t.muon_momentum_warmup else 1.0
+            group["lr"] = t.muon_lr * lr / t.learning_rate
+            group["momentum"] = (1 - frac) * MUON_MOMENTUM_START + frac * t.muon_momentum
     return lr
-
-
-def muon_momentum_at(step: int, momentum: float, warmup_iters: int) -> float:
-    """From MUON_MOMENTUM_START up to `momentum` in a straight line over warmup_iters, then `momentum`."""
-    frac = min(step / warmup_iters, 1.0) if warmup_iters else 1.0
-    return (1 - frac) * MUON_MOMENTUM_START + frac * momentum
-
-
-def group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Each param group's config hyperparameters, for restore() to put back over a loaded state dict's (saved) ones."""
-    return [{k: group[k] for k in FROM_CONFIG if k in group} for group in optimizer.param_groups]
-
 
 
 def lr_at(step: int, learning_rate: float, min_lr: float, warmup_iters: int, decay_iters: int,
@@ -429,12 +406,12 @@ METRICS_NAME = "metrics.jsonl"
 SPLIT_KEYS = {"train": 0, "val": 1}  # batch_generator's key for each split's own evaluation windows
 
 
+@dataclass
 class MetricsLog:
-    def __init__(self, out_dir: Path, active: bool = True, max_iters: int | None = None) -> None:
-        self.path = out_dir / METRICS_NAME
-        self.active = active  # False on every torchrun rank but 0
-        self.max_iters = max_iters  # for the console's "iter N/MAX"
-        self.wandb_run: Any = None
+    out_dir: Path
+    active: bool = True  # False on every torchrun rank but 0
+    max_iters: int | None = None  # for the console's "iter N/MAX"
+    wandb_run: Any = None
 
     def start_wandb(self, config: WandbConfig, run_config: dict[str, Any]) -> None:
         """A wandb run beside the metrics (wandb is imported only here: it is slow)."""
@@ -443,7 +420,7 @@ class MetricsLog:
         try:
             self.wandb_run = wandb.init(  # mode None: wandb follows $WANDB_MODE, online by default
                 project=config.project, entity=config.entity, name=config.run_name, mode=config.mode,
-                tags=list(config.tags), group=config.group, config=run_config, dir=str(self.path.parent),
+                tags=list(config.tags), group=config.group, config=run_config, dir=str(self.out_dir),
                 settings=wandb.Settings(init_timeout=config.init_timeout))
         except Exception as err:  # no API key, no network, a refused login: the run matters more than its charts
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -452,15 +429,17 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.active:
             return
-        with unless_disk_full(self.path), open_for_appending(self.path) as f:
-            f.write(json.dumps(_strict(record), allow_nan=False) + "\n")
+        path = self.out_dir / METRICS_NAME
+        with unless_disk_full(path), open_for_appending(path) as f:
+            strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+            f.write(json.dumps(strict, allow_nan=False) + "\n")  # NaN and inf as null: _record reads them back as NaN
         log.info(_readable(record, self.max_iters))
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
     def write_settings(self, iter: int, settings: dict[str, Any]) -> None:
         """What the run resolved that its config leaves open, for plot.py's groups: to the file only (rank 0's)."""
-        with open_for_appending(self.path) as f:
+        with open_for_appending(self.out_dir / METRICS_NAME) as f:
             f.write(json.dumps({"iter": iter, "settings": settings}) + "\n")
 
     def close(self) -> None:
@@ -496,11 +475,6 @@ def drop_records_after(out_dir: Path, last_iter: int) -> None:
         write_text_atomically(path, "".join(kept))  # each line ended: the next record starts on a line of its own
 
 
-def _strict(record: dict[str, Any]) -> dict[str, Any]:
-    """NaN and inf as null, as strict JSON has them (a diverged run's losses); _record reads null back as NaN."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-
-
 def _record(line: bytes, last_iter: float = math.inf) -> dict[str, Any] | None:
     """The line's record if it is whole and at or before last_iter, null (a NaN when written) read as NaN."""
     try:
@@ -515,8 +489,8 @@ def _record(line: bytes, last_iter: float = math.inf) -> dict[str, Any] | None:
 
 def _readable(r: dict[str, Any], max_iters: int | None = None) -> str:
     if "val_loss" in r:
-        line = f"step {r['iter']}: train loss {r['train_loss']:.4f}, val loss {r['val_loss']:.4f}"
-        line += f", val {r['val_bpb']:.4f} bits/byte" if "val_bpb" in r else ""
+        line = f"step {r['iter']}: train loss {r['train_loss']:.4f}, val loss {r['val_loss']:.4f}, "
+        line += f"val {r['val_bpb']:.4f} bits/byte"
         if "hellaswag_acc" in r:
             line += f", hellaswag acc {r['hellaswag_acc']:.4f} (acc_norm {r['hellaswag_acc_norm']:.4f})"
         return line
@@ -526,7 +500,7 @@ def _readable(r: dict[str, Any], max_iters: int | None = None) -> str:
         return line + " (warm-up, not timed)"
     line += f", {r['ms_per_iter']:.1f} ms/iter, {r['tokens_per_sec']:,.0f} tok/s"
     line += f", mfu {100 * r['mfu']:.1f}%" if "mfu" in r else ""
-    return line + f", ETA {_duration(r['eta_s'])}" if "eta_s" in r else line
+    return line + f", ETA {_duration(r['eta_s'])}"
 
 
 def _duration(seconds: float) -> str:
@@ -535,6 +509,7 @@ def _duration(seconds: float) -> str:
     if s >= 3600:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
 
 @dataclass(frozen=True)
 class Losses:
@@ -559,22 +534,19 @@ class Evaluator:
     @torch.no_grad()
     def __call__(self, model: torch.nn.Module) -> Losses:
         model.eval()
-        train = TextScore.of(self._sums(model, self._batches("train", self.data.train)))
-        val = TextScore.of(self._sums(model, self._batches("val", self.data.val)))
+        train, val = (TextScore.of(self._sums(model, split)) for split in ("train", "val"))
         model.train()
         return Losses(train.loss, val.loss, val.bpb)
 
-    def _batches(self, split: str, files: TokenFiles) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _sums(self, model: torch.nn.Module, split: str) -> list[float]:
+        """Nats and count of all target tokens; nats and UTF-8 bytes of the text ones; over all ranks. full_val's
+        batches hold at least 4096 tokens, to keep small models' matmuls efficient (the result doesn't depend on it)."""
+        files, batch_size = getattr(self.data, split), self.train.batch_size
         if split == "val" and self.train.full_val:
-            # The result doesn't depend on the batch size; bigger batches keep small models' matmuls efficient.
-            windows = max(self.train.batch_size, 4096 // self.block_size)  # at least 4096 tokens a batch
-            return every_window(files, windows, self.block_size)
-        generator = batch_generator(self.seed, EVAL_WINDOWS, SPLIT_KEYS[split])
-        batch_size = self.train.batch_size
-        return (get_batch(files, batch_size, self.block_size, generator) for _ in range(self.train.eval_iters))
-
-    def _sums(self, model: torch.nn.Module, batches: Iterator) -> list[float]:
-        """Nats and count of all target tokens; nats and UTF-8 bytes of the text ones; over all ranks."""
+            batches = every_window(files, max(batch_size, 4096 // self.block_size), self.block_size)
+        else:
+            generator = batch_generator(self.seed, EVAL_WINDOWS, SPLIT_KEYS[split])
+            batches = (get_batch(files, batch_size, self.block_size, generator) for _ in range(self.train.eval_iters))
         sums = torch.zeros(4, dtype=torch.float64, device=self.runtime.device)
         for x, y, counted in split_across_ranks(batches, self.world):
             with self.runtime.autocast():

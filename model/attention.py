@@ -41,8 +41,7 @@ QUERY_BLOCK = 64  # queries per SDPA call off CUDA: smaller blocks waste fewer k
 
 def windowed_attention(q: Tensor, k: Tensor, v: Tensor, window: int, dropout_p: float = 0.0) -> Tensor:
     """Sliding-window attention linear in T: FlexAttention on CUDA, else SDPA per query block on the keys it reaches."""
-    T = q.size(-2)
-    if window >= T:
+    if window >= q.size(-2):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     if q.is_cuda and dropout_p == 0.0:  # FlexAttention has no dropout: with dropout, the blocks below
         return flex_windowed_attention(q, k, v, window)
@@ -67,11 +66,10 @@ def flex_windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w
     materialised (there it only checks the mask, without gradients on CPU)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    length = q.size(-2)
     if torch.compiler.is_compiling():  # traced into the model's graph, as modded-nanogpt builds its masks
-        return flex_attention(q, k, v, block_mask=_band_block_mask(length, window, q.device))
+        return flex_attention(q, k, v, block_mask=_band_block_mask(q.size(-2), window, q.device))
     kernel = _compiled_flex_attention() if q.is_cuda else flex_attention
-    return kernel(q, k, v, block_mask=_cached_band_block_mask(length, window, q.device))
+    return kernel(q, k, v, block_mask=_cached_band_block_mask(q.size(-2), window, q.device))
 
 
 @functools.cache
@@ -142,20 +140,18 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.rotary = Rotary(config.n_embd // config.n_head, config.block_size) if config.pos_emb == "rope" else None
-        self.first_values_kept = config.value_residual and layer_index == 0  # for the layers after it
-        # value_residual: v = a*v + b*v_first, learned, from an even mix
+        self.first_values_kept = config.value_residual and layer_index == 0  # for the layers after it to mix in
         self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if config.value_residual and layer_index else None
         self.captured: list[torch.Tensor] | None = None
 
     def forward(self, x: Tensor, first_values: Tensor | None = None,
                 cache: KVCache | None = None) -> tuple[Tensor, Tensor | None]:
-        """The new tokens' attention over themselves and the earlier tokens a cache holds; and the values the later
-        layers mix into theirs (value_residual's first layer), else None."""
+        """The new tokens' attention over themselves and the cached tokens; and value_residual's first-layer values."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
         if self.value_mix is not None:
             v = self.value_mix[0] * v + self.value_mix[1] * first_values
-        values = v if self.first_values_kept else None
+        first_values = v if self.first_values_kept else first_values
         if self.qk_norm:  # scores then measure direction only: they can't grow large, which steadies training
             q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))
         if self.rotary is not None:  # the new tokens' positions start where the cached ones end
@@ -164,11 +160,10 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:  # generation: the earlier tokens' keys and values go before the new ones'
             k, v = cache.layers[self.layer_index].extend(k, v)
         y = self.c_proj(self.attend(q, k, v).transpose(1, 2).reshape(B, T, C))
-        return F.dropout(y, self.dropout, self.training), values
+        return F.dropout(y, self.dropout, self.training), first_values
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """softmax(QKᵀ/√d_k) @ V, the queries being the last of the keys: each sees the keys up to its own, within
-        the layer's window."""
+        """softmax(QKᵀ/√d_k) @ V, the queries being the last keys: each sees those up to its own, within the window."""
         dropout_p = self.dropout if self.training else 0.0
         if self.attn_impl == "math" or self.captured is not None:
             mask = causal_mask(q.size(-2), k.size(-2), q.device, self.window)
@@ -214,14 +209,11 @@ class LayerCache:
         """Move the tokens still in the window to the front of a buffer with room for n_new more."""
         assert self.buffer is not None
         kept = min(self.stored, self.keep)
-        live = self.buffer[:, :, :, self.stored - kept : self.stored]
+        live = self.buffer[:, :, :, self.stored - kept : self.stored].clone()  # source and destination may overlap
         slots = max(self.slots, kept + n_new)
         if slots != self.buffer.size(3):
-            resized = self.buffer.new_empty(*self.buffer.shape[:3], slots, self.buffer.size(4))
-            resized[:, :, :, :kept] = live
-            self.buffer = resized
-        else:
-            self.buffer[:, :, :, :kept] = live.clone()  # source and destination may overlap
+            self.buffer = self.buffer.new_empty(*self.buffer.shape[:3], slots, self.buffer.size(4))
+        self.buffer[:, :, :, :kept] = live
         self.stored = kept
 
 
@@ -233,7 +225,3 @@ class KVCache:
         self.layers = [LayerCache(config.block_size, window) for window in config.layer_windows()]
         self.length = 0  # tokens already run: the new ones sit at positions length, length + 1, ...
         self.last_token: torch.Tensor | None = None  # (B, 1): the newest token run, the bigram of the next
-
-    def advance(self, new_tokens: Tensor) -> None:  # once every layer has stored the new tokens (B, T)
-        self.length += new_tokens.size(1)
-        self.last_token = new_tokens[:, -1:]

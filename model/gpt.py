@@ -100,16 +100,9 @@ class GPTConfig:
 
     @property
     def receptive_field(self) -> int | None:
-        """How many tokens, itself included, can change one position's logits; None: all earlier ones."""
+        """How many tokens, itself included, can change a position's logits (a bigram reaches one more); None: all."""
         windows = self.layer_windows()
-        if None in windows:
-            return None
-        return 1 + sum(w - 1 for w in windows) + int(self.bigram_embed)  # a bigram: the token before too
-
-    @property
-    def padded_vocab_size(self) -> int:
-        """The token table's rows: vocab_size rounded up to a multiple of vocab_multiple."""
-        return math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple
+        return None if None in windows else 1 + sum(w - 1 for w in windows) + int(self.bigram_embed)
 
 
 class BigramEmbedding(nn.Module):
@@ -150,10 +143,8 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    """x + attention(norm(x)), then x + mlp(norm(x)); x0_mix first mixes in the input embeddings x0. The first layer
-    of a value_residual model also returns its attention's values, which the layers after it mix into theirs (None
-    otherwise): they travel as arguments and results, never as writes, which FSDP2 (it copies arguments) would drop
-    and which would break torch.compile's graph under activation checkpointing."""
+    """x + attention(norm(x)), then x + mlp(norm(x)), x0_mix first mixing in the embeddings x0. value_residual's values
+    pass as arguments and results: FSDP2 copies arguments, and writes break compile under activation checkpointing."""
 
     def __init__(self, config: GPTConfig, layer_index: int) -> None:
         super().__init__()
@@ -173,8 +164,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """hidden() runs the transformer, logits() the output head on it. With a KVCache, the tokens given come after
-    those the cache holds, and the cache keeps theirs."""
+    """hidden() runs the transformer, logits() the head on it; with a KVCache, the tokens follow the cached ones."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -188,33 +178,26 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
-        self.apply(self._init_weights)
+        for module in self.modules():  # GPT-2 init: weights from N(0, 0.02), biases zero
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2: the residual stream's variance doesn't grow with depth
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        if config.padded_vocab_size > config.vocab_size:  # rows no token has, at zero, added after every random draw:
-            rows = config.padded_vocab_size - config.vocab_size  # a padded model starts as the unpadded one does
+        rows = -config.vocab_size % config.vocab_multiple  # vocab_multiple's padding: zero rows no token has, added
+        if rows:  # after every random draw, so that a padded model starts as the unpadded one does
             table = nn.Parameter(F.pad(self.lm_head.weight.detach(), (0, 0, 0, rows)))
             self.lm_head.weight = self.transformer.wte.weight = table
-            self.lm_head.out_features = self.transformer.wte.num_embeddings = config.padded_vocab_size
+            self.lm_head.out_features = self.transformer.wte.num_embeddings = table.size(0)
         self.activation_checkpointing = False  # training: each block keeps only its input and runs again in backward
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """By default less the tables only looked up (no FLOPs): positions and bigrams."""
-        n = sum(p.numel() for p in self.parameters())
-        if not non_embedding:
-            return n
-        tables = (self.transformer.wpe, self.transformer.bigram)
-        return n - sum(p.numel() for table in tables if table is not None for p in table.parameters())
+        tables = (self.transformer.wpe, self.transformer.bigram) if non_embedding else ()
+        looked_up = sum(p.numel() for table in tables if table is not None for p in table.parameters())
+        return sum(p.numel() for p in self.parameters()) - looked_up
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token (forward and backward), as in the PaLM paper's appendix B."""
@@ -233,16 +216,14 @@ class GPT(nn.Module):
             x = x + t.bigram(idx, None if cache is None else cache.last_token)
         if t.wpe is not None:  # with rope, positions enter through the attention instead
             x = x + t.wpe(torch.arange(T, device=idx.device) + (0 if cache is None else cache.length))
-        x = F.dropout(x, self.config.dropout, self.training)
-        x0 = x  # the input embeddings, which x0_mix mixes into every block's input
+        x = x0 = F.dropout(x, self.config.dropout, self.training)  # x0: what x0_mix mixes into every block's input
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         first_values = None  # value_residual: the first layer's values, which the later layers mix in
         for block in t.h:
             args = (x, x0, first_values, cache)
-            x, values = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
-            first_values = first_values if values is None else values
-        if cache is not None:
-            cache.advance(idx)
+            x, first_values = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
+        if cache is not None:  # every layer has stored the new tokens
+            cache.length, cache.last_token = cache.length + T, idx[:, -1:]
         return t.ln_f(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
@@ -258,22 +239,20 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         # in float32 on every device: CUDA's autocast would run the log-softmax over the vocabulary in bfloat16
-        loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-1)
-        return logits, loss
+        return logits, F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-1)
 
     @torch.no_grad()
     def attention_weights(self, idx: Tensor) -> Tensor:
         """Every layer's and head's softmax weights (n_layer, B, n_head, T, T), through the math path whatever
         attn_impl is: row i is query i's distribution over the keys it may see."""
-        attentions = [block.attn for block in self.transformer.h]
         weights: list[Tensor] = []
-        for attn in attentions:
-            attn.captured = weights  # each layer appends its own, in order
+        for block in self.transformer.h:
+            block.attn.captured = weights  # each layer appends its own, in order
         try:
             self.hidden(idx)
         finally:
-            for attn in attentions:
-                attn.captured = None
+            for block in self.transformer.h:
+                block.attn.captured = None
         return torch.stack(weights)
 
     def prefill(self, idx: Tensor, cache: KVCache) -> Tensor:
@@ -377,8 +356,7 @@ class Progress:
     val_loss: float = math.nan  # at that evaluation
     best_val_loss: float = math.inf
     kept_best_val_loss: float = math.inf  # that of best.pt (train.keep_best); inf: none kept in this run yet
-    # the run's wall time at the last save, over all the processes that resumed it
-    elapsed_s: float = option(0.0, at_least=0.0)
+    elapsed_s: float = option(0.0, at_least=0.0)  # wall time at the last save, summed over every resumed process
     log_loss_sum: float = 0.0  # the train losses since the last log line, summed: the next line's mean is exact
     log_steps: int = option(0, at_least=0)  # and their number
 
@@ -401,9 +379,8 @@ class Checkpoint:
 
     @classmethod
     def from_dict(cls, raw: Any, path: Path, resuming: bool = False) -> Checkpoint:
-        """Every value used checked here, once, before anything is built or written: a damaged or crafted file is one
-        line naming the field, never a traceback, an allocation its weights don't back, or a run's history cut. The
-        optimizer and random states only when resuming: nothing else reads them."""
+        """Every value checked once, before anything is built: a damaged or crafted file is one line naming the field,
+        never a traceback or an allocation its weights don't back. The optimizer and rng only when resuming."""
         if not isinstance(raw, dict) or "model" not in raw or "model_config" not in raw:
             raise CheckpointError(f"{path} is not a checkpoint written by train.py")
         raw = dict(raw) if raw.keys() == _KEYS else _upgraded(raw)
@@ -425,8 +402,7 @@ class Checkpoint:
         return cls(model_config=model_config, progress=progress, **raw)
 
     def build_model(self, attn_impl: str | None = None) -> GPT:
-        """The trained model (from_dict checked that its weights fit); attn_impl may differ from the training run's,
-        since both paths share weights."""
+        """The trained model; attn_impl may differ from the training run's, since both paths share weights."""
         model = GPT(dataclasses.replace(self.model_config, attn_impl=attn_impl or self.model_config.attn_impl))
         model.load_state_dict(self.model)
         return model
@@ -438,9 +414,8 @@ class Checkpoint:
         return self.tokenizer
 
     def optimizer_state_for(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        """The optimizer state keyed by parameter name; older checkpoints' by position are named in the optimizer's
-        order, which make_optimizer keeps. Each group steps with this run's kernel: one saved unfused (an older MPS
-        run's) would otherwise refuse the found_inf that skips a non-finite step."""
+        """The optimizer state keyed by name (older files' positions in make_optimizer's order), each group with this
+        run's kernel: one saved unfused (an older MPS run's) would refuse the found_inf that skips a non-finite step."""
         if self.optimizer is None:
             return None
         kernels = [{"fused": group["fused"]} if "fused" in group else {} for group in optimizer.param_groups]
@@ -450,10 +425,9 @@ class Checkpoint:
             return state
         names = {id(p): name for name, p in model.named_parameters()}
         order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-        return {
-            "state": {order[i]: value for i, value in state["state"].items()},
-            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]],
-        }
+        state["state"] = {order[i]: value for i, value in state["state"].items()}
+        state["param_groups"] = [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]
+        return state
 
 
 _KEYS = {f.name for f in fields(Checkpoint) if f.name != "progress"} | {f.name for f in fields(Progress)}
@@ -546,8 +520,7 @@ def _shown(shape: Any) -> str:
 
 
 def _without_removed_options(options: dict[str, Any], path: Path) -> dict[str, Any]:
-    """An older model config's removed options dropped, unless the weights need one (on, they have parts this model
-    lacks)."""
+    """An older model config less its removed options, unless one is on: then the weights have parts we lack."""
     removed = [k for k in REMOVED_OPTIONS[:2] if options.get(k) not in (None, False)]
     if removed:
         raise CheckpointError(f"{path} can't be used: it was trained with model.{removed[0]}, an option this version "
@@ -556,11 +529,11 @@ def _without_removed_options(options: dict[str, Any], path: Path) -> dict[str, A
 
 
 def _upgraded(old: dict[str, Any]) -> dict[str, Any]:
-    """An older layout in today's: keys added since at their defaults, rng a list of each rank's states, an empty
-    optimizer state None and an absent scaler's {}."""
+    """An older layout in today's: keys added since at their defaults, rng a list of each rank's states, scaler {}
+    where it was None (from_dict makes an empty optimizer state None)."""
     new = {**Checkpoint(GPTConfig(), {}, {}).to_dict(), **{key: old[key] for key in _KEYS & old.keys()}}
     new["rng"] = [new["rng"]] if isinstance(new["rng"], dict) else new["rng"]
-    new["optimizer"], new["scaler"] = new["optimizer"] or None, new["scaler"] or {}
+    new["scaler"] = new["scaler"] or {}
     return new
 
 
@@ -589,8 +562,7 @@ def _unreadable(err: Exception) -> str:
 
 
 def saved_config(path: Path) -> dict[str, Any] | None:
-    """The config the run at `path` saved, read through a memory map (the weights stay on disk): what resume=true
-    continues. None where there is no readable checkpoint holding one; load_checkpoint then says why."""
+    """The config resume=true continues, read through a memory map (the weights stay on disk); None if unreadable."""
     if not path.is_file():  # a FIFO would block torch.load forever
         return None
     try:

@@ -191,13 +191,13 @@ def test_a_gpt2_bpe_table_has_50304_rows_and_the_padding_changes_no_weight_logit
     (logits, loss), (expected, expected_loss) = padded(idx, idx), unpadded(idx, idx)
     assert logits.shape == (2, 8, 50257)
     assert torch.equal(logits, expected) and torch.equal(loss, expected_loss)
-    assert GPTConfig(**{**GPT2_BPE, "vocab_size": 65}).padded_vocab_size == 128
+    assert GPT(GPTConfig(**{**GPT2_BPE, "vocab_size": 65})).lm_head.weight.size(0) == 128
 
 
 @pytest.mark.parametrize("preset", ["gpt2", "gpt2_speedrun"])
 def test_the_gpt2_presets_train_from_scratch_without_biases_on_a_table_of_50304_rows(preset: str) -> None:
     config = typed_config(compose_config([f"experiment={preset}"]), TrainRunConfig).model.gpt_config(50257)
-    assert (config.padded_vocab_size, config.bias) == (50304, False)
+    assert (config.vocab_multiple, config.bias) == (64, False)  # 50257 padded to 50304, as the test above shows
 
 
 def test_a_padded_id_is_never_sampled_even_where_its_logit_is_the_largest() -> None:

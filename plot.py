@@ -35,7 +35,7 @@ import yaml
 from omegaconf._utils import get_yaml_loader  # the loader OmegaConf.load uses: 1e-3 is a number, as in a run
 from scipy import stats
 
-from common.cli import fail
+from common.config import fail
 from common.errors import DiskFull
 from common.runtime import write_atomically
 from training.trainer import METRICS_NAME, read_records

@@ -7,8 +7,8 @@ import hydra
 from omegaconf import DictConfig
 
 from common.config import end_quietly_when_stdout_closes, exit_on_user_error, literal_text, run_hydra, typed_config
-from common.runtime import make_directory
-from inference.sampling import SEPARATOR, SampleConfig, Sampler, load_sampler, register_schemas, stop_strings, warn
+from common.runtime import make_directory, make_runtime
+from inference.sampling import SEPARATOR, SampleConfig, Sampler, load_model, register_schemas, stop_strings, warn
 from model.gpt import Decoding
 
 register_schemas()
@@ -23,7 +23,9 @@ def main(dict_cfg: DictConfig) -> None:
             from analysis.attention_maps import check_output_dir
             check_output_dir(Path(cfg.attention_dir))
             make_directory(Path(cfg.attention_dir), f"attention_dir={cfg.attention_dir}")  # a file there: one line
-        sampler = load_sampler(cfg)
+        runtime = make_runtime(cfg.device, cfg.dtype)
+        loaded = load_model(cfg.out_dir, cfg.init_from, cfg.ckpt, cfg.attn_impl)
+        sampler = Sampler(loaded.model.to(runtime.device).eval(), loaded.tokenizer, runtime)
         prompt = sampler.encode_prompt(cfg.start)
         decoding = Decoding(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
         count = 1 if decoding.greedy else cfg.num_samples

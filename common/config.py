@@ -1,5 +1,6 @@
 """Typed configs whose fields carry their allowed values (`option`), built at start by typed_config: a bad value is one
-ConfigError naming the key. run_hydra runs a command: a user's error is one line on stderr and exit status 2."""
+ConfigError naming the key. run_hydra runs a command: a command line at fault (a misspelt key or preset, with a
+did-you-mean; a value against its key's rule; else Hydra's own reason) is one line on stderr and exit status 2."""
 
 from __future__ import annotations
 
@@ -16,10 +17,15 @@ import types
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any, TypeVar
 
+from hydra._internal.utils import get_args_parser
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ValidationError
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from common.errors import ConfigError, UserError
 
@@ -28,6 +34,9 @@ Config = TypeVar("Config")
 BOUNDS = {"at_least": (">=", operator.ge), "above": (">", operator.gt), "below": ("<", operator.lt),
           "at_most": ("<=", operator.le)}
 SEED_MAX = 2**63 - 1  # torch's generators take 64 bits; sample i of sample.py draws from seed + i
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # Hydra's config groups are its folders
+# A saved config.yaml read without Hydra resolves ${now:...} as Hydra does (Hydra registers the same resolver again).
+OmegaConf.register_new_resolver("now", lambda pattern: datetime.now().strftime(pattern), use_cache=True, replace=True)
 
 
 def option(default: Any, *, path: bool = False, hint: str = "", **rules: Any) -> Any:
@@ -50,37 +59,25 @@ def check_fields(config: Any, prefix: str = "") -> None:
 
 def typed_config(cfg: DictConfig | Config, schema: type[Config]) -> Config:
     """cfg (Hydra's, a saved config.yaml or the schema's) as the schema's dataclasses, each checked as it is built."""
-    if isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is schema:  # as Hydra composes it
-        _refuse_unknown_keys(cfg, schema)
-        return OmegaConf.to_object(cfg)
-    return _typed_from_plain(cfg, schema)
-
-
-def _typed_from_plain(cfg: Any, schema: type[Config]) -> Config:
-    """typed_config of a schema instance or a plain config (a saved config.yaml), ${now:} resolved as Hydra does."""
-    if not OmegaConf.has_resolver("now"):
-        OmegaConf.register_new_resolver("now", lambda pattern: datetime.now().strftime(pattern), use_cache=True)
     if isinstance(cfg, schema):
         return OmegaConf.to_object(OmegaConf.structured(cfg))
     _refuse_unknown_keys(cfg, schema)
+    if isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is schema:  # as Hydra composes it
+        return OmegaConf.to_object(cfg)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), cfg))
 
 
 def check_key(schema: type, key: str) -> tuple[type, str, Any]:
     """The dataclass holding the dotted `key`, its field's name and type; else a ConfigError naming the closest key."""
-    owner, prefix = schema, ""
-    *parents, name = key.split(".")
-    for part in parents:
-        hints = typing.get_type_hints(owner)
-        if part not in hints:
-            raise ConfigError(_unknown_key(part, hints, prefix))
-        if not dataclasses.is_dataclass(hints[part]):
-            raise ConfigError(f"{prefix}{part} is a value, not a group of keys, so {key} is not a key")
-        owner, prefix = hints[part], f"{prefix}{part}."
-    hints = typing.get_type_hints(owner)
-    if name not in hints:
-        raise ConfigError(_unknown_key(name, hints, prefix))
-    return owner, name, hints[name]
+    owner, hint, prefix = schema, schema, ""
+    for name in key.split("."):
+        if not dataclasses.is_dataclass(hint):
+            raise ConfigError(f"{prefix[:-1]} is a value, not a group of keys, so {key} is not a key")
+        owner, hints = hint, typing.get_type_hints(hint)
+        if name not in hints:
+            raise ConfigError(_unknown_key(name, hints, prefix))
+        hint, prefix = hints[name], f"{prefix}{name}."
+    return owner, name, hint
 
 
 def check_override(schema: type, key: str, value: Any) -> None:
@@ -90,7 +87,7 @@ def check_override(schema: type, key: str, value: Any) -> None:
         return  # an interpolation: judged once resolved
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}={_shown(value)}: {key} is a group of keys; set one as {key}.KEY=VALUE")
+            raise ConfigError(f"{key}={shown(value)}: {key} is a group of keys; set one as {key}.KEY=VALUE")
         for sub_key, sub_value in value.items():  # train={max_iters:2,batch_size:8}
             check_override(schema, f"{key}.{sub_key}", sub_value)
         return
@@ -98,22 +95,22 @@ def check_override(schema: type, key: str, value: Any) -> None:
     try:
         node[name] = value  # OmegaConf's own conversion ("1e-3" to a float), as when Hydra merges
     except ValidationError:
-        raise ConfigError(f"{key}={_shown(value)} is not {_kind(hint)}") from None
+        raise ConfigError(f"{key}={shown(value)} is not {_kind(hint)}") from None
     value = node[name]
     field = next(f for f in dataclasses.fields(owner) if f.name == name)
     problem = _problem(value, **field.metadata["rules"]) if "rules" in field.metadata and value is not None else ""
     if problem:
-        raise ConfigError(f"{key}={_shown(value)} {problem}")
+        raise ConfigError(f"{key}={shown(value)} {problem}")
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """A value as it is written on the command line: null, true, [a,b]."""
     if value is None or isinstance(value, bool):
         return str(value).lower() if value is not None else "null"
     if isinstance(value, list | tuple):
-        return "[" + ",".join(map(_shown, value)) + "]"
+        return "[" + ",".join(map(shown, value)) + "]"
     if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{_shown(v)}" for k, v in value.items()) + "}"
+        return "{" + ",".join(f"{k}:{shown(v)}" for k, v in value.items()) + "}"
     return str(value)
 
 
@@ -121,11 +118,9 @@ def _kind(hint: Any) -> str:
     """What a type annotation accepts, in words: `int | None` is "an integer or null"."""
     union = typing.get_origin(hint) in (typing.Union, types.UnionType)
     members = typing.get_args(hint) if union else (hint,)
-    kinds = {int: "an integer", float: "a number", bool: "true or false", str: "text", type(None): "null"}
-    words = [
-        "a list such as [a,b]" if typing.get_origin(t) in (list, tuple) else kinds.get(t, getattr(t, "__name__", "?"))
-        for t in members
-    ]
+    kinds = {int: "an integer", float: "a number", bool: "true or false", str: "text", type(None): "null",
+             list: "a list such as [a,b]", tuple: "a list such as [a,b]"}
+    words = [kinds.get(typing.get_origin(t) or t, getattr(t, "__name__", "?")) for t in members]
     return " or ".join(sorted(words, key=lambda word: word == "null"))
 
 
@@ -146,15 +141,21 @@ def _refuse_unknown_keys(cfg: Any, schema: type, prefix: str = "") -> None:
             _refuse_unknown_keys(cfg[key], hints[key], f"{prefix}{key}.")
 
 
-def _problem(value: Any, choices: Sequence[str] | None = None, hint: str = "", **bounds: float | None) -> str:
+def _problem(value: Any, choices: Sequence[str] | None = None, hint: str = "", **bounds: float) -> str:
     """What is wrong with `value` under a field's rules, in words ("must be >= 1"); "" if nothing."""
     broken = [f"must be {BOUNDS[name][0]} {bound}" for name, bound in bounds.items()
-              if bound is not None and not BOUNDS[name][1](value, bound)]
+              if not BOUNDS[name][1](value, bound)]
     if bounds and isinstance(value, float) and not math.isfinite(value):
         broken = ["must be a finite number"]
     elif choices is not None and value not in choices:
         broken = [f"is unknown; use one of {', '.join(choices)}"]
     return (f"{broken[0]}; {hint}" if hint else broken[0]) if broken else ""
+
+
+def fail(message: str) -> typing.NoReturn:
+    """A user's mistake: one line and status 2, as every command says it."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 @contextlib.contextmanager
@@ -163,8 +164,7 @@ def exit_on_user_error(job: str | None = None) -> Iterator[None]:
     try:
         yield
     except UserError as err:
-        print(f"error: {job + ': ' if job else ''}{err}", file=sys.stderr)
-        sys.exit(2)
+        fail(f"{job + ': ' if job else ''}{err}")
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
@@ -178,10 +178,7 @@ def end_quietly_when_stdout_closes() -> None:
 
 def run_hydra(main: Callable[[], None], schema: type, groups: tuple[str, ...] = (),
               usage: Callable[[], str] = str) -> None:
-    """A script's @hydra.main: --help prints `usage`; overrides Hydra refuses are explained in one line
-    (check_overrides; a sweep's before its first job), and what only Hydra can say is its reason on one line."""
-    from common.cli import check_overrides, refused_by_hydra
-
+    """Runs a script's @hydra.main: --help prints `usage`; a command line at fault is one line (a sweep's at once)."""
     args = sys.argv[1:]
     if "-h" in args or "--help" in args:
         end_quietly_when_stdout_closes()
@@ -198,12 +195,55 @@ def run_hydra(main: Callable[[], None], schema: type, groups: tuple[str, ...] = 
         raise
 
 
+def refused_by_hydra(err: Exception, fix: str = "") -> None:
+    """Hydra's reason on one line, status 2, for what check_overrides doesn't judge (a sweep without -m, ...)."""
+    if not isinstance(err, HydraException | OmegaConfBaseException):
+        return
+    cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else None
+    lines = [line.strip() for text in (str(err), str(cause or "")) for line in text.splitlines() if line.strip()]
+    fail((" ".join(lines) or type(err).__name__) + fix)
+
+
+def check_overrides(args: list[str], schema: type, groups: tuple[str, ...] = ()) -> None:
+    """Fail unless every `key=value` names a schema key with a value of its type and range, and every group in
+    `groups` a preset. hydra.* and range()/interval() sweeps are Hydra's to judge (each job checks its own)."""
+    known, unknown = get_args_parser().parse_known_args(args)
+    if known.shell_completion:
+        return  # `-sc install=bash` and its queries are not overrides
+    overrides = [*known.overrides, *(arg for arg in unknown if not arg.startswith("-"))]  # not `job` of `--cfg job`
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as err:  # the commonest cause: a value the shell split, or Hydra's symbols unquoted
+        refused_by_hydra(err, ". Quote a value with spaces, commas or symbols twice: start=\"'To be, or not'\"")
+    for override in parsed:
+        key, sweep = override.key_or_group, override.is_sweep_override()
+        if override.is_hydra_override() or override.is_delete():
+            continue
+        with exit_on_user_error():
+            if sweep and key not in groups and not isinstance(override.value(), ChoiceSweep):
+                check_key(schema, key)  # range() or interval(): each job checks its own value
+                continue
+            for value in override.sweep_iterator() if sweep else [override.value()]:
+                if key in groups:
+                    _check_preset(key, value)
+                else:
+                    check_override(schema, key, value)
+
+
+def presets(group: str) -> list[str]:
+    """A config group's choices: the YAML files in its folder."""
+    return sorted(path.stem for path in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def _check_preset(group: str, value: object) -> None:
+    choices = presets(group)
+    if value is None or str(value) in choices:
+        return
+    close = difflib.get_close_matches(str(value), choices, 1, 0.6)
+    guess = f"; did you mean {group}={close[0]}?" if close else ""
+    raise ConfigError(f"{group}={value} is unknown{guess} (the choices: {', '.join(choices)})")
+
+
 def literal_text(args: list[str], keys: tuple[str, ...]) -> list[str]:
     """`${` escaped in the text values of `keys`, so Hydra doesn't resolve `start='Cost: ${price}'`."""
-    escaped = []
-    for arg in args:
-        key, sep, value = arg.partition("=")
-        if sep and key.lstrip("+~") in keys:
-            arg = key + sep + re.sub(r"(?<!\\)\$\{", r"\\${", value)
-        escaped.append(arg)
-    return escaped
+    return [re.sub(r"(?<!\\)\$\{", r"\\${", arg) if arg.split("=")[0].lstrip("+~") in keys else arg for arg in args]

@@ -52,8 +52,7 @@ class Runtime:
 
     @property
     def dtype_name(self) -> str:
-        """float32, bfloat16, float16: the dtype keys' names."""
-        return str(self.dtype).removeprefix("torch.")
+        return str(self.dtype).removeprefix("torch.")  # float32, bfloat16 or float16, as the dtype key names them
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype == torch.float32:
@@ -94,10 +93,8 @@ def check_memory(need: float, device: torch.device, what: str, fix: str) -> None
     """A ConfigError before allocating when `need` bytes (for `what`) outgrow memory_bytes; `fix`: what to lower."""
     memory = memory_bytes(device)
     if memory is not None and need > memory:
-        where = "the GPU's" if device.type == "cuda" else "this machine's"
-        raise ConfigError(
-            f"{what} needs about {need / 2**30:,.1f} GiB, more than {where} {memory / 2**30:,.1f} GiB; {fix}"
-        )
+        have = f"{'the GPU' if device.type == 'cuda' else 'this machine'}'s {memory / 2**30:,.1f} GiB"
+        raise ConfigError(f"{what} needs about {need / 2**30:,.1f} GiB, more than {have}; {fix}")
 
 
 def datasheet_peak(device: torch.device, dtype: torch.dtype) -> float | None:
@@ -128,7 +125,8 @@ def temporary_beside(path: Path) -> Path:
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """write(f) fills a new temporary beside `path`, synced, then renamed over it: a reader sees one whole file."""
+    """write(f) fills a new temporary beside `path`, synced, then renamed over it: a reader sees one whole file, and
+    the directory synced makes the rename durable (Windows can't open a directory, some filesystems can't sync one)."""
     tmp = temporary_beside(path)
     try:
         with unless_disk_full(path):
@@ -141,12 +139,19 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     except BaseException:  # a full disk, a second Ctrl-C: the previous file stays as it was
         tmp.unlink(missing_ok=True)
         raise
-    fsync_directory(path.parent)
+    try:
+        handle = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(handle)
+        finally:
+            os.close(handle)
+    except OSError as err:
+        if err.errno not in (errno.EACCES, errno.EPERM, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF):
+            raise
 
 
 def remove_dead_temporaries(path: Path) -> None:
-    """`path`'s temporaries (temporary_beside's) whose writer was killed: its process is gone, so nobody will rename
-    them. Only this file's: the folder's other files are not ours to judge."""
+    """Delete `path`'s temporaries whose writer was killed (nobody will rename them), and no other file."""
     if sys.platform == "win32":  # os.kill(pid, 0) would send Ctrl-C there
         return
     for tmp in path.parent.glob(f"{glob.escape(path.name)}.*.tmp"):
@@ -170,31 +175,14 @@ def write_text_atomically(path: Path, text: str) -> None:
     write_atomically(path, lambda f: f.write(text.encode("utf-8")))
 
 
-def replace_file(source: Path, target: Path, attempts: int = 10) -> None:
+def replace_file(source: Path, target: Path) -> None:
     """os.replace, the atomic step on every platform. Windows won't replace a file another process has open (sample.py
     reading it); readers are brief, so there it is tried again, waiting longer each time."""
-    for attempt in range(1, attempts + 1):
-        try:
+    for attempt in range(1, 10 if sys.platform == "win32" else 1):
+        with contextlib.suppress(PermissionError):
             return os.replace(source, target)
-        except PermissionError:
-            if sys.platform != "win32" or attempt == attempts:
-                raise
-            time.sleep(0.05 * attempt)
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make a rename in `directory` durable; Windows can't open a directory, some filesystems can't fsync one."""
-    try:
-        handle = os.open(directory, os.O_RDONLY)
-    except PermissionError:
-        return
-    try:
-        os.fsync(handle)
-    except OSError as err:
-        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF):
-            raise
-    finally:
-        os.close(handle)
+        time.sleep(0.05 * attempt)
+    os.replace(source, target)
 
 
 def why_not_a_file(path: Path) -> str:
@@ -209,8 +197,7 @@ def why_not_a_file(path: Path) -> str:
 
 
 def check_regular_file(path: Path) -> None:
-    """Nothing at `path`, or a regular file (or a link to one), as a run's or a dataset's file must be: a FIFO there
-    would block its reader forever, a directory or a device fail it."""
+    """Refuse anything at `path` but a regular file (or a link to one): a FIFO there would block its reader forever."""
     if path.exists() and not path.is_file():
         raise DataError(f"{path} {why_not_a_file(path)}; remove it, or name another directory")
 

@@ -6,8 +6,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from common.cli import presets
-from common.config import exit_on_user_error, run_hydra, typed_config
+from common.config import exit_on_user_error, presets, run_hydra, typed_config
 from data.prepare import PrepareConfig, ensure_prepared
 
 USAGE = """Tokenize a text or a corpus into data/cache/NAME (train.py does it when needed). Settings: key=value.

@@ -18,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 
 from common.config import SEED_MAX, check_fields, option
 from common.errors import CheckpointError, ConfigError, DataError
-from common.runtime import DEVICES, DTYPES, Runtime, check_memory, make_runtime, why_not_a_file
+from common.runtime import DEVICES, DTYPES, Runtime, check_memory, why_not_a_file
 from data.source import read_utf8
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer, tokenizer_from_metadata
 from model import GPT
@@ -38,6 +38,7 @@ from model.hf_gpt2 import load_pretrained
 GPT2_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's BPE
 SEPARATOR = "\n---------------\n"  # after each sample, as nanoGPT's sample.py prints them
 ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+MAX_NEW_TOKENS = 1_000_000  # sample.py's bound: hours on a CPU, past any real use
 
 
 @dataclass
@@ -111,18 +112,15 @@ class SampleText:
 
     def unshown(self) -> str:
         """Unsent text no later token can change: all once finished, else all but a possible stop string's start."""
-        end = len(self.text) if self.finished else len(self.text) - self._held_back()
+        end = len(self.text)
+        if not self.finished:  # held back: the longest tail of the generated text that starts a stop string
+            for n in range(min(self._longest - 1, end - self._start), 0, -1):
+                if any(s.startswith(self.text[-n:]) for s in self._stop):
+                    end -= n
+                    break
         piece = self.text[self._shown : end]
         self._shown = end
         return piece
-
-    def _held_back(self) -> int:
-        """The length of the longest tail of the generated text that is the start of a stop string."""
-        for n in range(min(self._longest - 1, len(self.text) - self._start), 0, -1):
-            tail = self.text[-n:]
-            if any(s.startswith(tail) for s in self._stop):
-                return n
-        return 0
 
 
 class InOrder:
@@ -194,27 +192,15 @@ class Sampler:
 
     def last_window(self, ids: list[int], purpose: str, span: int | None = None) -> list[int]:
         """The last `span` tokens; by default block_size, all the model can look at in one pass."""
-        block_size = self.model.config.block_size
-        span = block_size if span is None else span
+        span = span or self.model.config.block_size
         if len(ids) > span:
-            why = " (block_size)" if span == block_size else ""
+            why = " (block_size)" if span == self.model.config.block_size else ""
             warn(f"{purpose}: the sequence has {len(ids)} tokens; using its last {span}{why}")
         return ids[-span:]
 
 
-def load_sampler(cfg: SampleConfig) -> Sampler:
-    """The run's model (or init_from's GPT-2) and tokenizer, on the config's device, the random seed set."""
-    runtime = make_runtime(cfg.device, cfg.dtype)
-    loaded = load_model(cfg.out_dir, cfg.init_from, cfg.ckpt, cfg.attn_impl)
-    torch.manual_seed(cfg.seed)
-    return Sampler(loaded.model.to(runtime.device).eval(), loaded.tokenizer, runtime)
-
-
 def warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
-
-
-MAX_NEW_TOKENS = 1_000_000
 
 
 @dataclass
@@ -238,11 +224,10 @@ class ModelChoice:
 class SampleConfig(ModelChoice):
     start: str = "\n"  # the prompt, or FILE:path to read it from a file
     num_samples: int = option(3, at_least=1)
-    # at most a million (hours on a CPU, past any real use): 1e10 would run for days while its text filled memory
+    # bounded: 1e10 would run for days while its text filled memory
     max_new_tokens: int = option(500, at_least=1, at_most=MAX_NEW_TOKENS)
-    temperature: float = option(
-        DEFAULT_TEMPERATURE, at_least=0.0, hint="0 means greedy decoding (the most likely token)"
-    )
+    temperature: float = option(DEFAULT_TEMPERATURE, at_least=0.0,
+                                hint="0 means greedy decoding (the most likely token)")
     top_k: int | None = option(DEFAULT_TOP_K, at_least=1, hint="null means no cut-off")  # the k most likely tokens
     top_p: float | None = option(None, above=0.0, at_most=1.0, hint="null means no cut-off")  # nucleus: mass p
     min_p: float | None = option(None, above=0.0, at_most=1.0, hint="null means no cut-off")  # p >= min_p * top
@@ -267,17 +252,15 @@ class EvalConfig(ModelChoice):
     context: int | None = option(None, at_least=1, hint="null means the model's block_size")  # tokens a window holds
     # tokens each window advances (and scores, but the first); null: context // 2. stride=context: disjoint windows
     stride: int | None = option(None, at_least=1, hint="null means half the context")
-    # windows per forward pass; null: 4096 tokens' worth (as train.full_val), at least 1
-    batch_size: int | None = option(None, at_least=1, hint="null means 4096 // context windows")
+    batch_size: int | None = option(None, at_least=1, hint="null means 4096 // context windows")  # per forward pass
     hellaswag: bool = False  # also score HellaSwag's validation set (BPE models)
     hellaswag_file: str | None = option(None, path=True)  # local hellaswag_val.jsonl; null: in data/cache/hellaswag
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.out_dir is None and self.input is None and not self.hellaswag:
-            raise ConfigError(
-                f"init_from={self.init_from} has no val split to score: pass input=FILE (a text file) or hellaswag=true"
-            )
+            raise ConfigError(f"init_from={self.init_from} has no val split to score: pass input=FILE (a text file) or "
+                              "hellaswag=true")
         if self.hellaswag_file is not None and not self.hellaswag:
             raise ConfigError(f"hellaswag_file={self.hellaswag_file} is read only with hellaswag=true; add it")
 

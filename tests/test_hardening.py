@@ -23,8 +23,7 @@ from unittest import mock
 import pytest
 import torch
 
-from common.cli import check_overrides
-from common.config import check_override, literal_text, typed_config
+from common.config import check_override, check_overrides, literal_text, typed_config
 from common.errors import CheckpointError, ConfigError, DataError, DiskFull, UserError
 from common.runtime import make_directory
 from conftest import compose_config, run_in_process, run_script, start_script, tiny_run_overrides

@@ -7,8 +7,7 @@ import shlex
 
 import pytest
 
-from common.cli import check_overrides
-from common.config import typed_config
+from common.config import check_overrides, typed_config
 from conftest import REPO, compose_config
 from inference.sampling import EvalConfig, SampleConfig, ServeConfig
 from training.schema import CONFIG_GROUPS, TrainRunConfig

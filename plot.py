@@ -35,7 +35,7 @@ import yaml
 from omegaconf._utils import get_yaml_loader  # the loader OmegaConf.load uses: 1e-3 is a number, as in a run
 from scipy import stats
 
-from common.config import fail
+from common.config import fail, shown
 from common.errors import DiskFull
 from common.runtime import write_atomically
 from training.trainer import METRICS_NAME, read_records
@@ -209,16 +209,11 @@ def find_baseline(groups: list[Group], wanted: list[str]) -> Group:
     return matches[0]
 
 
-def shown(value: Any) -> str:
-    """A value as the command line writes it: true, null, 0.001, [1,2]."""
-    if isinstance(value, bool | list | dict) or value is None:
-        return json.dumps(value, separators=(",", ":"))
-    return str(value)
-
-
 def _equal(held: Any, wanted: Any) -> bool:
     if _is_number(held) and _is_number(wanted):
         return math.isclose(held, wanted, rel_tol=1e-9)
+    if isinstance(held, str) or isinstance(wanted, str):  # a text key's value that reads as a number: data.name=2024
+        return str(held) == str(wanted)
     return _key(held) == _key(wanted)
 
 
@@ -295,11 +290,7 @@ def read_config(path: Path) -> dict[str, Any]:
     regular_file(path)
     try:
         text = path.read_bytes().decode("utf-8")
-        alias = next((token for token in yaml.scan(text) if isinstance(token, yaml.AliasToken)), None)
-        if alias:  # train.py never writes one, and nested ones repeat a node exponentially ("billion laughs")
-            problem = f"an alias, *{alias.value}, which train.py never writes"
-            raise yaml.MarkedYAMLError(problem=problem, problem_mark=alias.start_mark)
-        config = yaml.load(text, Loader=get_yaml_loader())
+        config = yaml.load(text, Loader=_NoAliasLoader)
     except UnicodeDecodeError as err:
         raise Damaged(f"{path}: not UTF-8 text (byte {err.start} is {err.object[err.start]:#x})") from None
     except yaml.YAMLError as err:
@@ -311,6 +302,17 @@ def read_config(path: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise Damaged(f"{path}: not a mapping of keys (a {type(config).__name__})")
     return config
+
+
+class _NoAliasLoader(get_yaml_loader()):  # type: ignore[misc]
+    """Refuses aliases, which train.py never writes: nested ones repeat a node exponentially ("billion laughs")."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"an alias, *{event.anchor}, which train.py never writes",
+                                              event.start_mark)
+        return super().compose_node(parent, index)
 
 
 def regular_file(path: Path) -> None:

@@ -44,8 +44,10 @@ def write_dataset(text: TextFile, tokenizer: Tokenizer, out_dir: Path, val_fract
                 # characters encode one by one: any cut will do; BPE needs safe cuts
                 cut = part if isinstance(tokenizer, CharTokenizer) else _safely_cut(part, tokenizer.pretokenizer())
                 counts[f"{name}_tokens"] = _write_tokens(out_dir / f"{name}.bin", cut, tokenizer, bar)
-        finally:  # the text encoded is the text surveyed (its split, its vocabulary), else say it changed
+        except DataError:  # "not in the vocabulary": a character added since the survey, say so
             text.check_unchanged()
+            raise
+    text.check_unchanged()  # the text encoded is the text surveyed: its split and its vocabulary
     meta = {"tokenizer": tokenizer.metadata(), "vocab_size": tokenizer.vocab_size, **counts, **extra_meta}
     write_text_atomically(out_dir / "meta.json", json.dumps(meta, ensure_ascii=False))  # last: now they count
     return meta

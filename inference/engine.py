@@ -20,6 +20,7 @@ from common.runtime import Runtime
 from evals.perplexity import windows
 from inference.sampling import SampleText
 from model import GPT
+from model.attention import KVCache
 from model.gpt import PREFILL_CHUNK, Decoding
 
 log = logging.getLogger("serve")
@@ -44,13 +45,18 @@ def score(logits: Tensor, tokens: list[int], top: int) -> list[Scored]:
 
 def prompt_scores(model: GPT, prompts: list[list[int]], top: int) -> list[list[Scored]]:
     """Each prompt token's score but the first's, from the tokens generation would have seen before it: perplexity's
-    windows at stride 1 (one over the first `context` tokens, then one a token), right-padded together PREFILL_CHUNK
-    positions a forward pass (a causal model's earlier positions never see the padding)."""
+    windows at stride 1 (one over the first block_size tokens, then one a token), right-padded together PREFILL_CHUNK
+    positions a forward pass (a causal model's earlier positions never see the padding); a rolling model's prompt
+    past block_size through its KV cache instead."""
     config, device = model.config, next(model.parameters()).device
-    context = max(config.block_size, config.receptive_field or 0) if config.rolls else config.block_size
-    rows = sorted(((i, w) for i, p in enumerate(prompts) for w in windows(len(p), context, 1)),
-                  key=lambda row: -row[1].length)  # stable: a prompt's windows stay in order
     scores: list[list[Scored]] = [[] for _ in prompts]
+    rows = []
+    for i, prompt in enumerate(prompts):
+        if config.rolls and len(prompt) > config.block_size:
+            scores[i] = _rolled_scores(model, prompt, top)
+        else:
+            rows += [(i, w) for w in windows(len(prompt), config.block_size, 1)]
+    rows.sort(key=lambda row: -row[1].length)  # stable: a prompt's windows stay in order
     while rows:
         width = rows[0][1].length  # the longest left
         batch, rows = rows[: max(1, PREFILL_CHUNK // width)], rows[max(1, PREFILL_CHUNK // width) :]
@@ -60,6 +66,17 @@ def prompt_scores(model: GPT, prompts: list[list[int]], top: int) -> list[list[S
             end = w.start + w.length  # the index of its last target
             scored = model.logits(hidden[row, w.length - w.scored : w.length])
             scores[i] += score(scored, prompts[i][end - w.scored + 1 : end + 1], top)
+    return scores
+
+
+def _rolled_scores(model: GPT, prompt: list[int], top: int) -> list[Scored]:
+    """A rolling model's prompt through its KV cache, PREFILL_CHUNK tokens at a time: each token from all before it."""
+    cache, scores, device = KVCache(model.config), [], next(model.parameters()).device
+    for start in range(0, len(prompt), PREFILL_CHUNK):
+        chunk = prompt[start : start + PREFILL_CHUNK]
+        logits = model.logits(model.hidden(torch.tensor([chunk], device=device), cache)[0])
+        targets = prompt[start + 1 : start + 1 + len(chunk)]
+        scores += score(logits[: len(targets)], targets, top)
     return scores
 
 

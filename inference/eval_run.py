@@ -49,8 +49,11 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
         if len(sequences[0]) < 2:
             raise DataError(f"input={cfg.input} has {len(sequences[0])} token(s): at least 2 are needed to score one")
     elif loaded.checkpoint is not None:  # the val split the run was trained beside, found by its saved data.* keys
-        known = {f.name for f in dataclasses.fields(DataConfig)}
-        data_cfg = DataConfig(**{k: v for k, v in loaded.checkpoint.config["data"].items() if k in known})
+        saved, known = loaded.checkpoint.config.get("data"), {f.name for f in dataclasses.fields(DataConfig)}
+        if not isinstance(saved, dict):
+            raise DataError(f"the checkpoint in {cfg.out_dir} holds no data config to find its val split; pass "
+                            "input=FILE")
+        data_cfg = DataConfig(**{k: v for k, v in saved.items() if k in known})
         try:
             data = ensure_prepared(data_cfg, prepare=False)  # read, never made: a moved or changed source is an error
         except DataError:

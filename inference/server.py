@@ -285,21 +285,27 @@ def usage(job: Job) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def updates_of(service: Service, job: Job, timeout_at: float) -> AsyncIterator[list[Update]]:
-    """The job run in its turn, its updates in batches as they come; ApiError past its time or if the model failed.
-    Whatever ends it (a stream's client that leaves, too) cancels the job, a no-op once it is done."""
+async def updates_of(service: Service, job: Job, timeout_at: float,
+                     http: Request | None = None) -> AsyncIterator[list[Update]]:
+    """The job run in its turn, its updates in batches as they come; ApiError past its time or if the model failed;
+    it ends early once `http`'s client has left. Whatever ends it (a stream's client that leaves, too) cancels the
+    job, a no-op once it is done: the model's turn passes on."""
     loop = asyncio.get_running_loop()
     updates: asyncio.Queue[list[Update]] = asyncio.Queue()
     job.on_update = lambda batch: loop.call_soon_threadsafe(updates.put_nowait, batch)
     try:
         async with service.in_turn(timeout_at):
             running = loop.run_in_executor(service.engine.thread, service.engine.run, job)
-            pending = len(job.choices)
+            pending, checked = len(job.choices), time.monotonic()
             while pending:
                 try:
                     batch = await asyncio.wait_for(updates.get(), min(service.left(timeout_at), 0.5))
                 except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11, two before
                     batch = []
+                if http is not None and time.monotonic() - checked > 0.5:
+                    checked = time.monotonic()
+                    if await http.is_disconnected():
+                        return
                 pending -= sum(done for _, _, done, _ in batch)
                 if any(done and job.choices[i].finish_reason == "error" for i, _, done, _ in batch):
                     raise ApiError(500, "the model failed on this request; see the server's log", kind="server_error")
@@ -387,7 +393,7 @@ def create_app(service: Service, api_key: str | None, banner: str, hosts: list[s
             service.has_room()
             include_usage = bool((request.stream_options or {}).get("include_usage"))
             return EventSourceResponse(stream_events(service, head, job, reported, timeout_at, include_usage))
-        async for _ in updates_of(service, job, timeout_at):
+        async for _ in updates_of(service, job, timeout_at, http):
             pass
         choices = [r.chunk(r.choice.text.text, len(r.choice.tokens), r.choice.finish_reason) for r in reported]
         return {**head, "choices": choices, "usage": usage(job)}

@@ -37,6 +37,7 @@ def load_pretrained(name_or_dir: str, *, block_size: int | None = None, **settin
         raise PretrainedError(f"unknown pretrained model {name_or_dir!r}: use one of {', '.join(PRETRAINED)}, or a "
                               "directory written by save_pretrained")
     transformers = _transformers()
+    was = logging.root.manager.disable  # the caller's, put back after
     logging.disable(logging.WARNING)  # offline, huggingface_hub logs a line per retry: the one error line says it all
     try:
         hf_model, info = transformers.GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True)
@@ -45,7 +46,7 @@ def load_pretrained(name_or_dir: str, *, block_size: int | None = None, **settin
         raise PretrainedError(f"can't load {name_or_dir!r} ({first_line}); Hugging Face needs the network to download "
                               "a model the first time, else pass a directory written by save_pretrained") from None
     finally:
-        logging.disable(logging.NOTSET)
+        logging.disable(was)
     missing = sorted(info["missing_keys"])
     if missing:  # from_pretrained leaves them randomly initialised and only warns
         raise PretrainedError(f"{name_or_dir!r} holds no weights for {missing[0]}: it is not a GPT-2 model")

@@ -77,9 +77,11 @@ def _before_torchrun(raw: dict) -> None:
 
 
 def _before_the_trainer(raw: dict) -> None:
-    """The dict the training loop wrote by hand before model.gpt owned the format."""
+    """The dict the training loop wrote by hand before model.gpt owned the format, key by key."""
     for key in ("kept_best_val_loss", "dtype", "log_loss_sum", "log_steps"):  # without dtype, auto resumes in float32
         del raw[key]
+    assert set(raw) == {"model_config", "model", "optimizer", "scaler", "iter", "last_eval_iter", "val_loss",
+                        "best_val_loss", "rng", "elapsed_s", "tokenizer", "config"}  # a key added since joins the above
 
 
 @pytest.mark.parametrize(

@@ -318,6 +318,14 @@ def test_sample_py_says_a_nan_checkpoint_in_one_line(tmp_path: Path) -> None:
                             "inf; use an earlier checkpoint\n"
 
 
+@pytest.mark.parametrize("config", [{}, {"data": [1]}])
+def test_eval_py_says_a_checkpoint_without_its_data_config_in_one_line(tmp_path: Path, config: dict) -> None:
+    run = _crafted(tmp_path / "run", _set(config=config))
+    result = run_in_process("eval.py", [f"out_dir={run}", "device=cpu"], tmp_path)
+    assert (result.returncode, result.stderr.splitlines()[-1]) == (2, f"error: the checkpoint in {run} holds no data "
+                                                                   "config to find its val split; pass input=FILE")
+
+
 def test_metrics_jsonl_loses_only_damaged_lines_and_records_after_the_checkpoint(
     tmp_path: Path, corpus_path: Path
 ) -> None:

@@ -219,7 +219,7 @@ def test_concurrent_requests_each_get_the_text_they_get_alone(server: ServeProce
 
 
 def test_a_full_queue_answers_503_and_a_client_that_leaves_mid_stream_frees_the_model(served_run: Path) -> None:
-    server = ServeProcess(served_run, "max_queue=0", "timeout_s=600")
+    server = ServeProcess(served_run, "max_queue=0", "timeout_s=600", "max_request_tokens=65536")
     try:
         with server.http.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1000,
                                                                   "stream": True}) as r:
@@ -235,6 +235,11 @@ def test_a_full_queue_answers_503_and_a_client_that_leaves_mid_stream_frees_the_
             time.sleep(0.05)
         assert health["running"] == 0 and health["finished"]["cancelled"] == 1, health  # the model is free
         assert server.post({"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+        with pytest.raises(httpx.ReadTimeout):  # a whole answer's client that leaves frees the model too
+            server.post({"prompt": PROMPT, "max_tokens": 60000}, timeout=1)
+        while server.http.get("/health").json()["finished"]["cancelled"] < 2:
+            assert time.monotonic() < deadline + 30, "an abandoned request kept the model"
+            time.sleep(0.05)
     finally:
         server.stop()
 

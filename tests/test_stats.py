@@ -147,6 +147,8 @@ def test_groups_form_on_the_training_config_and_baselines_match_as_the_config_ho
     groups = group_runs([Path("a"), Path("b"), Path("c")], configs, [1.0, 2.0, 3.0])
     assert find_baseline(groups, ["train.learning_rate=1e-3", "model.qk_norm=false"]) is groups[2]
     assert find_baseline(groups, ["train.learning_rate=3E-3"]) is groups[1]
+    named = group_runs([Path("a"), Path("b")], [{"data.name": "2024"}, {"data.name": "x"}], [1.0, 2.0])
+    assert find_baseline(named, ["data.name=2024"]) is named[0]  # a text value that reads as a number
     for wanted, message in [(["model.qk_norm=true"], r"matches 2 groups .*; add KEY=VALUE to pick one"),
                             (["train.learning_rate=0.01"], "matches no group; the groups: "),
                             (["train.lr=0.01"], "no run has the key train.lr"),

@@ -58,29 +58,22 @@ Every key: docs/reference.md. Hydra's own flags: --hydra-help."""
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
-    job = _sweep_job(cfg, hydra_cfg) if hydra_cfg.mode == RunMode.MULTIRUN else None
-    if hydra_cfg.mode == RunMode.RUN and not hydra_cfg.overrides.task:
-        log.info(_defaults_note(cfg, hydra_cfg.runtime.choices))
+    job, task = None, hydra_cfg.overrides.task
+    if hydra_cfg.mode == RunMode.MULTIRUN:  # a job's run directory is its own, under the sweep's, unless out_dir is set
+        job = f"job {hydra_cfg.job.num} ({' '.join(task)})"
+        if not any(o.lstrip("+").startswith("out_dir=") for o in task):
+            cfg.out_dir = hydra_cfg.runtime.output_dir
+    elif not task:  # `python train.py` alone runs something: said, so that nobody mistakes it for a chosen recipe
+        choices = hydra_cfg.runtime.choices
+        log.info(f"no settings given: configs/config.yaml's defaults, model={choices.model} on data={choices.data} for "
+                 f"{cfg.train.max_iters:,} iterations into out_dir {cfg.out_dir} (the log lines' ETA says how long); "
+                 "python train.py --help lists the experiments")
     with exit_on_user_error(job):
         if cfg.resume:
-            cfg = resumed_config(cfg, list(hydra_cfg.overrides.task), TrainRunConfig)
+            cfg = resumed_config(cfg, list(task), TrainRunConfig)
         result = train(cfg, on_run_opened=_hydra_files(cfg, hydra_cfg))
     if result.stopped_by is not None:
         sys.exit(128 + signal.Signals[result.stopped_by].value)  # the shell's convention for "killed by"
-
-
-def _sweep_job(cfg: DictConfig, hydra_cfg: DictConfig) -> str:
-    """A sweep job's name for its messages; its run directory is its own, under the sweep's, unless out_dir is set."""
-    if not any(o.lstrip("+").startswith("out_dir=") for o in hydra_cfg.overrides.task):
-        cfg.out_dir = hydra_cfg.runtime.output_dir
-    return f"job {hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)})"
-
-
-def _defaults_note(cfg: DictConfig, choices: DictConfig) -> str:
-    """`python train.py` alone runs something: said, so that nobody mistakes it for a chosen recipe."""
-    return (f"no settings given: configs/config.yaml's defaults, model={choices.model} on data={choices.data} for "
-            f"{cfg.train.max_iters:,} iterations into out_dir {cfg.out_dir} (the log lines' ETA says how long); "
-            "python train.py --help lists the experiments")
 
 
 def _hydra_files(cfg: DictConfig, hydra_cfg: DictConfig) -> Callable[[Path], None]:

@@ -224,24 +224,17 @@ def check_overrides(args: list[str], schema: type, groups: tuple[str, ...] = ())
                 check_key(schema, key)  # range() or interval(): each job checks its own value
                 continue
             for value in override.sweep_iterator() if sweep else [override.value()]:
-                if key in groups:
-                    _check_preset(key, value)
-                else:
+                if key not in groups:
                     check_override(schema, key, value)
+                elif value is not None and str(value) not in (choices := presets(key)):
+                    close = difflib.get_close_matches(str(value), choices, 1, 0.6)
+                    guess = f"; did you mean {key}={close[0]}?" if close else ""
+                    raise ConfigError(f"{key}={value} is unknown{guess} (the choices: {', '.join(choices)})")
 
 
 def presets(group: str) -> list[str]:
     """A config group's choices: the YAML files in its folder."""
     return sorted(path.stem for path in (CONFIG_DIR / group).glob("*.yaml"))
-
-
-def _check_preset(group: str, value: object) -> None:
-    choices = presets(group)
-    if value is None or str(value) in choices:
-        return
-    close = difflib.get_close_matches(str(value), choices, 1, 0.6)
-    guess = f"; did you mean {group}={close[0]}?" if close else ""
-    raise ConfigError(f"{group}={value} is unknown{guess} (the choices: {', '.join(choices)})")
 
 
 def literal_text(args: list[str], keys: tuple[str, ...]) -> list[str]:

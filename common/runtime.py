@@ -26,16 +26,9 @@ DTYPES = ("auto", *_TORCH_DTYPES)  # `dtype` values; auto: bf16 autocast on CUDA
 # Dense (no sparsity) tensor-core peaks in FLOP/s, (bf16/fp16, tf32), from NVIDIA's datasheets: MFU's denominator.
 # Matched against torch.cuda.get_device_name() as whole words, most specific first; elsewhere train.peak_tflops.
 GPU_PEAKS: tuple[tuple[str, float, float], ...] = (
-    ("H200 NVL", 835e12, 417.5e12),
-    ("H200", 989e12, 494.5e12),
-    ("H100 PCIe", 756e12, 378e12),
-    ("H100 NVL", 835e12, 418e12),
-    ("H100", 989e12, 494.5e12),
-    ("A100", 312e12, 156e12),
-    ("L40S", 362e12, 183e12),
-    ("L40", 181e12, 90.5e12),
-    ("L4", 121e12, 60e12),
-    ("RTX 4090", 165e12, 82.6e12),
+    ("H200 NVL", 835e12, 417.5e12), ("H200", 989e12, 494.5e12), ("H100 PCIe", 756e12, 378e12),
+    ("H100 NVL", 835e12, 418e12), ("H100", 989e12, 494.5e12), ("A100", 312e12, 156e12), ("L40S", 362e12, 183e12),
+    ("L40", 181e12, 90.5e12), ("L4", 121e12, 60e12), ("RTX 4090", 165e12, 82.6e12),
 )
 FULL_ERRNOS = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # no space left, a spent quota
 NEARLY_FULL = 1 << 20  # free bytes under which a failed write counts as a full disk's
@@ -164,10 +157,8 @@ def remove_dead_temporaries(path: Path) -> None:
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, OverflowError):  # another user's process (EPERM), or no process id at all: left alone
-        return True
+    except (OSError, OverflowError) as err:  # ESRCH: gone; another user's (EPERM) or no process id at all: left alone
+        return not isinstance(err, ProcessLookupError)
     return True
 
 

@@ -154,7 +154,9 @@ def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData
     """The dataset folder's token files, prepared first if it holds none; prepare=False: only read (torchrun ranks)."""
     out_dir = dataset_dir(config.name, config.dir)
     if config.hf_dataset or (config.input and Path(config.input).is_dir()):
-        return _ensure_corpus(out_dir, config, prepare)
+        fingerprint = corpus.fingerprint(config)
+        make = functools.partial(corpus.prepare_corpus, config, fingerprint)
+        return _reusable(out_dir, fingerprint) or _prepare_new(out_dir, fingerprint, {}, prepare, make)
     settings = {"tokenizer_spec": config.tokenizer, "val_fraction": config.val_fraction}
     at_hand = os.path.exists(config.input) if config.input else (out_dir / "input.txt").is_file()
     if not at_hand and (prepared := _prepared_before(out_dir, config, settings)):
@@ -204,12 +206,6 @@ def _prepared_before(out_dir: Path, config: DataConfig, settings: dict[str, Any]
         log.warning(f"data: {out_dir} holds the text of {made_from}, not {config.url}; training on it (data.input=FILE "
                     "prepares another text; another data.name keeps both)")
     return prepared
-
-
-def _ensure_corpus(out_dir: Path, config: DataConfig, prepare: bool) -> PreparedData:
-    fingerprint = corpus.fingerprint(config)
-    make = functools.partial(corpus.prepare_corpus, config, fingerprint)
-    return _reusable(out_dir, fingerprint) or _prepare_new(out_dir, fingerprint, {}, prepare, make)
 
 
 def _prepare_new(out_dir: Path, fingerprint: dict[str, Any], made_from: dict[str, str], prepare: bool,

@@ -72,16 +72,13 @@ class GPTConfig:
             raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; use a multiple of it")
         if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
             raise ConfigError(f"pos_emb=rope needs an even head size; n_embd/n_head is {self.n_embd // self.n_head}")
-        if self.window_pattern is not None:
-            self._check_window_pattern(self.window_pattern)
-
-    def _check_window_pattern(self, pattern: str) -> None:
-        if not pattern or set(pattern) - {WINDOWED, FULL}:
-            raise ConfigError(f"window_pattern={pattern} may only hold the letters S (windowed) and L (full)")
-        if WINDOWED not in pattern and self.attn_window is not None:
-            raise ConfigError(f"window_pattern={pattern} windows no layer; add an S or set attn_window=null")
-        if len(pattern) > self.n_layer:
-            raise ConfigError(f"window_pattern={pattern} has more letters than n_layer={self.n_layer}")
+        if (pattern := self.window_pattern) is not None:
+            if not pattern or set(pattern) - {WINDOWED, FULL}:
+                raise ConfigError(f"window_pattern={pattern} may only hold the letters S (windowed) and L (full)")
+            if WINDOWED not in pattern and self.attn_window is not None:
+                raise ConfigError(f"window_pattern={pattern} windows no layer; add an S or set attn_window=null")
+            if len(pattern) > self.n_layer:
+                raise ConfigError(f"window_pattern={pattern} has more letters than n_layer={self.n_layer}")
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's attention window, first layer first (None: full causal attention)."""
@@ -320,19 +317,15 @@ class Decoding:
         if self.top_k is not None and self.top_k < logits.size(-1):
             kth = torch.topk(logits, self.top_k).values[:, [-1]]
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.top_p is not None and self.top_p < 1:
-            logits = self._nucleus(logits)
+        if self.top_p is not None and self.top_p < 1:  # nucleus: a token is dropped once the likelier reach top_p
+            ordered, order = torch.sort(logits, dim=-1, descending=True)
+            mass = ordered.softmax(dim=-1).cumsum(dim=-1)  # the likeliest is always kept: none come before it
+            outside = torch.cat((torch.zeros_like(mass[:, :1], dtype=torch.bool), mass[:, :-1] >= self.top_p), dim=-1)
+            logits = logits.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
         if self.min_p is not None:
             probs = logits.softmax(dim=-1)
             logits = logits.masked_fill(probs < self.min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
         return logits
-
-    def _nucleus(self, logits: Tensor) -> Tensor:
-        """top_p: a token is dropped once the likelier ones reach top_p; never the likeliest, which has none before."""
-        ordered, order = torch.sort(logits, dim=-1, descending=True)
-        mass = ordered.softmax(dim=-1).cumsum(dim=-1)
-        outside = torch.cat((torch.zeros_like(mass[:, :1], dtype=torch.bool), mass[:, :-1] >= self.top_p), dim=-1)
-        return logits.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
 
 
 def row_generators(seed: int | None, count: int, device: torch.device | str = "cpu") -> list[torch.Generator] | None:
@@ -455,7 +448,8 @@ def _one_line(err: Exception, schema: type, values: dict[str, Any]) -> str:
             check_override(schema, str(err.full_key), values.get(err.full_key))
         except ConfigError as named:
             return str(named)
-        return f"{err.full_key}: {str(err.msg).splitlines()[0]}"
+        first_line = str(err.msg).partition("\n")[0]
+        return f"{err.full_key}: {first_line}"
     return str(err)
 
 
@@ -550,15 +544,11 @@ def load_checkpoint(path: Path, resuming: bool = False) -> Checkpoint:
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated, foreign, or holding objects weights_only won't build
-        raise CheckpointError(f"{path} is not a readable checkpoint: {_unreadable(err)}") from None
+        why = f"damaged, or not a checkpoint ({type(err).__name__})"
+        if isinstance(err, pickle.UnpicklingError) and "global" in str(err).lower():  # a class or a function
+            why = "it holds objects other than tensors and plain values, and unpickling those could run code"
+        raise CheckpointError(f"{path} is not a readable checkpoint: {why}") from None
     return Checkpoint.from_dict(raw, path, resuming)
-
-
-def _unreadable(err: Exception) -> str:
-    """Why torch.load refused a checkpoint, in words."""
-    if isinstance(err, pickle.UnpicklingError) and "global" in str(err).lower():  # a class or a function
-        return "it holds objects other than tensors and plain values, and unpickling those could run code"
-    return f"damaged, or not a checkpoint ({type(err).__name__})"
 
 
 def saved_config(path: Path) -> dict[str, Any] | None:

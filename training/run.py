@@ -112,7 +112,12 @@ def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_open
     handler = held.enter_context(contextlib.closing(RunLog(out_dir / LOG_NAME)))
     logging.getLogger().addHandler(handler)
     held.callback(logging.getLogger().removeHandler, handler)
-    log.info(_start_line(trainer))
+    world, peak = trainer.world, trainer.peak_flops
+    processes = f", {world.size} processes ({train.parallel})" if world.distributed else ""
+    mfu = "" if peak is None else f"; MFU against {peak / world.size / 1e12:.3g} TFLOP/s per process"
+    log.info(f"{trainer.model.num_params() / 1e6:.2f}M parameters, {trainer.data.meta['vocab_size']} tokens in the "
+             f"vocabulary, device {trainer.runtime.device}, {trainer.runtime.dtype_name}, compile "
+             f"{hasattr(trainer.step_model, '_orig_mod')}{processes}, out_dir {out_dir}{mfu}")
     settings = {"device": trainer.runtime.device.type, "train.dtype": trainer.runtime.dtype_name,  # for plot.py
                 "train.compile": hasattr(trainer.step_model, "_orig_mod"), "threads": torch.get_num_threads()}
     if config.resume:
@@ -128,17 +133,6 @@ def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_open
     if trainer.eval_due():  # it may take a while before the first log line
         val = "every window" if train.full_val else f"{train.eval_iters} batches"
         log.info(f"evaluating at iter {trainer.progress.iter}: {train.eval_iters} batches of train, {val} of val")
-
-
-def _start_line(trainer: Trainer) -> str:
-    """The run in one line: its size, vocabulary, device, precision, compile and processes, and where it writes."""
-    world, train = trainer.world, trainer.config.train
-    processes = f", {world.size} processes ({train.parallel})" if world.distributed else ""
-    peak = trainer.peak_flops
-    mfu = "" if peak is None else f"; MFU against {peak / world.size / 1e12:.3g} TFLOP/s per process"
-    return (f"{trainer.model.num_params() / 1e6:.2f}M parameters, {trainer.data.meta['vocab_size']} tokens in the "
-            f"vocabulary, device {trainer.runtime.device}, {trainer.runtime.dtype_name}, compile "
-            f"{hasattr(trainer.step_model, '_orig_mod')}{processes}, out_dir {trainer.out_dir}{mfu}")
 
 
 def _cut_history(out_dir: Path, iter: int, settings: dict[str, Any]) -> None:
@@ -223,27 +217,21 @@ def check_for_world(train: OptimConfig, world: World) -> None:
 
 def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: PreparedData, runtime: Runtime,
                  world: World) -> GPT:
-    """A new model from model.*, init_from's pretrained one, or (resume) one of the checkpoint's shape."""
+    """A new model from model.*, init_from's pretrained one, or (resume) one of the checkpoint's shape, the settings its
+    weights leave open from the config; another shape is refused."""
     if checkpoint is None and config.init_from is not None:
         return _pretrained_model(config, data)
     model_config = config.model.gpt_config(data.meta["vocab_size"])
     if checkpoint is not None:
-        model_config = _resumed_model_config(config, checkpoint, model_config, data)
+        if config.init_from is not None:  # a finetune: the shape is the pretrained model's, as saved
+            settings = {k: getattr(config.model, k) for k in ("block_size", *PRETRAINED_SETTINGS)}
+            model_config = dataclasses.replace(checkpoint.model_config, **settings)
+        check_same_shape(checkpoint.model_config, model_config)
+        if checkpoint.tokenizer_for_decoding(Path(config.out_dir) / CKPT_NAME) != data.meta["tokenizer"]:
+            raise CheckpointError("resume=true with data tokenized differently from the checkpoint's; use its data")
     _check_data_fits(data, model_config.block_size)  # the plainer mistake first
     check_fits(model_config, config.train, runtime.device, world)  # before allocating it
     return GPT(model_config)
-
-
-def _resumed_model_config(config: TrainRunConfig, checkpoint: Checkpoint, model_config: GPTConfig,
-                          data: PreparedData) -> GPTConfig:
-    """The checkpoint's model, the settings its weights leave open from the config; another shape is refused."""
-    if config.init_from is not None:  # a finetune: the shape is the pretrained model's, as saved
-        settings = {k: getattr(config.model, k) for k in ("block_size", *PRETRAINED_SETTINGS)}
-        model_config = dataclasses.replace(checkpoint.model_config, **settings)
-    check_same_shape(checkpoint.model_config, model_config)
-    if checkpoint.tokenizer_for_decoding(Path(config.out_dir) / CKPT_NAME) != data.meta["tokenizer"]:
-        raise CheckpointError("resume=true with data tokenized differently from the checkpoint's; use its data")
-    return model_config
 
 
 def check_fits(model: GPTConfig, train: OptimConfig, device: torch.device, world: World) -> None:

@@ -291,20 +291,16 @@ class Trainer:
         self.progress = dataclasses.replace(checkpoint.progress)
         self.checkpointed_iter = checkpoint.progress.iter
         self.started -= checkpoint.progress.elapsed_s
-        self.restore_rng(checkpoint.rng)
+        if len(checkpoint.rng) != self.world.size:  # each rank's dropout stream; batches and evaluation have their own
+            log.warning(f"resuming {len(checkpoint.rng)} processes' run with {self.world.size}: dropout won't repeat "
+                        "exactly")
+        else:
+            state = checkpoint.rng[self.world.rank]
+            torch.set_rng_state(state["torch"])
+            if state["cuda"] and self.runtime.is_cuda:
+                torch.cuda.set_rng_state(state["cuda"][0], self.runtime.device)
         if not self.config.train.keep_best and (self.out_dir / BEST_NAME).is_file() and self.world.is_main:
             log.warning(f"{BEST_NAME} stays as it is: this resume has train.keep_best=false")
-
-    def restore_rng(self, states: list[dict[str, Any]]) -> None:
-        """Each rank's own dropout stream (batches and evaluation draw from their own generators); with another number
-        of processes than saved, dropout streams start afresh."""
-        if len(states) != self.world.size:
-            log.warning(f"resuming {len(states)} processes' run with {self.world.size}: dropout won't repeat exactly")
-            return
-        state = states[self.world.rank]
-        torch.set_rng_state(state["torch"])
-        if state["cuda"] and self.runtime.is_cuda:
-            torch.cuda.set_rng_state(state["cuda"][0], self.runtime.device)
 
     def stop(self, received: signal.Signals | None) -> str:
         """A checkpoint, unless the last step was skipped for a non-finite loss (its weights may be NaN already)."""
@@ -352,20 +348,14 @@ def make_optimizer(model: nn.Module, train: OptimConfig, runtime: Runtime) -> to
         {"params": [p for p in rest if p.dim() >= 2], "weight_decay": train.weight_decay},  # matmuls, embeddings
         {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},  # biases, norms
     ]
-    if train.optimizer == "muon":
-        return _muon(groups, hidden, train, runtime)
+    if train.optimizer == "muon":  # Muon for the hidden matrices, AdamW for the rest
+        adamw = {"muon": False, "lr": train.learning_rate, "betas": (train.beta1, train.beta2), "eps": 1e-8}
+        muon = {"muon": True, "params": list(hidden.values()), "lr": train.muon_lr, "momentum": train.muon_momentum,
+                "nesterov": True, "ns_steps": train.muon_ns_steps, "weight_decay": train.weight_decay}  # decoupled
+        ns_dtype = torch.bfloat16 if runtime.dtype == torch.bfloat16 else torch.float32  # Newton-Schulz: bf16 is faster
+        return MuonAdamW([*({**adamw, **g} for g in groups), muon], ns_dtype=ns_dtype)
     # The fused kernel: one pass over all parameters, and it skips a step on the device (the trainer's found_inf).
     return torch.optim.AdamW(groups, lr=train.learning_rate, betas=(train.beta1, train.beta2), fused=True)
-
-
-def _muon(groups: list[dict[str, Any]], hidden: dict[str, nn.Parameter], train: OptimConfig,
-          runtime: Runtime) -> MuonAdamW:
-    """Muon for hidden matrices, AdamW for the rest; Newton-Schulz in bf16 under bf16 autocast (faster), else fp32."""
-    adamw = {"muon": False, "lr": train.learning_rate, "betas": (train.beta1, train.beta2), "eps": 1e-8}
-    muon = {"muon": True, "params": list(hidden.values()), "lr": train.muon_lr, "momentum": train.muon_momentum,
-            "nesterov": True, "ns_steps": train.muon_ns_steps, "weight_decay": train.weight_decay}  # decoupled
-    ns_dtype = torch.bfloat16 if runtime.dtype == torch.bfloat16 else torch.float32
-    return MuonAdamW([*({**adamw, **g} for g in groups), muon], ns_dtype=ns_dtype)
 
 
 def hidden_matrices(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -41,8 +41,7 @@ from inference.sampling import Sampler
 from model import GPT, GPTConfig, causal_mask, masked_attention
 from model.attention import windowed_attention
 from model.gpt import Decoding
-from training.run import train
-from training.schema import OptimConfig, TrainRunConfig, register_schemas
+from training.run import OptimConfig, TrainRunConfig, register_schemas, train
 
 REPO = Path(__file__).resolve().parent
 NANOGPT_SAMPLING = {"temperature": 0.8, "top_k": 200}  # nanoGPT's sample.py defaults, ours too

@@ -13,9 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from common.config import exit_on_user_error, presets, run_hydra
 from common.runtime import write_text_atomically
-from training.resume import resumed_config
-from training.run import train
-from training.schema import CONFIG_GROUPS, TrainRunConfig, register_schemas
+from training.resume import CONFIG_GROUPS, resumed_config
+from training.run import TrainRunConfig, register_schemas, train
 
 register_schemas()
 log = logging.getLogger("train")

@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 from tiktoken_ext.openai_public import r50k_pat_str
 
 import inference.sampling
-import training.schema
+import training.run
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
@@ -44,7 +44,7 @@ MODERN = dict(norm="rmsnorm", qk_norm=True, logit_softcap=15.0, x0_mix=True, val
 _TINY_MERGES = [b"th", b"he", b"in", b"er", b"an", b" t", b" a", b"the", b" the", b"ou", b"on", b"re", b"nd", b"and",
                 b" and"]
 
-training.schema.register_schemas()
+training.run.register_schemas()
 inference.sampling.register_schemas()
 if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: each worker, and every command it starts, on one thread
     os.environ["OMP_NUM_THREADS"] = "1"

@@ -23,8 +23,7 @@ from common.errors import ConfigError
 from conftest import REPO, built_once, compose_config, run_in_process, tiny_run_overrides, wait_for_text
 from model.gpt import CKPT_NAME, load_checkpoint
 from training.distributed import World, close_process_group
-from training.run import check_for_world, train
-from training.schema import TrainRunConfig
+from training.run import TrainRunConfig, check_for_world, train
 from training.trainer import split_across_ranks
 
 # Four micro-batches a step: one process runs all four, each of two processes two (gradients reduced on the

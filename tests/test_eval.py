@@ -27,8 +27,7 @@ from inference.sampling import EvalConfig
 from model import GPT, GPTConfig
 from model.gpt import CKPT_NAME, load_checkpoint
 from training.distributed import World
-from training.run import train
-from training.schema import OptimConfig, TrainRunConfig
+from training.run import OptimConfig, TrainRunConfig, train
 from training.trainer import Evaluator, split_across_ranks
 
 HELLASWAG = [

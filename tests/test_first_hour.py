@@ -20,8 +20,7 @@ from conftest import CONFIGS, compose_config, run_in_process, start_script, tiny
 from data.prepare import KNOWN_TEXTS, DataConfig, ensure_prepared
 from model.gpt import CKPT_NAME, load_checkpoint
 from training.resume import resume_argument
-from training.run import train
-from training.schema import TrainRunConfig
+from training.run import TrainRunConfig, train
 from training.trainer import lr_at
 
 UNREACHABLE = "http://127.0.0.1:9/input.txt"  # the discard port: a download fails at once, offline or not

@@ -31,8 +31,8 @@ from data.prepare import DataConfig, ensure_prepared
 from inference.sampling import EvalConfig, SampleConfig, load_model, read_prompt
 from model import GPT, GPTConfig
 from model.gpt import CKPT_NAME, Checkpoint, load_checkpoint
-from training.run import train
-from training.schema import CONFIG_GROUPS, TrainRunConfig, WandbConfig
+from training.resume import CONFIG_GROUPS
+from training.run import TrainRunConfig, WandbConfig, train
 from training.trainer import METRICS_NAME, MetricsLog, drop_records_after, read_records
 
 FAST = {"train.max_iters": 4, "train.eval_interval": 2, "train.log_interval": 1}

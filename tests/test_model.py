@@ -11,7 +11,7 @@ from model import GPT, GPTConfig
 from model.attention import Rotary
 from model.gpt import Checkpoint, Decoding, load_checkpoint
 from model.hf_gpt2 import hf_from_gpt
-from training.schema import TrainRunConfig
+from training.run import TrainRunConfig
 
 SMALL = dict(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)
 

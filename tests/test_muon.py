@@ -13,7 +13,7 @@ import training.muon
 from common.runtime import Runtime
 from model import GPT, GPTConfig
 from training.muon import MuonAdamW, newton_schulz
-from training.schema import OptimConfig
+from training.run import OptimConfig
 from training.trainer import FROM_CONFIG, lr_at, make_optimizer, set_hyperparameters
 
 CPU = Runtime(torch.device("cpu"), torch.float32)

@@ -18,8 +18,7 @@ from conftest import compose_config, tiny_run_overrides
 from data.prepare import TRAIN_WINDOWS, get_batch
 from model.gpt import CKPT_NAME, load_checkpoint
 from training.distributed import World
-from training.run import build_trainer, train
-from training.schema import TrainRunConfig
+from training.run import TrainRunConfig, build_trainer, train
 from training.trainer import Trainer, lr_at, sample_table
 
 

@@ -16,9 +16,9 @@ from common.config import shown
 from common.errors import CheckpointError, ConfigError
 from model import GPTConfig
 from model.gpt import CKPT_NAME, Checkpoint, saved_config
-from training.schema import CONFIG_GROUPS
 
 log = logging.getLogger("train")
+CONFIG_GROUPS = ("experiment", "model", "data")  # train.py's Hydra groups: configs/<group>/NAME.yaml, as group=NAME
 
 # Keys a resume may change freely: where and how the steps run (attn_impl: the same function), evaluation, logs
 CHANGEABLE_ON_RESUME = frozenset({

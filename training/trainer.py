@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,7 +28,9 @@ from model.gpt import BEST_NAME, CKPT_NAME, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, 
 from training.distributed import World, full_state, gradient_sync, load_full_state
 from training.muon import MuonAdamW
 from training.resume import resume_command
-from training.schema import OptimConfig, TrainRunConfig, WandbConfig
+
+if TYPE_CHECKING:  # run.py, which builds the trainer, holds the config's schema
+    from training.run import OptimConfig, TrainRunConfig, WandbConfig
 
 log = logging.getLogger("train")
 MAX_SKIPS_IN_A_ROW = 100  # train.on_nonfinite=skip gives up after so many steps skipped in a row

@@ -71,12 +71,13 @@ def render_page(data: dict) -> str:
 
 def live_page(model: GPT, ids: list[int], tokens: list[str], n_prompt: int, title: str,
               induction: np.ndarray | None = None, context_note: str | None = None, causality: dict | None = None,
-              use_cache: bool = True) -> str:
+              use_cache: bool = True, saved: np.lib.npyio.NpzFile | None = None) -> str:
     """The page for a sequence in memory (serve.py's live page; save_explorer writes one): its last block_size tokens,
-    tokens[i] the text of ids[i], with the decode steps of those after n_prompt where generation took them."""
+    tokens[i] the text of ids[i], with the decode steps of those after n_prompt where generation took them. `saved`:
+    that window's attention.npz, whose weights, mask and diagnostics are then not computed again."""
     config = model.config
     T = min(len(ids), config.block_size)
-    weights, mask = attention_arrays(model, ids[-T:])
+    weights, mask = (saved["weights"], saved["mask"]) if saved is not None else attention_arrays(model, ids[-T:])
     steps, note = None, None
     if not use_cache:
         note = "Sampled with use_cache=false: every step recomputed its window, so there are no decode steps to show."
@@ -86,7 +87,7 @@ def live_page(model: GPT, ids: list[int], tokens: list[str], n_prompt: int, titl
         grew = "prompt is" if n_prompt > config.block_size else "sample grew"
         note = (f"The {grew} longer than block_size={config.block_size}: past it, generation recomputed each cropped "
                 "window without the KV cache, so there are no decode steps to show for this window.")
-    diagnostics = head_diagnostics(model, weights, induction)
+    diagnostics = saved["diagnostics"] if saved is not None else head_diagnostics(model, weights, induction)
     return render_page(page_data(title, tokens[-T:], weights, mask, config.layer_windows(), diagnostics, steps,
                                  causality, note, context_note))
 
@@ -95,8 +96,8 @@ def save_explorer(model: GPT, sample: list[int], n_prompt: int, out_dir: Path, t
                   causality: dict | None = None, use_cache: bool = True) -> Path:
     """Write out_dir/index.html beside the attention.npz of `sample`'s last window (save_attention_maps)."""
     with np.load(out_dir / "attention.npz") as saved:
-        tokens = [str(t) for t in saved["tokens"]]
+        page = live_page(model, sample, [str(t) for t in saved["tokens"]], n_prompt, title, causality=causality,
+                         use_cache=use_cache, saved=saved)
     path = out_dir / "index.html"
-    path.write_text(live_page(model, sample, tokens, n_prompt, title, causality=causality, use_cache=use_cache),
-                    encoding="utf-8")
+    path.write_text(page, encoding="utf-8")
     return path

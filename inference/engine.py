@@ -98,10 +98,14 @@ class Choice:
     index: int
     prompt: list[int]
     text: SampleText
-    tokens: list[int] = field(default_factory=list)
     scores: list[Scored] = field(default_factory=list)  # with logprobs: one per generated token
     prompt_scores: list[Scored] | None = None  # with echo and logprobs: one per prompt token but the first
     finish_reason: str | None = None  # "stop" (a stop string, the end of text), "length", "cancelled" or "error"
+
+    @property
+    def tokens(self) -> list[int]:
+        """Those generated: the text's, which takes none once it is finished."""
+        return self.text.tokens
 
 
 Update = tuple[int, str, bool, int]  # choice index, a piece of text, done, its token count when it came
@@ -164,7 +168,6 @@ class Engine:
                 for choice, token, scored in zip(choices, tokens, scores, strict=True):
                     if choice.finish_reason is not None:
                         continue
-                    choice.tokens.append(token)
                     choice.text.add(token)
                     if scored is not None:
                         choice.scores.append(scored)

@@ -52,7 +52,6 @@ from training.trainer import (
     TrainResult,
     drop_records_after,
     make_optimizer,
-    read_records,
 )
 
 log = logging.getLogger("train")
@@ -272,8 +271,7 @@ def _cut_history(out_dir: Path, iter: int, settings: dict[str, Any]) -> None:
     """A resume drops a killed run's lines after its checkpoint, and warns where threads, device, precision or compile
     differ from the run's last start: they change the float sums' order, and plot.py groups runs by them."""
     log.info(f"resuming {out_dir} at iter {iter}")
-    drop_records_after(out_dir, iter)
-    records = read_records(out_dir)[0] if (out_dir / METRICS_NAME).is_file() else []
+    records = drop_records_after(out_dir, iter)
     saved = next((r["settings"] for r in reversed(records) if "settings" in r), {})
     changed = [f"{key} {saved[key]} -> {value}" for key, value in settings.items() if saved.get(key, value) != value]
     if changed:

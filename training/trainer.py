@@ -101,8 +101,9 @@ class Trainer:
     clock: tuple[float, int] | None = None  # perf_counter() and iter where the log line's timing began
 
     def fit(self) -> TrainResult:
-        """nanoGPT's loop, in which a step never waits for the device: NaN and inf losses are skipped there and
-        reported at log lines and evaluations. A signal stops the run after the current step, with a checkpoint."""
+        """nanoGPT's loop, in which a step never waits for the device (under torchrun, only for the ranks' agreement
+        to stop): NaN and inf losses are skipped there and reported at log lines and evaluations. A signal stops the
+        run after the current step, with a checkpoint."""
         p, train = self.progress, self.config.train
         self.tally = torch.tensor([p.log_loss_sum, p.log_steps, 0, 0, 0], device=self.runtime.device)
         accum = train.grad_accum // self.world.size  # this process's share of the step's micro-batches
@@ -167,9 +168,10 @@ class Trainer:
         t[3] = torch.where(~finite & (t[2] == 1), self.progress.iter, t[3])
         t[4] = (t[4] + 1) * ~finite
 
-    def check_skips(self, evaluation: bool = False) -> int:
-        """train.on_nonfinite for the steps skipped since the last check; returns the skips in a row up to now."""
-        skipped, first, in_a_row = (int(v) for v in self.tally[2:].tolist())
+    def check_skips(self, evaluation: bool = False, tally: list[float] | None = None) -> int:
+        """train.on_nonfinite for the steps skipped since the last check; returns the skips in a row up to now.
+        tally: the tally as just read (a log line's), else it is read here."""
+        skipped, first, in_a_row = (int(v) for v in (tally or self.tally.tolist())[2:])
         self.tally[2] = 0  # and the next skip overwrites the first one's iteration
         if skipped or in_a_row:
             self.report_skips(skipped, first, in_a_row, evaluation)
@@ -235,8 +237,9 @@ class Trainer:
         evaluation before (the first step left out); the time left at the pace since paced_from, evaluations and
         checkpoints included. Reading the tally here is the loop's one wait for the device."""
         p, train = self.progress, self.config.train
-        self.check_skips()
-        loss_sum, applied = self.tally[:2].tolist()
+        tally = self.tally.tolist()
+        self.check_skips(tally=tally)
+        loss_sum, applied = tally[:2]
         self.tally[:2] = 0
         now, (began, first) = time.perf_counter(), self.clock
         self.clock = (now, p.iter)
@@ -459,12 +462,16 @@ def read_records(out_dir: Path) -> tuple[list[dict[str, Any]], int]:
     return records, len(lines) - len(records)
 
 
-def drop_records_after(out_dir: Path, last_iter: int) -> None:
-    """On resume, drop lines written after the last checkpoint and damaged ones; the file is replaced whole (atomic)."""
+def drop_records_after(out_dir: Path, last_iter: int) -> list[dict[str, Any]]:
+    """On resume, drop lines written after the last checkpoint and damaged ones; the file is replaced whole (atomic).
+    Returns the records kept."""
     path = out_dir / METRICS_NAME
-    if path.is_file():
-        kept = [line.decode() + "\n" for line in path.read_bytes().splitlines() if _record(line, last_iter)]
-        write_text_atomically(path, "".join(kept))  # each line ended: the next record starts on a line of its own
+    if not path.is_file():
+        return []
+    kept = [(line, record) for line in path.read_bytes().splitlines() if (record := _record(line, last_iter))]
+    # each line ended: the next record starts on a line of its own
+    write_text_atomically(path, "".join(line.decode() + "\n" for line, _ in kept))
+    return [record for _, record in kept]
 
 
 def _record(line: bytes, last_iter: float = math.inf) -> dict[str, Any] | None:

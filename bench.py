@@ -42,6 +42,7 @@ from model import GPT, GPTConfig, causal_mask, masked_attention
 from model.attention import windowed_attention
 from model.gpt import Decoding
 from training.run import OptimConfig, TrainRunConfig, register_schemas, train
+from training.trainer import read_records
 
 REPO = Path(__file__).resolve().parent
 NANOGPT_SAMPLING = {"temperature": 0.8, "top_k": 200}  # nanoGPT's sample.py defaults, ours too
@@ -149,7 +150,7 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="bench-", ignore_cleanup_errors=True) as out_dir:  # a throwaway run
         config.out_dir = out_dir
         train(config)  # the first n iterations warm up (and compile), the second n are measured
-        ours = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()][-2]
+        ours = read_records(Path(out_dir))[0][-2]
 
     runtime = make_runtime(config.device, config.train.dtype)  # the run's precision, for the reference too
     data = ensure_prepared(config.data)

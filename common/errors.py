@@ -27,3 +27,8 @@ class TrainingDiverged(UserError):
 
 class RunLocked(UserError):
     """Another process is training in the same run directory."""
+
+
+def first_line(err: BaseException) -> str:
+    """An exception's message as one line: its first (else its type's name), for the one-line errors above."""
+    return str(err).strip().partition("\n")[0] or type(err).__name__

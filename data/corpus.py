@@ -24,7 +24,7 @@ import numpy as np
 import tiktoken
 from tqdm import tqdm
 
-from common.errors import DataError
+from common.errors import DataError, first_line
 from common.runtime import write_text_atomically
 from data.source import read_utf8
 from data.tokenizers import BpeTokenizer
@@ -115,9 +115,8 @@ def hf_documents(path: str, name: str | None) -> Iterator[str]:
     except DataError:
         raise
     except Exception as err:  # offline, a misspelt or private dataset, a broken stream: datasets raises many kinds
-        first_line = str(err).strip().partition("\n")[0]
-        raise DataError(f"could not read {label} ({type(err).__name__}: {first_line}); offline, use data.input=DIR "
-                        "instead") from None
+        raise DataError(f"could not read {label} ({type(err).__name__}: {first_line(err)}); offline, use "
+                        "data.input=DIR instead") from None
 
 
 def _text_field(row: Any, where: str) -> str:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from common.errors import UserError
+from common.errors import UserError, first_line
 from model.gpt import GPT, GPTConfig
 
 if TYPE_CHECKING:
@@ -42,9 +42,9 @@ def load_pretrained(name_or_dir: str, *, block_size: int | None = None, **settin
     try:
         hf_model, info = transformers.GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True)
     except Exception as err:  # no network, not in HF's cache, no weights, a corrupt config.json or weights file
-        first_line = str(err).strip().partition("\n")[0] or type(err).__name__
-        raise PretrainedError(f"can't load {name_or_dir!r} ({first_line}); Hugging Face needs the network to download "
-                              "a model the first time, else pass a directory written by save_pretrained") from None
+        raise PretrainedError(f"can't load {name_or_dir!r} ({first_line(err)}); Hugging Face needs the network "
+                              "to download a model the first time, else pass a directory written by "
+                              "save_pretrained") from None
     finally:
         logging.disable(was)
     missing = sorted(info["missing_keys"])

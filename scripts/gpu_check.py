@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from bench import MEMORY_PROBES, adamw_steps, probe_row  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from training.trainer import METRICS_NAME, read_records  # noqa: E402
 
 TINY_MODEL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
 # (n_layer, n_embd, block_size, batch_size, checkpointing, vocab_size, bf16, compiled): plain, checkpointed, compiled
@@ -123,8 +124,8 @@ def train_runs(args: argparse.Namespace, workdir: Path, experiment: str, seeds: 
     result = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", *overrides], capture_output=True, text=True)
     times, vals = [], []
     for job in range(len(seeds)):
-        metrics = workdir / experiment / str(job) / "metrics.jsonl"
-        records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+        run = workdir / experiment / str(job)
+        records = read_records(run)[0] if (run / METRICS_NAME).is_file() else []
         times += [r["time_to_target_s"] for r in records if "time_to_target_s" in r][:1]
         vals.append(min((r["val_loss"] for r in records if "val_loss" in r), default=None))
     return {"check": f"{experiment} to val <= {target} (whole val split, {len(seeds)} seed{'s' * (len(seeds) > 1)})",

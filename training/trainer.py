@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from common.errors import DiskFull, TrainingDiverged
+from common.errors import DiskFull, TrainingDiverged, first_line
 from common.runtime import Runtime, open_for_appending, synchronize, unless_disk_full, write_text_atomically
 from data.prepare import EVAL_WINDOWS, TRAIN_WINDOWS, PreparedData, batch_generator, every_window, get_batch
 from data.tokenizers import TextScore, Tokenizer, token_sums
@@ -418,8 +418,8 @@ class MetricsLog:
                 tags=list(config.tags), group=config.group, config=run_config, dir=str(self.out_dir),
                 settings=wandb.Settings(init_timeout=config.init_timeout))
         except Exception as err:  # no API key, no network, a refused login: the run matters more than its charts
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            log.warning(f"wandb did not start ({reason}); training goes on without it, metrics.jsonl has everything")
+            log.warning(f"wandb did not start ({first_line(err)}); training goes on without it, metrics.jsonl has "
+                        "everything")
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.active:

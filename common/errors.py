@@ -29,6 +29,7 @@ class RunLocked(UserError):
     """Another process is training in the same run directory."""
 
 
-def first_line(err: BaseException) -> str:
-    """An exception's message as one line: its first (else its type's name), for the one-line errors above."""
-    return str(err).strip().partition("\n")[0] or type(err).__name__
+def first_line(err: BaseException, named: bool = False) -> str:
+    """An exception's message as one line: its first, else its type's name; named: after its type's name."""
+    line = next(iter(str(err).strip().splitlines()), "")
+    return f"{type(err).__name__}: {line}" if named and line else line or type(err).__name__

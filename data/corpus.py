@@ -115,7 +115,7 @@ def hf_documents(path: str, name: str | None) -> Iterator[str]:
     except DataError:
         raise
     except Exception as err:  # offline, a misspelt or private dataset, a broken stream: datasets raises many kinds
-        raise DataError(f"could not read {label} ({type(err).__name__}: {first_line(err)}); offline, use "
+        raise DataError(f"could not read {label} ({first_line(err, named=True)}); offline, use "
                         "data.input=DIR instead") from None
 
 

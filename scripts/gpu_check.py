@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -127,7 +128,7 @@ def train_runs(args: argparse.Namespace, workdir: Path, experiment: str, seeds: 
         run = workdir / experiment / str(job)
         records = read_records(run)[0] if (run / METRICS_NAME).is_file() else []
         times += [r["time_to_target_s"] for r in records if "time_to_target_s" in r][:1]
-        vals.append(min((r["val_loss"] for r in records if "val_loss" in r), default=None))
+        vals.append(min((r["val_loss"] for r in records if math.isfinite(r.get("val_loss", math.nan))), default=None))
     return {"check": f"{experiment} to val <= {target} (whole val split, {len(seeds)} seed{'s' * (len(seeds) > 1)})",
             "ok": result.returncode == 0 and len(times) == len(seeds), "time_to_target_s": times, "best_val": vals,
             "stderr_tail": result.stderr[-500:] if result.returncode else ""}

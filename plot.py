@@ -38,7 +38,7 @@ from scipy import stats
 from common.config import fail, shown
 from common.errors import DiskFull
 from common.runtime import write_atomically
-from training.trainer import METRICS_NAME, read_records
+from training.trainer import CONFIG_NAME, METRICS_NAME, read_records
 
 IGNORED_KEYS = ("out_dir", "resume", "resume_with_changes")  # differ between runs without saying anything about them
 KEYS_WIDTH = 60  # the table's "differing keys" column wraps at this width, the legend at twice it
@@ -242,7 +242,7 @@ def run_value(records: list[dict[str, Any]], metric: str) -> float | None:
 
 
 # --- reading a run as train.py wrote it, or refusing it as damaged ---
-MAX_BYTES = {METRICS_NAME: 1 << 30, "config.yaml": 1 << 20}  # far past a run's files (~200 B a log line), short of RAM
+MAX_BYTES = {METRICS_NAME: 1 << 30, CONFIG_NAME: 1 << 20}  # far past a run's files (~200 B a log line), short of RAM
 TOKEN_KEYS = ("train.batch_size", "train.grad_accum", "model.block_size")  # --x tokens multiplies these
 FILE_KINDS = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device",
               stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}
@@ -276,10 +276,10 @@ def load_run(run: Path, needed: tuple[str, ...] = ()) -> Loaded:
         return {prefix[:-1]: node}
 
     settings = [r["settings"] for r in records if isinstance(r.get("settings"), dict)]
-    config = {**walk(read_config(run / "config.yaml"), ""), **(settings[-1] if settings else {})}
+    config = {**walk(read_config(run / CONFIG_NAME), ""), **(settings[-1] if settings else {})}
     for key in TOKEN_KEYS:
         if key in config and (not isinstance(config[key], int) or isinstance(config[key], bool)):
-            raise Damaged(f"{run / 'config.yaml'}: {key}={config[key]!r}, not a whole number")
+            raise Damaged(f"{run / CONFIG_NAME}: {key}={config[key]!r}, not a whole number")
     return run, config, records, damaged
 
 
@@ -387,13 +387,11 @@ def summaries_of(loaded: list[Loaded]) -> list[dict[str, Any]]:
     keys = [k for k in keys if len({json.dumps(c[k], default=str) for c in configs if k in c}) > 1]
     summaries = []
     for run, config, records, _ in loaded:
-        finite = [r["val_loss"] for r in records if "val_loss" in r and math.isfinite(r["val_loss"])]
-        speeds = [r["tokens_per_sec"] for r in records if "tokens_per_sec" in r]
         summaries.append({
-            "run": run, "records": records, "label": ", ".join(f"{k}={config[k]}" for k in keys if k in config),
-            "best_val": min(finite, default=None), "iters": max((r["iter"] for r in records), default=0),
+            "run": run, "records": records, "label": ", ".join(f"{k}={shown(config[k])}" for k in keys if k in config),
+            "best_val": run_value(records, "best_val_loss"), "iters": max((r["iter"] for r in records), default=0),
             "wall_s": max((r["elapsed_s"] for r in records if "elapsed_s" in r), default=None),
-            "tokens_per_sec": statistics.median_high(speeds) if speeds else None,
+            "tokens_per_sec": run_value(records, "tokens_per_sec"),
             "tokens_per_iter": math.prod(config.get(k, 0) for k in TOKEN_KEYS),
         })
     counts = Counter(s["label"] for s in summaries)
@@ -432,7 +430,7 @@ def replicate_groups(loaded: list[Loaded], args: argparse.Namespace) -> list[Gro
     without config.yaml is in none: what it trained is unknown, so it is no replicate of anything."""
     asked = bool(args.baseline or args.json or args.metric != "val_loss")
     kept = [(run, config, run_value(records, args.metric)) for run, config, records, _ in loaded
-            if (run / "config.yaml").is_file()]
+            if (run / CONFIG_NAME).is_file()]
     runs, configs, values = ([item[i] for item in kept] for i in range(3))
     groups = group_runs(runs, configs, values)
     if not asked and all(g.n == 1 for g in groups):

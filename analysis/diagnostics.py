@@ -3,6 +3,8 @@ the weights each KV-cache decode step used (the mask at work during generation, 
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -59,21 +61,14 @@ def decode_step_weights(model: GPT, ids: list[int], n_prefill: int, last: int | 
     start = T - last  # the first key position kept
     first_step = max(n_prefill, start)
     idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
-    attentions = [block.attn for block in model.transformer.h]
-    steps = np.zeros((T - first_step, len(attentions), model.config.n_head, last), dtype=np.float32)
+    steps = np.zeros((T - first_step, model.config.n_layer, model.config.n_head, last), dtype=np.float32)
     cache = KVCache(model.config)
-    model.hidden(idx[:, :n_prefill], cache)  # the prompt on the model's own path: no T x T weights kept
-    try:
-        for t in range(n_prefill, T):
-            captured: list[torch.Tensor] = []
-            for attn in attentions:
-                attn.captured = captured if t >= first_step else None
+    model.prefill(idx[:, :n_prefill], cache)  # the prompt on the model's own path: no T x T weights kept
+    for t in range(n_prefill, T):
+        with model.capturing() if t >= first_step else contextlib.nullcontext([]) as captured:
             model.hidden(idx[:, t : t + 1], cache)
-            for layer, weights in enumerate(captured):  # (1, n_head, 1, keys the cache returned, ending at t)
-                row = weights[0, :, 0].float().cpu().numpy()
-                lo = t - row.shape[-1] + 1  # the first key's position
-                steps[t - first_step, layer, :, max(lo, start) - start : t + 1 - start] = row[:, max(0, start - lo) :]
-    finally:
-        for attn in attentions:
-            attn.captured = None
+        for layer, weights in enumerate(captured):  # (1, n_head, 1, keys the cache returned, ending at t)
+            row = weights[0, :, 0].float().cpu().numpy()
+            lo = t - row.shape[-1] + 1  # the first key's position
+            steps[t - first_step, layer, :, max(lo, start) - start : t + 1 - start] = row[:, max(0, start - lo) :]
     return steps

@@ -1,12 +1,10 @@
 """`python -m data.prepare`: a text or a corpus tokenized into its dataset folder (train.py does it when needed)."""
 
-from pathlib import Path
-
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from common.config import exit_on_user_error, presets, run_hydra, typed_config
+from common.config import CONFIG_DIR, exit_on_user_error, presets, run_hydra, typed_config
 from data.prepare import PrepareConfig, ensure_prepared
 
 USAGE = """Tokenize a text or a corpus into data/cache/NAME (train.py does it when needed). Settings: key=value.
@@ -18,7 +16,7 @@ USAGE = """Tokenize a text or a corpus into data/cache/NAME (train.py does it wh
 Example: python -m data.prepare data.input=my_text.txt data.name=mine"""
 
 
-@hydra.main(version_base="1.3", config_path=str(Path(__file__).resolve().parents[1] / "configs"), config_name="prepare")
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="prepare")
 def _prepare(cfg: DictConfig) -> None:
     with exit_on_user_error():
         data = ensure_prepared(typed_config(cfg, PrepareConfig).data)

@@ -39,8 +39,7 @@ def write_dataset(text: TextFile, tokenizer: Tokenizer, out_dir: Path, val_fract
     with tqdm(total=text.length, unit="char", unit_scale=True, desc="tokenizing",
               disable=text.length < 4 * _CHUNK_CHARS) as bar:
         try:
-            for name, start, end in (("train", 0, split), ("val", split, text.length)):
-                part = _characters(text.path, start, end)
+            for name, part in zip(("train", "val"), _split(utf8_pieces(text.path), split), strict=True):
                 # characters encode one by one: any cut will do; BPE needs safe cuts
                 cut = part if isinstance(tokenizer, CharTokenizer) else _safely_cut(part, tokenizer.pretokenizer())
                 counts[f"{name}_tokens"] = _write_tokens(out_dir / f"{name}.bin", cut, tokenizer, bar)
@@ -53,15 +52,19 @@ def write_dataset(text: TextFile, tokenizer: Tokenizer, out_dir: Path, val_fract
     return meta
 
 
-def _characters(path: Path, start: int, end: int) -> Iterator[str]:
-    """Characters start to end of the file's text, in the pieces read."""
-    offset = 0
-    for piece in utf8_pieces(path):
-        if offset >= end:
-            return
-        if offset + len(piece) > start:
-            yield piece[max(0, start - offset) : end - offset]
-        offset += len(piece)
+def _split(pieces: Iterator[str], at: int) -> tuple[Iterator[str], Iterator[str]]:
+    """The first `at` characters of the pieces, then the rest, in one read: take the rest once the first is used up."""
+    rest: list[str] = []  # the far side of the piece the split falls in
+
+    def first(left: int) -> Iterator[str]:
+        for piece in pieces:
+            yield piece[:left]
+            if len(piece) >= left:
+                rest.append(piece[left:])
+                return
+            left -= len(piece)
+
+    return first(at), itertools.chain(rest, pieces)  # chain reads `rest` only when it gets to it
 
 
 def _write_tokens(path: Path, pieces: Iterable[str], tokenizer: Tokenizer, bar: tqdm) -> int:

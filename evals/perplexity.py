@@ -5,6 +5,7 @@ back to end at the sequence's end), so most targets see context - stride + 1 to 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -42,11 +43,11 @@ def score_sequences(model: torch.nn.Module, sequences: Sequence[np.ndarray], byt
     pass. byte_lengths: UTF-8 bytes of each token id (0: a special token), on the model's device."""
     device = byte_lengths.device
     sums = torch.zeros(4, dtype=torch.float64, device=device)
-    every = [list(windows(len(tokens), context, stride)) for tokens in sequences]
-    with tqdm(total=sum(map(len, every)), unit="window", desc="scoring", disable=not progress) as bar:
-        for tokens, found in zip(sequences, every, strict=True):
-            for i in range(0, len(found), batch_size):
-                batch = found[i : i + batch_size]
+    total = sum(sum(1 for _ in windows(len(tokens), context, stride)) for tokens in sequences)  # counted, not held
+    with tqdm(total=total, unit="window", desc="scoring", disable=not progress) as bar:
+        for tokens in sequences:
+            found = windows(len(tokens), context, stride)
+            while batch := list(itertools.islice(found, batch_size)):
                 length = batch[0].length  # a sequence's windows have one length
                 rows = np.stack([np.asarray(tokens[w.start : w.start + length + 1], dtype=np.int64) for w in batch])
                 rows = torch.from_numpy(rows).to(device)

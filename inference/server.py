@@ -149,7 +149,7 @@ class Service:
         if sum(map(len, ids)) > limits.max_prompt_tokens:
             raise ApiError(400, f"the prompts have {sum(map(len, ids))} tokens; this server takes at most "
                            f"{limits.max_prompt_tokens} a request (max_prompt_tokens)", "prompt")
-        decoding = Decoding(r.temperature, r.top_k, None if r.top_p == 1 else r.top_p, r.min_p)
+        decoding = Decoding(r.temperature, r.top_k, r.top_p, r.min_p)
         end = self.tokenizer.end_of_text  # a stop too, as in sample.py
         texts = stops + ([end] if end and end not in stops else [])
         choices = [Choice(p * r.n + j, prompt, SampleText(self.tokenizer, "", texts))
@@ -517,7 +517,6 @@ def serve(cfg: ServeConfig) -> None:
     device = f"cpu ({torch.get_num_threads()} threads)" if runtime.device.type == "cpu" else runtime.device
     banner = (f"serving {model_id} on {device} at {url} (OpenAI API at {url}/v1, page at {url}/; {where}, "
               f"{'an' if api_key else 'no'} API key; Ctrl-C stops)")
-    torch.set_grad_enabled(False)
     # a loopback server answers only its own names (an IPv6 address in brackets, as Host carries it): no DNS rebinding
     names = ["localhost", "127.0.0.1", "[::1]", f"[{cfg.host}]" if ":" in cfg.host else cfg.host]
     app = create_app(service, api_key, banner, names if address.is_loopback else None)

@@ -129,7 +129,7 @@ class Rotary(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """attn_impl picks the path, on the same parameters. While `captured` is a list (GPT.attention_weights), every
+    """attn_impl picks the path, on the same parameters. While `captured` is a list (GPT.capturing), every
     call runs the math path and appends its softmax weights (B, n_head, T, n_keys) there."""
 
     def __init__(self, config: GPTConfig, layer_index: int) -> None:

@@ -3,6 +3,7 @@ and ckpt.pt, the one owner of the checkpoint's format, which training writes and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import pickle
@@ -242,15 +243,21 @@ class GPT(nn.Module):
     def attention_weights(self, idx: Tensor) -> Tensor:
         """Every layer's and head's softmax weights (n_layer, B, n_head, T, T), through the math path whatever
         attn_impl is: row i is query i's distribution over the keys it may see."""
+        with self.capturing() as weights:
+            self.hidden(idx)
+        return torch.stack(weights)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[list[Tensor]]:
+        """While inside, every forward runs the math path and each layer appends its softmax weights to the list."""
         weights: list[Tensor] = []
         for block in self.transformer.h:
             block.attn.captured = weights  # each layer appends its own, in order
         try:
-            self.hidden(idx)
+            yield weights
         finally:
             for block in self.transformer.h:
                 block.attn.captured = None
-        return torch.stack(weights)
 
     def prefill(self, idx: Tensor, cache: KVCache) -> Tensor:
         """hidden() of the new tokens through the cache, a rolling model's PREFILL_CHUNK at a time (bounded memory)."""

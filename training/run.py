@@ -44,6 +44,7 @@ from model.hf_gpt2 import load_pretrained
 from training.distributed import World, world_from_env
 from training.resume import check_resume, check_same_shape
 from training.trainer import (
+    CONFIG_NAME,
     METRICS_NAME,
     Evaluator,
     HellaSwagEval,
@@ -55,7 +56,6 @@ from training.trainer import (
 )
 
 log = logging.getLogger("train")
-CONFIG_NAME = "config.yaml"  # the run's resolved config, for reading (plot.py groups runs by it)
 LOG_NAME = "train.log"  # the run's console output, appended to by each resume
 LOCK_NAME = ".lock"  # held by the run writing the directory; the OS releases it however the run ends
 

@@ -398,6 +398,7 @@ def lr_at(step: int, learning_rate: float, min_lr: float, warmup_iters: int, dec
 
 
 METRICS_NAME = "metrics.jsonl"
+CONFIG_NAME = "config.yaml"  # the run's resolved config, for reading (plot.py groups runs by it)
 SPLIT_KEYS = {"train": 0, "val": 1}  # batch_generator's key for each split's own evaluation windows
 
 

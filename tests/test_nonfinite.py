@@ -69,7 +69,7 @@ def test_weights_gone_nan_under_skip_never_replace_the_last_good_checkpoint(
     assert result.iters == 6 and math.isnan(result.val_loss)
     assert any("val loss is nan at iter 6: keeping the previous checkpoint" in m for m in caplog.messages)
     skipped = [m for m in caplog.messages if m.startswith("skipped")]  # one warning at each check after a skip
-    assert skipped == [f"skipped 1 step(s): the loss is not finite at iter {it}" for it in (4, 5)]
+    assert skipped == [f"skipped 1 step(s): the loss or its gradients are not finite at iter {it}" for it in (4, 5)]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()  # strict JSON: NaN written null
     evals = [json.loads(line, parse_constant=pytest.fail) for line in lines if '"val_loss"' in line]
     assert evals[-1]["val_loss"] is None and math.isnan(read_records(tmp_path / "run")[0][-1]["val_loss"])

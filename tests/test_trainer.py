@@ -53,7 +53,7 @@ def test_a_nonfinite_loss_never_touches_the_weights(tmp_path: Path, corpus_path:
     with torch.no_grad():
         trainer.model.lm_head.weight[0, 0] = math.inf
     before = _weights(trainer)
-    stopped = rf"the loss is not finite at iter 0 and 2 later step\(s\); no {CKPT_NAME} was written before"
+    stopped = rf"gradients are not finite at iter 0 and 2 later step\(s\); no {CKPT_NAME} was written before"
     with pytest.raises(TrainingDiverged, match=stopped):
         trainer.fit()  # the check comes at the evaluation at iter 3, before the first log line
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
@@ -94,6 +94,31 @@ def test_skipping_gives_up_after_a_bounded_run_of_skips(
     with pytest.raises(TrainingDiverged, match="at the last 4 steps, up to iter 8: train.on_nonfinite=skip gives up"):
         trainer.fit()
     assert trainer.progress.iter == 9
+
+
+def _state(trainer: Trainer) -> list[torch.Tensor]:
+    """Weights, and every optimizer state tensor (moments, momentum buffers, step counts), copied."""
+    optimizer = trainer.optimizer.state_dict()["state"]
+    return [*_weights(trainer).values(), *(v.clone() for s in optimizer.values() for v in s.values())]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_an_inf_gradient_with_a_finite_loss_skips_the_step_whole(
+    tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture, optimizer: str
+) -> None:
+    """Clipping would turn one inf gradient into NaNs everywhere: the step is skipped instead, on the device, and the
+    weights, moments and step counts come out of it bit for bit as they went in; the next step applies."""
+    keys = {"train.optimizer": optimizer, "train.max_iters": 5, "train.on_nonfinite": "skip", "train.log_interval": 1}
+    trainer = _trainer(tmp_path, corpus_path, **keys)
+    weight = trainer.model.transformer.h[0].mlp.c_fc.weight  # Muon's under muon, AdamW's under adamw
+    weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), math.inf) if trainer.progress.iter == 3 else g)
+    states = {}
+    trainer.before_step = lambda it: states.setdefault(it, _state(trainer))
+    trainer.fit()
+    assert all(torch.equal(a, b) for a, b in zip(states[3], states[4], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(states[2], states[3], strict=True))  # the others applied
+    assert all(t.isfinite().all() for t in _state(trainer))
+    assert "skipped 1 step(s): the loss or its gradients are not finite at iter 3" in caplog.messages
 
 
 class HostReads(TorchDispatchMode):

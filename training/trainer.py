@@ -148,15 +148,17 @@ class Trainer:
         return x.to(self.runtime.device, non_blocking=True), y.to(self.runtime.device, non_blocking=True)
 
     def optimizer_step(self, loss: torch.Tensor) -> None:
-        """Clip, step and zero the gradients, with no wait for the device: a step whose loss is NaN or inf is skipped
-        on the device, by the optimizer's found_inf, and counted in the tally."""
+        """Clip, step and zero the gradients, with no wait for the device: a step whose loss or gradient norm is NaN or
+        inf is skipped on the device, by the optimizer's found_inf, and counted in the tally."""
         train, t = self.config.train, self.tally
-        finite = torch.isfinite(loss)
-        if train.grad_clip > 0:
-            self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip)
-        # Fused AdamW and MuonAdamW read found_inf on the device. Under float16, GradScaler sets its own (from the
-        # gradients, which a NaN loss makes NaN too), and for MuonAdamW reads it on the host: a wait a step.
+        self.scaler.unscale_(self.optimizer)  # float16's loss scale out first; a no-op otherwise
+        # the norm before clipping (max_norm inf: grad_clip=0 leaves the gradients as they are); an inf gradient with a
+        # finite loss makes it inf, and the clipped gradients NaN
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip or math.inf)
+        finite = torch.isfinite(loss) & torch.isfinite(getattr(norm, "full_tensor", lambda: norm)())  # FSDP2: a DTensor
+        # found_inf is the flag GradScaler hands an optimizer: fused AdamW's and MuonAdamW's kernels read it on the
+        # device and leave weights, moments and step counts as they were when it is 1. Under float16, GradScaler sets
+        # its own (from the gradients, which a NaN loss makes NaN too), and reads it on the host for MuonAdamW.
         self.optimizer.found_inf = (~finite).float()
         if self.runtime.device.type != "mps" or finite:  # MPS's fused kernels ignore found_inf: there, a wait
             self.scaler.step(self.optimizer)
@@ -181,14 +183,15 @@ class Trainer:
         """Stop (ckpt.pt keeps the last good state), or warn and go on, giving up after MAX_SKIPS_IN_A_ROW in a row,
         or at an evaluation none of whose steps since the last applied."""
         p, train = self.progress, self.config.train
-        said = f"the loss is not finite at iter {first}" + (f" and {skipped - 1} later step(s)" if skipped > 1 else "")
+        said = f"the loss or its gradients are not finite at iter {first}"
+        said += f" and {skipped - 1} later step(s)" if skipped > 1 else ""
         if skipped and train.on_nonfinite == "stop":
             raise TrainingDiverged(f"{said}; {self.last_checkpoint()}. Lower train.learning_rate (or keep "
                                    "train.grad_clip on), or set train.on_nonfinite=skip to drop such steps")
         if in_a_row >= MAX_SKIPS_IN_A_ROW or (evaluation and 0 < p.iter - p.last_eval_iter <= in_a_row):
-            raise TrainingDiverged(f"the loss is not finite at the last {in_a_row} steps, up to iter {p.iter - 1}: "
-                                   f"train.on_nonfinite=skip gives up; {self.last_checkpoint()}. Lower "
-                                   "train.learning_rate")
+            raise TrainingDiverged(f"the loss or its gradients are not finite at the last {in_a_row} steps, up to "
+                                   f"iter {p.iter - 1}: train.on_nonfinite=skip gives up; {self.last_checkpoint()}. "
+                                   "Lower train.learning_rate")
         if skipped:
             log.warning(f"skipped {skipped} step(s): {said}")
 

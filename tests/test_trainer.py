@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.config import typed_config
 from common.errors import TrainingDiverged
 from common.runtime import make_runtime
 from conftest import compose_config, tiny_run_overrides
-from data.prepare import TRAIN_WINDOWS, get_batch
+from data.prepare import TRAIN_WINDOWS, every_window, get_batch
 from model.gpt import CKPT_NAME, load_checkpoint
 from training.distributed import World
 from training.run import TrainRunConfig, build_trainer, train
@@ -119,6 +120,22 @@ def test_an_inf_gradient_with_a_finite_loss_skips_the_step_whole(
     assert not all(torch.equal(a, b) for a, b in zip(states[2], states[3], strict=True))  # the others applied
     assert all(t.isfinite().all() for t in _state(trainer))
     assert "skipped 1 step(s): the loss or its gradients are not finite at iter 3" in caplog.messages
+
+
+def test_a_full_val_evaluation_runs_one_shape_and_scores_every_window(tmp_path: Path, corpus_path: Path) -> None:
+    """The split's last batch of windows runs padded to the others' size (a compiled model compiles once), and the
+    loss is every window's, the padding's left out."""
+    trainer = _trainer(tmp_path, corpus_path, **{"train.full_val": True})
+    shapes = []
+    trainer.model.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
+    val = trainer.evaluator(trainer.model).val
+    assert set(shapes) == {(8, 32), (128, 32)}  # train's batches, val's 4096-token ones
+    nats = count = 0
+    with torch.no_grad():
+        for x, y in every_window(trainer.data.val, 128, 32):
+            nats += F.cross_entropy(trainer.model(x)[0].flatten(0, 1), y.flatten(), reduction="sum").item()
+            count += y.numel()
+    assert count % (128 * 32) and val == pytest.approx(nats / count, rel=1e-5)
 
 
 class HostReads(TorchDispatchMode):

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from common.errors import DiskFull, TrainingDiverged, first_line
@@ -543,19 +544,22 @@ class Evaluator:
 
     def _sums(self, model: torch.nn.Module, split: str) -> list[float]:
         """Nats and count of all target tokens; nats and UTF-8 bytes of the text ones; over all ranks. full_val's
-        batches hold at least 4096 tokens, to keep small models' matmuls efficient (the result doesn't depend on it)."""
+        batches hold at least 4096 tokens, to keep small models' matmuls efficient (the result doesn't depend on it).
+        A file's last batch runs padded with rows of token 0 to the others' size, their logits dropped: one shape, so
+        a compiled model compiles its evaluation once."""
         files, batch_size = getattr(self.data, split), self.train.batch_size
         if split == "val" and self.train.full_val:
-            batches = every_window(files, max(batch_size, 4096 // self.block_size), self.block_size)
+            batch_size = max(batch_size, 4096 // self.block_size)
+            batches = every_window(files, batch_size, self.block_size)
         else:
             generator = batch_generator(self.seed, EVAL_WINDOWS, SPLIT_KEYS[split])
             batches = (get_batch(files, batch_size, self.block_size, generator) for _ in range(self.train.eval_iters))
         sums = torch.zeros(4, dtype=torch.float64, device=self.runtime.device)
         for x, y, counted in split_across_ranks(batches, self.world):
             with self.runtime.autocast():
-                logits, _ = model(x.to(self.runtime.device))
+                logits, _ = model(F.pad(x, (0, 0, 0, batch_size - len(x))).to(self.runtime.device))
             if counted:
-                sums += token_sums(logits, y.to(self.runtime.device), self.byte_lengths)
+                sums += token_sums(logits[: len(y)], y.to(self.runtime.device), self.byte_lengths)
         return self.world.all_reduce_sum(sums).tolist()
 
 

@@ -67,7 +67,9 @@ def flex_windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w
     from torch.nn.attention.flex_attention import flex_attention
 
     if torch.compiler.is_compiling():  # traced into the model's graph, as modded-nanogpt builds its masks
-        return flex_attention(q, k, v, block_mask=_band_block_mask(q.size(-2), window, q.device))
+        # v contiguous: inductor's CPU kernel misreads v as a view of the fused QKV beside new q and k (rotary's), up to
+        # 5 off (docs/gpu.md has the reproduction); one copy of v a layer
+        return flex_attention(q, k, v.contiguous(), block_mask=_band_block_mask(q.size(-2), window, q.device))
     kernel = _compiled_flex_attention() if q.is_cuda else flex_attention
     return kernel(q, k, v, block_mask=_cached_band_block_mask(q.size(-2), window, q.device))
 

@@ -213,8 +213,8 @@ def test_closing_frees_an_fsdp_process_group_at_once_not_at_interpreter_exit(tmp
 # One micro-batch a process, so DDP syncs every backward (no no_sync variant to trace), and test_compile.py's GPT-2
 # block with a windowed layer at its batch: the graphs it compiled are inductor's cache hits here.
 COMPILED_RUN = {"model.bias": True, "model.block_size": 64, "model.attn_window": 16, "model.window_pattern": "SL",
-                "train.batch_size": 4, "train.grad_accum": 2, "train.max_iters": 6, "train.eval_interval": 6,
-                "train.eval_iters": 2, "train.full_val": False}
+                "model.pos_emb": "rope", "train.batch_size": 4, "train.grad_accum": 2, "train.max_iters": 6,
+                "train.eval_interval": 6, "train.eval_iters": 2, "train.full_val": False}
 
 
 def test_compiled_ddp_on_two_processes_matches_one_eager_process(tmp_path: Path, corpus_path: Path) -> None:

@@ -60,6 +60,23 @@ def test_flex_attentions_block_mask_is_the_same_band_eager_or_traced(compiled: b
     torch.testing.assert_close(flex, reference, atol=1e-5, rtol=1e-5)
 
 
+def test_flex_attention_compiled_by_inductor_on_cpu_takes_rotary_queries_beside_a_fused_qkvs_values() -> None:
+    """Inductor's CPU kernel misread v, a view of the fused QKV, beside q and k made new by rotary (5 off eager's;
+    docs/gpu.md): the traced path hands it v contiguous."""
+    torch.manual_seed(0)
+    qkv, rotary = torch.randn(2, 130, 3, 2, 16), Rotary(16, 130)
+
+    def attend(qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # as CausalSelfAttention splits c_attn's output
+        return flex_windowed_attention(rotary(q, 0), rotary(k, 0), v, 37)
+
+    with torch.no_grad():
+        compiled = torch.compile(attend, fullgraph=True)(qkv)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    reference, _ = masked_attention(rotary(q, 0), rotary(k, 0), v, causal_mask(130, 130, window=37))
+    torch.testing.assert_close(compiled, reference, atol=1e-5, rtol=1e-5)
+
+
 def test_a_block_mask_made_while_sampling_can_serve_training() -> None:
     cached = model.attention._cached_band_block_mask
     cached.cache_clear()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -139,18 +140,28 @@ def nanogpt_step(model: PlainGPT, runtime: Runtime, tokens: TokenFiles, t: Optim
     return step
 
 
+class Measured(Exception):
+    """Raised before the step after the measured ones: no evaluation, and no checkpoint, that nothing here reads."""
+
+
 def bench_train(args: argparse.Namespace) -> list[dict]:
     register_schemas()
     n = args.train_iters
-    overrides = [f"experiment={args.experiment}", f"device={args.device}", *args.override, f"train.max_iters={2 * n}",
-                 f"train.log_interval={n}", f"train.eval_interval={10 * n}", "train.eval_iters=1",
-                 "train.target_val_loss=null"]
+    overrides = [f"experiment={args.experiment}", f"device={args.device}", *args.override,
+                 f"train.max_iters={2 * n + 1}", f"train.log_interval={n}", f"train.eval_interval={10 * n}",
+                 f"train.eval_from={10 * n}", "train.target_val_loss=null"]  # no evaluation: one compiled graph
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         config = typed_config(compose(config_name="config", overrides=overrides), TrainRunConfig)
+
+    def stop_when_measured(it: int) -> None:
+        if it == 2 * n:
+            raise Measured
+
     with tempfile.TemporaryDirectory(prefix="bench-", ignore_cleanup_errors=True) as out_dir:  # a throwaway run
         config.out_dir = out_dir
-        train(config)  # the first n iterations warm up (and compile), the second n are measured
-        ours = read_records(Path(out_dir))[0][-2]
+        with contextlib.suppress(Measured):
+            train(config, before_step=stop_when_measured)  # n iterations warm up (and compile), n are measured
+        ours = read_records(Path(out_dir))[0][-1]
 
     runtime = make_runtime(config.device, config.train.dtype)  # the run's precision, for the reference too
     data = ensure_prepared(config.data)
@@ -211,15 +222,16 @@ def attention_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str,
 
 
 def peak_bytes(fn: Callable[[], object], device: str) -> tuple[int, int]:
-    """The peak bytes fn adds, allocated and reserved: the CUDA allocator's peaks, or on a CPU the peak of live tensor
-    bytes from the allocations and frees the profiler records (RSS would count the allocator's slack too)."""
+    """The peak bytes fn adds to those allocated, and the allocator's whole reserved peak (CUDA's; 0 elsewhere): the
+    CUDA allocator's peaks, or on a CPU the peak of live tensor bytes from the allocations and frees the profiler
+    records (RSS would count the allocator's slack too)."""
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        allocated = torch.cuda.memory_allocated()
         fn()
-        return torch.cuda.max_memory_allocated() - allocated, torch.cuda.max_memory_reserved() - reserved
+        return torch.cuda.max_memory_allocated() - allocated, torch.cuda.max_memory_reserved()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = prof.profiler.kineto_results.events()
@@ -290,7 +302,7 @@ MEMORY_PROBES = {
             (6, 192, 256, 16, 0, 65, 0, 0), (6, 192, 256, 16, 0, 65, 1, 0), (6, 192, 256, 16, 1, 65, 1, 0),
             (4, 128, 256, 8, 0, 65, 0, 1)],
     "cuda": [(12, 768, 1024, 16, 0, 50257, 1, 0), (12, 768, 1024, 16, 1, 50257, 1, 0),
-             (12, 768, 1024, 16, 0, 50257, 1, 1)],
+             (12, 768, 1024, 12, 0, 50257, 1, 1)],  # compiled: gpu_check.py's GPT-2 run's graph, in inductor's cache
 }
 
 
@@ -328,7 +340,8 @@ def largest_batch(config: GPTConfig, gpu_bytes: float, bf16: bool, checkpointing
 def bench_memory(args: argparse.Namespace) -> list[dict]:
     rows = []
     for name, (n_layer, n_head, n_embd) in GPT2_SHAPES.items():
-        model = GPTConfig(vocab_size=50257, block_size=1024, n_layer=n_layer, n_head=n_head, n_embd=n_embd, bias=False)
+        model = GPTConfig(vocab_size=50257, vocab_multiple=64, block_size=1024, n_layer=n_layer, n_head=n_head,
+                          n_embd=n_embd, bias=False)  # as the gpt2 presets train it
         for gib in GPU_GIB:
             row = {"section": "memory: what fits (bf16, block 1024)", "model": name, "gpu_gib": gib}
             for label, ck in (("plain", False), ("checkpointed", True)):
@@ -340,38 +353,47 @@ def bench_memory(args: argparse.Namespace) -> list[dict]:
     return rows + [probe_row(probe, args.device) for probe in probes]
 
 
-def adamw_steps(model: GPT, forward: nn.Module, batch_size: int, bf16: bool, steps: int) -> None:
-    """AdamW steps of `forward` (the model, or its compiled self) on random tokens, cut as get_batch cuts them."""
+def adamw_step(model: GPT, forward: nn.Module, batch_size: int, bf16: bool
+               ) -> tuple[torch.optim.Optimizer, Callable[[], None]]:
+    """An AdamW optimizer and a step of `forward` (the model, or its compiled self) on random tokens, contiguous as the
+    trainer hands them to a GPU (their strides are part of a compiled graph)."""
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
-    for _ in range(steps):
+
+    def step() -> None:
         block = torch.randint(model.config.vocab_size, (batch_size, model.config.block_size + 1), device=device)
         with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
-            _, loss = forward(block[:, :-1], block[:, 1:])
+            _, loss = forward(block[:, :-1].contiguous(), block[:, 1:].contiguous())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    return optimizer, step
+
 
 def probe_row(probe: tuple[int, ...], device: str, backend: str = "inductor") -> dict:
-    """A probe's prediction against the peak bytes two AdamW steps add, from building the model on."""
+    """A probe's prediction against the peak bytes of an AdamW step, its weights and AdamW's state included: measured
+    on the second step (the first makes AdamW's state, and compiles, whose own allocations are left out). On CUDA also
+    the allocator's reserved peak over the allocated one."""
     n_layer, n_embd, block_size, batch_size, checkpointing, vocab, bf16, compiled = probe
-    config = GPTConfig(vocab_size=vocab, block_size=block_size, n_layer=n_layer, n_head=n_embd // 64, n_embd=n_embd,
-                       bias=False)
-
-    def two_steps() -> None:  # the second step holds AdamW's state too
-        torch.manual_seed(0)
-        model = GPT(config).to(device).train()
-        model.activation_checkpointing = bool(checkpointing)
-        adamw_steps(model, torch.compile(model, backend=backend) if compiled else model, batch_size, bool(bf16), 2)
-
-    allocated, reserved = peak_bytes(two_steps, device)
-    predicted = training_memory(config, batch_size, bool(bf16), bool(checkpointing))
+    config = GPTConfig(vocab_size=vocab, vocab_multiple=64, block_size=block_size, n_layer=n_layer,
+                       n_head=n_embd // 64, n_embd=n_embd, bias=False)  # as train.py builds it
+    gc.collect()
+    torch.manual_seed(0)
+    model = GPT(config).to(device).train()
+    model.activation_checkpointing = bool(checkpointing)
+    forward = torch.compile(model, backend=backend) if compiled else model
+    optimizer, step = adamw_step(model, forward, batch_size, bool(bf16))
+    step()
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    live = sum(t.numel() * t.element_size() for t in (*model.parameters(), *state))
+    added, reserved = peak_bytes(step, device)
+    measured, predicted = live + added, training_memory(config, batch_size, bool(bf16), bool(checkpointing))
     return {"section": f"memory: predicted against measured ({torch.device(device).type})",
             "shape": f"{n_layer}x{n_embd}, vocab {vocab}, block {block_size}, batch {batch_size}",
             "dtype": "bfloat16" if bf16 else "float32", "checkpointing": bool(checkpointing),
-            "compiled": bool(compiled), "measured_mib": allocated / 2**20, "predicted_mib": predicted / 2**20,
-            "predicted_over_measured": predicted / allocated, "reserved_over_allocated": reserved / allocated or "-"}
+            "compiled": bool(compiled), "measured_mib": measured / 2**20, "predicted_mib": predicted / 2**20,
+            "predicted_over_measured": predicted / measured, "reserved_over_allocated": reserved / measured or "-"}
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {

@@ -50,31 +50,54 @@ def test_the_measured_matmul_peak_leaves_the_global_random_state_alone() -> None
     assert torch.equal(torch.get_rng_state(), state)
 
 
+GPU_CHECK_STEPS = ["preflight", "gpt2", "speedrun_gpu", "shakespeare", "cuda steps", "memory", "sample", "flash = math",
+                   "compile"]
+
+
 def test_gpu_check_dry_run_passes_on_cpu(tmp_path: Path, corpus_path: Path) -> None:
-    out = tmp_path / "gpu_check.json"
+    """Every step in order, each within its limit; per-seed results after a warm-up job, the ratio from the medians,
+    the skip checks, the memory verdicts, and the runs' files and maps kept in --out."""
+    out = tmp_path / "check"
     result = run_in_process("scripts/gpu_check.py", ["--dry-run", "--text", str(corpus_path), "--out", str(out)],
                             tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    checks = json.loads(out.read_text())
-    assert [c["check"] for c in checks] == [
-        "flash = math (float32)", "flash = math (bfloat16)", "flash = math (float32, window 5)",
-        "flash = math (bfloat16, window 5)", "compile: one graph, no recompiles", "memory: peak against the prediction",
-        "GPT-2 124M throughput (tiny stand-in)", "shakespeare to val <= 4.0 (whole val split, 1 seed)",
-        "speedrun_gpu to val <= 4.0 (whole val split, 3 seeds)", "time to target: speedrun_gpu / recipe <= 0.35",
-        "sample.py: attention maps and check_causal",
-    ]
-    assert all(c["ok"] and 0 < c["took_s"] and c["budget_s"] > 0 for c in checks)
-    compiled, memory_check, gpt2, recipe, speedrun, ratio = checks[4:10]
-    assert compiled["graphs"] == 1
-    # tensor bytes on CPU: a vocabulary of 2048, where the logits dominate, then checkpointing in bf16 autocast
-    assert all(0.9 <= memory_check[f"{kind} predicted_over_measured"] <= 1.1 for kind in ("plain", "checkpointed"))
-    assert memory_check["compiled predicted_over_measured"] > 0  # compiled by aot_eager: captured, not judged
-    ours, reference = gpt2["tokens_per_sec"], gpt2["nanoGPT, compiled tokens_per_sec"]
-    assert ours > 0 and gpt2["vs_compiled_nanogpt"] == pytest.approx(ours / reference)
-    assert len(recipe["time_to_target_s"]) == 1 and len(speedrun["time_to_target_s"]) == 3
-    times = sorted(speedrun["time_to_target_s"])
-    assert ratio["ratio"] == pytest.approx(times[1] / recipe["time_to_target_s"][0])
-    assert result.stdout.splitlines()[-1].startswith("total ") and result.stdout.splitlines()[-1].endswith("of 480 s")
+    report = json.loads((out / "gpu_check.json").read_text())
+    steps = {step["step"]: step for step in report["steps"]}
+    assert list(steps) == GPU_CHECK_STEPS
+    assert all(s["ok"] and 0 < s["took_s"] <= s["limit_s"] for s in steps.values()), result.stdout
+    assert report["versions"]["torch"] == torch.__version__
+    gpt2 = steps["gpt2"]
+    reference = gpt2["nanoGPT, compiled tokens_per_sec"]
+    assert gpt2["vs_compiled_nanogpt"] == pytest.approx(gpt2["tokens_per_sec"] / reference)
+    speedrun, recipe = steps["speedrun_gpu"], steps["shakespeare"]
+    assert list(speedrun["per_seed"]) == ["1337", "1", "2"] and list(recipe["per_seed"]) == ["1337"]
+    for run in [*speedrun["per_seed"].values(), *recipe["per_seed"].values()]:
+        assert run["best_val"] <= 4.0 and run["best_val_iter"] == run["iters"] and run["ms_per_iter"] > 0
+        assert run["time_to_target_s"] > 0 and run["graphs_compiled"] == 0  # nothing compiles after the warm-up
+    times = sorted(run["time_to_target_s"] for run in speedrun["per_seed"].values())
+    assert speedrun["median_time_to_target_s"] == times[1] and speedrun["warm_up_s"] > 0
+    ratio = recipe["speedrun_gpu / recipe (target <= 0.35)"]
+    assert ratio == pytest.approx(times[1] / recipe["median_time_to_target_s"])
+    assert all(steps["cuda steps"][f"{o} skips"] == "both, the steps around them applied" for o in ("adamw", "muon"))
+    assert all(0.9 <= steps["memory"][f"{kind} predicted_over_measured"] <= 1.1 for kind in ("plain", "checkpointed"))
+    assert steps["compile"]["windowed graphs"] == 1 and steps["compile"]["windowed logits vs eager"] <= 1e-3
+    runs = [out / "runs" / "speedrun_gpu" / f"seed{seed}" for seed in (1337, 1, 2)]
+    assert all((run / "metrics.jsonl").is_file() and (run / "config.yaml").is_file() for run in runs)
+    assert (out / "maps" / "index.html").is_file() and (out / "logs" / "speedrun_gpu.log").is_file()
+
+
+def test_gpu_check_stops_at_its_deadline_and_marks_the_steps_it_did_not_reach(tmp_path: Path, corpus_path: Path
+                                                                             ) -> None:
+    out = tmp_path / "check"
+    args = ["--dry-run", "--text", str(corpus_path), "--out", str(out), "--deadline", "5"]
+    assert run_in_process("scripts/gpu_check.py", args, tmp_path).returncode == 1
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert [step["step"] for step in report["steps"]] == GPU_CHECK_STEPS and report["steps"][0]["ok"]
+    stopped = [step for step in report["steps"] if "error" in step]
+    assert len(stopped) == 1 and stopped[0]["error"].startswith("stopped at its limit")
+    after = report["steps"][report["steps"].index(stopped[0]) + 1 :]
+    assert after and all(step["skipped"] == "the 5 s deadline had passed" for step in after)
+    assert report["total_s"] < 15  # the step under way is stopped at the deadline, its processes killed
 
 
 @pytest.mark.parametrize(

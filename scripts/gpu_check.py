@@ -205,8 +205,9 @@ def preset_runs(args: argparse.Namespace, experiment: str, seeds: tuple[int, ...
     """A preset's warm-up job and seeds (train_runs, as a child process); results keyed by seed, the runs' files kept
     in OUT/runs. Time to target: the median over seeds, a miss counting as none reached (infinite)."""
     log = args.out / "logs" / f"{experiment}.log"
-    command = [sys.executable, __file__, "--runs", experiment, "--seeds", ",".join(map(str, seeds)), "--work",
-               str(args.work), "--text", str(args.text), *(["--dry-run"] if args.dry_run else [])]
+    command = [sys.executable, str(Path(__file__).resolve()), "--runs", experiment, "--seeds",
+               ",".join(map(str, seeds)), "--work", str(args.work), "--text", str(args.text)]
+    command += ["--dry-run"] if args.dry_run else []
     status = run_command(command, log)
     root = args.work / experiment
     jobs = json.loads((root / "jobs.json").read_text()) if (root / "jobs.json").is_file() else {}

@@ -97,6 +97,22 @@ def test_skipping_gives_up_after_a_bounded_run_of_skips(
     assert trainer.progress.iter == 9
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_the_optimizer_sees_gradients_clipped_to_train_grad_clip(tmp_path: Path, corpus_path: Path,
+                                                                  optimizer: str) -> None:
+    """Every step's gradients reach the optimizer with a norm at most train.grad_clip; with 0, as backward left them."""
+    norms = {}
+    for clip in (0.05, 0.0):
+        keys = {"train.optimizer": optimizer, "train.max_iters": 3, "train.grad_clip": clip}
+        trainer = _trainer(tmp_path / str(clip), corpus_path, **keys)
+        seen = norms[clip] = []
+        trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs, seen=seen: seen.append(
+            torch.linalg.vector_norm(torch.stack([p.grad.norm() for g in opt.param_groups for p in g["params"]]))))
+        trainer.fit()
+    assert len(norms[0.05]) == 3 and all(n <= 0.05 * (1 + 1e-4) for n in norms[0.05])
+    assert all(n > 0.05 for n in norms[0.0])  # the tiny model's gradients are larger: the bound above is the clip's
+
+
 def _state(trainer: Trainer) -> list[torch.Tensor]:
     """Weights, and every optimizer state tensor (moments, momentum buffers, step counts), copied."""
     optimizer = trainer.optimizer.state_dict()["state"]

@@ -35,6 +35,9 @@ if TYPE_CHECKING:  # run.py, which builds the trainer, holds the config's schema
 
 log = logging.getLogger("train")
 MAX_SKIPS_IN_A_ROW = 100  # train.on_nonfinite=skip gives up after so many steps skipped in a row
+# The tally's slots: the applied steps' loss and their number since the last log line; the steps skipped since the
+# last check and the first one's iteration; the steps skipped in a row until now.
+LOSS_SUM, APPLIED, SKIPPED, FIRST_SKIPPED, IN_A_ROW = range(5)
 
 
 @dataclass
@@ -75,7 +78,7 @@ class StopRequests:
 @dataclass(eq=False, repr=False)
 class Trainer:
     """A run's parts. What changes is what save() writes (progress, the model, optimizer, GradScaler and RNG states)
-    and the log line's tally and clock."""
+    and the log line's tally and timing."""
 
     config: TrainRunConfig
     world: World
@@ -96,29 +99,31 @@ class Trainer:
     before_step: Callable[[int], None] = lambda it: None  # a test seam: called with the iteration before each step
     hellaswag: HellaSwagEval | None = None  # train.hellaswag_every > 0
     checkpointed_iter: int | None = None  # the iteration ckpt.pt holds (None: none written yet), for messages
-    # Sums on the device, so that no step waits for them: the applied steps' loss and their number since the last
-    # log line; the steps skipped since the last check, the first one's iteration; the skips in a row until now.
-    tally: torch.Tensor | None = None
-    clock: tuple[float, int] | None = None  # perf_counter() and iter where the log line's timing began
+    tally: torch.Tensor | None = None  # sums on the device, so that no step waits for them (LOSS_SUM's slots)
+    timed_from: tuple[float, int] | None = None  # perf_counter() and iter where the log line's timing began
 
     def fit(self) -> TrainResult:
         """nanoGPT's loop, in which a step never waits for the device (under torchrun, only for the ranks' agreement
         to stop): NaN and inf losses are skipped there and reported at log lines and evaluations. A signal stops the
         run after the current step, with a checkpoint."""
-        p, train = self.progress, self.config.train
-        self.tally = torch.tensor([p.log_loss_sum, p.log_steps, 0, 0, 0], device=self.runtime.device)
+        progress, train = self.progress, self.config.train
+        self.tally = torch.tensor([progress.log_loss_sum, progress.log_steps, 0, 0, 0], device=self.runtime.device)
         accum = train.grad_accum // self.world.size  # this process's share of the step's micro-batches
-        paced_from = stopped_by = None  # paced_from: the ETA's pace, from the end of this process's first step
+        eta_from = stopped_by = None  # the ETA's pace is measured from the end of this process's first step
         self.model.train()
         with StopRequests(second_quits=not self.world.distributed) as stop:
             while True:
-                lr = set_hyperparameters(self.optimizer, train, p.iter)
-                if self.eval_due() and self.evaluate_and_save() or p.iter >= train.max_iters:
-                    break  # the target is reached, or the last step taken
-                self.before_step(p.iter)
+                lr = set_hyperparameters(self.optimizer, train, progress.iter)
+                if self.eval_due():
+                    reached_target = self.evaluate_and_save()
+                    if reached_target:
+                        break
+                if progress.iter >= train.max_iters:
+                    break
+                self.before_step(progress.iter)
                 loss = torch.zeros((), device=self.runtime.device)
                 for micro in range(accum):
-                    x, y = self.train_batch(p.iter, self.world.rank * accum + micro)
+                    x, y = self.train_batch(progress.iter, self.world.rank * accum + micro)
                     with gradient_sync(self.step_model, micro == accum - 1):  # reduce on the last one only
                         with self.runtime.autocast():
                             _, micro_loss = self.step_model(x, y)
@@ -128,12 +133,12 @@ class Trainer:
                 # a signal usually arrives during forward and backward: this step is then every rank's last
                 loss, stopping = self.world.agree_on_step(loss, stop.signal is not None)
                 self.optimizer_step(loss)
-                p.iter += 1
-                if paced_from is None:  # the first step (compilation, warm-up) is left out of the timing
+                progress.iter += 1
+                if eta_from is None:  # the first step (compilation, warm-up) is left out of the timing
                     synchronize(self.runtime.device)
-                    paced_from = self.clock = (time.perf_counter(), p.iter)
-                if p.iter % train.log_interval == 0:
-                    self.log_line(lr, paced_from)
+                    eta_from = self.timed_from = (time.perf_counter(), progress.iter)
+                if progress.iter % train.log_interval == 0:
+                    self.log_line(lr, eta_from)
                 if stopping:
                     stopped_by = self.stop(stop.signal)
                     break
@@ -151,7 +156,7 @@ class Trainer:
     def optimizer_step(self, loss: torch.Tensor) -> None:
         """Clip, step and zero the gradients, with no wait for the device: a step whose loss or gradient norm is NaN or
         inf is skipped on the device, by the optimizer's found_inf, and counted in the tally."""
-        train, t = self.config.train, self.tally
+        train, tally = self.config.train, self.tally
         self.scaler.unscale_(self.optimizer)  # float16's loss scale out first; a no-op otherwise
         # the norm before clipping (max_norm inf: grad_clip=0 leaves the gradients as they are); an inf gradient with a
         # finite loss makes it inf, and the clipped gradients NaN
@@ -165,17 +170,17 @@ class Trainer:
             self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        t[0] += torch.where(finite, loss, 0.0)
-        t[1] += finite
-        t[2] += ~finite
-        t[3] = torch.where(~finite & (t[2] == 1), self.progress.iter, t[3])
-        t[4] = (t[4] + 1) * ~finite
+        tally[LOSS_SUM] += torch.where(finite, loss, 0.0)
+        tally[APPLIED] += finite
+        tally[SKIPPED] += ~finite
+        tally[FIRST_SKIPPED] = torch.where(~finite & (tally[SKIPPED] == 1), self.progress.iter, tally[FIRST_SKIPPED])
+        tally[IN_A_ROW] = (tally[IN_A_ROW] + 1) * ~finite
 
     def check_skips(self, evaluation: bool = False, tally: list[float] | None = None) -> int:
         """train.on_nonfinite for the steps skipped since the last check; returns the skips in a row up to now.
         tally: the tally as just read (a log line's), else it is read here."""
-        skipped, first, in_a_row = (int(v) for v in (tally or self.tally.tolist())[2:])
-        self.tally[2] = 0  # and the next skip overwrites the first one's iteration
+        skipped, first, in_a_row = (int(v) for v in (tally or self.tally.tolist())[SKIPPED:])
+        self.tally[SKIPPED] = 0  # and the next skip overwrites the first one's iteration
         if skipped or in_a_row:
             self.report_skips(skipped, first, in_a_row, evaluation)
         return in_a_row
@@ -183,16 +188,17 @@ class Trainer:
     def report_skips(self, skipped: int, first: int, in_a_row: int, evaluation: bool) -> None:
         """Stop (ckpt.pt keeps the last good state), or warn and go on, giving up after MAX_SKIPS_IN_A_ROW in a row,
         or at an evaluation none of whose steps since the last applied."""
-        p, train = self.progress, self.config.train
+        progress, train = self.progress, self.config.train
         said = f"the loss or its gradients are not finite at iter {first}"
         said += f" and {skipped - 1} later step(s)" if skipped > 1 else ""
         if skipped and train.on_nonfinite == "stop":
             raise TrainingDiverged(f"{said}; {self.last_checkpoint()}. Lower train.learning_rate (or keep "
                                    "train.grad_clip on), or set train.on_nonfinite=skip to drop such steps")
-        if in_a_row >= MAX_SKIPS_IN_A_ROW or (evaluation and 0 < p.iter - p.last_eval_iter <= in_a_row):
+        none_applied = evaluation and 0 < progress.iter - progress.last_eval_iter <= in_a_row  # since the last eval
+        if in_a_row >= MAX_SKIPS_IN_A_ROW or none_applied:
             raise TrainingDiverged(f"the loss or its gradients are not finite at the last {in_a_row} steps, up to "
-                                   f"iter {p.iter - 1}: train.on_nonfinite=skip gives up; {self.last_checkpoint()}. "
-                                   "Lower train.learning_rate")
+                                   f"iter {progress.iter - 1}: train.on_nonfinite=skip gives up; "
+                                   f"{self.last_checkpoint()}. Lower train.learning_rate")
         if skipped:
             log.warning(f"skipped {skipped} step(s): {said}")
 
@@ -204,60 +210,61 @@ class Trainer:
 
     def evaluate_and_save(self) -> bool:
         """An eval line, and a checkpoint unless the val loss is non-finite; True if it reached the target."""
-        p, train = self.progress, self.config.train
+        progress, train = self.progress, self.config.train
         self.check_skips(evaluation=True)
         losses = self.evaluator(self.step_model)
         # against best.pt's own val loss, not best_val_loss: that may come from before keep_best was turned on
-        best = train.keep_best and losses.val < p.kept_best_val_loss
-        p.kept_best_val_loss = losses.val if best else p.kept_best_val_loss
-        p.val_loss, p.last_eval_iter, p.best_val_loss = losses.val, p.iter, min(p.best_val_loss, losses.val)
-        record = {"iter": p.iter, "train_loss": losses.train, "val_loss": losses.val, "val_bpb": losses.val_bpb,
+        best = train.keep_best and losses.val < progress.kept_best_val_loss
+        progress.kept_best_val_loss = losses.val if best else progress.kept_best_val_loss
+        progress.val_loss, progress.last_eval_iter = losses.val, progress.iter
+        progress.best_val_loss = min(progress.best_val_loss, losses.val)
+        record = {"iter": progress.iter, "train_loss": losses.train, "val_loss": losses.val, "val_bpb": losses.val_bpb,
                   "elapsed_s": self.elapsed()}  # before HellaSwag: time_to_target_s is the training's
-        if self.hellaswag is not None and p.iter % self.hellaswag.every == 0:
+        if self.hellaswag is not None and progress.iter % self.hellaswag.every == 0:
             record |= self.hellaswag(self.model)  # not compiled: each example has its own length
         reached = self.reaches_target(losses.val)
         self.metrics.write(record | ({"time_to_target_s": record["elapsed_s"]} if reached else {}))
         if reached:
-            log.info(f"reached val loss {losses.val:.4f} <= {train.target_val_loss} at iter {p.iter}")
-        latest = p.iter > 0 or p.iter >= train.max_iters  # at iter 0 only best.pt (or max_iters=0's end)
+            log.info(f"reached val loss {losses.val:.4f} <= {train.target_val_loss} at iter {progress.iter}")
+        latest = progress.iter > 0 or progress.iter >= train.max_iters  # at iter 0 only best.pt (or max_iters=0's end)
         if not math.isfinite(losses.val):
-            log.warning(f"val loss is {losses.val} at iter {p.iter}: keeping the previous checkpoint")
+            log.warning(f"val loss is {losses.val} at iter {progress.iter}: keeping the previous checkpoint")
         elif latest or best:
             self.save(latest, best)
-        self.clock = (time.perf_counter(), p.iter)  # the evaluation and the save are left out of the log line's timing
+        self.timed_from = (time.perf_counter(), progress.iter)  # the evaluation and the save are left out of the timing
         return reached
 
     def eval_due(self) -> bool:
-        p, train = self.progress, self.config.train
-        scheduled = p.iter % train.eval_interval == 0 and p.iter >= train.eval_from
-        return (scheduled or p.iter == train.max_iters) and p.last_eval_iter != p.iter
+        progress, train = self.progress, self.config.train
+        scheduled = progress.iter % train.eval_interval == 0 and progress.iter >= train.eval_from
+        return (scheduled or progress.iter == train.max_iters) and progress.last_eval_iter != progress.iter
 
     def reaches_target(self, val_loss: float) -> bool:
         target = self.config.train.target_val_loss
         return target is not None and val_loss <= target
 
-    def log_line(self, lr: float, paced_from: tuple[float, int]) -> None:
+    def log_line(self, lr: float, eta_from: tuple[float, int]) -> None:
         """The mean loss of the steps applied since the last line; tokens/s and MFU over the steps since the line or
-        evaluation before (the first step left out); the time left at the pace since paced_from, evaluations and
+        evaluation before (the first step left out); the time left at the pace since eta_from, evaluations and
         checkpoints included. Reading the tally here is the loop's one wait for the device."""
-        p, train = self.progress, self.config.train
+        progress, train = self.progress, self.config.train
         tally = self.tally.tolist()
         self.check_skips(tally=tally)
-        loss_sum, applied = tally[:2]
-        self.tally[:2] = 0
-        now, (began, first) = time.perf_counter(), self.clock
-        self.clock = (now, p.iter)
+        loss_sum, applied = tally[LOSS_SUM], tally[APPLIED]
+        self.tally[[LOSS_SUM, APPLIED]] = 0
+        now, (began, first) = time.perf_counter(), self.timed_from
+        self.timed_from = (now, progress.iter)
         if not applied:
             return
-        record = {"iter": p.iter, "train_loss": loss_sum / applied, "lr": lr, "elapsed_s": self.elapsed()}
-        steps, seconds = p.iter - first, now - began
+        record = {"iter": progress.iter, "train_loss": loss_sum / applied, "lr": lr, "elapsed_s": self.elapsed()}
+        steps, seconds = progress.iter - first, now - began
         if steps:
             tokens_per_sec = train.batch_size * train.grad_accum * self.model.config.block_size * steps / seconds
             record |= {"ms_per_iter": 1000 * seconds / steps, "tokens_per_sec": tokens_per_sec}
             if self.peak_flops is not None:
                 record["mfu"] = self.flops_per_token * tokens_per_sec / self.peak_flops
-            left = max(0, train.max_iters - p.iter)
-            record["eta_s"] = round((now - paced_from[0]) / max(1, p.iter - paced_from[1]) * left, 1)
+            left = max(0, train.max_iters - progress.iter)
+            record["eta_s"] = round((now - eta_from[0]) / max(1, progress.iter - eta_from[1]) * left, 1)
         self.metrics.write(record)
 
     def elapsed(self) -> float:
@@ -271,7 +278,7 @@ class Trainer:
         rng = self.world.all_gather({"torch": torch.get_rng_state(), "cuda": cuda})  # each rank's dropout stream
         if not self.world.is_main:
             return
-        loss_sum, applied = self.tally[:2].tolist()  # the log line under way: a resumed run logs the same mean
+        loss_sum, applied = self.tally[[LOSS_SUM, APPLIED]].tolist()  # the log line under way: resumed, the same mean
         progress = dataclasses.replace(self.progress, elapsed_s=self.elapsed(), log_loss_sum=loss_sum,
                                        log_steps=int(applied))
         checkpoint = Checkpoint(self.model.config, model_state, self.data.meta["tokenizer"],
@@ -324,15 +331,15 @@ class Trainer:
         return name
 
     def finish(self, stopped_by: str | None) -> TrainResult:
-        p = self.progress
+        progress = self.progress
         if self.metrics.wandb_run is not None and stopped_by is None:  # a preempted run has no time to spare
             self.log_samples()
         self.metrics.close()
         if stopped_by is None:
-            log.info(f"done: {p.iter} iters, val loss {p.val_loss:.4f} (best {p.best_val_loss:.4f}), "
-                     f"{self.elapsed():.1f} s; {self.last_checkpoint()}")
-        return TrainResult(self.out_dir, p.iter, p.val_loss, p.best_val_loss, self.elapsed(), stopped_by,
-                           self.runtime.dtype_name)
+            log.info(f"done: {progress.iter} iters, val loss {progress.val_loss:.4f} (best "
+                     f"{progress.best_val_loss:.4f}), {self.elapsed():.1f} s; {self.last_checkpoint()}")
+        return TrainResult(self.out_dir, progress.iter, progress.val_loss, progress.best_val_loss, self.elapsed(),
+                           stopped_by, self.runtime.dtype_name)
 
     def log_samples(self) -> None:
         """A few samples to wandb, to see what the numbers mean (generate() can't run on one rank's shards)."""

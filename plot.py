@@ -6,8 +6,10 @@ difference is bigger than seed noise.
     python plot.py multirun/DATE/TIME --baseline model.qk_norm=true --json ab.json   # groups of seeds, A/B tests
 
 The legend names each run by the config keys that differ between the runs. Runs that differ only in NEUTRAL_KEYS (the
-seed, ...) form a group: its mean curve with the runs' min-max band, its metric's mean, std and Student-t 95 %
-interval, and Welch's t-test against the baseline; if no difference is found, the seeds per arm that would find it.
+seed, ...) form a group: its mean curve with each evaluation's 95 % interval as bars and the runs' min-max as a band,
+its metric's mean, std and Student-t 95 % interval, and Welch's t-test against the baseline; if no difference is
+found, the seeds per arm that would find it. The val loss is compared at the last iteration every run evaluated, so an
+arm that stopped at its target is compared with the others where they were at that point, not where they ended.
 Without -o the picture goes into the deepest folder holding all those given. A run that can't be read is skipped with
 one warning; a run without config.yaml is in no group.
 """
@@ -74,10 +76,8 @@ class Group:
 
     @property
     def ci95(self) -> tuple[float, float] | None:
-        if self.std is None:
-            return None
-        half = float(stats.t.ppf(0.975, self.n - 1)) * self.std / math.sqrt(self.n)
-        return (self.mean - half, self.mean + half)
+        half = half_width(self.values)
+        return None if half is None else (self.mean - half, self.mean + half)
 
     @property
     def label(self) -> str:
@@ -127,6 +127,13 @@ class Comparison:
         return {"group": self.group.config, "baseline": self.baseline.config, "diff": self.diff,
                 "ci95": list(self.ci95), "p_value": self.p_value, "seeds_needed": self.seeds_needed,
                 "verdict": self.verdict}
+
+
+def half_width(values: list[float]) -> float | None:
+    """The Student-t 95 % interval's half-width around the mean of `values`; None for one value, which has no spread."""
+    if len(values) < 2:
+        return None
+    return float(stats.t.ppf(0.975, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def training_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -425,13 +432,43 @@ def print_table(summaries: list[dict[str, Any]]) -> None:
     print_rows(rows)
 
 
-def replicate_groups(loaded: list[Loaded], args: argparse.Namespace) -> list[Group] | None:
-    """The replicate groups, baseline first; None when no run has a replicate and no statistics were asked for. A run
-    without config.yaml is in none: what it trained is unknown, so it is no replicate of anything."""
+def measured(runs: list[Path], records: list[list[dict[str, Any]]], metric: str) -> tuple[list[Any], int | None, str]:
+    """Each run's value of `metric`, the iteration val_loss is read at, and why the runs can't be compared ("" if they
+    can). val_loss is read at the last iteration every run evaluated: an arm that stopped at its target is compared
+    with the others where they were then, not where they ended."""
+    values = [run_value(r, metric) for r in records]
+    missing = [run for run, value in zip(runs, values, strict=True) if value is None]
+    if missing:
+        which = f"{len(missing)} of {len(runs)} runs ({missing[0]}{', ...' if len(missing) > 1 else ''})"
+        if metric == "time_to_target_s":
+            return values, None, (f"--metric time_to_target_s: {which} never reached a train.target_val_loss; "
+                                  "leave out --metric to compare val_loss at the last iteration every run evaluated")
+        return values, None, (f"--metric {metric}: {which} recorded none; pass runs that all recorded it, "
+                              "or another --metric")
+    at = None
+    if metric == "val_loss" and runs:
+        evaluated = [{r["iter"]: r["val_loss"] for r in rs if "val_loss" in r} for rs in records]
+        shared = set.intersection(*(set(e) for e in evaluated))
+        if not shared:
+            return values, None, ("--metric val_loss: the runs share no evaluated iteration; evaluate them at the "
+                                  "same ones (train.eval_interval, train.eval_from), or compare --metric best_val_loss")
+        at = max(shared)
+        values = [e[at] for e in evaluated]
+    diverged = [run for run, value in zip(runs, values, strict=True) if not math.isfinite(value)]
+    if diverged:
+        return values, at, (f"--metric {metric}: {len(diverged)} run(s) have NaN or inf ({diverged[0]}: diverged); "
+                            "leave them out, or compare --metric best_val_loss")
+    return values, at, ""
+
+
+def replicate_groups(loaded: list[Loaded], args: argparse.Namespace) -> tuple[list[Group], str] | None:
+    """The replicate groups, baseline first, and what their values are (val_loss at iter N); None when no run has a
+    replicate and no statistics were asked for. A run without config.yaml is in none: what it trained is unknown, so
+    it is no replicate of anything."""
     asked = bool(args.baseline or args.json or args.metric != "val_loss")
-    kept = [(run, config, run_value(records, args.metric)) for run, config, records, _ in loaded
-            if (run / CONFIG_NAME).is_file()]
-    runs, configs, values = ([item[i] for item in kept] for i in range(3))
+    kept = [(run, config, records) for run, config, records, _ in loaded if (run / CONFIG_NAME).is_file()]
+    runs, configs, records = ([item[i] for item in kept] for i in range(3))
+    values, at, problem = measured(runs, records, args.metric)
     groups = group_runs(runs, configs, values)
     if not asked and all(g.n == 1 for g in groups):
         return None
@@ -440,13 +477,7 @@ def replicate_groups(loaded: list[Loaded], args: argparse.Namespace) -> list[Gro
         print(f"warning: {len(bare)} run(s) without config.yaml ({bare[0]}): left out of the groups", file=sys.stderr)
     if not groups:
         fail(f"none of the {len(bare)} runs has a config.yaml, so none can be grouped; pass runs that train.py wrote")
-    missing = [run for run, value in zip(runs, values, strict=True) if value is None]
-    diverged = [run for run, value in zip(runs, values, strict=True) if value is not None and not math.isfinite(value)]
-    if missing or diverged:
-        problem = (f"--metric {args.metric}: {len(missing)} of {len(runs)} runs recorded none ({missing[0]}"
-                   f"{', ...' if len(missing) > 1 else ''}); pass runs that all recorded it, or another --metric"
-                   if missing else f"--metric {args.metric}: {len(diverged)} run(s) ended with NaN or inf "
-                   f"({diverged[0]}: diverged); leave them out, or compare --metric best_val_loss")
+    if problem:
         if asked:
             fail(problem)
         print(f"warning: {problem}; no statistics", file=sys.stderr)
@@ -460,12 +491,24 @@ def replicate_groups(loaded: list[Loaded], args: argparse.Namespace) -> list[Gro
             print(f"warning: {g.label} has one run: no interval and no test; repeat it over seeds", file=sys.stderr)
     if baseline.n == 1 and len(groups) > 1:
         print(f"warning: the baseline {baseline.label} has one run, so no group is compared with it", file=sys.stderr)
-    return [baseline, *(g for g in groups if g is not baseline)]
+    ends = [max((r["iter"] for r in rs), default=0) for rs in records]
+    if min(ends) < max(ends) and args.metric != "time_to_target_s":  # reaching the target sooner is the point there
+        stopped = sum(any("time_to_target_s" in r for r in rs) for rs in records)
+        why = f"; {stopped} of {len(runs)} stopped at their train.target_val_loss" if stopped else ""
+        footing = (f"val_loss is compared at iter {at}, the last iteration every run evaluated" if at is not None else
+                   f"each run's {args.metric} comes from its own length; without --metric, val_loss is compared at "
+                   "the last iteration every run evaluated")
+        if stopped == len(runs):
+            footing += "; all reached their target: --metric time_to_target_s compares how soon"
+        print(f"warning: the runs differ in length ({min(ends)} to {max(ends)} iterations{why}): {footing}",
+              file=sys.stderr)
+    measure = args.metric if at is None else f"{args.metric} at iter {at}"
+    return [baseline, *(g for g in groups if g is not baseline)], measure
 
 
 def print_statistics(groups: list[Group], comparisons: list[Comparison], metric: str) -> None:
     """The groups' table (baseline first), then one verdict per comparison with the baseline."""
-    rows = [["group", "n", f"{metric} mean", "std", "95% CI of the mean"]]
+    rows = [["group", "n", f"mean {metric}", "std", "95% CI of the mean"]]
     for i, g in enumerate(groups):
         rows.append([g.label + (" (baseline)" if i == 0 and len(groups) > 1 else ""), str(g.n), _value(g.mean),
                      "-" if g.std is None else _value(g.std),
@@ -492,7 +535,8 @@ def save(path: Path, option: str, write: Callable[[BinaryIO], object]) -> None:
 
 
 def figure(summaries: list[dict[str, Any]], x_axis: str, groups: list[Group] | None, metric: str) -> Any:
-    """Every run's curves, or each group's mean curves with its runs' min-max band, on a Figure outside pyplot."""
+    """Every run's curves, or each group's mean curves with 95 % interval bars and its runs' min-max band, on a Figure
+    outside pyplot."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import FormatStrFormatter
 
@@ -505,10 +549,11 @@ def figure(summaries: list[dict[str, Any]], x_axis: str, groups: list[Group] | N
     ax = fig.subplots()
     legend_title = None
     if groups:
-        _draw_groups(ax, groups, {s["run"]: s for s in summaries}, x_of, metric)
+        _draw_groups(ax, groups, {s["run"]: s for s in summaries}, x_of)
         title = f"{len(groups)} group{'s' * (len(groups) > 1)}, {sum(g.n for g in groups)} runs in all"
-        legend_title = f"each group: n runs, {metric}: mean ± 95% CI half-width"  # as the table's 95% CI of the mean
-        ax.set_ylabel("loss: each group's mean\n(faint: train, dots: val; bands: its runs' min-max)")
+        legend_title = (f"each group: n runs, {metric}: mean ± 95% CI half-width\n"  # as the table's 95% CI of the mean
+                        "bars: each evaluation's 95% CI of the mean; bands: the runs' min-max")
+        ax.set_ylabel("loss: each group's mean\n(faint: train, dots: val)")
     else:
         for i, s in enumerate(summaries):
             train = [r for r in s["records"] if "lr" in r]
@@ -536,8 +581,9 @@ def figure(summaries: list[dict[str, Any]], x_axis: str, groups: list[Group] | N
     return fig
 
 
-def _draw_groups(ax: Any, groups: list[Group], by_run: dict[Path, dict[str, Any]], x_of: Callable, metric: str) -> None:
-    """Faint: mean train loss; dots: mean val loss with the runs' min-max as band and bar, at shared iterations."""
+def _draw_groups(ax: Any, groups: list[Group], by_run: dict[Path, dict[str, Any]], x_of: Callable) -> None:
+    """Faint: mean train loss; dots: mean val loss with its 95 % interval as bars; bands: the runs' min-max; at the
+    iterations the group's runs share. The bar at the compared iteration is the legend's interval."""
     for i, g in enumerate(groups):
         runs, curves = [by_run[run] for run in g.runs], {}
         for key, kind in (("lr", "train_loss"), ("val_loss", "val_loss")):  # at the iterations all runs share
@@ -548,17 +594,18 @@ def _draw_groups(ax: Any, groups: list[Group], by_run: dict[Path, dict[str, Any]
         if not curves["val_loss"][0]:
             print(f"warning: the runs of {g.label} share no evaluation's iteration: not drawn", file=sys.stderr)
             continue
-        interval = "" if g.ci95 is None else f" ± {_value((g.ci95[1] - g.ci95[0]) / 2)}"
+        half = half_width(g.values)
+        interval = "" if half is None else f" ± {_value(half)}"
         baseline = " (baseline)" if i == 0 and len(groups) > 1 else ""
-        label = textwrap.fill(f"{g.label}{baseline}: n={g.n}, {metric} {_value(g.mean)}{interval}", 2 * KEYS_WIDTH)
+        label = textwrap.fill(f"{g.label}{baseline}: n={g.n}, {_value(g.mean)}{interval}", 2 * KEYS_WIDTH)
         for kind, (xs, ys) in curves.items():
             low, high = np.array([min(y) for y in ys]), np.array([max(y) for y in ys])
             mean = np.clip([statistics.fmean(y) for y in ys], low, high)  # rounding can leave the band
             if kind == "train_loss":
                 ax.plot(xs, mean, color=f"C{i % 10}", alpha=0.35, lw=1)
             else:
-                ax.errorbar(xs, mean, yerr=[mean - low, high - mean], color=f"C{i % 10}", marker="o", ms=3, capsize=3,
-                            label=label)
+                half = [half_width(y) or 0.0 for y in ys]
+                ax.errorbar(xs, mean, yerr=half, color=f"C{i % 10}", marker="o", ms=3, capsize=3, label=label)
             ax.fill_between(xs, low, high, color=f"C{i % 10}", alpha=0.1 if kind == "train_loss" else 0.2, lw=0)
 
 
@@ -569,9 +616,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-o", "--out", type=Path, help="the picture (default: loss.png in the deepest folder holding "
                         "all those given)")
     parser.add_argument("--x", choices=["iter", "time", "tokens"], default="iter", help="the x axis")
-    parser.add_argument("--metric", default="val_loss", help="what the groups compare: val_loss (the last "
-                        "evaluation's), best_val_loss, time_to_target_s, tokens_per_sec (the median log line's), or "
-                        "any other key of metrics.jsonl (its last value)")
+    parser.add_argument("--metric", default="val_loss", help="what the groups compare: val_loss (at the last "
+                        "iteration every run evaluated), best_val_loss, time_to_target_s, tokens_per_sec (the median "
+                        "log line's), or any other key of metrics.jsonl (its last value)")
     parser.add_argument("--baseline", nargs="+", action="extend", metavar="KEY=VALUE",
                         help="the group the others are compared with (default: the first group)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the groups and comparisons as JSON")
@@ -587,16 +634,16 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load_runs(args.runs, ("elapsed_s",) if args.x == "time" else ())
     summaries = summaries_of(loaded)
     print_table(summaries)
-    groups = replicate_groups(loaded, args)
+    groups, measure = replicate_groups(loaded, args) or (None, args.metric)
     if groups is not None:
         baseline, *others = groups
-        comparisons = [compare(g, baseline, args.metric) for g in others if g.n > 1 and baseline.n > 1]
-        print_statistics(groups, comparisons, args.metric)
+        comparisons = [compare(g, baseline, measure) for g in others if g.n > 1 and baseline.n > 1]
+        print_statistics(groups, comparisons, measure)
         if args.json is not None:
-            document = {"metric": args.metric, "groups": [g.to_dict() for g in groups],
+            document = {"metric": args.metric, "measure": measure, "groups": [g.to_dict() for g in groups],
                         "comparisons": [c.to_dict() for c in comparisons]}
             save(args.json, "--json", lambda f: f.write(json.dumps(document, indent=1).encode() + b"\n"))
-    fig = figure(summaries, args.x, groups if groups and any(g.n > 1 for g in groups) else None, args.metric)
+    fig = figure(summaries, args.x, groups if groups and any(g.n > 1 for g in groups) else None, measure)
     # a PNG carries its title and legend as text, for whoever reads the file without looking (and the tests)
     legend = "\n".join(t.get_text() for lg in fig.legends for t in [lg.get_title(), *lg.get_texts()] if t.get_text())
     metadata = {"Title": fig.axes[0].get_title(), "Description": legend} if out.suffix.lower() == ".png" else None

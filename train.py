@@ -49,7 +49,7 @@ Examples:
   python train.py experiment=shakespeare_char_cpu train.max_iters=500 out_dir=runs/short
   python train.py out_dir=runs/short resume=true                  # after Ctrl-C: the run goes on as it was
   python train.py -m experiment=speedrun_cpu train.learning_rate=3e-3,6e-3   # a sweep, one run per value
-  python train.py experiment=speedrun_cpu --cfg job               # the resolved config, every key
+  python train.py experiment=speedrun_cpu --cfg job --resolve     # every key, out_dir's date filled in
 
 Every key: docs/reference.md. Hydra's own flags: --hydra-help."""
 

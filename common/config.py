@@ -125,9 +125,12 @@ def _kind(hint: Any) -> str:
 
 
 def _unknown_key(key: str, hints: dict[str, Any], prefix: str) -> str:
+    """The closest keys named: by their initials (lr: learning_rate), their start, or their spelling."""
     known = list(hints)
+    initials = [k for k in known if "_" in k and "".join(word[:1] for word in k.split("_")) == key]
     closest = [k for k in known if k.startswith(key)] or difflib.get_close_matches(key, known, 1, 0.5)
-    suggestion = f"; did you mean {prefix}{closest[0]}?" if closest else "; see the keys with --cfg job"
+    guesses = " or ".join(prefix + k for k in [*initials, *closest][:2])
+    suggestion = f"; did you mean {guesses}?" if guesses else "; see the keys with --cfg job"
     return f"{prefix}{key} is not a key of this config{suggestion}"
 
 

@@ -63,3 +63,10 @@ def test_the_readme_runs_every_command_a_newcomer_needs() -> None:
     scripts = {command[0] for command in _commands()}
     assert scripts == set(SCHEMAS)
     assert ["train.py", "experiment=shakespeare_char_cpu", "out_dir=runs/cpu"] in _commands()
+
+
+def test_the_test_section_installs_what_the_tests_need_before_running_them() -> None:
+    """After the set-up's `pip install .` alone, pytest is missing: the section says to install the dev extra."""
+    section = README[README.index("## Test"):README.index("## Where next")]
+    assert 'pip install ".[dev]"' in section
+    assert section.index('pip install ".[dev]"') < section.index("python -m pytest")

@@ -273,11 +273,13 @@ def test_a_stop_lets_the_stream_in_flight_finish_and_ends_the_next_with_an_error
     threads = [threading.Thread(target=stream, args=(near, {"max_tokens": 300})),
                threading.Thread(target=stream, args=(far, {"max_tokens": 4096, "n": 16}))]  # seconds of work
     threads[0].start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60  # bounds a hang: each wait ends on what the server says
     while len(near) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     threads[1].start()
-    time.sleep(0.1)
+    while server.http.get("/health").json()["waiting"] == 0:  # far: queued behind near
+        assert time.monotonic() < deadline and "data: [DONE]" not in near, "the second stream never waited"
+        time.sleep(0.01)
     started = time.monotonic()
     status, stderr = server.stop(signal.SIGTERM)
     for thread in threads:

@@ -6,6 +6,7 @@ import math
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -177,10 +178,10 @@ def test_run_value_picks_each_metric() -> None:
 @pytest.mark.parametrize(("arms", "args", "message"), [
     ({}, ["--baseline", "k=3"], "error: --baseline k=3 matches no group; the groups: k=1; k=2"),
     ({}, ["--baseline", "j=3"], "error: --baseline j=3: no run has the key j"),
-    ({}, ["--metric", "time_to_target_s"], "error: --metric time_to_target_s: 4 of 4 runs recorded none ("),
+    ({}, ["--metric", "time_to_target_s"], "error: --metric time_to_target_s: 4 of 4 runs ("),
     ({}, ["--json", "missing/x.json"], "error: --json "),
     ({"b": ({"k": 2}, [1.2, math.nan])}, ["--baseline", "k=1"],
-     "error: --metric val_loss: 1 run(s) ended with NaN or inf ("),
+     "error: --metric val_loss: 1 run(s) have NaN or inf ("),
 ])
 def test_plot_py_refuses_what_it_cannot_test_in_one_line(
     tmp_path: Path, capsys: CaptureFixture[str], arms: dict, args: list[str], message: str
@@ -217,6 +218,70 @@ def test_plot_py_warns_for_groups_of_one_and_compares_the_rest_and_without_repli
     assert re.search(r"^all runs +1 +1.0000 ", single, re.M)
 
 
+def _target_sweep(sweep_dir: Path, arms: dict[str, tuple[bool, dict[int, list[float]], int | None]]) -> Path:
+    """Runs as speedrun_cpu writes them, one per seed: {name: (qk_norm, {iter: val loss per seed}, the iteration
+    that reached the target or None)}; a run ends at its last evaluation."""
+    for name, (qk_norm, evals, target_at) in arms.items():
+        for seed in range(len(next(iter(evals.values())))):
+            run = sweep_dir / f"{name}_{seed + 1}"
+            run.mkdir(parents=True)
+            (run / "config.yaml").write_text(OmegaConf.to_yaml({"model": {"qk_norm": qk_norm}, "seed": seed + 1}))
+            records = [{"iter": it, "train_loss": v[seed], "val_loss": v[seed], "elapsed_s": it / 10,
+                        **({"time_to_target_s": it / 10} if it == target_at else {})} for it, v in evals.items()]
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return sweep_dir
+
+
+def test_arms_of_different_lengths_are_compared_at_the_last_iteration_all_evaluated_and_the_bars_are_the_legends(
+    tmp_path: Path, capsys: CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """QK-norm stops at its target at 225; without it the runs go on to 250 and end lower than QK-norm did at 225.
+    Each run's last val loss would find no difference; at 225, where both arms were, QK-norm off is worse. The legend's
+    ± is the 95 % interval, and so is the bar drawn at 225."""
+    drawn = []
+    figure = plot.figure
+    monkeypatch.setattr(plot, "figure", lambda *args: drawn.append(figure(*args)) or drawn[-1])
+    sweep_dir = _target_sweep(tmp_path / "sweep", {"on": (True, {225: [1.870, 1.882]}, 225),
+                                                   "off": (False, {225: [1.960, 1.975], 250: [1.860, 1.866]}, None)})
+    out, baseline = tmp_path / "ab.json", ["--baseline", "model.qk_norm=true"]
+    stdout, stderr = _plot(capsys, tmp_path, str(sweep_dir), *baseline, "--json", str(out))
+    assert ("warning: the runs differ in length (225 to 250 iterations; 2 of 4 stopped at their train.target_val_loss"
+            "): val_loss is compared at iter 225, the last iteration every run evaluated") in stderr
+    assert re.search(r"^group +n +mean val_loss at iter 225 ", stdout, re.M)
+    document = json.loads(out.read_text())
+    assert document["metric"] == "val_loss" and document["measure"] == "val_loss at iter 225"
+    assert [g["values"] for g in document["groups"]] == [[1.870, 1.882], [1.960, 1.975]]
+    (comparison,) = document["comparisons"]
+    assert comparison["diff"] == pytest.approx(0.0915) and comparison["p_value"] < 0.05
+    assert comparison["verdict"].startswith("model.qk_norm=false vs model.qk_norm=true: +0.0915 val_loss at iter 225 [")
+    assert ", 2 seeds each: worse" in comparison["verdict"] and comparison["verdict"] in stdout
+    last = compare(Group({}, [Path("a"), Path("b")], [1.860, 1.866]), Group({}, [Path("c"), Path("d")], [1.870, 1.882]),
+                   "val_loss")
+    assert last.p_value > 0.05  # each run's last val loss: no difference detected
+    (fig,) = drawn  # the baseline's bar at 225 spans the legend's interval: mean ± t(0.975, 1) sd / sqrt(2)
+    half = scipy_stats.t.ppf(0.975, 1) * statistics.stdev([1.870, 1.882]) / math.sqrt(2)
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend[0] == f"model.qk_norm=true (baseline): n=2, 1.8760 ± {half:.4f}"
+    (bar,) = fig.axes[0].containers[0].lines[2][0].get_segments()
+    assert bar[:, 0].tolist() == [225, 225] and bar[:, 1].tolist() == pytest.approx([1.876 - half, 1.876 + half])
+    stderr = plot_refused(capsys, str(sweep_dir), "--metric", "time_to_target_s")
+    assert stderr == (f"error: --metric time_to_target_s: 2 of 4 runs ({sweep_dir / 'off_1'}, ...) never reached a "
+                      "train.target_val_loss; leave out --metric to compare val_loss at the last iteration every run "
+                      "evaluated\n")
+    _, stderr = _plot(capsys, tmp_path, str(sweep_dir), *baseline, "--metric", "best_val_loss")
+    assert stderr.startswith("warning: the runs differ in length (225 to 250 iterations; 2 of 4 stopped at their "
+                             "train.target_val_loss): each run's best_val_loss comes from its own length; without "
+                             "--metric, val_loss is compared at the last iteration every run evaluated\n")
+    both = _target_sweep(tmp_path / "both", {"on": (True, {200: [1.90, 1.91], 225: [1.88, 1.885]}, 225),
+                                             "off": (False, {200: [1.88, 1.885]}, 200)})
+    _, stderr = _plot(capsys, tmp_path, str(both))
+    assert ("val_loss is compared at iter 200, the last iteration every run evaluated; all reached their target: "
+            "--metric time_to_target_s compares how soon") in stderr
+    stdout, stderr = _plot(capsys, tmp_path, str(both), "--metric", "time_to_target_s")
+    assert "differ in length" not in stderr and "model.qk_norm=true vs model.qk_norm=false: +2.5 time_to_target_s" in (
+        stdout)
+
+
 @pytest.mark.filterwarnings("error:No artists with labels")  # a legend is drawn only when something has a label
 def test_plot_py_draws_identical_replicates_and_groups_sharing_no_evaluation(
     tmp_path: Path, capsys: CaptureFixture[str]
@@ -224,14 +289,16 @@ def test_plot_py_draws_identical_replicates_and_groups_sharing_no_evaluation(
     """Reruns of one seed are bit-identical on a CPU: three equal values once made a negative error bar."""
     _values_sweep(tmp_path / "same", {"a": ({"k": 1}, [1.6, 1.6, 1.6]), "b": ({"k": 2}, [1.7, 1.7, 1.7])})
     stdout, _ = _plot(capsys, tmp_path, str(tmp_path / "same" / "sweep"))
-    assert "k=2 vs k=1: +0.1 val_loss [+0.1, +0.1], p < 0.0001, 3 seeds each: the runs of each group are identical" in (
-        stdout
-    )
+    assert ("k=2 vs k=1: +0.1 val_loss at iter 5 [+0.1, +0.1], p < 0.0001, 3 seeds each: the runs of each group are "
+            "identical") in stdout
     _fake_run(tmp_path / "apart" / "r1", {"k": 1, "seed": 1}, [3.0, 2.0])
     run2 = _fake_run(tmp_path / "apart" / "r2", {"k": 1, "seed": 2}, [3.0, 2.1])
     lines = (run2 / "metrics.jsonl").read_text().replace('"iter": 0,', '"iter": 1,').replace('"iter": 5,', '"iter": 6,')
     (run2 / "metrics.jsonl").write_text(lines)
-    _, stderr = _plot(capsys, tmp_path, str(tmp_path / "apart"), "--json", str(tmp_path / "apart.json"))
+    stderr = plot_refused(capsys, str(tmp_path / "apart"), "--json", str(tmp_path / "apart.json"))
+    assert stderr.startswith("error: --metric val_loss: the runs share no evaluated iteration; evaluate them at ")
+    _, stderr = _plot(capsys, tmp_path, str(tmp_path / "apart"), "--metric", "best_val_loss", "--json",
+                      str(tmp_path / "apart.json"))
     assert "warning: the runs of all runs share no evaluation's iteration: not drawn" in stderr
 
 
@@ -356,8 +423,8 @@ def test_plot_py_skips_fifos_and_devices_refuses_them_as_outputs_and_replaces_li
 def test_plot_py_writes_its_picture_into_the_sweep_folder_titled_with_groups_and_runs(
     tmp_path: Path, capsys: CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Not into the current directory; the title counts groups and runs; the legend says what ± is; the groups' y
-    label, the longest, stays inside the picture (it once ran past its top and bottom)."""
+    """Not into the current directory; the title counts groups and runs; the legend says what ± is and what the bars
+    and bands are; the groups' y label, the longest, stays inside the picture (it once ran past its top and bottom)."""
     from PIL import Image
 
     drawn = []
@@ -371,9 +438,10 @@ def test_plot_py_writes_its_picture_into_the_sweep_folder_titled_with_groups_and
         text = image.text
     assert text["Title"] == "2 groups, 6 runs in all: loss against iter"
     legend = text["Description"].splitlines()
-    assert legend[0] == "each group: n runs, val_loss: mean ± 95% CI half-width"
+    assert legend[:2] == ["each group: n runs, val_loss at iter 5: mean ± 95% CI half-width",
+                          "bars: each evaluation's 95% CI of the mean; bands: the runs' min-max"]
     half = scipy_stats.t.ppf(0.975, 2) * 0.1 / math.sqrt(3)  # the table's interval, [mean - half, mean + half]
-    assert legend[1] == f"k=1 (baseline): n=3, val_loss 1.1000 ± {half:.4f}"
+    assert legend[2] == f"k=1 (baseline): n=3, 1.1000 ± {half:.4f}"
     (fig,) = drawn
     fig.draw_without_rendering()  # the layout, as savefig ran it
     label, inside = fig.axes[0].yaxis.label.get_window_extent(), fig.bbox

@@ -22,17 +22,8 @@ from common.runtime import DEVICES, DTYPES, Runtime, check_memory, why_not_a_fil
 from data.source import read_utf8
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer, tokenizer_from_metadata
 from model import GPT
-from model.gpt import (
-    ATTN_IMPLS,
-    BEST_NAME,
-    CKPT_NAME,
-    DEFAULT_TEMPERATURE,
-    DEFAULT_TOP_K,
-    Checkpoint,
-    Decoding,
-    load_checkpoint,
-    row_generators,
-)
+from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
+from model.gpt import ATTN_IMPLS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, Decoding, row_generators
 from model.hf_gpt2 import load_pretrained
 
 GPT2_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's BPE

@@ -11,7 +11,7 @@ import torch
 import training.trainer
 from conftest import compose_config, run_in_process, tiny_run_overrides
 from inference.sampling import load_model
-from model.gpt import BEST_NAME, CKPT_NAME, load_checkpoint
+from model.checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint
 from training.run import train
 from training.trainer import Losses, Trainer
 

@@ -11,7 +11,7 @@ import torch
 
 from common.runtime import make_runtime
 from conftest import compose_config, tiny_run_overrides
-from model.gpt import CKPT_NAME, load_checkpoint
+from model.checkpoint import CKPT_NAME, load_checkpoint
 from training.run import train
 from training.trainer import METRICS_NAME
 

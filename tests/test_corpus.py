@@ -21,7 +21,7 @@ from conftest import REPO, TINY_BPE, compose_config, run_in_process, tiny_encodi
 from data.corpus import HEADER_BYTES, MAGIC, VERSION, read_shard, write_shard
 from data.prepare import DataConfig, PreparedData, TokenFiles, ensure_prepared, every_window, get_batch
 from data.tokenizers import BpeTokenizer, CharTokenizer
-from model.gpt import CKPT_NAME, load_checkpoint
+from model.checkpoint import CKPT_NAME, load_checkpoint
 from training.run import train
 
 SHARD = 8_000
@@ -172,21 +172,28 @@ import multiprocessing, os, time
 from concurrent.futures import ProcessPoolExecutor
 from data.corpus import exit_with_parent
 
-context = multiprocessing.get_context("forkserver")  # Python 3.14's default on Linux: not the workers' parent
-pool = ProcessPoolExecutor(2, mp_context=context, initializer=exit_with_parent, initargs=(os.getpid(), 0.1))
-futures = [pool.submit(time.sleep, 60) for i in range(2)]
-while len(pool._processes) < 2:
-    time.sleep(0.05)
-print(*pool._processes, flush=True)
-time.sleep(60)
+
+def watch_then_say_so(parent):  # the pool's initializer; its PID on stdout once it watches
+    exit_with_parent(parent, 0.1)
+    print(os.getpid(), flush=True)
+
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context("forkserver")  # Python 3.14's default on Linux: not the workers' parent
+    pool = ProcessPoolExecutor(2, mp_context=context, initializer=watch_then_say_so, initargs=(os.getpid(),))
+    futures = [pool.submit(time.sleep, 60) for i in range(2)]  # both busy: two workers start
+    time.sleep(60)
 """
 
 
-def test_encoding_workers_end_when_their_parent_is_killed() -> None:
-    """data.prepare's pool initializer: workers of a parent killed with SIGKILL used to live on under PID 1."""
-    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    workers = [int(pid) for pid in parent.stdout.readline().split()]
-    assert len(workers) == 2
+def test_encoding_workers_end_when_their_parent_is_killed(tmp_path: Path) -> None:
+    """data.prepare's pool initializer: workers of a parent killed with SIGKILL used to live on under PID 1. Killed
+    once both workers watch it (they say so), however slowly a busy machine started them."""
+    script = tmp_path / "parent.py"  # a file, not -c: the forkserver's workers import its initializer from it
+    script.write_text(_ORPHAN_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    workers = [int(parent.stdout.readline()) for _ in range(2)]
     parent.send_signal(signal.SIGKILL)
     parent.wait()
 
@@ -196,7 +203,7 @@ def test_encoding_workers_end_when_their_parent_is_killed() -> None:
         except OSError:
             return False
 
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # they look every 0.1 s: this bounds a hang, not a wait
     while any(map(running, workers)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(map(running, workers))

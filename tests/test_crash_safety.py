@@ -20,7 +20,7 @@ import torch
 from common.errors import ConfigError, DiskFull
 from conftest import compose_config, tiny_run_overrides
 from model import GPT, GPTConfig
-from model.gpt import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
+from model.checkpoint import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
 from training.run import train
 from training.trainer import METRICS_NAME, MetricsLog
 

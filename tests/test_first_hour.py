@@ -16,9 +16,9 @@ import torch
 from omegaconf import OmegaConf
 
 from common.config import typed_config
-from conftest import CONFIGS, compose_config, run_in_process, start_script, tiny_run_overrides, wait_for_text
+from conftest import CONFIGS, REPO, compose_config, run_in_process, start_script, tiny_run_overrides, wait_for_text
 from data.prepare import KNOWN_TEXTS, DataConfig, ensure_prepared
-from model.gpt import CKPT_NAME, load_checkpoint
+from model.checkpoint import CKPT_NAME, load_checkpoint
 from training.resume import resume_argument
 from training.run import TrainRunConfig, train
 from training.trainer import lr_at
@@ -201,6 +201,35 @@ def test_train_py_with_no_settings_says_what_it_runs(tmp_path: Path) -> None:
 def test_a_misspelt_preset_is_one_line_naming_the_choices(tmp_path: Path, script: str, args: list, message: str):
     result = run_in_process(script, args, tmp_path)
     assert result.returncode == 2 and result.stderr.startswith(message) and result.stderr.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "says"),
+    [
+        ("train.py", ["--max_iters=100"], "unrecognized arguments"),  # Hydra's usage text: no hint of ours
+        ("sample.py", ["runs/cpu"], "missing EQUAL"),  # and how to quote a value
+        ("train.py", ["experiment=shakespeare_char_cp"], "did you mean"),
+    ],
+)
+def test_the_reference_quotes_what_a_mistaken_command_line_really_says(
+    tmp_path: Path, script: str, args: list[str], says: str
+) -> None:
+    result = run_in_process(script, args, tmp_path)
+    assert result.returncode == 2 and says in result.stderr
+    reference = " ".join((REPO / "docs" / "reference.md").read_text(encoding="utf-8").split())
+    assert args[0] in reference and says in reference
+
+
+def test_cfg_job_is_called_resolved_only_with_resolve(tmp_path: Path) -> None:
+    """--cfg job prints out_dir's ${now:...} as written; --resolve fills it in."""
+    unresolved = run_in_process("train.py", ["--cfg", "job"], tmp_path).stdout
+    resolved = run_in_process("train.py", ["--cfg", "job", "--resolve"], tmp_path).stdout
+    assert "out_dir: outputs/${now:" in unresolved and "out_dir: outputs/2" in resolved
+    docs = [(REPO / name).read_text(encoding="utf-8") for name in ("README.md", "docs/reference.md", "train.py")]
+    for text in docs + [run_in_process("train.py", ["--help"], tmp_path).stdout]:
+        for after in re.findall(r"--cfg job(?! --resolve)(.{0,40})", " ".join(text.split())):
+            assert "resolved" not in after, after
     assert list(tmp_path.iterdir()) == []
 
 

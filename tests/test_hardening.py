@@ -30,9 +30,10 @@ from conftest import compose_config, run_in_process, run_script, start_script, t
 from data.prepare import DataConfig, ensure_prepared
 from inference.sampling import EvalConfig, SampleConfig, load_model, read_prompt
 from model import GPT, GPTConfig
-from model.gpt import CKPT_NAME, Checkpoint, load_checkpoint
+from model.checkpoint import CKPT_NAME, Checkpoint, load_checkpoint
+from training.distributed import World
 from training.resume import CONFIG_GROUPS
-from training.run import TrainRunConfig, WandbConfig, train
+from training.run import OptimConfig, TrainRunConfig, WandbConfig, check_fits, train
 from training.trainer import METRICS_NAME, MetricsLog, drop_records_after, read_records
 
 FAST = {"train.max_iters": 4, "train.eval_interval": 2, "train.log_interval": 1}
@@ -42,6 +43,8 @@ FAST = {"train.max_iters": 4, "train.eval_interval": 2, "train.log_interval": 1}
     ("key", "value", "message"),
     [
         ("train.lerning_rate", 1, "train.lerning_rate is not a key of this config; did you mean train.learning_rate?"),
+        ("train.lr", 1e-3, "train.lr is not a key of this config; did you mean train.learning_rate or "
+                           "train.lr_decay_iters?"),  # other tools' abbreviation: a key's initials
         ("modle.n_layer", 2, "modle is not a key of this config; did you mean model?"),
         ("train.max_iters", "abc", "train.max_iters=abc is not an integer"),
         ("model.attn_window", "wide", "model.attn_window=wide is not an integer or null"),
@@ -60,6 +63,22 @@ def test_a_command_line_override_is_checked_against_the_schema(key: str, value: 
     with pytest.raises(ConfigError) as info:
         check_override(TrainRunConfig, key, value)
     assert str(info.value).startswith(message)
+
+
+def test_a_model_too_large_for_memory_is_told_to_shrink_and_only_a_batch_too_large_to_lower_batch_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """40B parameters need 290 GiB for their weights and gradients alone: no batch size helps, so none is advised."""
+    monkeypatch.setattr("common.runtime.memory_bytes", lambda device: 64 * 2**30)
+    huge = GPTConfig(vocab_size=50304, block_size=1024, n_layer=48, n_head=64, n_embd=8192)
+    with pytest.raises(ConfigError) as info:
+        check_fits(huge, OptimConfig(batch_size=1), torch.device("cpu"), World())
+    assert str(info.value).startswith("a model of about 39,066,796,032 parameters (its weights and gradients alone) "
+                                      "needs about 291.1 GiB, more than this machine's 64.0 GiB; train a smaller model")
+    assert "batch_size" not in str(info.value)
+    small = GPTConfig(vocab_size=50304, block_size=1024, n_layer=2, n_head=2, n_embd=64)
+    with pytest.raises(ConfigError, match=r"^train.batch_size=100000 with a model of .*; lower train.batch_size "):
+        check_fits(small, OptimConfig(batch_size=100_000), torch.device("cpu"), World())
 
 
 @pytest.mark.parametrize(
@@ -268,10 +287,11 @@ def _weights(change: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict],
         (_set(config=[1]), "its config is a list"),
         (_set(model=[1, 2]), "its model is a list"),
         (lambda raw: raw["model"].update({"lm_head.weight": torch.zeros(3, 3)}),
-         "its weight lm_head.weight is of shape (3, 3); its model_config implies shape (3, 8)"),
-        (lambda raw: raw["model"].pop("transformer.ln_f.weight"), "its weight transformer.ln_f.weight is missing"),
-        (lambda raw: raw["model"].update(extra=torch.zeros(1)), "its model_config has no weight extra"),
-        (_weights(torch.Tensor.long), "its weight transformer.wte.weight is torch.int64, not float"),
+         "size mismatch for lm_head.weight: copying a param with shape torch.Size([3, 3]) from checkpoint"),
+        (lambda raw: raw["model"].pop("transformer.ln_f.weight"), 'Missing key(s) in state_dict: "transformer.ln_f'),
+        (lambda raw: raw["model"].update(extra=torch.zeros(1)), 'Unexpected key(s) in state_dict: "extra"'),
+        (_weights(torch.Tensor.long), 'While copying the parameter named "transformer.wte.weight"'),
+        (_weights(torch.Tensor.to_sparse), "its weight transformer.wte.weight is not a dense floating-point tensor"),
         (_weights(lambda w: w * math.nan), "its weight transformer.wte.weight holds NaN or inf"),
         (_set(dtype="int8"), "dtype=int8 is no precision train.py runs in"),
         (_set(tokenizer={}), "holds no tokenizer: it wasn't written by train.py"),

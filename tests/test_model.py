@@ -9,7 +9,8 @@ from common.errors import CheckpointError
 from conftest import assert_same_logits_and_gradients, compose_config
 from model import GPT, GPTConfig
 from model.attention import Rotary
-from model.gpt import Checkpoint, Decoding, load_checkpoint
+from model.checkpoint import Checkpoint, load_checkpoint
+from model.gpt import Decoding
 from model.hf_gpt2 import hf_from_gpt
 from training.run import TrainRunConfig
 

@@ -16,7 +16,8 @@ from common.errors import ConfigError
 from conftest import MODERN, assert_same_logits_and_gradients, compose_config, tiny_run_overrides
 from model import GPT, GPTConfig
 from model.attention import KVCache
-from model.gpt import BIGRAM_ROWS, CKPT_NAME, BigramEmbedding, load_checkpoint
+from model.checkpoint import CKPT_NAME, load_checkpoint
+from model.gpt import BIGRAM_ROWS, BigramEmbedding
 from model.hf_gpt2 import PretrainedError, hf_from_gpt
 from training.run import train
 

@@ -14,7 +14,7 @@ import torch
 from common.config import typed_config
 from common.runtime import make_runtime
 from conftest import compose_config, run_in_process, tiny_run_overrides
-from model.gpt import BEST_NAME, CKPT_NAME, load_checkpoint
+from model.checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint
 from training.distributed import World
 from training.run import TrainRunConfig, build_trainer, train
 from training.trainer import read_records

@@ -22,7 +22,7 @@ import training.run
 from common.runtime import Runtime, make_runtime
 from conftest import compose_config, sample_py, tiny_run_overrides, train_py, user_error
 from model import GPT, GPTConfig
-from model.gpt import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
+from model.checkpoint import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
 
 
 def _checkpoint() -> Checkpoint:

@@ -19,7 +19,7 @@ from common.errors import CheckpointError, ConfigError
 from conftest import REPO, TINY_BPE, compose_config, run_in_process, run_script, tiny_encoding, tiny_run_overrides
 from data.prepare import TokenFiles, every_window
 from model import GPT, GPTConfig
-from model.gpt import CKPT_NAME, Checkpoint, load_checkpoint, save_checkpoint
+from model.checkpoint import CKPT_NAME, Checkpoint, load_checkpoint, save_checkpoint
 from model.hf_gpt2 import PRETRAINED, PretrainedError, gpt_from_hf, hf_from_gpt, load_pretrained
 from training.run import train
 

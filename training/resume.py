@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from common.config import shown
 from common.errors import CheckpointError, ConfigError
 from model import GPTConfig
-from model.gpt import CKPT_NAME, Checkpoint, saved_config
+from model.checkpoint import CKPT_NAME, Checkpoint, saved_config
 
 log = logging.getLogger("train")
 CONFIG_GROUPS = ("experiment", "model", "data")  # train.py's Hydra groups: configs/<group>/NAME.yaml, as group=NAME

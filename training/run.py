@@ -38,7 +38,7 @@ from data.prepare import DataConfig, PreparedData, ensure_prepared
 from data.tokenizers import Tokenizer, tokenizer_from_metadata
 from evals.hellaswag import hellaswag_path, load_examples
 from model import GPT, GPTConfig
-from model.gpt import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
+from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
 from model.hf_gpt2 import SETTINGS as PRETRAINED_SETTINGS
 from model.hf_gpt2 import load_pretrained
 from training.distributed import World, world_from_env
@@ -372,6 +372,8 @@ def check_fits(model: GPTConfig, train: OptimConfig, device: torch.device, world
     C, L, V = model.n_embd, model.n_layer, model.vocab_size
     params = 12 * L * C * C + V * C
     shards = world.size if world.distributed and train.parallel == "fsdp" else 1  # FSDP2 splits weights and gradients
+    check_memory(8 * params / shards, device, f"a model of about {params:,} parameters (its weights and gradients "
+                 "alone)", "train a smaller model: lower model.n_layer or model.n_embd")  # no batch is small enough
     per_layer = 4 if train.activation_checkpointing else 38
     activations = train.batch_size * model.block_size * (per_layer * C * L + 6 * V)
     check_memory(8 * params / shards + activations, device, f"train.batch_size={train.batch_size} with a model of "

@@ -25,7 +25,8 @@ from data.prepare import EVAL_WINDOWS, TRAIN_WINDOWS, PreparedData, batch_genera
 from data.tokenizers import TextScore, Tokenizer, token_sums
 from evals.hellaswag import Example, hellaswag_sums
 from model import GPT
-from model.gpt import BEST_NAME, CKPT_NAME, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, Checkpoint, Progress, save_checkpoint
+from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, Progress, save_checkpoint
+from model.gpt import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from training.distributed import World, full_state, gradient_sync, load_full_state
 from training.muon import MuonAdamW
 from training.resume import resume_command

@@ -1,0 +1,255 @@
+"""ckpt.pt, the one owner of the checkpoint's format: the weights with the model's shape, the run's config and
+progress, the optimizer's and random states. Training writes it; every command that reads one validates it here,
+once, before anything is built from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from omegaconf.errors import OmegaConfBaseException
+from torch import nn
+
+from common.config import check_fields, check_override, option, typed_config
+from common.errors import CheckpointError, ConfigError
+from common.runtime import check_regular_file, write_atomically
+from model.gpt import GPT, GPTConfig
+
+CKPT_NAME = "ckpt.pt"  # the latest state, to resume from
+BEST_NAME = "best.pt"  # with train.keep_best: the state of the lowest val loss so far
+# Options removed from the model, dropped on load: the first two only when off (on, the weights have parts this
+# model lacks), zero_init_proj always (it only changed the initial weights).
+REMOVED_OPTIONS = ("value_embeds", "untied_head", "zero_init_proj")
+
+
+@dataclass
+class Progress:
+    """Where the run is: with the weights, the optimizer and the random state, all a resume needs."""
+
+    iter: int = option(0, at_least=0)  # optimizer steps taken
+    last_eval_iter: int = option(-1, at_least=-1)  # the iteration of the last evaluation (-1: none yet)
+    val_loss: float = math.nan  # at that evaluation
+    best_val_loss: float = math.inf
+    kept_best_val_loss: float = math.inf  # that of best.pt (train.keep_best); inf: none kept in this run yet
+    elapsed_s: float = option(0.0, at_least=0.0)  # wall time at the last save, summed over every resumed process
+    log_loss_sum: float = 0.0  # the train losses since the last log line, summed: the next line's mean is exact
+    log_steps: int = option(0, at_least=0)  # and their number
+
+
+@dataclass
+class Checkpoint:
+    model_config: GPTConfig
+    model: dict[str, torch.Tensor]  # the plain module's names (not compiled, wrapped or sharded)
+    tokenizer: dict[str, Any]  # data.tokenizers' metadata: the vocabulary samples are decoded with
+    config: dict[str, Any] = field(default_factory=dict)  # the run's resolved config
+    progress: Progress = field(default_factory=Progress)
+    optimizer: dict[str, Any] | None = None  # keyed by parameter name; None before the first step
+    scaler: dict[str, Any] = field(default_factory=dict)  # the GradScaler's; empty unless fp16
+    rng: list[dict[str, Any]] = field(default_factory=list)  # each rank's dropout generators, in rank order
+    dtype: str = ""  # the precision the run trained in (float32, bfloat16, float16); "": not recorded
+    built: GPT | None = field(default=None, repr=False)  # the model the weights fill, made once by from_dict
+
+    def to_dict(self) -> dict[str, Any]:
+        flat = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("progress", "built")}
+        flat |= vars(self.progress)
+        return flat | {"model_config": dict(vars(self.model_config))}
+
+    @classmethod
+    def from_dict(cls, raw: Any, path: Path, resuming: bool = False) -> Checkpoint:
+        """Every value checked once, before anything is built: a damaged or crafted file is one line naming the field,
+        never a traceback or an allocation its weights don't back. The optimizer and rng only when resuming."""
+        if not isinstance(raw, dict) or "model" not in raw or "model_config" not in raw:
+            raise CheckpointError(f"{path} is not a checkpoint written by train.py")
+        raw = dict(raw) if raw.keys() == _KEYS else _upgraded(raw)
+        progress = _typed(Progress, {f.name: raw.pop(f.name) for f in fields(Progress)}, path)
+        options = raw.pop("model_config")
+        if isinstance(options, dict) and options.keys() & set(REMOVED_OPTIONS):
+            options = _without_removed_options(options, path)
+        model_config = _typed(GPTConfig, options, path, "model_config ")
+        for name, kind in _PLAIN_TYPES.items():
+            if not isinstance(raw[name], kind):
+                raise CheckpointError(f"{path} can't be used: its {name} is a {type(raw[name]).__name__}")
+        built = _model_of(raw["model"], model_config, path)
+        raw["optimizer"] = raw["optimizer"] or None  # {}: no step taken, as None says
+        if resuming:
+            _check_optimizer(raw["optimizer"], raw["model"], path)
+            _check_rng(raw["rng"], path)
+        if raw["dtype"] not in ("", "float32", "bfloat16", "float16"):
+            raise CheckpointError(f"{path} can't be used: dtype={raw['dtype']} is no precision train.py runs in")
+        return cls(model_config=model_config, progress=progress, built=built, **raw)
+
+    def build_model(self, attn_impl: str | None = None) -> GPT:
+        """The trained model (the one from_dict built); attn_impl may differ from the training run's, since both
+        paths share weights."""
+        model = self.built if self.built is not None else _model_of(self.model, self.model_config, Path("weights"))
+        if attn_impl is not None:
+            model.config = dataclasses.replace(model.config, attn_impl=attn_impl)
+            for block in model.transformer.h:
+                block.attn.attn_impl = attn_impl
+        return model
+
+    def tokenizer_for_decoding(self, path: Path) -> dict[str, Any]:
+        """The tokenizer's metadata; a checkpoint without one (an export's input needs none) can't sample or resume."""
+        if not self.tokenizer:
+            raise CheckpointError(f"{path} holds no tokenizer: it wasn't written by train.py")
+        return self.tokenizer
+
+    def optimizer_state_for(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """The optimizer state keyed by name (older files' positions in make_optimizer's order), each group with this
+        run's kernel: one saved unfused (an older MPS run's) would refuse the found_inf that skips a non-finite step."""
+        if self.optimizer is None:
+            return None
+        kernels = [{"fused": group["fused"]} if "fused" in group else {} for group in optimizer.param_groups]
+        groups = zip(self.optimizer["param_groups"], kernels, strict=False)  # a count that differs: load_state_dict's
+        state = {**self.optimizer, "param_groups": [{**saved, **kernel} for saved, kernel in groups]}  # to refuse
+        if not any(isinstance(key, int) for key in state["state"]):
+            return state
+        names = {id(p): name for name, p in model.named_parameters()}
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        state["state"] = {order[i]: value for i, value in state["state"].items()}
+        state["param_groups"] = [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]
+        return state
+
+
+_KEYS = {f.name for f in fields(Checkpoint) if f.name not in ("progress", "built")} | {f.name for f in fields(Progress)}
+_PLAIN_TYPES = {"model": dict, "tokenizer": dict, "config": dict, "optimizer": (dict, type(None)), "scaler": dict,
+                "rng": list, "dtype": str}
+Config = TypeVar("Config")
+
+
+def _typed(schema: type[Config], values: Any, path: Path, what: str = "") -> Config:
+    """values as `schema`, checked as a Hydra config's keys are (types, bounds, choices), or one line naming one."""
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{path} can't be used: its {what}is a {type(values).__name__}, not a mapping")
+    try:
+        typed = typed_config(values, schema)
+        check_fields(typed)  # bounds GPTConfig checks itself, Progress's
+        return typed
+    except (ConfigError, OmegaConfBaseException) as err:
+        raise CheckpointError(f"{path} can't be used: its {what}{_one_line(err, schema, values)}") from None
+
+
+def _one_line(err: Exception, schema: type, values: dict[str, Any]) -> str:
+    """A config's error in one line; a type's as a command line's key=value would be said (OmegaConf's takes three)."""
+    if isinstance(err, OmegaConfBaseException):
+        try:
+            check_override(schema, str(err.full_key), values.get(err.full_key))
+        except ConfigError as named:
+            return str(named)
+        first_line = str(err.msg).partition("\n")[0]
+        return f"{err.full_key}: {first_line}"
+    return str(err)
+
+
+def _model_of(weights: dict[str, Any], config: GPTConfig, path: Path) -> GPT:
+    """The model the weights fill: built once on the meta device (nothing allocated), the weights assigned as they
+    are (PyTorch names a missing, unexpected or misshapen one), the tied head tied again; dense, floating point and
+    finite. A config far larger than its file is refused before that model, which takes a second per 100 layers."""
+    if len(weights) < 4 * config.n_layer:  # every block has at least four weight matrices
+        raise CheckpointError(f"{path} can't be used: its {len(weights)} weights are too few for its model_config "
+                              f"n_layer={config.n_layer}")
+    try:
+        with torch.device("meta"):
+            model = GPT(config)
+    except (RuntimeError, MemoryError):  # rotary's tables are made on the CPU, even here
+        raise CheckpointError(f"{path} can't be used: its model_config's tables don't fit in memory") from None
+    try:
+        model.load_state_dict(weights, assign=True)
+    except RuntimeError as err:  # its first line says only that loading failed
+        raise CheckpointError(f"{path} can't be used: {str(err).splitlines()[1].strip()[:300]}") from None
+    model.lm_head.weight = model.transformer.wte.weight  # assigned, each name got a tensor of its own
+    for name, weight in model.state_dict().items():
+        if weight.layout != torch.strided or not weight.is_floating_point():
+            raise CheckpointError(f"{path} can't be used: its weight {name} is not a dense floating-point tensor")
+        if not torch.isfinite(weight).all():
+            raise CheckpointError(f"{path} can't be used: its weight {name} holds NaN or inf; use an earlier "
+                                  "checkpoint")
+    return model
+
+
+def _check_optimizer(state: dict[str, Any] | None, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """An optimizer's state_dict keyed by weight name (or position: older files), each tensor of its weight's shape:
+    another shape would be read out of bounds by the optimizer's kernels."""
+    entries, groups = (state.get("state"), state.get("param_groups")) if state is not None else ({}, [])
+    if not isinstance(entries, dict) or not isinstance(groups, list):
+        raise CheckpointError(f"{path} can't be used: its optimizer is not an optimizer's state")
+    for name, values in entries.items():
+        shape = weights[name].shape if name in weights else None
+        known = shape is not None or isinstance(name, int) and 0 <= name < len(weights)
+        if not known or not isinstance(values, dict):
+            raise CheckpointError(f"{path} can't be used: its optimizer holds a state for {name}, no weight of it")
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor) and value.dim() and shape is not None and value.shape != shape:
+                raise CheckpointError(f"{path} can't be used: its optimizer's {key} for {name} is {_shown(value.shape)}"
+                                      f", the weight {_shown(shape)}")
+    if not all(isinstance(group, dict) and isinstance(group.get("params"), list) for group in groups):
+        raise CheckpointError(f"{path} can't be used: its optimizer's param_groups are not an optimizer's")
+
+
+def _check_rng(states: list[Any], path: Path) -> None:
+    """Each rank's random state as torch.get_rng_state gives it, and its CUDA generators' as a list."""
+    size = torch.get_rng_state().shape
+    for state in states:
+        cpu = state.get("torch") if isinstance(state, dict) else None
+        if not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8 or cpu.shape != size or not (
+                isinstance(state.get("cuda"), list) and all(isinstance(t, torch.Tensor) for t in state["cuda"])):
+            raise CheckpointError(f"{path} can't be used: its rng is not the random states train.py saves")
+
+
+def _shown(shape: Any) -> str:
+    return f"of shape {tuple(shape)}" if isinstance(shape, torch.Size) else str(shape)
+
+
+def _without_removed_options(options: dict[str, Any], path: Path) -> dict[str, Any]:
+    """An older model config less its removed options, unless one is on: then the weights have parts we lack."""
+    removed = [k for k in REMOVED_OPTIONS[:2] if options.get(k) not in (None, False)]
+    if removed:
+        raise CheckpointError(f"{path} can't be used: it was trained with model.{removed[0]}, an option this version "
+                              "no longer has")
+    return {k: v for k, v in options.items() if k not in REMOVED_OPTIONS}
+
+
+def _upgraded(old: dict[str, Any]) -> dict[str, Any]:
+    """An older layout in today's: keys added since at their defaults, rng a list of each rank's states, scaler {}
+    where it was None (from_dict makes an empty optimizer state None)."""
+    new = {**Checkpoint(GPTConfig(), {}, {}).to_dict(), **{key: old[key] for key in _KEYS & old.keys()}}
+    new["rng"] = [new["rng"]] if isinstance(new["rng"], dict) else new["rng"]
+    new["scaler"] = new["scaler"] or {}
+    return new
+
+
+def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
+    """Written whole or not at all (write_atomically): a crash or a full disk leaves the previous file as it was."""
+    write_atomically(path, lambda f: torch.save(checkpoint.to_dict(), f))
+
+
+def load_checkpoint(path: Path, resuming: bool = False) -> Checkpoint:
+    """weights_only: a checkpoint holding anything but tensors and plain values is refused, never unpickled."""
+    check_regular_file(path)  # a FIFO would block torch.load forever
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}; pass out_dir=RUN, a directory written by train.py")
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated, foreign, or holding objects weights_only won't build
+        why = f"damaged, or not a checkpoint ({type(err).__name__})"
+        if isinstance(err, pickle.UnpicklingError) and "global" in str(err).lower():  # a class or a function
+            why = "it holds objects other than tensors and plain values, and unpickling those could run code"
+        raise CheckpointError(f"{path} is not a readable checkpoint: {why}") from None
+    return Checkpoint.from_dict(raw, path, resuming)
+
+
+def saved_config(path: Path) -> dict[str, Any] | None:
+    """The config resume=true continues, read through a memory map (the weights stay on disk); None if unreadable."""
+    if not path.is_file():  # a FIFO would block torch.load forever
+        return None
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # missing, damaged, foreign, or an old format without memory maps: load_checkpoint's to report
+        return None
+    config = raw.get("config") if isinstance(raw, dict) else None
+    return config if isinstance(config, dict) and config else None

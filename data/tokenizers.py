@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import regex
 import tiktoken
-import torch
-import torch.nn.functional as F
 
 from common.errors import DataError
 
@@ -122,38 +117,3 @@ def metadata_problem(meta: Any) -> str:
     return "" if chars and len(set(chars)) == len(chars) else "its chars are empty or repeated"
 
 
-@dataclass(frozen=True)
-class TextScore:
-    nats: float  # summed over every scored token
-    tokens: int  # scored tokens: every token of each sequence but its first
-    text_nats: float  # over the tokens that are text (special tokens such as <|endoftext|> left out)
-    bytes: int  # UTF-8 bytes of those tokens
-
-    @classmethod
-    def of(cls, sums: Sequence[float]) -> TextScore:
-        """From token_sums' four sums (added up over batches and processes)."""
-        nats, count, text_nats, n_bytes = sums
-        return cls(nats, round(count), text_nats, round(n_bytes))
-
-    @property
-    def loss(self) -> float:  # mean nats per token
-        return self.nats / self.tokens if self.tokens else math.nan
-
-    @property
-    def perplexity(self) -> float:
-        return math.exp(self.loss)
-
-    @property
-    def bpb(self) -> float:  # bits per byte of text: comparable across tokenizers
-        return self.text_nats / (math.log(2) * self.bytes) if self.bytes else math.nan
-
-
-def token_sums(logits: torch.Tensor, targets: torch.Tensor, byte_lengths: torch.Tensor,
-               scored: torch.Tensor | None = None) -> torch.Tensor:
-    """Sums of the targets' nats and count, and of the text ones' nats and UTF-8 bytes (for bits per byte)."""
-    nats = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none").double()
-    targets = targets.flatten()
-    if scored is not None:
-        nats, targets = nats[scored.flatten()], targets[scored.flatten()]
-    n_bytes = byte_lengths[targets]
-    return torch.stack((nats.sum(), nats.new_tensor(targets.numel()), nats[n_bytes > 0].sum(), n_bytes.sum()))

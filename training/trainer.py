@@ -22,8 +22,9 @@ from torch import nn
 from common.errors import DiskFull, TrainingDiverged, first_line
 from common.runtime import Runtime, open_for_appending, synchronize, unless_disk_full, write_text_atomically
 from data.prepare import EVAL_WINDOWS, TRAIN_WINDOWS, PreparedData, batch_generator, every_window, get_batch
-from data.tokenizers import TextScore, Tokenizer, token_sums
+from data.tokenizers import Tokenizer
 from evals.hellaswag import Example, hellaswag_sums
+from evals.perplexity import TextScore, token_sums
 from model import GPT
 from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, Progress, save_checkpoint
 from model.gpt import DEFAULT_TEMPERATURE, DEFAULT_TOP_K

@@ -11,6 +11,7 @@ import torch
 
 from analysis.diagnostics import DIAGNOSTIC_NAMES, head_diagnostics
 from common.errors import DataError
+from common.runtime import write_atomically
 from model import GPT, causal_mask
 
 EXPLORER_MARK = "<!-- The attention explorer."  # the first comment of analysis/explorer_page.html
@@ -20,11 +21,13 @@ LABELS_UP_TO = 48  # token labels on the axes only while they stay readable
 
 def save_attention_maps(model: GPT, ids: list[int], tokens: list[str], out_dir: Path) -> list[Path]:
     """Write out_dir/attention.npz (weights (n_layer, n_head, T, T); mask (n_layer, T, T), True where a query may
-    attend; tokens; diagnostics (n_layer, n_head, 5), named by diagnostic_names) and the PNGs."""
+    attend; tokens; diagnostics (n_layer, n_head, 5), named by diagnostic_names) and the PNGs. Each is written beside
+    its name and renamed over it, so a link of that name is replaced, never written through."""
     out_dir.mkdir(parents=True, exist_ok=True)
     weights, mask = attention_arrays(model, ids)
-    np.savez(out_dir / "attention.npz", weights=weights, mask=mask, tokens=np.array(tokens),
-             diagnostics=head_diagnostics(model, weights), diagnostic_names=np.array(DIAGNOSTIC_NAMES))
+    arrays = dict(weights=weights, mask=mask, tokens=np.array(tokens), diagnostics=head_diagnostics(model, weights),
+                  diagnostic_names=np.array(DIAGNOSTIC_NAMES))
+    write_atomically(out_dir / "attention.npz", lambda f: np.savez(f, **arrays))
     return [_plot_layer(weights[layer], mask[layer], tokens, layer, out_dir) for layer in range(len(weights))]
 
 
@@ -77,5 +80,5 @@ def _plot_layer(weights: np.ndarray, mask: np.ndarray, tokens: list[str], layer:
     fig.suptitle(f"layer {layer}: attention weights (rows: queries, columns: keys)", fontsize=10)
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="weight (grey: masked, no weight)")
     path = out_dir / f"attention_layer{layer}.png"
-    fig.savefig(path, dpi=110)
+    write_atomically(path, lambda f: fig.savefig(f, format="png", dpi=110))
     return path

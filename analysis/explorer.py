@@ -16,6 +16,7 @@ import numpy as np
 from analysis.attention_maps import attention_arrays
 from analysis.causality import CausalityReport, verdict
 from analysis.diagnostics import DIAGNOSTIC_NAMES, decode_step_weights, head_diagnostics
+from common.runtime import write_text_atomically
 from model import GPT
 
 PAGE = Path(__file__).with_name("explorer_page.html")
@@ -94,10 +95,11 @@ def live_page(model: GPT, ids: list[int], tokens: list[str], n_prompt: int, titl
 
 def save_explorer(model: GPT, sample: list[int], n_prompt: int, out_dir: Path, title: str,
                   causality: dict | None = None, use_cache: bool = True) -> Path:
-    """Write out_dir/index.html beside the attention.npz of `sample`'s last window (save_attention_maps)."""
+    """Write out_dir/index.html beside the attention.npz of `sample`'s last window (save_attention_maps), replacing a
+    link of that name rather than writing through it."""
     with np.load(out_dir / "attention.npz") as saved:
         page = live_page(model, sample, [str(t) for t in saved["tokens"]], n_prompt, title, causality=causality,
                          use_cache=use_cache, saved=saved)
     path = out_dir / "index.html"
-    path.write_text(page, encoding="utf-8")
+    write_text_atomically(path, page)
     return path

@@ -50,6 +50,9 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "data.")
+        if not self.dir and Path(self.name).name in ("", ".."):  # "", "." or "..": the cache itself, or above it
+            raise ConfigError(f"data.name={self.name} names no folder of its own under data/cache; give the dataset a "
+                              "name (data.name=mytext) or a folder (data.dir=DIR)")
         if self.hf_name and not self.hf_dataset:
             raise ConfigError(f"data.hf_name={self.hf_name} needs data.hf_dataset (say HuggingFaceFW/fineweb-edu)")
         if self.hf_dataset and self.input:
@@ -253,8 +256,14 @@ def _move_in(into: Path, out_dir: Path, meta: dict[str, Any], fingerprint: dict[
 
 
 def _refuse_other(out_dir: Path, fingerprint: dict[str, Any], made_from: dict[str, str]) -> None:
-    """A folder prepared from another source or with other settings (a run may be reading it), or holding a
-    meta.json this project didn't write (ours names its source and tokenizer spec), is never prepared again."""
+    """A folder prepared from another source or with other settings (a run may be reading it), holding a meta.json
+    this project didn't write (ours names its source and tokenizer spec), or token files without one (another tool's,
+    nanoGPT's train.bin beside its meta.pkl), is never prepared again."""
+    theirs = sorted(path.name for pattern in _TOKEN_FILES for path in out_dir.glob(pattern))
+    if theirs and not (out_dir / "meta.json").exists():
+        raise DataError(f"data.dir={out_dir} holds token files without the meta.json this project writes beside them "
+                        f"({', '.join(theirs[:3])}); preparing would replace them: name another data.dir, or delete "
+                        "them to prepare it there")
     meta = _read_meta(out_dir)
     if meta is None:
         return

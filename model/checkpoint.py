@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import pickle
+import zipfile
+from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -77,7 +79,7 @@ class Checkpoint:
         built = _model_of(raw["model"], model_config, path)
         raw["optimizer"] = raw["optimizer"] or None  # {}: no step taken, as None says
         if resuming:
-            _check_optimizer(raw["optimizer"], raw["model"], path)
+            raw["optimizer"] = _named_optimizer(raw["optimizer"], dict(built.named_parameters()), path)
             _check_rng(raw["rng"], path)
         if raw["dtype"] not in ("", "float32", "bfloat16", "float16"):
             raise CheckpointError(f"{path} can't be used: dtype={raw['dtype']} is no precision train.py runs in")
@@ -100,20 +102,13 @@ class Checkpoint:
         return self.tokenizer
 
     def optimizer_state_for(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        """The optimizer state keyed by name (older files' positions in make_optimizer's order), each group with this
-        run's kernel: one saved unfused (an older MPS run's) would refuse the found_inf that skips a non-finite step."""
+        """The optimizer state keyed by name (from_dict named older files' positions), each group with this run's
+        kernel: one saved unfused (an older MPS run's) would refuse the found_inf that skips a non-finite step."""
         if self.optimizer is None:
             return None
         kernels = [{"fused": group["fused"]} if "fused" in group else {} for group in optimizer.param_groups]
         groups = zip(self.optimizer["param_groups"], kernels, strict=False)  # a count that differs: load_state_dict's
-        state = {**self.optimizer, "param_groups": [{**saved, **kernel} for saved, kernel in groups]}  # to refuse
-        if not any(isinstance(key, int) for key in state["state"]):
-            return state
-        names = {id(p): name for name, p in model.named_parameters()}
-        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-        state["state"] = {order[i]: value for i, value in state["state"].items()}
-        state["param_groups"] = [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]
-        return state
+        return {**self.optimizer, "param_groups": [{**saved, **kernel} for saved, kernel in groups]}  # to refuse
 
 
 _KEYS = {f.name for f in fields(Checkpoint) if f.name not in ("progress", "built")} | {f.name for f in fields(Progress)}
@@ -164,7 +159,8 @@ def _model_of(weights: dict[str, Any], config: GPTConfig, path: Path) -> GPT:
         raise CheckpointError(f"{path} can't be used: {str(err).splitlines()[1].strip()[:300]}") from None
     model.lm_head.weight = model.transformer.wte.weight  # assigned, each name got a tensor of its own
     for name, weight in model.state_dict().items():
-        if weight.layout != torch.strided or not weight.is_floating_point():
+        backed = weight.layout == torch.strided and weight.untyped_storage().nbytes() >= weight.nbytes  # not stride 0
+        if not backed or not weight.is_floating_point():
             raise CheckpointError(f"{path} can't be used: its weight {name} is not a dense floating-point tensor")
         if not torch.isfinite(weight).all():
             raise CheckpointError(f"{path} can't be used: its weight {name} holds NaN or inf; use an earlier "
@@ -172,23 +168,45 @@ def _model_of(weights: dict[str, Any], config: GPTConfig, path: Path) -> GPT:
     return model
 
 
-def _check_optimizer(state: dict[str, Any] | None, weights: dict[str, torch.Tensor], path: Path) -> None:
-    """An optimizer's state_dict keyed by weight name (or position: older files), each tensor of its weight's shape:
-    another shape would be read out of bounds by the optimizer's kernels."""
-    entries, groups = (state.get("state"), state.get("param_groups")) if state is not None else ({}, [])
-    if not isinstance(entries, dict) or not isinstance(groups, list):
+def _named_optimizer(state: dict[str, Any] | None, parameters: dict[str, nn.Parameter],
+                     path: Path) -> dict[str, Any] | None:
+    """The optimizer's state_dict keyed by parameter name, checked before torch's fused kernels see it: they read a
+    moment of another shape out of bounds, and a group naming something else corrupts the heap. Its groups list each
+    parameter once, each has a state, and every tensor in one has the weight's shape (its step: one number). Files
+    from before torchrun keyed them by position, in the order of AdamW's groups, the only optimizer then: the
+    matrices, then the vectors."""
+    if state is None:
+        return None
+    entries, groups = state.get("state"), state.get("param_groups")
+    if not (isinstance(entries, dict) and isinstance(groups, list)
+            and all(isinstance(part, dict) for part in [*entries.values(), *groups])
+            and all(isinstance(group.get("params"), list) for group in groups)):
         raise CheckpointError(f"{path} can't be used: its optimizer is not an optimizer's state")
-    for name, values in entries.items():
-        shape = weights[name].shape if name in weights else None
-        known = shape is not None or isinstance(name, int) and 0 <= name < len(weights)
-        if not known or not isinstance(values, dict):
-            raise CheckpointError(f"{path} can't be used: its optimizer holds a state for {name}, no weight of it")
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor) and value.dim() and shape is not None and value.shape != shape:
-                raise CheckpointError(f"{path} can't be used: its optimizer's {key} for {name} is {_shown(value.shape)}"
-                                      f", the weight {_shown(shape)}")
-    if not all(isinstance(group, dict) and isinstance(group.get("params"), list) for group in groups):
-        raise CheckpointError(f"{path} can't be used: its optimizer's param_groups are not an optimizer's")
+    order = sorted(parameters, key=lambda name: parameters[name].dim() < 2)  # AdamW's groups: matrices, then vectors
+
+    def named(key: Any) -> Any:
+        return order[key] if isinstance(key, int) and 0 <= key < len(order) else key
+
+    entries = {named(key): values for key, values in entries.items()}
+    groups = [{**group, "params": [named(key) for key in group["params"]]} for group in groups]
+    listed = [name for group in groups for name in group["params"]]
+    for name in [*listed, *entries]:
+        if not isinstance(name, str) or name not in parameters:
+            raise CheckpointError(f"{path} can't be used: its optimizer names {name!r:.80}, no parameter of its model")
+    times = Counter(listed)
+    for name, parameter in parameters.items():
+        if name not in entries:
+            raise CheckpointError(f"{path} can't be used: its optimizer holds no state for {name}")
+        if times[name] != 1:
+            raise CheckpointError(f"{path} can't be used: its optimizer's param_groups list {name} "
+                                  f"{times[name]} times, not once")
+        for key, value in entries[name].items():
+            shape = torch.Size() if key == "step" else parameter.shape
+            if isinstance(value, torch.Tensor) and (value.layout != torch.strided or value.shape != shape):
+                found = _shown(value.shape) if value.layout == torch.strided else "sparse"
+                wanted = "not one number" if key == "step" else f"the weight {_shown(shape)}"
+                raise CheckpointError(f"{path} can't be used: its optimizer's {key} for {name} is {found}, {wanted}")
+    return {**state, "state": entries, "param_groups": groups}
 
 
 def _check_rng(states: list[Any], path: Path) -> None:
@@ -234,13 +252,25 @@ def load_checkpoint(path: Path, resuming: bool = False) -> Checkpoint:
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}; pass out_dir=RUN, a directory written by train.py")
     try:
-        raw = torch.load(path, map_location="cpu", weights_only=True)
+        stored = _stored_as_saved(path)
+        raw = torch.load(path, map_location="cpu", weights_only=True) if stored else None
     except Exception as err:  # truncated, foreign, or holding objects weights_only won't build
         why = f"damaged, or not a checkpoint ({type(err).__name__})"
         if isinstance(err, pickle.UnpicklingError) and "global" in str(err).lower():  # a class or a function
             why = "it holds objects other than tensors and plain values, and unpickling those could run code"
         raise CheckpointError(f"{path} is not a readable checkpoint: {why}") from None
+    if not stored:
+        raise CheckpointError(f"{path} can't be used: its records are compressed, which torch.save never does, and "
+                              "unpacking them could take gigabytes; use the file as train.py wrote it")
     return Checkpoint.from_dict(raw, path, resuming)
+
+
+def _stored_as_saved(path: Path) -> bool:
+    """Whether every record of the file's zip is stored as torch.save stores it, not compressed: then reading it
+    takes no more memory than the file's size, and a misshapen weight is refused before gigabytes unpacked from a
+    few megabytes. (torch.load's mmap=True would read a compressed record's bytes as the weights themselves.)"""
+    with zipfile.ZipFile(path) as archive:
+        return all(record.compress_type == zipfile.ZIP_STORED for record in archive.infolist())
 
 
 def saved_config(path: Path) -> dict[str, Any] | None:
@@ -248,7 +278,7 @@ def saved_config(path: Path) -> dict[str, Any] | None:
     if not path.is_file():  # a FIFO would block torch.load forever
         return None
     try:
-        raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True) if _stored_as_saved(path) else None
     except Exception:  # missing, damaged, foreign, or an old format without memory maps: load_checkpoint's to report
         return None
     config = raw.get("config") if isinstance(raw, dict) else None

@@ -8,6 +8,7 @@ import functools
 import http.server
 import json
 import os
+import re
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +19,7 @@ import pytest
 import data.prepare
 import data.source as source
 import data.text_tokens as text_tokens
-from common.errors import DataError
+from common.errors import ConfigError, DataError
 from conftest import TINY_BPE
 from data.prepare import KNOWN_TEXTS, SHAKESPEARE_URL, DataConfig, PreparedData, ensure_prepared, file_sha256
 from data.source import TextFile, read_utf8
@@ -183,26 +184,48 @@ def test_a_folder_prepared_with_other_settings_is_refused_in_one_line_and_left_a
     assert own.meta["tokenizer"]["chars"] == sorted(set(SPEECH.upper()))  # its own folder: prepared
 
 
-def test_preparation_leaves_no_temporary_folder_and_an_incomplete_folder_is_prepared_again(tmp_path: Path) -> None:
+def test_preparation_leaves_no_temporary_folder_and_a_damaged_meta_json_is_prepared_again(tmp_path: Path) -> None:
     text = tmp_path / "input.txt"
     text.write_text(SPEECH)
     data = _prepare(tmp_path / "data", text)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "input.txt"]
     assert sorted(p.name for p in data.dir.iterdir()) == ["meta.json", "train.bin", "val.bin"]
     good = {name: content for name, (_, _, content) in _files(data.dir).items()}
-    for damage in (
-        lambda: (data.dir / "meta.json").unlink(),  # a preparation killed before its last move
-        lambda: (data.dir / "meta.json").write_text("{not json"),
-    ):
-        damage()
-        assert _prepare(tmp_path / "data", text).meta == data.meta
-        assert {name: content for name, (_, _, content) in _files(data.dir).items()} == good
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "input.txt"]
+    (data.dir / "meta.json").write_text("{not json")
+    assert _prepare(tmp_path / "data", text).meta == data.meta
+    assert {name: content for name, (_, _, content) in _files(data.dir).items()} == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "input.txt"]
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     with pytest.raises(DataError, match="is empty"):  # a failed preparation: nothing of it either
         ensure_prepared(DataConfig("test", "char", str(empty), None, str(tmp_path / "new"), 0.1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "empty.txt", "input.txt"]
+
+
+def test_token_files_without_our_meta_json_are_never_replaced(tmp_path: Path) -> None:
+    """nanoGPT's train.bin and val.bin beside its meta.pkl were replaced; or ours, from a preparation killed between
+    its last renames: the user decides."""
+    text = tmp_path / "input.txt"
+    text.write_text(SPEECH)
+    theirs = tmp_path / "nanogpt"
+    theirs.mkdir()
+    for name in ("train.bin", "val.bin", "meta.pkl"):
+        (theirs / name).write_bytes(b"\x01\x02")
+    before = _files(theirs)
+    with pytest.raises(DataError) as refused:
+        _prepare(theirs, text)
+    assert str(refused.value) == f"data.dir={theirs} holds token files without the meta.json this project writes " \
+                                 "beside them (train.bin, val.bin); preparing would replace them: name another " \
+                                 "data.dir, or delete them to prepare it there"
+    assert _files(theirs) == before and sorted(p.name for p in tmp_path.iterdir()) == ["input.txt", "nanogpt"]
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/.."])
+def test_a_data_name_that_names_no_folder_of_its_own_is_refused(name: str) -> None:
+    """data.name= prepared into the root of data/cache."""
+    with pytest.raises(ConfigError, match=f"^data.name={re.escape(name)} names no folder of its own under data/cache"):
+        DataConfig(name=name)
+    assert DataConfig(name=name, dir="elsewhere").name == name  # data.dir names the folder: the name is unused
 
 
 def test_of_two_preparing_the_same_folder_at_once_the_later_uses_the_earlier_s_files(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import faulthandler
+import io
 import json
 import logging
 import math
@@ -13,9 +14,11 @@ import os
 import pickle
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
@@ -107,6 +110,9 @@ def test_commands_that_hydra_takes_still_pass(args: list[str]) -> None:
          "error: train.foo is not a key of this config; see the keys with --cfg job\n"),
         (run_in_process, "train.py", ["-m", "train.max_iterz=range(1,3)"],
          "error: train.max_iterz is not a key of this config; did you mean train.max_iters?\n"),
+        (run_in_process, "train.py", ["data.name="],  # it prepared into the root of data/cache
+         "error: data.name= names no folder of its own under data/cache; give the dataset a name (data.name=mytext) "
+         "or a folder (data.dir=DIR)\n"),
         # what Hydra alone refuses, in its words: as the class's seam meets a user, then in this process
         (run_script, "train.py", ["train.learning_rate=1e-3,3e-3"],
          "error: Ambiguous value for argument 'train.learning_rate=1e-3,3e-3' "),
@@ -249,10 +255,11 @@ def test_an_unreadable_checkpoint_is_one_line_and_runs_nothing(
 def _crafted(run: Path, alter: Callable[[dict], object]) -> Path:
     """A tiny checkpoint as train.py writes it (names, shapes, optimizer state, random state), altered, in run/."""
     config = GPTConfig(vocab_size=3, block_size=8, n_layer=1, n_head=1, n_embd=8)
-    weights = GPT(config).state_dict()
-    moments = {name: {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(w)} for name, w in weights.items()}
-    checkpoint = Checkpoint(config, weights, {"kind": "char", "chars": ["a", "b", "c"]},
-                            optimizer={"state": moments, "param_groups": [{"params": list(weights)}]},
+    model = GPT(config)
+    moments = {name: {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(weight)}
+               for name, weight in model.named_parameters()}
+    checkpoint = Checkpoint(config, model.state_dict(), {"kind": "char", "chars": ["a", "b", "c"]},
+                            optimizer={"state": moments, "param_groups": [{"params": list(moments)}]},
                             rng=[{"torch": torch.get_rng_state(), "cuda": []}], dtype="float32")
     raw = checkpoint.to_dict()
     alter(raw)
@@ -271,6 +278,22 @@ def _model(**values: object) -> Callable[[dict], None]:
 
 def _weights(change: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict], None]:
     return lambda raw: raw.update(model={name: change(w) for name, w in raw["model"].items()})
+
+
+def _moments(change: Callable[[dict, dict, list], object]) -> Callable[[dict], None]:
+    """change(state, moments of ln_f, the first group's names) on the optimizer's state."""
+    return lambda raw: change(opt := raw["optimizer"], opt["state"]["transformer.ln_f.weight"],
+                              opt["param_groups"][0]["params"])
+
+
+def _by_position(raw: dict) -> None:
+    """The optimizer's state keyed by position, as files from before torchrun were: AdamW's groups, matrices first."""
+    state = raw["optimizer"]["state"]
+    names = sorted(state, key=lambda name: state[name]["exp_avg"].dim() < 2)
+    matrices = sum(state[name]["exp_avg"].dim() >= 2 for name in names)
+    raw["optimizer"]["state"] = {i: state[name] for i, name in enumerate(names)}
+    raw["optimizer"]["param_groups"] = [{"params": list(range(matrices))},
+                                        {"params": list(range(matrices, len(names)))}]
 
 
 @pytest.mark.parametrize(
@@ -292,6 +315,7 @@ def _weights(change: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict],
         (lambda raw: raw["model"].update(extra=torch.zeros(1)), 'Unexpected key(s) in state_dict: "extra"'),
         (_weights(torch.Tensor.long), 'While copying the parameter named "transformer.wte.weight"'),
         (_weights(torch.Tensor.to_sparse), "its weight transformer.wte.weight is not a dense floating-point tensor"),
+        (_weights(lambda w: w.flatten()[:1].clone().expand(w.shape)), "weight transformer.wte.weight is not a dense"),
         (_weights(lambda w: w * math.nan), "its weight transformer.wte.weight holds NaN or inf"),
         (_set(dtype="int8"), "dtype=int8 is no precision train.py runs in"),
         (_set(tokenizer={}), "holds no tokenizer: it wasn't written by train.py"),
@@ -314,8 +338,25 @@ def test_a_crafted_or_damaged_checkpoint_is_refused_at_load_naming_the_field(
 @pytest.mark.parametrize(
     ("alter", "message"),
     [
-        (lambda raw: raw["optimizer"]["state"]["transformer.ln_f.weight"].update(exp_avg=torch.zeros(3)),
+        (_moments(lambda opt, ln_f, names: ln_f.update(exp_avg=torch.zeros(3))),
          "its optimizer's exp_avg for transformer.ln_f.weight is of shape (3,), the weight of shape (8,)"),
+        (_moments(lambda opt, ln_f, names: ln_f.update(exp_avg=torch.tensor(0.0))),  # a segfault (exit 139)
+         "its optimizer's exp_avg for transformer.ln_f.weight is of shape (), the weight of shape (8,)"),
+        (_moments(lambda opt, ln_f, names: ln_f.update(exp_avg=torch.zeros(8).to_sparse())), "ln_f.weight is sparse"),
+        (_moments(lambda opt, ln_f, names: ln_f.update(step=torch.zeros(0))),
+         "its optimizer's step for transformer.ln_f.weight is of shape (0,), not one number"),
+        (_moments(lambda opt, ln_f, names: names.append("transformer.h.7.mlp.c_fc.weight")),  # heap corruption
+         "its optimizer names 'transformer.h.7.mlp.c_fc.weight', no parameter of its model"),
+        (_moments(lambda opt, ln_f, names: names.append("lm_head.weight")),  # the tied head: a weight, no parameter
+         "its optimizer names 'lm_head.weight', no parameter of its model"),
+        (_moments(lambda opt, ln_f, names: names.append(names[0])),
+         "its optimizer's param_groups list transformer.wte.weight 2 times, not once"),
+        (_moments(lambda opt, ln_f, names: opt["state"].pop("transformer.ln_f.weight")),
+         "its optimizer holds no state for transformer.ln_f.weight"),
+        (lambda raw: (_by_position(raw), raw["optimizer"]["param_groups"][0]["params"].append(99)),
+         "its optimizer names 99, no parameter of its model"),
+        (lambda raw: (_by_position(raw), raw["optimizer"]["state"][0].update(exp_avg=torch.zeros(3))),
+         "its optimizer's exp_avg for transformer.wte.weight is of shape (3,), the weight of shape (3, 8)"),
         (_set(optimizer={"state": [], "param_groups": []}), "its optimizer is not an optimizer's"),
         (_set(rng=[{"torch": torch.zeros(3, dtype=torch.uint8), "cuda": []}]), "its rng is not"),
     ],
@@ -328,6 +369,36 @@ def test_a_damaged_training_state_is_refused_when_resuming_and_ignored_by_sampli
         load_checkpoint(run / CKPT_NAME, resuming=True)
     loaded = load_model(str(run), None, "latest", None)  # the crafted checkpoint's other fields are sound
     assert loaded.model.config.n_layer == 1 and loaded.tokenizer.decode([2, 0]) == "ca"
+
+
+def test_a_crafted_optimizer_state_is_one_line_at_resume_never_a_crash(trained_run: Path, tmp_path: Path) -> None:
+    """A group naming a parameter the model lacks gave heap corruption and a segfault (exit 139) at the first step."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    raw = torch.load(run / CKPT_NAME, weights_only=True)
+    raw["optimizer"]["param_groups"][0]["params"][0] = "transformer.h.9.attn.c_attn.weight"
+    torch.save(raw, run / CKPT_NAME)
+    result = run_script("train.py", [f"out_dir={run}", "resume=true", "resume_with_changes=true",
+                                     "train.max_iters=62"], tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == f"error: {run / CKPT_NAME} can't be used: its optimizer names " \
+                            "'transformer.h.9.attn.c_attn.weight', no parameter of its model\n"
+
+
+def test_a_compressed_checkpoint_is_refused_before_it_is_unpacked(tmp_path: Path) -> None:
+    """11.8 MB whose first weight unpacked to 2 GiB took 2.4 GB and 28 s before its shape was refused; torch.save
+    compresses nothing, so such a file is refused from its zip directory alone, for sampling and for resuming."""
+    run = _crafted(tmp_path / "run", lambda raw: raw["model"].update({"transformer.wte.weight": torch.zeros(2**24)}))
+    saved = zipfile.ZipFile(io.BytesIO((run / CKPT_NAME).read_bytes()))
+    with zipfile.ZipFile(run / CKPT_NAME, "w", zipfile.ZIP_DEFLATED) as packed:
+        for record in saved.infolist():
+            packed.writestr(record.filename, saved.read(record))
+    assert (run / CKPT_NAME).stat().st_size < 2**20  # 64 MiB of weights in under 1 MiB
+    for script, args in (("sample.py", ["max_new_tokens=3"]), ("train.py", ["resume=true"])):
+        result = run_in_process(script, [f"out_dir={run}", *args], tmp_path)
+        assert result.returncode == 2 and result.stderr == f"error: {run / CKPT_NAME} can't be used: its records are " \
+            "compressed, which torch.save never does, and unpacking them could take gigabytes; use the file as " \
+            "train.py wrote it\n"
 
 
 def test_sample_py_says_a_nan_checkpoint_in_one_line(tmp_path: Path) -> None:
@@ -473,6 +544,23 @@ def test_attention_dir_never_overwrites_the_users_files(trained_run: Path, tmp_p
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "is a file, not a directory" in result.stderr
 
 
+def test_attention_dir_replaces_a_link_named_like_its_output_and_leaves_its_target(
+    trained_run: Path, tmp_path: Path
+) -> None:
+    """maps/attention_layer0.png -> a file elsewhere: sample.py wrote through it, destroying that file."""
+    maps, mine = tmp_path / "maps", tmp_path / "mine"
+    maps.mkdir()
+    mine.mkdir()
+    for name in ("attention_layer0.png", "attention.npz"):
+        (mine / name).write_text("the user's own")
+        (maps / name).symlink_to(mine / name)
+    result = run_in_process("sample.py", [f"out_dir={trained_run}", "max_new_tokens=20", "num_samples=1",
+                                          f"attention_dir={maps}"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert [(p.read_text(), p.is_symlink()) for p in sorted(mine.iterdir())] == [("the user's own", False)] * 2
+    assert not any(p.is_symlink() for p in maps.iterdir()) and (maps / "attention_layer0.png").stat().st_size > 1000
+
+
 def test_data_dir_never_replaces_a_meta_json_it_did_not_write(tmp_path: Path, corpus_path: Path) -> None:
     """Its own, damaged or from other settings: prepared again or refused, in tests/test_data.py."""
     data = tmp_path / "data"
@@ -483,3 +571,22 @@ def test_data_dir_never_replaces_a_meta_json_it_did_not_write(tmp_path: Path, co
         with pytest.raises(DataError, match=r"holds a meta.json this project didn't write; .* name another data.dir"):
             ensure_prepared(DataConfig(input=str(corpus_path), dir=str(data)))
         assert (data / "meta.json").read_text() == content and (data / "train.bin").read_bytes() == b"\x01\x02"
+
+
+def test_a_checkpoint_s_data_dir_at_another_tool_s_dataset_is_refused_on_resume(
+    trained_run: Path, tmp_path: Path
+) -> None:
+    """A crafted checkpoint's saved data.dir naming nanoGPT's train.bin, val.bin and meta.pkl: they were replaced."""
+    nanogpt, run = tmp_path / "nanogpt", tmp_path / "run"
+    nanogpt.mkdir()
+    for name in ("train.bin", "val.bin", "meta.pkl"):
+        (nanogpt / name).write_bytes(b"\x01\x02")
+    shutil.copytree(trained_run, run)
+    raw = torch.load(run / CKPT_NAME, weights_only=True)
+    raw["config"]["data"]["dir"] = str(nanogpt)
+    torch.save(raw, run / CKPT_NAME)
+    result = run_in_process("train.py", [f"out_dir={run}", "resume=true"], tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"error: data.dir={nanogpt} holds token files without the meta.json")
+    assert sorted((p.name, p.read_bytes()) for p in nanogpt.iterdir()) == [
+        ("meta.pkl", b"\x01\x02"), ("train.bin", b"\x01\x02"), ("val.bin", b"\x01\x02")]

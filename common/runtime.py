@@ -11,6 +11,7 @@ import shutil
 import stat
 import sys
 import time
+import timeit
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,19 @@ def datasheet_peak(device: torch.device, dtype: torch.dtype) -> float | None:
         if re.search(rf"\b{re.escape(model)}\b", name):
             return half if dtype in (torch.bfloat16, torch.float16) else tf32
     return None
+
+
+def cpu_matmul_flops(threads: int, n: int = 256, repeats: int = 64) -> float:
+    """FLOP/s of float32 n x n matmuls on the CPU with this many threads, over some 20 ms (torch's own count is put
+    back). One thread's rate is a steady measure of the CPU; more threads going far slower than one say that other
+    processes hold the cores: a thread descheduled mid-matmul leaves the others waiting for it."""
+    own, a = torch.get_num_threads(), torch.ones(n, n)
+    torch.set_num_threads(threads)
+    try:
+        a @ a  # warm-up
+        return 2 * n**3 * repeats / timeit.timeit(lambda: a @ a, number=repeats)
+    finally:
+        torch.set_num_threads(own)
 
 
 @contextlib.contextmanager

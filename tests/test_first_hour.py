@@ -144,6 +144,43 @@ def test_the_schedule_follows_max_iters_in_every_preset(preset: str) -> None:
     assert last == pytest.approx(t.min_lr, rel=0.01, abs=1e-7)
 
 
+def test_a_run_shorter_than_its_warmup_is_told_its_learning_rate_never_decays(
+    tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    short = tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 10, "train.warmup_iters": 20})
+    assert ("train.max_iters=10 <= train.warmup_iters=20: the learning rate only warms up, never decays; lower "
+            "train.warmup_iters (say 1) or raise train.max_iters") in _train_py(short, caplog)
+    warmed_up = tiny_run_overrides(tmp_path / "warmed", corpus_path, **{"train.max_iters": 10})  # warmup_iters=2
+    assert "never decays" not in _train_py(warmed_up, caplog)
+
+
+@pytest.mark.parametrize(("cpu_flops", "said"), [(1e9, True), (1e13, False)])
+def test_a_first_log_line_far_off_on_this_cpu_is_said_before_the_first_step(
+    tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+    cpu_flops: float, said: bool
+) -> None:
+    """A GPU's preset on a CPU sat silent for minutes, a context of 100,000 tokens for hours, and Ctrl-C waited for
+    the torch op under way. Now a warning at start, when even the CPU's matmul rate (given here, not timed) puts the
+    first log line over 30 s away."""
+    monkeypatch.setattr("training.run.cpu_matmul_flops", lambda threads: cpu_flops)
+    keys = {"train.grad_accum": 1024, "train.eval_from": 100}  # 5 steps to the first log line, no evaluation first
+
+    class Stopped(Exception):
+        """Raised before the first step: what was said at start is what matters."""
+
+    def stop(it: int) -> None:
+        raise Stopped
+
+    with caplog.at_level(logging.INFO, logger="train"), pytest.raises(Stopped):
+        train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **keys)), before_step=stop)
+    warned = [m for m in caplog.messages if m.startswith("the first log line is at least")]
+    assert len(warned) == said
+    assert not said or re.fullmatch(
+        r"the first log line is at least \d+m\d\ds away: 5 steps need \d\.\de\+11 FLOPs, at this CPU's \d GFLOP/s of "
+        r"matmuls; lower model.block_size, train.batch_size or train.eval_iters, or use a CPU preset or a GPU "
+        r"\(Ctrl-C waits for the torch op under way\)", warned[0])
+
+
 def test_prepared_data_is_used_offline_without_data_input(
     tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import signal
 from pathlib import Path
@@ -275,6 +276,27 @@ def test_log_lines_give_the_mean_loss_speed_and_eta_and_mfu_only_with_a_peak(
     timed = {"iter", "train_loss", "lr", "elapsed_s", "ms_per_iter", "tokens_per_sec", "eta_s"}
     assert all(set(r) == timed | ({"mfu"} if peak_tflops else set()) for r in lines)
     assert lines[-1]["eta_s"] == 0 and all(math.isfinite(r["train_loss"]) and r["tokens_per_sec"] > 0 for r in lines)
+
+
+@pytest.mark.parametrize(("on_two_threads", "said"), [(5e9, True), (180e9, False)])
+def test_the_first_timed_log_line_says_when_a_busy_cpu_keeps_the_threads_waiting(
+    tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+    on_two_threads: float, said: bool
+) -> None:
+    """Beside two busy processes the CPU recipe took 8-11x longer a step on two threads than on one, and nothing said
+    so. Matmuls on the run's threads far slower than on one thread (rates given here, not timed): one line, after the
+    first timed log line, naming the fix."""
+    monkeypatch.setattr("training.trainer.cpu_matmul_flops", lambda threads: 100e9 if threads == 1 else on_two_threads)
+    torch.set_num_threads(2)  # put back after the test
+    keys = {"train.max_iters": 15, "train.eval_interval": 100, "train.log_interval": 5}
+    with caplog.at_level(logging.INFO, logger="train"):
+        train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **keys)))
+    lines = [m for m in caplog.messages if m.startswith(("iter ", "the CPU is busy"))]
+    busy = ("the CPU is busy: torch's 2 threads wait on each other (a matmul takes 20x as long on them as on one "
+            "thread); run with no more threads than free cores, e.g. OMP_NUM_THREADS=1 python train.py ...")
+    assert [line.partition(":")[0] for line in lines] == ["iter 5/15", *["the CPU is busy"] * said, "iter 10/15",
+                                                          "iter 15/15"]
+    assert not said or lines[1] == busy
 
 
 def test_eval_from_skips_the_early_evaluations_but_never_the_last(tmp_path: Path, corpus_path: Path) -> None:

@@ -27,6 +27,7 @@ from common.runtime import (
     DTYPES,
     Runtime,
     check_memory,
+    cpu_matmul_flops,
     datasheet_peak,
     make_directory,
     make_runtime,
@@ -51,6 +52,7 @@ from training.trainer import (
     MetricsLog,
     Trainer,
     TrainResult,
+    _duration,
     drop_records_after,
     make_optimizer,
 )
@@ -263,9 +265,33 @@ def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_open
     trainer.metrics.write_settings(trainer.progress.iter, settings)
     if config.wandb.enabled:
         trainer.metrics.start_wandb(config.wandb, dataclasses.asdict(config))
-    if trainer.eval_due():  # it may take a while before the first log line
+    evaluating = trainer.eval_due()
+    if evaluating:  # it may take a while before the first log line
         val = "every window" if train.full_val else f"{train.eval_iters} batches"
         log.info(f"evaluating at iter {trainer.progress.iter}: {train.eval_iters} batches of train, {val} of val")
+    if 0 < train.max_iters <= train.warmup_iters:
+        log.warning(f"train.max_iters={train.max_iters} <= train.warmup_iters={train.warmup_iters}: the learning rate "
+                    f"only warms up, never decays; lower train.warmup_iters (say {train.max_iters // 10}) or raise "
+                    "train.max_iters")
+    tokens = train.batch_size * trainer.model.config.block_size  # a batch's
+    val_batches = sum(trainer.data.val.lengths) / tokens if train.full_val else train.eval_iters
+    steps = min(train.log_interval, train.max_iters - trainer.progress.iter)  # to the first log line
+    batches = steps * train.grad_accum + evaluating * (train.eval_iters + val_batches) / 3  # a forward: 1/3 of a step
+    flops = batches * tokens * trainer.flops_per_token
+    if trainer.runtime.device.type == "cpu" and flops > 30e9 * torch.get_num_threads():  # 30 s at 1 GFLOP/s a thread
+        _warn_of_the_wait(flops / trainer.world.size, steps, evaluating)
+
+
+def _warn_of_the_wait(flops: float, steps: int, evaluating: bool) -> None:
+    """Said at start when even this CPU's matmul rate puts the first log line over 30 s away (a long context, a GPU's
+    preset), not after a silent hour."""
+    peak = torch.get_num_threads() * cpu_matmul_flops(1)
+    if flops / peak > 30:
+        first = "the first evaluation and " if evaluating else ""
+        log.warning(f"the first log line is at least {_duration(flops / peak)} away: {first}{steps} steps need "
+                    f"{flops:.1e} FLOPs, at this CPU's {peak / 1e9:.0f} GFLOP/s of matmuls; lower model.block_size, "
+                    "train.batch_size or train.eval_iters, or use a CPU preset or a GPU (Ctrl-C waits for the torch "
+                    "op under way)")
 
 
 def _cut_history(out_dir: Path, iter: int, settings: dict[str, Any]) -> None:

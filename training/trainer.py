@@ -20,7 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.errors import DiskFull, TrainingDiverged, first_line
-from common.runtime import Runtime, open_for_appending, synchronize, unless_disk_full, write_text_atomically
+from common.runtime import (
+    Runtime,
+    cpu_matmul_flops,
+    open_for_appending,
+    synchronize,
+    unless_disk_full,
+    write_text_atomically,
+)
 from data.prepare import EVAL_WINDOWS, TRAIN_WINDOWS, PreparedData, batch_generator, every_window, get_batch
 from data.tokenizers import Tokenizer
 from evals.hellaswag import Example, hellaswag_sums
@@ -56,7 +63,8 @@ class TrainResult:
 @dataclass
 class StopRequests:
     """Ctrl-C and SIGTERM while the loop runs: noted, so the step under way finishes and a checkpoint is written. A
-    second one quits at once, except under torchrun, whose ranks may get two at once (torchrun kills what lingers)."""
+    second one quits at once, except under torchrun, whose ranks may get two at once (torchrun kills what lingers).
+    Python runs a handler only between torch ops: one op that takes minutes holds off both."""
 
     second_quits: bool
     signal: signal.Signals | None = None  # the first one received
@@ -248,7 +256,8 @@ class Trainer:
     def log_line(self, lr: float, eta_from: tuple[float, int]) -> None:
         """The mean loss of the steps applied since the last line; tokens/s and MFU over the steps since the line or
         evaluation before (the first step left out); the time left at the pace since eta_from, evaluations and
-        checkpoints included. Reading the tally here is the loop's one wait for the device."""
+        checkpoints included. Reading the tally here is the loop's one wait for the device. On a CPU, the first timed
+        line is followed by a warning when other processes keep the threads waiting on each other."""
         progress, train = self.progress, self.config.train
         tally = self.tally.tolist()
         self.check_skips(tally=tally)
@@ -268,6 +277,14 @@ class Trainer:
             left = max(0, train.max_iters - progress.iter)
             record["eta_s"] = round((now - eta_from[0]) / max(1, progress.iter - eta_from[1]) * left, 1)
         self.metrics.write(record)
+        first_timed = steps and progress.iter - eta_from[1] <= train.log_interval and self.world.is_main
+        if first_timed and self.runtime.device.type == "cpu" and (threads := torch.get_num_threads()) > 1:
+            slowdown = cpu_matmul_flops(1) / cpu_matmul_flops(threads)  # 0.5 on 2 free cores, 6-42 on busy ones
+            self.timed_from = (time.perf_counter(), progress.iter)  # the next line's timing leaves these out
+            if slowdown > 2:
+                log.warning(f"the CPU is busy: torch's {threads} threads wait on each other (a matmul takes "
+                            f"{slowdown:.0f}x as long on them as on one thread); run with no more threads than free "
+                            "cores, e.g. OMP_NUM_THREADS=1 python train.py ...")
 
     def elapsed(self) -> float:
         """The run's wall time, its earlier processes included."""

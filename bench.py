@@ -43,7 +43,7 @@ from model import GPT, GPTConfig, causal_mask, masked_attention
 from model.attention import windowed_attention
 from model.gpt import Decoding
 from training.run import OptimConfig, TrainRunConfig, register_schemas, train
-from training.trainer import read_records
+from training.run_dir import read_records
 
 REPO = Path(__file__).resolve().parent
 NANOGPT_SAMPLING = {"temperature": 0.8, "top_k": 200}  # nanoGPT's sample.py defaults, ours too

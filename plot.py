@@ -40,7 +40,7 @@ from scipy import stats
 from common.config import fail, shown
 from common.errors import DiskFull
 from common.runtime import write_atomically
-from training.trainer import CONFIG_NAME, METRICS_NAME, read_records
+from training.run_dir import CONFIG_NAME, METRICS_NAME, read_records
 
 IGNORED_KEYS = ("out_dir", "resume", "resume_with_changes")  # differ between runs without saying anything about them
 KEYS_WIDTH = 60  # the table's "differing keys" column wraps at this width, the legend at twice it

@@ -3,8 +3,6 @@
 import logging
 import signal
 import sys
-from collections.abc import Callable
-from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -12,7 +10,6 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from common.config import exit_on_user_error, presets, run_hydra
-from common.runtime import write_text_atomically
 from training.resume import CONFIG_GROUPS, resumed_config
 from training.run import TrainRunConfig, register_schemas, train
 
@@ -70,24 +67,16 @@ def main(cfg: DictConfig) -> None:
     with exit_on_user_error(job):
         if cfg.resume:
             cfg = resumed_config(cfg, list(task), TrainRunConfig)
-        result = train(cfg, on_run_opened=_hydra_files(cfg, hydra_cfg))
+        result = train(cfg, hydra_record=_hydra_record(cfg, hydra_cfg))
     if result.stopped_by is not None:
         sys.exit(128 + signal.Signals[result.stopped_by].value)  # the shell's convention for "killed by"
 
 
-def _hydra_files(cfg: DictConfig, hydra_cfg: DictConfig) -> Callable[[Path], None]:
-    """Hydra's record of the command in .hydra/, written once the run holds out_dir (Hydra itself doesn't)."""
+def _hydra_record(cfg: DictConfig, hydra_cfg: DictConfig) -> dict[str, str]:
+    """Hydra's record of the command, for out_dir/.hydra/ (Hydra itself writes none: the run does, once it holds
+    out_dir); interpolations unresolved."""
     records = {"config.yaml": cfg, "hydra.yaml": {"hydra": hydra_cfg}, "overrides.yaml": hydra_cfg.overrides.task}
-    records = {name: OmegaConf.to_yaml(record) for name, record in records.items()}  # interpolations unresolved
-
-    def save(out_dir: Path) -> None:
-        if cfg.resume and (out_dir / ".hydra" / "hydra.yaml").is_file():
-            return  # the record of the command that started the run stays: a resume reads its config groups
-        (out_dir / ".hydra").mkdir(exist_ok=True)
-        for name, text in records.items():
-            write_text_atomically(out_dir / ".hydra" / name, text)
-
-    return save
+    return {name: OmegaConf.to_yaml(record) for name, record in records.items()}
 
 
 if __name__ == "__main__":

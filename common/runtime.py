@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import glob
 import os
 import re
 import shutil
-import stat
 import sys
 import time
 import timeit
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import BinaryIO
 
 import torch
 
@@ -126,15 +124,12 @@ def unless_disk_full(path: Path) -> Iterator[None]:
         raise DiskFull(f"{path} not written: {where}") from None
 
 
-def temporary_beside(path: Path) -> Path:
-    """This process's temporary for `path`: another writer, even one that bypassed a lock, never renames it."""
-    return path.with_name(f"{path.name}.{os.getpid()}.tmp")
-
-
 def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """write(f) fills a new temporary beside `path`, synced, then renamed over it: a reader sees one whole file, and
-    the directory synced makes the rename durable (Windows can't open a directory, some filesystems can't sync one)."""
-    tmp = temporary_beside(path)
+    """write(f) fills PATH.tmp, synced, then renamed over `path`: a reader sees one whole file, and the directory synced
+    makes the rename durable (Windows can't open a directory, some filesystems can't sync one). One writer at a time
+    (a run's lock, a data folder's): a killed writer's PATH.tmp is overwritten; a link there is removed, never
+    written through."""
+    tmp = path.with_name(f"{path.name}.tmp")
     try:
         with unless_disk_full(path):
             tmp.unlink(missing_ok=True)
@@ -155,25 +150,6 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     except OSError as err:
         if err.errno not in (errno.EACCES, errno.EPERM, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF):
             raise
-
-
-def remove_dead_temporaries(path: Path) -> None:
-    """Delete `path`'s temporaries whose writer was killed (nobody will rename them), and no other file."""
-    if sys.platform == "win32":  # os.kill(pid, 0) would send Ctrl-C there
-        return
-    for tmp in path.parent.glob(f"{glob.escape(path.name)}.*.tmp"):
-        pid = tmp.name[len(path.name) + 1 : -len(".tmp")]
-        if pid.isdigit() and not _running(int(pid)) and tmp.is_file() and not tmp.is_symlink():
-            with contextlib.suppress(OSError):  # gone already, or another user's
-                tmp.unlink()
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (OSError, OverflowError) as err:  # ESRCH: gone; another user's (EPERM) or no process id at all: left alone
-        return not isinstance(err, ProcessLookupError)
-    return True
 
 
 def write_text_atomically(path: Path, text: str) -> None:
@@ -224,22 +200,3 @@ def _not_made(err: OSError, path: Path, named: str) -> Exception:
     if err.errno in FULL_ERRNOS:
         return DiskFull(f"{named} not made: the disk holding it is full (no space or no inodes left)")
     return err
-
-
-def open_for_appending(path: Path) -> TextIO:
-    """A log file to append to. A symbolic link there is refused (never written through), and so is anything but a
-    regular file: a FIFO would block the run forever (O_NONBLOCK: refused before any wait)."""
-    nonblocking = getattr(os, "O_NONBLOCK", 0)
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
-    try:
-        handle = os.open(path, flags | nonblocking, 0o644)
-    except OSError as err:  # ELOOP: a link; ENXIO: a FIFO nobody reads; EISDIR: a directory
-        if err.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
-            raise
-        raise DataError(f"{path} {why_not_a_file(path)}; a run never writes through one: remove it") from None
-    if not stat.S_ISREG(os.fstat(handle).st_mode):
-        os.close(handle)
-        raise DataError(f"{path} {why_not_a_file(path)}; a run never writes through one: remove it")
-    if nonblocking:
-        os.set_blocking(handle, True)
-    return open(handle, "a", encoding="utf-8")

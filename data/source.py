@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import http.client
 import io
+import os
 import shutil
 import urllib.request
 from collections.abc import Iterator
@@ -12,14 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import DataError
-from common.runtime import replace_file, temporary_beside
+from common.runtime import replace_file
 
 _READ_BYTES = 1 << 22  # 4 MiB a read: the decoded piece and its ids take a few times that
 
 
 def download(url: str, cached_copy: Path, offline: str) -> Path:
     """`url` saved whole as cached_copy, or not at all; `offline`: how to do without it, for the one-line error."""
-    tmp = temporary_beside(cached_copy)
+    tmp = cached_copy.with_name(f"{cached_copy.name}.{os.getpid()}.tmp")  # its own: the shared cache has no lock
     try:
         with urllib.request.urlopen(url, timeout=30) as response:
             cached_copy.parent.mkdir(parents=True, exist_ok=True)

@@ -22,9 +22,10 @@ from common.runtime import DEVICES, DTYPES, Runtime, check_memory, why_not_a_fil
 from data.source import read_utf8
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer, tokenizer_from_metadata
 from model import GPT
-from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
+from model.checkpoint import Checkpoint, load_checkpoint
 from model.gpt import ATTN_IMPLS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, Decoding, row_generators
 from model.hf_gpt2 import load_pretrained
+from training.run_dir import BEST_NAME, CKPT_NAME
 
 GPT2_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's BPE
 SEPARATOR = "\n---------------\n"  # after each sample, as nanoGPT's sample.py prints them

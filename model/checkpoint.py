@@ -11,7 +11,7 @@ import zipfile
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import torch
 from omegaconf.errors import OmegaConfBaseException
@@ -19,11 +19,9 @@ from torch import nn
 
 from common.config import check_fields, check_override, option, typed_config
 from common.errors import CheckpointError, ConfigError
-from common.runtime import check_regular_file, write_atomically
+from common.runtime import check_regular_file
 from model.gpt import GPT, GPTConfig
 
-CKPT_NAME = "ckpt.pt"  # the latest state, to resume from
-BEST_NAME = "best.pt"  # with train.keep_best: the state of the lowest val loss so far
 # Options removed from the model, dropped on load: the first two only when off (on, the weights have parts this
 # model lacks), zero_init_proj always (it only changed the initial weights).
 REMOVED_OPTIONS = ("value_embeds", "untied_head", "zero_init_proj")
@@ -55,6 +53,10 @@ class Checkpoint:
     rng: list[dict[str, Any]] = field(default_factory=list)  # each rank's dropout generators, in rank order
     dtype: str = ""  # the precision the run trained in (float32, bfloat16, float16); "": not recorded
     built: GPT | None = field(default=None, repr=False)  # the model the weights fill, made once by from_dict
+
+    def write(self, f: BinaryIO) -> None:
+        """The file's bytes: torch.save of to_dict() (RunDir.write makes the write atomic)."""
+        torch.save(self.to_dict(), f)
 
     def to_dict(self) -> dict[str, Any]:
         flat = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("progress", "built")}
@@ -101,7 +103,7 @@ class Checkpoint:
             raise CheckpointError(f"{path} holds no tokenizer: it wasn't written by train.py")
         return self.tokenizer
 
-    def optimizer_state_for(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    def optimizer_state_for(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """The optimizer state keyed by name (from_dict named older files' positions), each group with this run's
         kernel: one saved unfused (an older MPS run's) would refuse the found_inf that skips a non-finite step."""
         if self.optimizer is None:
@@ -239,11 +241,6 @@ def _upgraded(old: dict[str, Any]) -> dict[str, Any]:
     new["rng"] = [new["rng"]] if isinstance(new["rng"], dict) else new["rng"]
     new["scaler"] = new["scaler"] or {}
     return new
-
-
-def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
-    """Written whole or not at all (write_atomically): a crash or a full disk leaves the previous file as it was."""
-    write_atomically(path, lambda f: torch.save(checkpoint.to_dict(), f))
 
 
 def load_checkpoint(path: Path, resuming: bool = False) -> Checkpoint:

@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 
 from bench import MEMORY_PROBES, adamw_step, probe_row  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from training.trainer import CONFIG_NAME, METRICS_NAME, read_records  # noqa: E402
+from training.run_dir import CONFIG_NAME, METRICS_NAME, read_records  # noqa: E402
 
 # Seconds each step takes on one H100 (docs/gpu.md: how each is estimated); a step may take twice its estimate
 ESTIMATE_S = {"preflight": 5, "gpt2": 125, "speedrun_gpu": 130, "shakespeare": 75, "cuda steps": 10, "memory": 30,

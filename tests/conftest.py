@@ -33,6 +33,8 @@ from tiktoken_ext.openai_public import r50k_pat_str
 
 import inference.sampling
 import training.run
+from model.checkpoint import Checkpoint
+from training.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
@@ -332,3 +334,8 @@ def server(served_run: Path) -> Iterator[ServeProcess]:
     yield server
     _, stderr = server.stop()
     assert "Traceback" not in stderr, stderr
+
+
+def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
+    """A checkpoint written as a run writes it: through its RunDir, whole or not at all."""
+    RunDir(path.parent).write(path.name, checkpoint.write)

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import training.trainer
 from conftest import compose_config, run_in_process, tiny_run_overrides
 from inference.sampling import load_model
-from model.checkpoint import BEST_NAME, CKPT_NAME, load_checkpoint
+from model.checkpoint import load_checkpoint
 from training.run import train
+from training.run_dir import BEST_NAME, CKPT_NAME, RunDir
 from training.trainer import Losses, Trainer
 
 SCRIPTED_VAL = {0: 3.0, 2: 2.0, 4: 2.5, 6: 2.2, 8: 2.6, 10: 2.7}  # iteration -> val loss: the best is at 2
@@ -39,9 +39,9 @@ def run(tmp_path: Path, corpus: Path, keep_best: bool, max_iters: int = 6, resum
 def test_best_pt_holds_the_lowest_val_loss_and_ckpt_pt_the_latest(
     tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    saves, save = [], training.trainer.save_checkpoint  # (iteration, file) of every checkpoint written, in order
-    monkeypatch.setattr(training.trainer, "save_checkpoint",
-                        lambda path, c: saves.append((c.progress.iter, path.name)) or save(path, c))
+    saves, write = [], RunDir.write  # (iteration, file) of every checkpoint written, in order
+    monkeypatch.setattr(RunDir, "write", lambda run_dir, name, fill: (name.endswith(".pt") and saves.append(
+        (fill.__self__.progress.iter, name))) or write(run_dir, name, fill))
     caplog.set_level(logging.INFO, logger="train")
     out = run(tmp_path, corpus_path, keep_best=True)
     best, latest = load_checkpoint(out / BEST_NAME), load_checkpoint(out / CKPT_NAME)

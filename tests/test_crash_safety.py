@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from common.errors import ConfigError, DiskFull
-from conftest import compose_config, tiny_run_overrides
+from conftest import compose_config, save_checkpoint, tiny_run_overrides
 from model import GPT, GPTConfig
-from model.checkpoint import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
+from model.checkpoint import Checkpoint, Progress, load_checkpoint
 from training.run import train
-from training.trainer import METRICS_NAME, MetricsLog
+from training.run_dir import CKPT_NAME, METRICS_NAME, RunDir
+from training.trainer import MetricsLog
 
 # Dropout on, so the restored random state matters; 40 iterations, evaluated every 10, logged every 3: a stop
 # falls inside a log line's window, whose losses so far the checkpoint keeps.
@@ -229,7 +230,7 @@ def test_numpys_full_disk_without_an_errno_is_one_line_and_prepares_nothing(
 
 
 def test_a_full_disk_under_metrics_jsonl_is_one_line(tmp_path: Path) -> None:
-    log = MetricsLog(tmp_path)
+    log = MetricsLog(RunDir(tmp_path))
     log.write({"iter": 1, "train_loss": 1.0, "lr": 1e-3})
     before = (tmp_path / METRICS_NAME).read_bytes()
     with mock.patch("builtins.open", side_effect=OSError(errno.EDQUOT, "Disk quota exceeded")):

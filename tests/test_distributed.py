@@ -21,9 +21,10 @@ from torch.distributed.fsdp import fully_shard
 from common.config import typed_config
 from common.errors import ConfigError
 from conftest import REPO, built_once, compose_config, run_in_process, tiny_run_overrides, wait_for_text
-from model.checkpoint import CKPT_NAME, load_checkpoint
+from model.checkpoint import load_checkpoint
 from training.distributed import World, close_process_group
 from training.run import TrainRunConfig, check_for_world, train
+from training.run_dir import CKPT_NAME
 from training.trainer import split_across_ranks
 
 # Four micro-batches a step: one process runs all four, each of two processes two (gradients reduced on the

@@ -25,9 +25,10 @@ from evals.perplexity import score_sequences, windows
 from inference.eval_run import run_eval
 from inference.sampling import EvalConfig
 from model import GPT, GPTConfig
-from model.checkpoint import CKPT_NAME, load_checkpoint
+from model.checkpoint import load_checkpoint
 from training.distributed import World
 from training.run import OptimConfig, TrainRunConfig, train
+from training.run_dir import CKPT_NAME
 from training.trainer import Evaluator, split_across_ranks
 
 HELLASWAG = [

@@ -18,9 +18,10 @@ from omegaconf import OmegaConf
 from common.config import typed_config
 from conftest import CONFIGS, REPO, compose_config, run_in_process, start_script, tiny_run_overrides, wait_for_text
 from data.prepare import KNOWN_TEXTS, DataConfig, ensure_prepared
-from model.checkpoint import CKPT_NAME, load_checkpoint
+from model.checkpoint import load_checkpoint
 from training.resume import resume_argument
 from training.run import TrainRunConfig, train
+from training.run_dir import CKPT_NAME
 from training.trainer import lr_at
 
 UNREACHABLE = "http://127.0.0.1:9/input.txt"  # the discard port: a download fails at once, offline or not
@@ -316,9 +317,11 @@ def test_a_train_log_the_disk_cannot_take_costs_no_traceback(
     tmp_path: Path, corpus_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a full disk the log handler's own errors (97 lines, 3 tracebacks) hid the one line saying why."""
-    import training.run
+    import training.run_dir
 
-    monkeypatch.setattr(training.run, "open_for_appending", lambda path: open("/dev/full", "a", encoding="utf-8"))
+    opened = open
+    monkeypatch.setattr(training.run_dir, "open", lambda path, *args, **kwargs: opened(
+        "/dev/full" if Path(path).name == "train.log" else path, *args, **kwargs), raising=False)
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 2})))
     err = capsys.readouterr().err
     assert "Logging error" not in err and "Traceback" not in err, err

@@ -16,8 +16,6 @@ import random
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -33,11 +31,12 @@ from conftest import compose_config, run_in_process, run_script, start_script, t
 from data.prepare import DataConfig, ensure_prepared
 from inference.sampling import EvalConfig, SampleConfig, load_model, read_prompt
 from model import GPT, GPTConfig
-from model.checkpoint import CKPT_NAME, Checkpoint, load_checkpoint
+from model.checkpoint import Checkpoint, load_checkpoint
 from training.distributed import World
 from training.resume import CONFIG_GROUPS
 from training.run import OptimConfig, TrainRunConfig, WandbConfig, check_fits, train
-from training.trainer import METRICS_NAME, MetricsLog, drop_records_after, read_records
+from training.run_dir import CKPT_NAME, METRICS_NAME, RunDir, read_records
+from training.trainer import MetricsLog
 
 FAST = {"train.max_iters": 4, "train.eval_interval": 2, "train.log_interval": 1}
 
@@ -163,8 +162,9 @@ def test_a_fifo_where_a_file_is_read_or_written_is_refused_not_waited_on(tmp_pat
     from evals.hellaswag import hellaswag_path
 
     pipe, meta = tmp_path / "pipe", tmp_path / "d" / "meta.json"
-    ckpt, log = tmp_path / "r" / "run" / CKPT_NAME, tmp_path / "l" / "run" / "train.log"
-    for path in (pipe, meta, ckpt, log, tmp_path / METRICS_NAME):
+    ckpt, log, metrics = (tmp_path / run / "run" / name for run, name in (("r", CKPT_NAME), ("l", "train.log"),
+                                                                          ("m", METRICS_NAME)))
+    for path in (pipe, meta, ckpt, log, metrics):
         path.parent.mkdir(parents=True, exist_ok=True)
         os.mkfifo(path)
     data = {"data.dir": tmp_path / "data"}
@@ -175,7 +175,7 @@ def test_a_fifo_where_a_file_is_read_or_written_is_refused_not_waited_on(tmp_pat
         (meta, lambda: ensure_prepared(DataConfig(input=str(corpus_path), dir=str(meta.parent)))),
         (ckpt, lambda: train(compose_config(tiny_run_overrides(tmp_path / "r", corpus_path, resume=True, **data)))),
         (log, lambda: train(compose_config(tiny_run_overrides(tmp_path / "l", corpus_path, **data)))),
-        (tmp_path / METRICS_NAME, lambda: MetricsLog(tmp_path).write({"iter": 1, "train_loss": 1.0})),
+        (metrics, lambda: train(compose_config(tiny_run_overrides(tmp_path / "m", corpus_path, **data)))),
     ]
     faulthandler.dump_traceback_later(60, exit=True)  # a blocked open ends the session, saying where, not hangs it
     try:
@@ -209,7 +209,7 @@ def test_wandb_that_cannot_start_is_one_warning_and_training_goes_on(
 
     no_network = wandb.errors.CommError("Run initialization has timed out after 3.0 sec.\nPlease retry.")
     monkeypatch.setattr(wandb, "init", mock.Mock(side_effect=no_network))
-    metrics = MetricsLog(tmp_path)
+    metrics = MetricsLog(RunDir(tmp_path))
     metrics.start_wandb(WandbConfig(enabled=True, init_timeout=3.0), {})
     assert wandb.init.call_args.kwargs["settings"].init_timeout == 3.0
     assert metrics.wandb_run is None and caplog.messages == [
@@ -431,7 +431,7 @@ def test_metrics_jsonl_loses_only_damaged_lines_and_records_after_the_checkpoint
     assert (run / METRICS_NAME).read_bytes() == history
     assert sorted(p.name for p in run.iterdir()) == [CKPT_NAME, METRICS_NAME]
     assert read_records(run) == (good, 2)  # plot.py's warning for the damaged ones: tests/test_stats.py
-    drop_records_after(run, 1)
+    RunDir(run).cut_history(1)
     assert (run / METRICS_NAME).read_bytes() == lines[0]
 
 
@@ -513,17 +513,17 @@ def test_sample_py_says_what_is_wrong_with_its_settings_in_one_line(
     assert says in result.stderr
 
 
-def test_a_start_removes_its_killed_writers_temporaries_and_nothing_else(tmp_path: Path, corpus_path: Path) -> None:
-    """ckpt.pt.PID.tmp of a writer killed mid-write stayed forever (up to 100 MB each)."""
-    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead, alive = int(finished.stdout), os.getppid()  # that process has exited; pytest's parent runs
+def test_a_killed_writers_temporary_is_overwritten_and_never_read(tmp_path: Path, corpus_path: Path) -> None:
+    """The lock makes a run its directory's one writer: what a writer killed mid-write left in ckpt.pt.tmp (up to
+    100 MB) is neither read nor kept; a link there is removed, its target untouched."""
     run = tmp_path / "run"
     run.mkdir()
-    kept = [f"ckpt.pt.{alive}.tmp", "notes.tmp", f"thesis.{dead}.tmp"]  # a live writer's, and the user's own
-    for name in [f"ckpt.pt.{dead}.tmp", f"metrics.jsonl.{dead}.tmp", f"best.pt.{dead}.tmp", *kept]:
-        (run / name).write_bytes(b"partial")
+    (tmp_path / "elsewhere").write_text("the user's own\n")
+    (run / "ckpt.pt.tmp").write_bytes(b"partial")
+    (run / "config.yaml.tmp").symlink_to(tmp_path / "elsewhere")
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **FAST)))
-    assert sorted(p.name for p in run.glob("*.tmp")) == sorted(kept)
+    assert not list(run.glob("*.tmp")) and load_checkpoint(run / CKPT_NAME).progress.iter == FAST["train.max_iters"]
+    assert (tmp_path / "elsewhere").read_text() == "the user's own\n"
 
 
 def test_attention_dir_never_overwrites_the_users_files(trained_run: Path, tmp_path: Path) -> None:

@@ -20,9 +20,10 @@ from filelock import FileLock
 import common.runtime
 import training.run
 from common.runtime import Runtime, make_runtime
-from conftest import compose_config, sample_py, tiny_run_overrides, train_py, user_error
+from conftest import compose_config, sample_py, save_checkpoint, tiny_run_overrides, train_py, user_error
 from model import GPT, GPTConfig
-from model.checkpoint import CKPT_NAME, Checkpoint, Progress, load_checkpoint, save_checkpoint
+from model.checkpoint import Checkpoint, Progress, load_checkpoint
+from training.run_dir import CKPT_NAME
 
 
 def _checkpoint() -> Checkpoint:
@@ -53,7 +54,7 @@ def test_a_checkpoint_goes_through_its_own_temporary_fsynced_with_its_directory_
     monkeypatch.setattr(common.runtime.os, "fsync", fsync)
     monkeypatch.setattr(common.runtime.os, "replace", lambda src, dst: (renamed.append(src), real_replace(src, dst)))
     save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
-    assert synced == [False, True] and [Path(p).name for p in renamed] == [f"{CKPT_NAME}.{os.getpid()}.tmp"]
+    assert synced == [False, True] and [Path(p).name for p in renamed] == [f"{CKPT_NAME}.tmp"]
     failure = errno.EIO
     with pytest.raises(OSError, match="Input/output error"):
         save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())

@@ -12,8 +12,9 @@ from omegaconf import OmegaConf
 from common.errors import CheckpointError, ConfigError
 from conftest import CONFIGS, MODERN, REACHES_TARGET, TINY_BPE, compose_config, sample_py, tiny_run_overrides
 from model import GPTConfig
-from model.checkpoint import CKPT_NAME, load_checkpoint
+from model.checkpoint import load_checkpoint
 from training.run import train
+from training.run_dir import CKPT_NAME
 from training.trainer import lr_at
 
 TEN = {"train.max_iters": 10}

@@ -18,9 +18,10 @@ from common.errors import TrainingDiverged
 from common.runtime import make_runtime
 from conftest import compose_config, tiny_run_overrides
 from data.prepare import TRAIN_WINDOWS, every_window, get_batch
-from model.checkpoint import CKPT_NAME, load_checkpoint
+from model.checkpoint import load_checkpoint
 from training.distributed import World
 from training.run import TrainRunConfig, build_trainer, train
+from training.run_dir import CKPT_NAME
 from training.trainer import Trainer, lr_at, sample_table
 
 

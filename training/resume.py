@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from common.config import shown
 from common.errors import CheckpointError, ConfigError
 from model import GPTConfig
-from model.checkpoint import CKPT_NAME, Checkpoint, saved_config
+from model.checkpoint import Checkpoint, saved_config
+from training.run_dir import CKPT_NAME
 
 log = logging.getLogger("train")
 CONFIG_GROUPS = ("experiment", "model", "data")  # train.py's Hydra groups: configs/<group>/NAME.yaml, as group=NAME

@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from filelock import FileLock, Timeout
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from common.config import SEED_MAX, check_fields, option, typed_config
-from common.errors import CheckpointError, ConfigError, RunLocked
+from common.errors import CheckpointError, ConfigError
 from common.runtime import (
     DEVICES,
     DTYPES,
@@ -29,37 +28,29 @@ from common.runtime import (
     check_memory,
     cpu_matmul_flops,
     datasheet_peak,
-    make_directory,
     make_runtime,
-    open_for_appending,
-    remove_dead_temporaries,
-    write_text_atomically,
 )
 from data.prepare import DataConfig, PreparedData, ensure_prepared
 from data.tokenizers import Tokenizer, tokenizer_from_metadata
 from evals.hellaswag import hellaswag_path, load_examples
 from model import GPT, GPTConfig
-from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, load_checkpoint
+from model.checkpoint import Checkpoint, load_checkpoint
 from model.hf_gpt2 import SETTINGS as PRETRAINED_SETTINGS
 from model.hf_gpt2 import load_pretrained
 from training.distributed import World, world_from_env
 from training.resume import check_resume, check_same_shape
+from training.run_dir import BEST_NAME, CKPT_NAME, CONFIG_NAME, METRICS_NAME, RunDir
 from training.trainer import (
-    CONFIG_NAME,
-    METRICS_NAME,
     Evaluator,
     HellaSwagEval,
     MetricsLog,
     Trainer,
     TrainResult,
     _duration,
-    drop_records_after,
     make_optimizer,
 )
 
 log = logging.getLogger("train")
-LOG_NAME = "train.log"  # the run's console output, appended to by each resume
-LOCK_NAME = ".lock"  # held by the run writing the directory; the OS releases it however the run ends
 
 
 OPTIMIZERS = ("adamw", "muon")
@@ -192,8 +183,9 @@ def register_schemas() -> None:
 
 
 def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] = lambda it: None,
-          on_run_opened: Callable[[Path], None] = lambda out_dir: None) -> TrainResult:
-    """Nothing is written until every check has passed; then on_run_opened(out_dir) on rank 0 (Hydra's files)."""
+          hydra_record: dict[str, str] | None = None) -> TrainResult:
+    """Nothing is written until every check has passed. hydra_record: Hydra's record of the command (name: YAML), for
+    out_dir/.hydra/ (a resume keeps the record of the command that started the run)."""
     world = world_from_env()
     if not world.is_main:
         log.setLevel(logging.WARNING)  # one voice: rank 0's
@@ -207,7 +199,7 @@ def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] =
             return finished
         with contextlib.ExitStack() as held:
             if world.is_main:  # should this fail, torchrun stops the other ranks
-                open_run_directory(trainer, held, on_run_opened)
+                open_run_directory(trainer, held, hydra_record or {})
             world.barrier()
             result = trainer.fit()
             world.barrier()  # leave together: none tears its process group down while rank 0 still writes
@@ -216,37 +208,10 @@ def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] =
         world.close()
 
 
-class RunLog(logging.StreamHandler):
-    """train.log. A line the disk can't take is dropped without a traceback: the one line that says why the run
-    stopped (a full disk) is then what the console shows."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(open_for_appending(path))
-        self.setFormatter(logging.Formatter("%(message)s"))
-
-    def handleError(self, record: logging.LogRecord) -> None:
-        """A failed write: dropped (the console has the line)."""
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):  # what a full disk left in the buffer
-            self.stream.close()
-        super().close()
-
-
-def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_opened: Callable[[Path], None]) -> None:
-    """out_dir made and locked for the run's life, train.log opened; the history cut back to the checkpoint."""
-    out_dir, config, train = trainer.out_dir, trainer.config, trainer.config.train
-    make_directory(out_dir, f"out_dir={out_dir}")  # a file there, no permission, a full disk: one line
-    try:
-        held.enter_context(FileLock(out_dir / LOCK_NAME, timeout=0))
-    except Timeout:
-        raise RunLocked(f"out_dir={out_dir} is being written by another run; wait for it to end or stop it, or use "
-                        "another out_dir") from None
-    for name in (CKPT_NAME, BEST_NAME, METRICS_NAME, CONFIG_NAME):  # a killed writer's: nobody will rename them
-        remove_dead_temporaries(out_dir / name)
-    handler = held.enter_context(contextlib.closing(RunLog(out_dir / LOG_NAME)))
-    logging.getLogger().addHandler(handler)
-    held.callback(logging.getLogger().removeHandler, handler)
+def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, hydra_record: dict[str, str]) -> None:
+    """out_dir opened for the run's life (RunDir.open); the history cut back to the checkpoint; the config written."""
+    run_dir, out_dir, config, train = trainer.run_dir, trainer.out_dir, trainer.config, trainer.config.train
+    run_dir.open(held)
     world, peak = trainer.world, trainer.peak_flops
     processes = f", {world.size} processes ({train.parallel})" if world.distributed else ""
     mfu = "" if peak is None else f"; MFU against {peak / world.size / 1e12:.3g} TFLOP/s per process"
@@ -256,12 +221,15 @@ def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, on_run_open
     settings = {"device": trainer.runtime.device.type, "train.dtype": trainer.runtime.dtype_name,  # for plot.py
                 "train.compile": hasattr(trainer.step_model, "_orig_mod"), "threads": torch.get_num_threads()}
     if config.resume:
-        _cut_history(out_dir, trainer.progress.iter, settings)
+        _cut_history(run_dir, trainer.progress.iter, settings)
     else:  # a run that died before its first ckpt.pt left these: not this run's
         (out_dir / METRICS_NAME).unlink(missing_ok=True)
         (out_dir / BEST_NAME).unlink(missing_ok=True)
-    on_run_opened(out_dir)
-    write_text_atomically(out_dir / CONFIG_NAME, OmegaConf.to_yaml(dataclasses.asdict(config)))
+    if not (config.resume and (out_dir / ".hydra" / "hydra.yaml").is_file()):  # a resume reads its config groups
+        for name, text in hydra_record.items():
+            (out_dir / ".hydra").mkdir(exist_ok=True)
+            run_dir.write_text(f".hydra/{name}", text)
+    run_dir.write_text(CONFIG_NAME, OmegaConf.to_yaml(dataclasses.asdict(config)))
     trainer.metrics.write_settings(trainer.progress.iter, settings)
     if config.wandb.enabled:
         trainer.metrics.start_wandb(config.wandb, dataclasses.asdict(config))
@@ -294,11 +262,11 @@ def _warn_of_the_wait(flops: float, steps: int, evaluating: bool) -> None:
                     "op under way)")
 
 
-def _cut_history(out_dir: Path, iter: int, settings: dict[str, Any]) -> None:
+def _cut_history(run_dir: RunDir, iter: int, settings: dict[str, Any]) -> None:
     """A resume drops a killed run's lines after its checkpoint, and warns where threads, device, precision or compile
     differ from the run's last start: they change the float sums' order, and plot.py groups runs by them."""
-    log.info(f"resuming {out_dir} at iter {iter}")
-    records = drop_records_after(out_dir, iter)
+    log.info(f"resuming {run_dir.path} at iter {iter}")
+    records = run_dir.cut_history(iter)
     saved = next((r["settings"] for r in reversed(records) if "settings" in r), {})
     changed = [f"{key} {saved[key]} -> {value}" for key, value in settings.items() if saved.get(key, value) != value]
     if changed:
@@ -325,6 +293,7 @@ def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime) -> Tra
     # Each rank's Hydra resolved ${now:} on its own clock: all write to rank 0's directory.
     config = dataclasses.replace(config, out_dir=world.all_gather(config.out_dir)[0])
     out_dir, train = Path(config.out_dir), config.train
+    run_dir = RunDir(out_dir)
     checkpoint = None
     if config.resume:
         checkpoint = load_checkpoint(out_dir / CKPT_NAME, resuming=True)
@@ -352,11 +321,11 @@ def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime) -> Tra
         peak = datasheet_peak(runtime.device, runtime.dtype)
     hellaswag = _hellaswag(train, tokenizer, model.config.block_size, runtime, world) if train.hellaswag_every else None
     trainer = Trainer(
-        config=config, world=world, runtime=runtime, out_dir=out_dir, data=data, tokenizer=tokenizer, model=model,
+        config=config, world=world, runtime=runtime, run_dir=run_dir, data=data, tokenizer=tokenizer, model=model,
         step_model=step_model, optimizer=make_optimizer(model, train, runtime),
         scaler=torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16),
         evaluator=Evaluator(data, train, config.seed, model.config.block_size, byte_lengths, runtime, world),
-        metrics=MetricsLog(out_dir, active=world.is_main, max_iters=train.max_iters), hellaswag=hellaswag,
+        metrics=MetricsLog(run_dir, active=world.is_main, max_iters=train.max_iters), hellaswag=hellaswag,
         flops_per_token=flops_per_token, peak_flops=peak * world.size if peak else None, started=started)
     if checkpoint is not None:
         trainer.restore(checkpoint)

@@ -20,24 +20,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.errors import DiskFull, TrainingDiverged, first_line
-from common.runtime import (
-    Runtime,
-    cpu_matmul_flops,
-    open_for_appending,
-    synchronize,
-    unless_disk_full,
-    write_text_atomically,
-)
+from common.runtime import Runtime, cpu_matmul_flops, synchronize
 from data.prepare import EVAL_WINDOWS, TRAIN_WINDOWS, PreparedData, batch_generator, every_window, get_batch
 from data.tokenizers import Tokenizer
 from evals.hellaswag import Example, hellaswag_sums
 from evals.perplexity import TextScore, token_sums
 from model import GPT
-from model.checkpoint import BEST_NAME, CKPT_NAME, Checkpoint, Progress, save_checkpoint
+from model.checkpoint import Checkpoint, Progress
 from model.gpt import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from training.distributed import World, full_state, gradient_sync, load_full_state
 from training.muon import MuonAdamW
 from training.resume import resume_command
+from training.run_dir import BEST_NAME, CKPT_NAME, METRICS_NAME, RunDir
 
 if TYPE_CHECKING:  # run.py, which builds the trainer, holds the config's schema
     from training.run import OptimConfig, TrainRunConfig, WandbConfig
@@ -93,7 +87,7 @@ class Trainer:
     config: TrainRunConfig
     world: World
     runtime: Runtime
-    out_dir: Path
+    run_dir: RunDir  # out_dir: every file the run writes goes through it
     data: PreparedData
     tokenizer: Tokenizer
     model: GPT  # the plain module: checkpoints hold its names (sharded in place under FSDP2)
@@ -111,6 +105,10 @@ class Trainer:
     checkpointed_iter: int | None = None  # the iteration ckpt.pt holds (None: none written yet), for messages
     tally: torch.Tensor | None = None  # sums on the device, so that no step waits for them (LOSS_SUM's slots)
     timed_from: tuple[float, int] | None = None  # perf_counter() and iter where the log line's timing began
+
+    @property
+    def out_dir(self) -> Path:
+        return self.run_dir.path
 
     def fit(self) -> TrainResult:
         """nanoGPT's loop, in which a step never waits for the device (under torchrun, only for the ranks' agreement
@@ -305,10 +303,10 @@ class Trainer:
                                 rng, self.runtime.dtype_name)
         try:
             if best:
-                save_checkpoint(self.out_dir / BEST_NAME, checkpoint)
+                self.run_dir.write(BEST_NAME, checkpoint.write)
                 log.info(f"{BEST_NAME}: iter {self.progress.iter}, val loss {self.progress.val_loss:.4f}")
             if latest:
-                save_checkpoint(self.out_dir / CKPT_NAME, checkpoint)
+                self.run_dir.write(CKPT_NAME, checkpoint.write)
                 self.checkpointed_iter = self.progress.iter
         except DiskFull as err:
             then = f"Free space, then resume: {resume_command(self.out_dir)}"
@@ -317,7 +315,7 @@ class Trainer:
     def restore(self, checkpoint: Checkpoint) -> None:
         """Continue a saved run exactly, but keep the config's optimizer hyperparameters (resume may change them)."""
         configured = [{k: group[k] for k in FROM_CONFIG if k in group} for group in self.optimizer.param_groups]
-        optimizer_state = checkpoint.optimizer_state_for(self.model, self.optimizer)
+        optimizer_state = checkpoint.optimizer_state_for(self.optimizer)
         load_full_state(self.model, self.optimizer, checkpoint.model, optimizer_state)
         for group, hyperparameters in zip(self.optimizer.param_groups, configured, strict=True):
             group.update(hyperparameters)
@@ -427,14 +425,12 @@ def lr_at(step: int, learning_rate: float, min_lr: float, warmup_iters: int, dec
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 
-METRICS_NAME = "metrics.jsonl"
-CONFIG_NAME = "config.yaml"  # the run's resolved config, for reading (plot.py groups runs by it)
 SPLIT_KEYS = {"train": 0, "val": 1}  # batch_generator's key for each split's own evaluation windows
 
 
 @dataclass
 class MetricsLog:
-    out_dir: Path
+    run_dir: RunDir
     active: bool = True  # False on every torchrun rank but 0
     max_iters: int | None = None  # for the console's "iter N/MAX"
     wandb_run: Any = None
@@ -446,7 +442,7 @@ class MetricsLog:
         try:
             self.wandb_run = wandb.init(  # mode None: wandb follows $WANDB_MODE, online by default
                 project=config.project, entity=config.entity, name=config.run_name, mode=config.mode,
-                tags=list(config.tags), group=config.group, config=run_config, dir=str(self.out_dir),
+                tags=list(config.tags), group=config.group, config=run_config, dir=str(self.run_dir.path),
                 settings=wandb.Settings(init_timeout=config.init_timeout))
         except Exception as err:  # no API key, no network, a refused login: the run matters more than its charts
             log.warning(f"wandb did not start ({first_line(err)}); training goes on without it, metrics.jsonl has "
@@ -455,18 +451,15 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.active:
             return
-        path = self.out_dir / METRICS_NAME
-        with unless_disk_full(path), open_for_appending(path) as f:
-            strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-            f.write(json.dumps(strict, allow_nan=False) + "\n")  # NaN and inf as null: _record reads them back as NaN
+        strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        self.run_dir.append(METRICS_NAME, json.dumps(strict, allow_nan=False))  # NaN and inf as null, read as NaN
         log.info(_readable(record, self.max_iters))
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
     def write_settings(self, iter: int, settings: dict[str, Any]) -> None:
         """What the run resolved that its config leaves open, for plot.py's groups: to the file only (rank 0's)."""
-        with open_for_appending(self.out_dir / METRICS_NAME) as f:
-            f.write(json.dumps({"iter": iter, "settings": settings}) + "\n")
+        self.run_dir.append(METRICS_NAME, json.dumps({"iter": iter, "settings": settings}))
 
     def close(self) -> None:
         if self.wandb_run is not None:
@@ -484,37 +477,6 @@ def sample_table(model: GPT, tokenizer: Tokenizer, first: int, runtime: Runtime,
     prompt, end = tokenizer.decode([first]), tokenizer.end_of_text
     texts = [tokenizer.decode(row[1:].tolist()) for row in rows]
     return [[prompt, prompt + (text.split(end)[0] if end else text)] for text in texts]
-
-
-def read_records(out_dir: Path) -> tuple[list[dict[str, Any]], int]:
-    """metrics.jsonl's records, and how many of its lines are damaged (cut short, not UTF-8) and left out."""
-    lines = (out_dir / METRICS_NAME).read_bytes().splitlines()
-    records = [record for record in map(_record, lines) if record]
-    return records, len(lines) - len(records)
-
-
-def drop_records_after(out_dir: Path, last_iter: int) -> list[dict[str, Any]]:
-    """On resume, drop lines written after the last checkpoint and damaged ones; the file is replaced whole (atomic).
-    Returns the records kept."""
-    path = out_dir / METRICS_NAME
-    if not path.is_file():
-        return []
-    kept = [(line, record) for line in path.read_bytes().splitlines() if (record := _record(line, last_iter))]
-    # each line ended: the next record starts on a line of its own
-    write_text_atomically(path, "".join(line.decode() + "\n" for line, _ in kept))
-    return [record for _, record in kept]
-
-
-def _record(line: bytes, last_iter: float = math.inf) -> dict[str, Any] | None:
-    """The line's record if it is whole and at or before last_iter, null (a NaN when written) read as NaN."""
-    try:
-        record = json.loads(line)  # bytes: decoded as UTF-8 (a bad byte is a ValueError too)
-    except (ValueError, RecursionError):  # RecursionError: brackets nested past Python's limit
-        return None
-    whole = isinstance(record, dict) and isinstance(record.get("iter"), int)
-    if not whole or record["iter"] > last_iter:
-        return None
-    return {k: math.nan if v is None else v for k, v in record.items()}
 
 
 def _readable(r: dict[str, Any], max_iters: int | None = None) -> str:

@@ -162,6 +162,7 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
         with contextlib.suppress(Measured):
             train(config, before_step=stop_when_measured)  # n iterations warm up (and compile), n are measured
         ours = read_records(Path(out_dir))[0][-1]
+    print(f"train.py: {ours['tokens_per_sec']:.0f} tokens/s", flush=True)  # before the references: a run cut short
 
     runtime = make_runtime(config.device, config.train.dtype)  # the run's precision, for the reference too
     data = ensure_prepared(config.data)
@@ -377,7 +378,7 @@ def probe_row(probe: tuple[int, ...], device: str, backend: str = "inductor") ->
     the allocator's reserved peak over the allocated one."""
     n_layer, n_embd, block_size, batch_size, checkpointing, vocab, bf16, compiled = probe
     config = GPTConfig(vocab_size=vocab, vocab_multiple=64, block_size=block_size, n_layer=n_layer,
-                       n_head=n_embd // 64, n_embd=n_embd, bias=False)  # as train.py builds it
+                       n_head=n_embd // 64, n_embd=n_embd, bias=False, activation="gelu_tanh")  # as the gpt2 presets
     gc.collect()
     torch.manual_seed(0)
     model = GPT(config).to(device).train()

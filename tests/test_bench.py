@@ -73,14 +73,14 @@ def test_gpu_check_dry_run_passes_on_cpu(tmp_path: Path, corpus_path: Path) -> N
     assert list(speedrun["per_seed"]) == ["1337", "1", "2"] and list(recipe["per_seed"]) == ["1337"]
     for run in [*speedrun["per_seed"].values(), *recipe["per_seed"].values()]:
         assert run["best_val"] <= 4.0 and run["best_val_iter"] == run["iters"] and run["ms_per_iter"] > 0
-        assert run["time_to_target_s"] > 0 and run["graphs_compiled"] == 0  # nothing compiles after the warm-up
+        assert run["time_to_target_s"] > 0 and run["graphs"] == 0 and run["error"] is None  # none after the warm-up
     times = sorted(run["time_to_target_s"] for run in speedrun["per_seed"].values())
     assert speedrun["median_time_to_target_s"] == times[1] and speedrun["warm_up_s"] > 0
     ratio = recipe["speedrun_gpu / recipe (target <= 0.35)"]
     assert ratio == pytest.approx(times[1] / recipe["median_time_to_target_s"])
     assert all(steps["cuda steps"][f"{o} skips"] == "both, the steps around them applied" for o in ("adamw", "muon"))
     assert all(0.9 <= steps["memory"][f"{kind} predicted_over_measured"] <= 1.1 for kind in ("plain", "checkpointed"))
-    assert steps["compile"]["windowed graphs"] == 1 and steps["compile"]["windowed logits vs eager"] <= 1e-3
+    assert steps["compile"]["windowed logits vs eager"] <= 1e-3 and speedrun["warm_up_graphs"] == 0  # CPU: eager
     runs = [out / "runs" / "speedrun_gpu" / f"seed{seed}" for seed in (1337, 1, 2)]
     assert all((run / "metrics.jsonl").is_file() and (run / "config.yaml").is_file() for run in runs)
     assert (out / "maps" / "index.html").is_file() and (out / "logs" / "speedrun_gpu.log").is_file()

@@ -17,9 +17,9 @@ compile        eager = compiled float32 logits: a windowed rotary model and the 
     python scripts/gpu_check.py --dry-run --text input.txt --out /tmp/check                    # tiny, on CPU
 
 Each step may take twice its estimate, or what is left of the deadline if less; one past it is stopped (its
-processes killed), keeping what it had measured, and the steps not reached are recorded as skipped. OUT/gpu_check.json is written after every
-step; OUT/runs/ keeps each training run's metrics.jsonl and config.yaml, OUT/maps/ the attention maps, OUT/logs/ each
-command's output. Exits 1 if a check fails or is cut short.
+processes killed), keeping what it had measured, and the steps not reached are recorded as skipped.
+OUT/gpu_check.json is written after every step; OUT/runs/ keeps each training run's metrics.jsonl and config.yaml,
+OUT/maps/ the attention maps, OUT/logs/ each command's output. Exits 1 if a check fails or is cut short.
 """
 
 from __future__ import annotations

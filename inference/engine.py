@@ -1,14 +1,17 @@
-"""The server's model work, one request at a time: a prompt's n choices decode as one batch through
-GPT.generate_tokens, exactly as sample.py draws its samples, and several prompts run one after another. With logprobs
-each token comes scored; with echo the prompts are scored too, as if the model had generated them."""
+"""The server's model work, a forward pass at a time, so that requests can take turns on the model: a prompt's n
+choices decode as one batch through GPT.generate_tokens, exactly as sample.py draws its samples, and several prompts
+run one after another. With logprobs each token comes scored; with echo the prompts are scored too, as if the model
+had generated them."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import logging
+import math
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -43,17 +46,18 @@ def score(logits: Tensor, tokens: list[int], top: int) -> list[Scored]:
                                                                         strict=True)]
 
 
-def prompt_scores(model: GPT, prompts: list[list[int]], top: int) -> list[list[Scored]]:
+def prompt_scores(model: GPT, prompts: list[list[int]], top: int) -> Generator[None, None, list[list[Scored]]]:
     """Each prompt token's score but the first's, from the tokens generation would have seen before it: perplexity's
-    windows at stride 1 (one over the first block_size tokens, then one a token), right-padded together PREFILL_CHUNK
-    positions a forward pass (a causal model's earlier positions never see the padding); a rolling model's prompt
-    past block_size through its KV cache instead."""
+    windows at stride 1 (one over the first block_size tokens, then one a token; a prompt within the context is one
+    window), right-padded together PREFILL_CHUNK positions a forward pass (a causal model's earlier positions never see
+    the padding); a rolling model's prompt past block_size through its KV cache instead. A generator that pauses after
+    each forward pass (the engine runs other requests' between) and returns the scores."""
     config, device = model.config, next(model.parameters()).device
     scores: list[list[Scored]] = [[] for _ in prompts]
     rows = []
     for i, prompt in enumerate(prompts):
         if config.rolls and len(prompt) > config.block_size:
-            scores[i] = _rolled_scores(model, prompt, top)
+            scores[i] = yield from _rolled_scores(model, prompt, top)
         else:
             rows += [(i, w) for w in windows(len(prompt), config.block_size, 1)]
     rows.sort(key=lambda row: -row[1].length)  # stable: a prompt's windows stay in order
@@ -66,10 +70,11 @@ def prompt_scores(model: GPT, prompts: list[list[int]], top: int) -> list[list[S
             end = w.start + w.length  # the index of its last target
             scored = model.logits(hidden[row, w.length - w.scored : w.length])
             scores[i] += score(scored, prompts[i][end - w.scored + 1 : end + 1], top)
+        yield
     return scores
 
 
-def _rolled_scores(model: GPT, prompt: list[int], top: int) -> list[Scored]:
+def _rolled_scores(model: GPT, prompt: list[int], top: int) -> Generator[None, None, list[Scored]]:
     """A rolling model's prompt through its KV cache, PREFILL_CHUNK tokens at a time: each token from all before it."""
     cache, scores, device = KVCache(model.config), [], next(model.parameters()).device
     for start in range(0, len(prompt), PREFILL_CHUNK):
@@ -77,6 +82,7 @@ def _rolled_scores(model: GPT, prompt: list[int], top: int) -> list[Scored]:
         logits = model.logits(model.hidden(torch.tensor([chunk], device=device), cache)[0])
         targets = prompt[start + 1 : start + 1 + len(chunk)]
         scores += score(logits[: len(targets)], targets, top)
+        yield
     return scores
 
 
@@ -113,8 +119,7 @@ Update = tuple[int, str, bool, int]  # choice index, a piece of text, done, its 
 
 @dataclass(eq=False)
 class Job:
-    """One request's work: its choices (prompt p's are p*n .. p*n + n - 1), how they decode, and on_update, called
-    on the engine's thread after each step with the pieces of text no later token can change."""
+    """One request's work: its choices (prompt p's are p*n .. p*n + n - 1) and how they decode."""
 
     choices: list[Choice]
     n: int
@@ -123,12 +128,11 @@ class Job:
     generators: list[torch.Generator] | None  # one per choice (seed + index), or torch's global one
     logprobs: int | None  # report each token's log-probability and this many likeliest alternatives (0-5)
     score_prompts: bool  # echo with logprobs
-    on_update: Callable[[list[Update]], None] = lambda updates: None
-    cancelled: bool = False  # set from any thread (a client left, a timeout): the job ends at its next step
 
 
 class Engine:
-    """The model, run on one thread (where torch keeps serve.py's thread count), one job at a time."""
+    """The model, run on one thread (where torch keeps serve.py's thread count). A job runs as steps, one forward pass
+    each, that the server advances a slice (a few steps) at a time, the requests' slices taking turns."""
 
     def __init__(self, model: GPT, runtime: Runtime) -> None:
         self.model, self.runtime = model, runtime
@@ -136,25 +140,46 @@ class Engine:
                                          initargs=(torch.get_num_threads(),))
         self.finished: Counter[str] = Counter()  # choices ended, by finish_reason (GET /health shows them)
 
-    @torch.inference_mode()
-    def run(self, job: Job) -> None:
-        """The job's prompts scored (echo with logprobs), then each prompt's n choices generated as one batch."""
+    def steps(self, job: Job) -> Iterator[list[Update] | None]:
+        """The job's forward passes one at a time, each generation step's updates (the pieces of text no later token
+        can change) as it ends: the prompts scored (echo with logprobs), then each prompt's n choices generated as one
+        batch. Closed before its end (its client left, its time ran out), its choices end as cancelled."""
         try:
-            with self.runtime.autocast():
-                if job.score_prompts:  # each prompt once, however many choices it has
-                    scores = prompt_scores(self.model, [c.prompt for c in job.choices[:: job.n]], job.logprobs or 0)
-                    for choice in job.choices:
-                        choice.prompt_scores = scores[choice.index // job.n]
-                for start in range(0, len(job.choices), job.n):
-                    self._generate(job, job.choices[start : start + job.n])
-        except Exception:  # this request fails (too long for memory, say): the engine serves the next
+            if job.score_prompts:  # each prompt once, however many choices it has
+                prompts = [c.prompt for c in job.choices[:: job.n]]
+                scores = yield from prompt_scores(self.model, prompts, job.logprobs or 0)
+                for choice in job.choices:
+                    choice.prompt_scores = scores[choice.index // job.n]
+            for start in range(0, len(job.choices), job.n):
+                yield from self._generate(job, job.choices[start : start + job.n])
+        except GeneratorExit:
+            self._end(job.choices, "cancelled")
+            raise
+        except Exception:  # this request fails (too long for memory, say): the engine serves the others
             log.exception("a request failed")
-            self._end(job, job.choices, "error")
-        self._end(job, job.choices, "cancelled" if job.cancelled else "length")
+            yield self._end(job.choices, "error")
+        else:
+            yield self._end(job.choices, "length")
 
-    def _generate(self, job: Job, choices: list[Choice]) -> None:
-        """One prompt's choices as one batch, token by token, until each ends or the job is cancelled."""
-        if job.max_new_tokens == 0 or job.cancelled:
+    def advance(self, steps: Iterator[list[Update] | None], seconds: float) -> tuple[list[Update], bool]:
+        """A job's steps for about `seconds` (one at least), on the engine's thread: their updates, and whether the
+        job is done."""
+        updates: list[Update] = []
+        end = time.monotonic() + seconds
+        with torch.inference_mode(), self.runtime.autocast():
+            for step in steps:
+                updates += step or []
+                if time.monotonic() >= end:
+                    return updates, False
+        return updates, True
+
+    def run(self, job: Job) -> list[Update]:
+        """The job to its end in one go, as if no other request took a turn: its updates."""
+        return self.advance(self.steps(job), math.inf)[0]
+
+    def _generate(self, job: Job, choices: list[Choice]) -> Iterator[list[Update]]:
+        """One prompt's choices as one batch, token by token, until each ends."""
+        if job.max_new_tokens == 0:
             return
         decoding = job.decoding if job.logprobs is None else ScoredDecoding(**dataclasses.asdict(job.decoding))
         generators = None if job.generators is None else [job.generators[c.index] for c in choices]
@@ -164,7 +189,7 @@ class Engine:
             for step in steps:
                 tokens = step[:, 0].tolist()
                 scores = [None] * len(tokens) if job.logprobs is None else score(decoding.seen[0], tokens, job.logprobs)
-                updates = []
+                updates: list[Update] = []
                 for choice, token, scored in zip(choices, tokens, scores, strict=True):
                     if choice.finish_reason is not None:
                         continue
@@ -172,19 +197,18 @@ class Engine:
                     if scored is not None:
                         choice.scores.append(scored)
                     if choice.text.stopped or len(choice.tokens) == job.max_new_tokens:
-                        self._end(job, [choice], "stop" if choice.text.stopped else "length", tell=False)
-                    updates.append((choice.index, choice.text.unshown(), choice.finish_reason is not None,
-                                    len(choice.tokens)))
-                job.on_update([update for update in updates if update[1] or update[2]])
-                if job.cancelled or all(choice.finish_reason is not None for choice in choices):
+                        updates += self._end([choice], "stop" if choice.text.stopped else "length")
+                    elif piece := choice.text.unshown():
+                        updates.append((choice.index, piece, False, len(choice.tokens)))
+                yield updates
+                if all(choice.finish_reason is not None for choice in choices):
                     return
 
-    def _end(self, job: Job, choices: list[Choice], reason: str, tell: bool = True) -> None:
-        """The choices not yet ended end for `reason`; with `tell`, on_update says so."""
+    def _end(self, choices: list[Choice], reason: str) -> list[Update]:
+        """The choices not yet ended end for `reason`: their last updates."""
         ended = [choice for choice in choices if choice.finish_reason is None]
         for choice in ended:
             choice.finish_reason = reason
             choice.text.finish()
             self.finished[reason] += 1
-        if tell and ended:
-            job.on_update([(c.index, c.text.unshown(), True, len(c.tokens)) for c in ended])
+        return [(c.index, c.text.unshown(), True, len(c.tokens)) for c in ended]

@@ -266,7 +266,7 @@ class ServeConfig(ModelChoice):
     api_key: str | None = None  # every request then needs Authorization: Bearer KEY; null: $GPT_LAB_API_KEY, if set
     allow_no_api_key: bool = False  # else a host beyond loopback needs api_key: anyone reaching the port may use it
     model_id: str | None = None  # the id /v1/models lists and requests name; null: the run directory's name
-    max_queue: int = option(64, at_least=0)  # requests waiting for the model's turn; past it: 503, Retry-After
+    max_queue: int = option(64, at_least=0)  # requests under way besides one (taking turns); past it: 503, Retry-After
     max_choices: int = option(16, at_least=1)  # prompts x n in one request, generated a prompt's n at a time
     max_request_tokens: int = option(4096, at_least=1)  # max_tokens x choices: the tokens one request generates
     max_prompt_tokens: int = option(8192, at_least=1)  # all the prompts' tokens of one request

@@ -1,5 +1,6 @@
 """serve.py's work: OpenAI's completions API, vLLM's tokenizer endpoints and the live page, on uvicorn. Each request
-is checked and bounded first; the model then serves one at a time, first come first served, max_queue waiting."""
+is checked and bounded first; the requests under way (max_queue besides the first) then take turns on the model, a
+slice of SLICE_S each, first come first served, so that a short request never waits for a long one to end."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import secrets
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -31,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from analysis.causality import check_causality, verdict
 from analysis.diagnostics import induction_scores
@@ -45,11 +47,14 @@ from inference.sampling import SampleText, ServeConfig, load_model
 from model.gpt import Decoding, row_generators
 
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI's limits
+SLICE_S = 0.02  # a request's turn on the model: this long, or one forward pass if longer; then the next request's
+SEND_GRACE_S = 1.0  # past timeout_s, a stream's last events get this long to be sent; then its connection is closed
 API_KEY_ENV = "GPT_LAB_API_KEY"  # the api_key when the config leaves it null, so it needn't be on a command line
 PAGE = Path(__file__).with_name("serve_page.html")
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a JSON number, not "0.5"
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]
 Body = TypeVar("Body", bound=BaseModel)
+log = logging.getLogger("serve")
 # OpenAI's fields that are not served, allowed only at their no-op values
 UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
                "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {})}
@@ -111,10 +116,10 @@ class Service:
         self.engine, self.tokenizer, self.model_id = engine, tokenizer, model_id
         self.limits = limits  # serve.py's config, whose max_* keys and timeout_s bound each request
         self.created = int(time.time())
-        self.turn = asyncio.Lock()  # the model's: first come first served (asyncio's locks are fair)
-        self.waiting = 0  # requests waiting for the turn
+        self.turn = asyncio.Lock()  # the model's, a slice at a time: first come first served (asyncio's locks are fair)
+        self.requests = 0  # requests under way, which take turns on the model
         self.induction: Any = None  # the model's induction scores for the live page, which no text changes
-        self.stop_by = math.inf  # on time.monotonic's clock: when requests still running end (Stopping)
+        self.stop_by = math.inf  # on time.monotonic's clock: when requests still running end (Server.handle_exit)
 
     def job(self, request: CompletionRequest) -> Job:
         """The request's work, once every range and bound holds (else an ApiError naming the field and the key): one
@@ -182,9 +187,9 @@ class Service:
             return None
 
     def has_room(self) -> None:
-        """503 when the model is busy and max_queue requests wait already (a stream asks before its first event)."""
-        if self.waiting + self.turn.locked() > self.limits.max_queue:
-            raise ApiError(503, f"the server is busy ({self.waiting} requests waiting, max_queue); retry shortly",
+        """503 when 1 + max_queue requests are under way already (a stream asks before its first event)."""
+        if self.requests > self.limits.max_queue:
+            raise ApiError(503, f"the server is busy ({self.requests} requests under way, max_queue); retry shortly",
                            kind="server_busy", headers={"Retry-After": "1"})
 
     def left(self, timeout_at: float) -> float:
@@ -198,18 +203,25 @@ class Service:
                            kind="timeout")
         return min(timeout_at, self.stop_by) - now
 
+    @contextlib.contextmanager
+    def under_way(self) -> Iterator[None]:
+        """A request's place among those under way: 503 once 1 + max_queue have theirs."""
+        self.has_room()
+        self.requests += 1
+        try:
+            yield
+        finally:
+            self.requests -= 1
+
     @contextlib.asynccontextmanager
     async def in_turn(self, timeout_at: float) -> AsyncIterator[None]:
-        """The model's turn once the requests before this one are done; 503 if the queue is full, 504 if too late."""
-        self.has_room()
-        self.waiting += 1
+        """The model for a slice, once the requests that asked before this one have had theirs; 504 if too late."""
+        left = self.left(timeout_at)  # before acquire() makes a coroutine that a late request would leave unawaited
         try:
-            await asyncio.wait_for(self.turn.acquire(), self.left(timeout_at))
+            await asyncio.wait_for(self.turn.acquire(), left)
         except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11, two before
             self.left(timeout_at)  # raises the ApiError that says why
             raise
-        finally:
-            self.waiting -= 1
         try:
             yield
         finally:
@@ -236,9 +248,10 @@ class Service:
             raise ApiError(400, f"{'.'.join(where) or 'body'}: {first['msg']}{value}", param) from None
 
     async def run(self, work: Callable[[], Any]) -> Any:
-        """work() on the engine's thread in its turn (the live page's model work), queued as a request is."""
-        async with self.in_turn(time.monotonic() + self.limits.timeout_s):
-            return await asyncio.get_running_loop().run_in_executor(self.engine.thread, work)
+        """work() on the engine's thread in one turn (the live page's model work), as a request's slice."""
+        with self.under_way():
+            async with self.in_turn(time.monotonic() + self.limits.timeout_s):
+                return await asyncio.get_running_loop().run_in_executor(self.engine.thread, work)
 
 
 @dataclasses.dataclass
@@ -287,45 +300,59 @@ def usage(job: Job) -> dict[str, int]:
 
 async def updates_of(service: Service, job: Job, timeout_at: float,
                      http: Request | None = None) -> AsyncIterator[list[Update]]:
-    """The job run in its turn, its updates in batches as they come; ApiError past its time or if the model failed;
-    it ends early once `http`'s client has left. Whatever ends it (a stream's client that leaves, too) cancels the
-    job, a no-op once it is done: the model's turn passes on."""
-    loop = asyncio.get_running_loop()
-    updates: asyncio.Queue[list[Update]] = asyncio.Queue()
-    job.on_update = lambda batch: loop.call_soon_threadsafe(updates.put_nowait, batch)
+    """The job run a slice at a time in turn with the other requests under way, its updates after each slice;
+    ApiError past its time or if the model failed; it ends early once `http`'s client has left. The model is free
+    while a slice's updates are sent. However it ends (a stream's client that leaves or stops reading, too), its steps
+    are closed on the engine's thread after any slice still running: the choices not done end as cancelled."""
+    loop, engine = asyncio.get_running_loop(), service.engine
+    steps, done = engine.steps(job), False
     try:
-        async with service.in_turn(timeout_at):
-            running = loop.run_in_executor(service.engine.thread, service.engine.run, job)
-            pending, checked = len(job.choices), time.monotonic()
-            while pending:
-                try:
-                    batch = await asyncio.wait_for(updates.get(), min(service.left(timeout_at), 0.5))
-                except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11, two before
-                    batch = []
-                if http is not None and time.monotonic() - checked > 0.5:
-                    checked = time.monotonic()
-                    if await http.is_disconnected():
-                        return
-                pending -= sum(done for _, _, done, _ in batch)
-                if any(done and job.choices[i].finish_reason == "error" for i, _, done, _ in batch):
+        with service.under_way():
+            while not done:
+                async with service.in_turn(timeout_at):
+                    batch, done = await loop.run_in_executor(engine.thread, engine.advance, steps, SLICE_S)
+                if any(ended and job.choices[i].finish_reason == "error" for i, _, ended, _ in batch):
                     raise ApiError(500, "the model failed on this request; see the server's log", kind="server_error")
                 if batch:
                     yield batch
-            await running
+                if http is not None and await http.is_disconnected():
+                    return
     finally:
-        job.cancelled = True
+        with contextlib.suppress(RuntimeError):  # the engine's thread is shut down: nothing runs the steps any more
+            engine.thread.submit(steps.close)
+
+
+class Events(EventSourceResponse):
+    """Server-sent events, each of which the client must take by `send_by` (on time.monotonic's clock): a client that
+    stops reading holds its request no longer. However the response ends, its events are closed, which ends the job."""
+
+    def __init__(self, events: AsyncGenerator[bytes, None], send_by: float) -> None:
+        super().__init__(events)
+        self.events, self.send_by = events, send_by
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_in_time(message: dict[str, Any]) -> None:
+            await asyncio.wait_for(send(message), max(0.0, self.send_by - time.monotonic()))
+
+        try:
+            await super().__call__(scope, receive, send_in_time)
+        except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11, two before
+            log.error("a stream's client stopped reading: its request ended at timeout_s, its connection is closed")
+        finally:
+            await self.events.aclose()
 
 
 async def stream_events(service: Service, head: dict[str, Any], job: Job, reported: list[Reported],
-                        timeout_at: float, include_usage: bool) -> AsyncIterator[bytes]:
+                        timeout_at: float, include_usage: bool) -> AsyncGenerator[bytes, None]:
     """OpenAI's chunks as server-sent events, one per choice per model step (an engine batch names a choice once),
     then `data: [DONE]`. With include_usage each chunk has "usage": null, and a last one without choices the usage."""
     extra = {"usage": None} if include_usage else {}
     try:
-        async for batch in updates_of(service, job, timeout_at):
-            for index, piece, done, tokens in batch:
-                choice = reported[index].chunk(piece, tokens, job.choices[index].finish_reason if done else None)
-                yield format_sse_event(data_str=json.dumps({**head, "choices": [choice], **extra}))
+        async with contextlib.aclosing(updates_of(service, job, timeout_at)) as updates:  # closed with the stream
+            async for batch in updates:
+                for index, piece, done, tokens in batch:
+                    choice = reported[index].chunk(piece, tokens, job.choices[index].finish_reason if done else None)
+                    yield format_sse_event(data_str=json.dumps({**head, "choices": [choice], **extra}))
     except ApiError as err:
         yield format_sse_event(data_str=json.dumps(err.body))
     if include_usage:
@@ -371,8 +398,8 @@ def create_app(service: Service, api_key: str | None, banner: str, hosts: list[s
         """Alive, for anyone (a load balancer's checks); the load too, with the key if one is set."""
         if not key_given(credentials):
             return {"status": "ok"}
-        return {"status": "ok", "model": service.model_id, "running": int(service.turn.locked()),
-                "waiting": service.waiting, "finished": dict(service.engine.finished)}
+        return {"status": "ok", "model": service.model_id, "running": service.requests,
+                "finished": dict(service.engine.finished)}
 
     @app.get("/v1/models", dependencies=[Depends(authorised)])
     async def models() -> dict[str, Any]:
@@ -392,7 +419,8 @@ def create_app(service: Service, api_key: str | None, banner: str, hosts: list[s
         if request.stream:
             service.has_room()
             include_usage = bool((request.stream_options or {}).get("include_usage"))
-            return EventSourceResponse(stream_events(service, head, job, reported, timeout_at, include_usage))
+            events = stream_events(service, head, job, reported, timeout_at, include_usage)
+            return Events(events, timeout_at + SEND_GRACE_S)
         async for _ in updates_of(service, job, timeout_at, http):
             pass
         choices = [r.chunk(r.choice.text.text, len(r.choice.tokens), r.choice.finish_reason) for r in reported]
@@ -496,7 +524,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(cfg: ServeConfig) -> None:
-    """Until Ctrl-C or SIGTERM; then the requests in flight get shutdown_s to end (Stopping)."""
+    """Until Ctrl-C or SIGTERM; then the requests in flight get shutdown_s to end (Server)."""
     api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None
     runtime = make_runtime(cfg.device, cfg.dtype)
     if runtime.device.type == "cpu":  # by default a core less, left to the event loop and the clients
@@ -521,18 +549,29 @@ def serve(cfg: ServeConfig) -> None:
     names = ["localhost", "127.0.0.1", "[::1]", f"[{cfg.host}]" if ":" in cfg.host else cfg.host]
     app = create_app(service, api_key, banner, names if address.is_loopback else None)
     # uvicorn cancels what still runs a second after the requests' own end, which tells each client so
-    config = uvicorn.Config(app, log_level=logging.WARNING, lifespan="on", ws="none",
-                            limit_concurrency=cfg.max_connections, timeout_keep_alive=5,
-                            timeout_graceful_shutdown=math.ceil(cfg.shutdown_s + 1))
-    server = Stopping(config)
-    server.service = service
+    server = Server(app, service, log_level=logging.WARNING, lifespan="on", ws="none", timeout_keep_alive=5,
+                    timeout_graceful_shutdown=math.ceil(cfg.shutdown_s + 1))
     server.run(sockets=[sock])
 
 
-class Stopping(uvicorn.Server):
-    """uvicorn's server that on Ctrl-C or SIGTERM gives requests in flight shutdown_s, then ends each with an error."""
+class Server(uvicorn.Server):
+    """uvicorn's server that answers past max_connections with OpenAI's error object (uvicorn's limit_concurrency
+    answers in plain text), and on Ctrl-C or SIGTERM gives requests in flight shutdown_s, then ends each with one."""
 
-    service: Service
+    def __init__(self, app: FastAPI, service: Service, **settings: Any) -> None:
+        self.service = service
+
+        async def admit(scope: Scope, receive: Receive, send: Send) -> None:
+            """The app, unless more than max_connections connections or requests are open, this one's among them."""
+            limit, state = service.limits.max_connections, self.server_state
+            if scope["type"] == "http" and max(len(state.connections), len(state.tasks)) > limit:
+                error = ApiError(503, f"the server has {limit} connections or requests open (max_connections); retry "
+                                 "shortly", kind="server_busy", headers={"Retry-After": "1", "Connection": "close"})
+                await JSONResponse(error.body, error.status, error.headers)(scope, receive, send)
+            else:
+                await app(scope, receive, send)
+
+        super().__init__(uvicorn.Config(admit, **settings))
 
     def handle_exit(self, sig: int, frame: Any) -> None:  # the event loop's thread (a signal handler)
         self.service.stop_by = min(self.service.stop_by, time.monotonic() + self.service.limits.shutdown_s)

@@ -1,6 +1,6 @@
 """The server's engine (inference/engine.py): a prompt's n choices decode as one batch and draw what sample.py draws,
 for every kind of model, past the context too; echo scores a text as its generation scored it; a cancelled or
-failing request ends, and the engine serves the next."""
+failing request ends, and the engine serves the next; a job runs a forward pass a step, so requests can take turns."""
 
 from __future__ import annotations
 
@@ -92,26 +92,32 @@ def test_echo_scores_a_text_as_decoding_scored_it_when_it_generated_it(
     assert [[t for t, _ in s.top] for s in again] == [[t for t, _ in s.top] for s in choice.scores]
     with torch.no_grad():  # the first tokens' scores, by hand: log-softmax of the plain forward pass
         logits, _ = model(torch.tensor([text[:8]]))
-        alone = prompt_scores(model, [[4, 5]], 3)[0]
+        alone = _drained(prompt_scores(model, [[4, 5]], 3))[0]
     by_hand = torch.log_softmax(logits[0, :-1], -1).gather(-1, torch.tensor(text[1:8])[:, None])[:, 0]
     assert [s.logprob for s in scores[:7]] == pytest.approx(by_hand.tolist(), abs=1e-5)
     assert echoed.choices[1].prompt_scores[0].logprob == pytest.approx(alone[0].logprob, abs=1e-5)
 
 
-def test_a_cancelled_request_ends_at_its_next_step_and_says_so_once() -> None:
-    job, updates = _job(PROMPTS, 2, Decoding(0.0)), []
+def _drained(steps):
+    """A generator's value once it has run to its end."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
-    def on_update(batch: list) -> None:
-        updates.extend(batch)
-        if len(job.choices[0].tokens) == 5:
-            job.cancelled = True  # a client that left
 
-    job.on_update = on_update
+def test_a_job_runs_a_forward_pass_a_step_and_a_closed_one_ends_as_cancelled() -> None:
+    """The server advances a job a few steps in each turn: a step is one token of each choice of a prompt, and a job
+    closed before its end (its client left) ends every choice as cancelled, counted once."""
+    job = _job(PROMPTS, 2, Decoding(0.0))
     engine = Engine(_model("gpt2"), CPU)
-    engine.run(job)
+    steps = engine.steps(job)
+    for _ in range(5):
+        engine.advance(steps, 0.0)  # one step each
+    steps.close()
     assert [len(c.tokens) for c in job.choices] == [5, 5, 0, 0]
-    assert [c.finish_reason for c in job.choices] == ["cancelled"] * 4
-    assert sorted(i for i, _, done, _ in updates if done) == [0, 1, 2, 3] and engine.finished == {"cancelled": 4}
+    assert [c.finish_reason for c in job.choices] == ["cancelled"] * 4 and engine.finished == {"cancelled": 4}
 
 
 def test_a_failing_request_ends_in_error_and_the_engine_serves_the_next(monkeypatch: pytest.MonkeyPatch) -> None:

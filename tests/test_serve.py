@@ -1,7 +1,8 @@
 """serve.py on loopback, driven by the official openai client and by raw HTTP: the API's answers, its equality with
 sample.py, log-probabilities and the tokenizer endpoints lm-eval uses (test_lm_eval_offline.py runs it), every bad
-request refused with OpenAI's error object (and the server still serving), who may reach it, its limits, a client
-that leaves, and a clean stop."""
+request refused with OpenAI's error object (and the server still serving), who may reach it, its limits, requests
+taking turns on the model (a short one never waits for a long one to end), a client that leaves or stops reading,
+and a clean stop."""
 
 from __future__ import annotations
 
@@ -20,11 +21,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from conftest import REPO, ServeProcess, run_in_process, tiny_encoding
 from data.tokenizers import BpeTokenizer
+from inference.engine import prompt_scores
 from inference.sampling import SEPARATOR, ServeConfig
 from inference.server import Service, bind
+from model import GPT, GPTConfig
 
 PROMPT = "ROMEO:"
 NEW = 110  # past the served run's block_size of 96, with the prompt's 6
@@ -256,7 +260,113 @@ def test_a_request_past_timeout_s_is_cancelled_with_504(served_run: Path) -> Non
             time.sleep(0.05)
         assert server.http.get("/health").json()["running"] == 0  # the model was freed
     finally:
+        _, stderr = server.stop()
+    assert "Warning" not in stderr and "Traceback" not in stderr, stderr  # no "coroutine ... was never awaited"
+
+
+def _unread_request(server: ServeProcess, body: dict) -> socket.socket:
+    """The request sent on a socket of its own that nothing reads; closing it is a client that leaves."""
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+def _wait_for(server: ServeProcess, what: str, running: int, cancelled: int | None = None) -> None:
+    """Until `running` requests are under way and, if given, `cancelled` choices have ended so; the 60 s limit only
+    catches a hang."""
+    deadline = time.monotonic() + 60
+    while (health := server.http.get("/health").json())["running"] != running or (
+            cancelled is not None and health["finished"].get("cancelled") != cancelled):
+        assert time.monotonic() < deadline, f"{what}: {health}"
+        time.sleep(0.02)
+
+
+HEAVY = {  # the longest work the default limits allow, a request each
+    "max_tokens=4096": {"prompt": PROMPT, "max_tokens": 4096},
+    "max_tokens=256, n=16, streamed": {"prompt": PROMPT, "max_tokens": 256, "n": 16, "stream": True},
+    "an echo of 8,192 tokens with logprobs": {"prompt": ("ROMEO:" * 1366)[:8192], "max_tokens": 0, "echo": True,
+                                              "logprobs": 1},
+}
+
+
+def test_a_short_request_ends_before_any_long_one_under_way_and_a_client_that_leaves_frees_the_model(
+    served_run: Path,
+) -> None:
+    """Requests take turns on the model a slice at a time, so a short one behind the longest request the default
+    limits allow ends first, and that request still runs; once its client leaves, its choices end as cancelled."""
+    server = ServeProcess(served_run)  # the default limits
+    try:
+        for name, body in HEAVY.items():
+            before = server.http.get("/health").json()["finished"]
+            heavy = _unread_request(server, body)
+            _wait_for(server, f"{name} never started", running=1)
+            short = server.post({"prompt": PROMPT, "max_tokens": 20})
+            assert short.status_code == 200 and len(short.json()["choices"][0]["text"]) == 20, short.text
+            health = server.http.get("/health").json()
+            assert health["running"] == 1, (name, health)  # still under way
+            assert health["finished"] == {**before, "length": before.get("length", 0) + 1}, (name, health)
+            heavy.close()
+            cancelled = before.get("cancelled", 0) + body.get("n", 1)
+            _wait_for(server, f"{name} outlived its client", running=0, cancelled=cancelled)
+    finally:
+        _, stderr = server.stop()
+    assert "Traceback" not in stderr, stderr
+
+
+def test_a_stream_whose_client_stops_reading_ends_at_timeout_s(served_run: Path) -> None:
+    """The client keeps its connection and reads nothing: the model goes on serving others, and the stream ends by
+    timeout_s (with the send queue full, a send that waits past it closes the connection)."""
+    server = ServeProcess(served_run, "timeout_s=3")
+    try:  # each choice's first event echoes the prompt's logprobs: 16 x 400 kB, more than the socket's buffers take
+        body = {"prompt": "ROMEO:" * 400, "echo": True, "logprobs": 5, "max_tokens": 256, "n": 16, "stream": True}
+        stalled = _unread_request(server, body)
+        _wait_for(server, "the stream never started", running=1)
+        assert server.post({"prompt": PROMPT, "max_tokens": 20}).status_code == 200
+        _wait_for(server, "a stalled reader kept its request", running=0, cancelled=16)
+        stalled.close()
+    finally:
+        _, stderr = server.stop()
+    assert "Traceback" not in stderr, stderr
+
+
+def test_past_max_connections_the_503_is_openai_s_error_object(served_run: Path) -> None:
+    server = ServeProcess(served_run, "max_connections=1")
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))):  # a second connection, idle
+            busy = server.post({"prompt": PROMPT, "max_tokens": 2})
+            assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
+            error = busy.json()["error"]
+            assert error["type"] == "server_busy" and "(max_connections)" in error["message"], error
+        deadline = time.monotonic() + 60
+        while (answer := server.post({"prompt": PROMPT, "max_tokens": 2})).status_code == 503:
+            assert time.monotonic() < deadline, answer.text
+            time.sleep(0.05)
+        assert answer.status_code == 200, answer.text
+    finally:
         server.stop()
+
+
+def test_echo_scores_prompts_within_the_context_in_one_forward_pass() -> None:
+    """Each prompt token is scored from what generation would have seen: prompts within block_size together in one
+    forward pass; past it, each token in a window of its own (PREFILL_CHUNK positions of windows a pass)."""
+    model = GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
+
+    def passes(prompts: list[list[int]]) -> tuple[int, list[int]]:
+        scoring, count = prompt_scores(model, prompts, 0), 0
+        with torch.no_grad():
+            while True:
+                try:
+                    next(scoring)
+                except StopIteration as done:
+                    return count, [len(scores) for scores in done.value]
+                count += 1
+
+    assert passes([list(range(33)), list(range(40, 60))]) == (1, [32, 19])
+    assert passes([list(range(33)) * 3]) == (3, [98])  # 67 windows of 32 tokens, 32 a pass
 
 
 def test_a_stop_lets_the_stream_in_flight_finish_and_ends_the_next_with_an_error_event(served_run: Path) -> None:
@@ -277,8 +387,8 @@ def test_a_stop_lets_the_stream_in_flight_finish_and_ends_the_next_with_an_error
     while len(near) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     threads[1].start()
-    while server.http.get("/health").json()["waiting"] == 0:  # far: queued behind near
-        assert time.monotonic() < deadline and "data: [DONE]" not in near, "the second stream never waited"
+    while server.http.get("/health").json()["running"] < 2:  # far: under way beside near
+        assert time.monotonic() < deadline and "data: [DONE]" not in near, "the second stream never started"
         time.sleep(0.01)
     started = time.monotonic()
     status, stderr = server.stop(signal.SIGTERM)

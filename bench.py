@@ -35,6 +35,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from common.config import typed_config
+from common.files import read_records
 from common.runtime import Runtime, datasheet_peak, make_runtime, synchronize
 from data.prepare import TokenFiles, ensure_prepared
 from data.tokenizers import CharTokenizer
@@ -42,8 +43,8 @@ from inference.sampling import Sampler
 from model import GPT, GPTConfig, causal_mask, masked_attention
 from model.attention import windowed_attention
 from model.gpt import Decoding
-from training.run import OptimConfig, TrainRunConfig, register_schemas, train
-from training.run_dir import read_records
+from training.config import TrainConfig, TrainRunConfig, register_schemas
+from training.run import train
 
 REPO = Path(__file__).resolve().parent
 NANOGPT_SAMPLING = {"temperature": 0.8, "top_k": 200}  # nanoGPT's sample.py defaults, ours too
@@ -106,7 +107,7 @@ class PlainGPT(nn.Module):
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
 
-def nanogpt_step(model: PlainGPT, runtime: Runtime, tokens: TokenFiles, t: OptimConfig,
+def nanogpt_step(model: PlainGPT, runtime: Runtime, tokens: TokenFiles, t: TrainConfig,
                  backend: str | None) -> Callable[[], None]:
     """One iteration of nanoGPT's train.py loop at the run's batch size, grad_accum and AdamW settings, the model
     compiled by torch.compile's `backend` (None: eager); the next batch is drawn while the device runs the forward."""
@@ -166,7 +167,7 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
 
     runtime = make_runtime(config.device, config.train.dtype)  # the run's precision, for the reference too
     data = ensure_prepared(config.data)
-    t, m = config.train, config.model.gpt_config(data.meta["vocab_size"])
+    t, m = config.train, config.model.with_vocabulary(data.meta["vocab_size"])
     tokens_per_iter = t.batch_size * t.grad_accum * m.block_size
     seconds = {}
     for loop, backend in (("nanoGPT, eager", None), ("nanoGPT, compiled", args.compile_backend)):

@@ -39,8 +39,7 @@ from scipy import stats
 
 from common.config import fail, shown
 from common.errors import DiskFull
-from common.runtime import write_atomically
-from training.run_dir import CONFIG_NAME, METRICS_NAME, read_records
+from common.files import CONFIG_NAME, METRICS_NAME, read_records, write_atomically
 
 IGNORED_KEYS = ("out_dir", "resume", "resume_with_changes")  # differ between runs without saying anything about them
 KEYS_WIDTH = 60  # the table's "differing keys" column wraps at this width, the legend at twice it
@@ -354,11 +353,12 @@ def picture_path(out: Path) -> Path:
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    out = out if out.suffix or out.is_dir() else out.with_suffix(".png")
-    formats = Figure().canvas.get_supported_filetypes()
-    if out.suffix[1:].lower() not in formats and not out.is_dir():
-        fail(f"-o {out}: can't write {out.suffix} pictures; use one of {', '.join('.' + f for f in sorted(formats))}")
+    special = out.exists() and not out.is_file()  # a directory, /dev/null: refused as named, not written beside
+    out = out if out.suffix or special else out.with_suffix(".png")
     check_output(out, "-o")
+    formats = Figure().canvas.get_supported_filetypes()
+    if out.suffix[1:].lower() not in formats:
+        fail(f"-o {out}: can't write {out.suffix} pictures; use one of {', '.join('.' + f for f in sorted(formats))}")
     return out
 
 

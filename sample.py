@@ -7,7 +7,8 @@ import hydra
 from omegaconf import DictConfig
 
 from common.config import end_quietly_when_stdout_closes, exit_on_user_error, literal_text, run_hydra, typed_config
-from common.runtime import make_directory, make_runtime
+from common.files import make_directory
+from common.runtime import make_runtime
 from inference.sampling import SEPARATOR, SampleConfig, Sampler, load_model, register_schemas, stop_strings, warn
 from model.gpt import Decoding
 

@@ -1,4 +1,4 @@
-"""Serve a model through OpenAI's completions API, one request at a time, and a live page; usage() lists the keys set
+"""Serve a model through OpenAI's completions API, requests taking turns, and a live page; usage() lists the keys set
 most. Greedy text equals sample.py's at temperature=0; seed S gives choice i sample.py's sample i at seed=S."""
 
 import hydra

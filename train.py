@@ -10,8 +10,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from common.config import exit_on_user_error, presets, run_hydra
+from training.config import TrainRunConfig, register_schemas
 from training.resume import CONFIG_GROUPS, resumed_config
-from training.run import TrainRunConfig, register_schemas, train
+from training.run import train
 
 register_schemas()
 log = logging.getLogger("train")

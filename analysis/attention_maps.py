@@ -11,7 +11,7 @@ import torch
 
 from analysis.diagnostics import DIAGNOSTIC_NAMES, head_diagnostics
 from common.errors import DataError
-from common.runtime import write_atomically
+from common.files import write_atomically
 from model import GPT, causal_mask
 
 EXPLORER_MARK = "<!-- The attention explorer."  # the first comment of analysis/explorer_page.html

@@ -16,7 +16,7 @@ import numpy as np
 from analysis.attention_maps import attention_arrays
 from analysis.causality import CausalityReport, verdict
 from analysis.diagnostics import DIAGNOSTIC_NAMES, decode_step_weights, head_diagnostics
-from common.runtime import write_text_atomically
+from common.files import write_text_atomically
 from model import GPT
 
 PAGE = Path(__file__).with_name("explorer_page.html")

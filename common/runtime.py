@@ -1,23 +1,16 @@
-"""Device, precision (autocast, TF32), memory, whole-file writes (a temporary renamed over the target: old or new)."""
+"""Device, precision (autocast, TF32), memory and speed: the machine a run runs on. Files: common/files.py."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
-import shutil
-import sys
-import time
 import timeit
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import BinaryIO
 
 import torch
 
-from common.errors import ConfigError, DataError, DiskFull
+from common.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda", "mps")  # the `device` key's values; auto: cuda > mps > cpu
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,8 +22,6 @@ GPU_PEAKS: tuple[tuple[str, float, float], ...] = (
     ("H100 NVL", 835e12, 418e12), ("H100", 989e12, 494.5e12), ("A100", 312e12, 156e12), ("L40S", 362e12, 183e12),
     ("L40", 181e12, 90.5e12), ("L4", 121e12, 60e12), ("RTX 4090", 165e12, 82.6e12),
 )
-FULL_ERRNOS = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # no space left, a spent quota
-NEARLY_FULL = 1 << 20  # free bytes under which a failed write counts as a full disk's
 
 
 @dataclass(frozen=True)
@@ -109,94 +100,3 @@ def cpu_matmul_flops(threads: int, n: int = 256, repeats: int = 64) -> float:
         return 2 * n**3 * repeats / timeit.timeit(lambda: a @ a, number=repeats)
     finally:
         torch.set_num_threads(own)
-
-
-@contextlib.contextmanager
-def unless_disk_full(path: Path) -> Iterator[None]:
-    """A full disk while writing `path` is one line (numpy and torch.save don't always say ENOSPC: nearly full)."""
-    try:
-        yield
-    except (OSError, RuntimeError) as err:
-        free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else NEARLY_FULL
-        if getattr(err, "errno", None) not in FULL_ERRNOS and free >= NEARLY_FULL:
-            raise
-        where = f"the disk holding {path.parent} is full ({free / 2**20:,.1f} MiB free)"
-        raise DiskFull(f"{path} not written: {where}") from None
-
-
-def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """write(f) fills PATH.tmp, synced, then renamed over `path`: a reader sees one whole file, and the directory synced
-    makes the rename durable (Windows can't open a directory, some filesystems can't sync one). One writer at a time
-    (a run's lock, a data folder's): a killed writer's PATH.tmp is overwritten; a link there is removed, never
-    written through."""
-    tmp = path.with_name(f"{path.name}.tmp")
-    try:
-        with unless_disk_full(path):
-            tmp.unlink(missing_ok=True)
-            with open(tmp, "xb") as f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
-        replace_file(tmp, path)
-    except BaseException:  # a full disk, a second Ctrl-C: the previous file stays as it was
-        tmp.unlink(missing_ok=True)
-        raise
-    try:
-        handle = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(handle)
-        finally:
-            os.close(handle)
-    except OSError as err:
-        if err.errno not in (errno.EACCES, errno.EPERM, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF):
-            raise
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    write_atomically(path, lambda f: f.write(text.encode("utf-8")))
-
-
-def replace_file(source: Path, target: Path) -> None:
-    """os.replace, the atomic step on every platform. Windows won't replace a file another process has open (sample.py
-    reading it); readers are brief, so there it is tried again, waiting longer each time."""
-    for attempt in range(1, 10 if sys.platform == "win32" else 1):
-        with contextlib.suppress(PermissionError):
-            return os.replace(source, target)
-        time.sleep(0.05 * attempt)
-    os.replace(source, target)
-
-
-def why_not_a_file(path: Path) -> str:
-    """What stands at a path that is no regular file, in words: nothing, a directory, a link, or something else."""
-    if not path.exists():
-        return "is a broken symbolic link" if path.is_symlink() else "does not exist"
-    if path.is_dir():
-        return "is a directory"
-    if path.is_symlink():
-        return "is a symbolic link"
-    return "is not a regular file (a pipe, a device or a socket)"
-
-
-def check_regular_file(path: Path) -> None:
-    """Refuse anything at `path` but a regular file (or a link to one): a FIFO there would block its reader forever."""
-    if path.exists() and not path.is_file():
-        raise DataError(f"{path} {why_not_a_file(path)}; remove it, or name another directory")
-
-
-def make_directory(path: Path, named: str) -> None:
-    """A directory (with its parents) made unless there; `named`, how its one-line errors name it (out_dir=runs/x)."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise _not_made(err, path, named) from None
-
-
-def _not_made(err: OSError, path: Path, named: str) -> Exception:
-    """A directory's mkdir error as one line: a file where it goes, no permission, a full disk or no inodes left."""
-    if isinstance(err, FileExistsError | NotADirectoryError):
-        return ConfigError(f"{named}: {err.filename or path} is a file, not a directory; name another")
-    if isinstance(err, PermissionError):
-        return ConfigError(f"{named} is not writable ({err.strerror}: {err.filename}); name a folder you can write to")
-    if err.errno in FULL_ERRNOS:
-        return DiskFull(f"{named} not made: the disk holding it is full (no space or no inodes left)")
-    return err

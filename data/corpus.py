@@ -25,7 +25,7 @@ import tiktoken
 from tqdm import tqdm
 
 from common.errors import DataError, first_line
-from common.runtime import write_text_atomically
+from common.files import write_text_atomically
 from data.source import read_utf8
 from data.tokenizers import BpeTokenizer
 

@@ -21,7 +21,7 @@ import torch
 
 from common.config import check_fields, option
 from common.errors import ConfigError, DataError, DiskFull
-from common.runtime import check_regular_file, make_directory, replace_file, why_not_a_file
+from common.files import check_regular_file, make_directory, replace_file, why_not_a_file
 from data import corpus
 from data.corpus import map_shard, read_shard
 from data.source import TextFile, download
@@ -310,7 +310,36 @@ def _read_meta(out_dir: Path) -> Any:
         return None
 
 
-if __name__ == "__main__":  # python -m data.prepare
-    from data.prepare_command import main
+PREPARE_USAGE = """Tokenize a text or a corpus into data/cache/NAME (train.py does it when needed). Settings: key=value.
 
-    main()
+  data=NAME               {presets}
+  data.input=FILE|DIR     your own UTF-8 text, or a directory of .txt / .jsonl documents
+  data.tokenizer=NAME     char, or a tiktoken encoding such as r50k_base (GPT-2's)
+
+Example: python -m data.prepare data.input=my_text.txt data.name=mine"""
+
+
+def main() -> None:
+    """`python -m data.prepare`: a text or a corpus tokenized into its dataset folder."""
+    import hydra
+    from hydra.core.config_store import ConfigStore
+
+    from common.config import CONFIG_DIR, exit_on_user_error, presets, run_hydra, typed_config
+
+    @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="prepare")
+    def prepare(cfg: Any) -> None:
+        with exit_on_user_error():
+            data = ensure_prepared(typed_config(cfg, PrepareConfig).data)
+        m = data.meta
+        shards = f" in {m['train_shards'] + m['val_shards']} shards" if m.get("sharded") else ""
+        print(f"{data.dir}: {m['train_tokens']:,} train and {m['val_tokens']:,} val tokens{shards}, "
+              f"vocabulary {m['vocab_size']}")
+
+    ConfigStore.instance().store(name="prepare_schema", node=PrepareConfig)
+    run_hydra(prepare, PrepareConfig, ("data",), lambda: PREPARE_USAGE.format(presets=", ".join(presets("data"))))
+
+
+if __name__ == "__main__":  # through the module as imported, not this __main__ copy of it (one PrepareConfig)
+    import data.prepare
+
+    data.prepare.main()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import DataError
-from common.runtime import replace_file
+from common.files import replace_file
 
 _READ_BYTES = 1 << 22  # 4 MiB a read: the decoded piece and its ids take a few times that
 

@@ -15,7 +15,7 @@ import regex
 from tqdm import tqdm
 
 from common.errors import DataError
-from common.runtime import write_atomically, write_text_atomically
+from common.files import write_atomically, write_text_atomically
 from data.source import TextFile, utf8_pieces
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer
 

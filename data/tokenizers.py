@@ -112,7 +112,9 @@ def metadata_problem(meta: Any) -> str:
     if kind != "char":
         return "neither char nor bpe"
     chars = meta.get("chars")
-    if not isinstance(chars, list) or not all(isinstance(c, str) and len(c) == 1 for c in chars):
+    # a lone surrogate (\ud800-\udfff) is no character: UTF-8 can't encode it
+    if not isinstance(chars, list) or not all(isinstance(c, str) and len(c) == 1 and not "\ud800" <= c <= "\udfff"
+                                              for c in chars):
         return "its chars are not a list of characters"
     return "" if chars and len(set(chars)) == len(chars) else "its chars are empty or repeated"
 

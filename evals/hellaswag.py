@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from common.errors import DataError
-from common.runtime import why_not_a_file
+from common.files import why_not_a_file
 from data.prepare import DEFAULT_CACHE
 from data.source import download, read_utf8
 from data.tokenizers import Tokenizer

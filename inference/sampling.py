@@ -18,14 +18,14 @@ from hydra.core.config_store import ConfigStore
 
 from common.config import SEED_MAX, check_fields, option
 from common.errors import CheckpointError, ConfigError, DataError
-from common.runtime import DEVICES, DTYPES, Runtime, check_memory, why_not_a_file
+from common.files import BEST_NAME, CKPT_NAME, why_not_a_file
+from common.runtime import DEVICES, DTYPES, Runtime, check_memory
 from data.source import read_utf8
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer, tokenizer_from_metadata
 from model import GPT
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.gpt import ATTN_IMPLS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, Decoding, row_generators
 from model.hf_gpt2 import load_pretrained
-from training.run_dir import BEST_NAME, CKPT_NAME
 
 GPT2_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's BPE
 SEPARATOR = "\n---------------\n"  # after each sample, as nanoGPT's sample.py prints them
@@ -46,13 +46,14 @@ def load_model(out_dir: str | None, init_from: str | None, ckpt: str, attn_impl:
         model = load_pretrained(init_from, attn_impl=attn_impl or "flash")
         return LoadedModel(model, BpeTokenizer.from_name(GPT2_ENCODING), None)
     path = Path(out_dir) / (BEST_NAME if ckpt == "best" else CKPT_NAME)
-    if ckpt == "best" and not path.is_file() and path.with_name(CKPT_NAME).is_file():
+    if ckpt == "best" and not path.exists() and path.with_name(CKPT_NAME).is_file():  # a FIFO: load_checkpoint's
         raise CheckpointError(f"no {BEST_NAME} in {out_dir}: train with train.keep_best=true, or use ckpt=latest")
     checkpoint = load_checkpoint(path)
     tokenizer = tokenizer_from_metadata(checkpoint.tokenizer_for_decoding(path), path)
-    if tokenizer.vocab_size < checkpoint.model_config.vocab_size and isinstance(tokenizer, CharTokenizer):
-        raise CheckpointError(f"{path} holds damaged tokenizer metadata ({tokenizer.vocab_size} characters for a model "
-                              f"of {checkpoint.model_config.vocab_size} tokens); use a file train.py wrote")
+    size, tokens, chars = tokenizer.vocab_size, checkpoint.model_config.vocab_size, isinstance(tokenizer, CharTokenizer)
+    if size > tokens or chars and size < tokens:  # an id past the model's table; characters it can't have learnt
+        raise CheckpointError(f"{path} holds damaged tokenizer metadata ({size} {'characters' if chars else 'tokens'} "
+                              f"for a model of {tokens} tokens); use a file train.py wrote")
     return LoadedModel(checkpoint.build_model(attn_impl), tokenizer, checkpoint)
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from common.config import check_fields, check_override, option, typed_config
 from common.errors import CheckpointError, ConfigError
-from common.runtime import check_regular_file
+from common.files import check_regular_file
 from model.gpt import GPT, GPTConfig
 
 # Options removed from the model, dropped on load: the first two only when off (on, the weights have parts this

@@ -4,9 +4,11 @@ model/checkpoint.py owns ckpt.pt."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -31,17 +33,19 @@ PREFILL_CHUNK = 1024  # tokens of a rolling model's prompt run through the cache
 
 
 @dataclass
-class GPTConfig:
-    """The model's shape, all a checkpoint needs to rebuild it; train.py's model.* keys, bar vocab_size (the data's)."""
+class ModelConfig:
+    """The model's shape and options: train.py's `model.*` keys, the baby model's by default (configs/model/baby.yaml).
+    GPTConfig adds the vocabulary, which the data sets."""
 
-    vocab_size: int = option(50257, at_least=1, at_most=MAX_VOCAB)  # the tokenizer's tokens
-    # The token table's rows: vocab_size rounded up to a multiple of this, which GPU kernels run faster on (64:
-    # GPT-2's 50257 becomes 50304). The extra rows' ids are no tokens: never a target, a logit or a sample.
-    vocab_multiple: int = option(1, at_least=1, at_most=1024)
-    block_size: int = option(1024, at_least=1, at_most=MAX_CONTEXT)  # the context: positions the model sees at once
-    n_layer: int = option(12, at_least=1, at_most=MAX_LAYERS)
-    n_head: int = option(12, at_least=1, at_most=MAX_WIDTH)
-    n_embd: int = option(768, at_least=1, at_most=MAX_WIDTH)  # width; a multiple of n_head
+    KEYS: ClassVar[str] = "model."  # how a message names a key
+    # The token table's rows: the vocabulary rounded up to a multiple of this, which GPU kernels run faster on (64:
+    # GPT-2's 50257 becomes 50304, as nanoGPT pads it; a char model pays ~1 % a step on a CPU). The extra rows' ids
+    # are no tokens: never a target, a logit or a sample.
+    vocab_multiple: int = option(64, at_least=1, at_most=1024)
+    block_size: int = option(64, at_least=1, at_most=MAX_CONTEXT)  # the context: positions the model sees at once
+    n_layer: int = option(4, at_least=1, at_most=MAX_LAYERS)
+    n_head: int = option(4, at_least=1, at_most=MAX_WIDTH)
+    n_embd: int = option(128, at_least=1, at_most=MAX_WIDTH)  # width; a multiple of n_head
     dropout: float = option(0.0, at_least=0.0, below=1.0)
     bias: bool = True  # biases in the linear layers and LayerNorms
     attn_impl: str = option("flash", choices=ATTN_IMPLS)  # flash (fused SDPA) | math (the textbook formula)
@@ -62,18 +66,33 @@ class GPTConfig:
     bigram_embed: bool = False  # add an embedding of (previous token, token); exact for small vocabularies, else hashed
 
     def __post_init__(self) -> None:
-        check_fields(self)
+        keys = self.KEYS
+        check_fields(self, keys)
         if self.n_embd % self.n_head:
-            raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; use a multiple of it")
+            raise ConfigError(f"{keys}n_embd={self.n_embd} is not divisible by n_head={self.n_head}; use a multiple of "
+                              "it")
         if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
-            raise ConfigError(f"pos_emb=rope needs an even head size; n_embd/n_head is {self.n_embd // self.n_head}")
+            raise ConfigError(f"{keys}pos_emb=rope needs an even head size; n_embd/n_head is "
+                              f"{self.n_embd // self.n_head}")
         if (pattern := self.window_pattern) is not None:
             if not pattern or set(pattern) - {WINDOWED, FULL}:
-                raise ConfigError(f"window_pattern={pattern} may only hold the letters S (windowed) and L (full)")
+                raise ConfigError(f"{keys}window_pattern={pattern} may only hold the letters S (windowed) and L (full)")
             if WINDOWED not in pattern and self.attn_window is not None:
-                raise ConfigError(f"window_pattern={pattern} windows no layer; add an S or set attn_window=null")
+                raise ConfigError(f"{keys}window_pattern={pattern} windows no layer; add an S or set attn_window=null")
             if len(pattern) > self.n_layer:
-                raise ConfigError(f"window_pattern={pattern} has more letters than n_layer={self.n_layer}")
+                raise ConfigError(f"{keys}window_pattern={pattern} has more letters than n_layer={self.n_layer}")
+
+    def with_vocabulary(self, vocab_size: int) -> GPTConfig:
+        return GPTConfig(vocab_size=vocab_size, **dataclasses.asdict(self))
+
+
+@dataclass
+class GPTConfig(ModelConfig):
+    """All a checkpoint needs to rebuild the model: its shape and options, and the tokenizer's vocabulary."""
+
+    KEYS: ClassVar[str] = ""
+    vocab_multiple: int = option(1, at_least=1, at_most=1024)  # a checkpoint saved without the key: unpadded
+    vocab_size: int = option(50257, at_least=1, at_most=MAX_VOCAB)  # the tokenizer's tokens
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's attention window, first layer first (None: full causal attention)."""

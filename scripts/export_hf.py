@@ -12,9 +12,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from common.config import exit_on_user_error  # noqa: E402
+from common.files import CKPT_NAME  # noqa: E402
 from model.checkpoint import load_checkpoint  # noqa: E402
 from model.hf_gpt2 import hf_from_gpt  # noqa: E402
-from training.run_dir import CKPT_NAME  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -50,8 +50,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench import MEMORY_PROBES, probe_row  # noqa: E402
+from common.files import CONFIG_NAME, METRICS_NAME, read_records  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from training.run_dir import CONFIG_NAME, METRICS_NAME, read_records  # noqa: E402
 
 # Seconds each step takes on one H100 (docs/gpu.md: how each is estimated); a step may take twice its estimate
 ESTIMATE_S = {"preflight": 10, "gpt2": 125, "speedrun_gpu": 120, "shakespeare": 75, "cuda steps": 10, "memory": 40,
@@ -184,7 +184,8 @@ def train_runs(args: argparse.Namespace) -> None:
     from torch._dynamo.utils import counters
 
     from common.config import typed_config
-    from training.run import TrainRunConfig, register_schemas, train
+    from training.config import TrainRunConfig, register_schemas
+    from training.run import train
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     register_schemas()
@@ -284,8 +285,9 @@ def step_checks(args: argparse.Namespace, optimizer: str) -> tuple[list[str], st
 
     from common.config import typed_config
     from common.runtime import make_runtime
+    from training.config import TrainRunConfig, register_schemas
     from training.distributed import World
-    from training.run import TrainRunConfig, build_trainer, register_schemas
+    from training.run import build_trainer
 
     register_schemas()
     out_dir = args.work / f"steps-{optimizer}"

@@ -32,9 +32,10 @@ from omegaconf import DictConfig
 from tiktoken_ext.openai_public import r50k_pat_str
 
 import inference.sampling
+import training.config
 import training.run
+from common.files import RunDir
 from model.checkpoint import Checkpoint
-from training.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
@@ -46,7 +47,7 @@ MODERN = dict(norm="rmsnorm", qk_norm=True, logit_softcap=15.0, x0_mix=True, val
 _TINY_MERGES = [b"th", b"he", b"in", b"er", b"an", b" t", b" a", b"the", b" the", b"ou", b"on", b"re", b"nd", b"and",
                 b" and"]
 
-training.run.register_schemas()
+training.config.register_schemas()
 inference.sampling.register_schemas()
 if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: each worker, and every command it starts, on one thread
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -124,7 +125,7 @@ def run_in_process(script: str, args: list[str], cwd: Path) -> subprocess.Comple
         patch.setattr(Hydra, "run", functools.partialmethod(Hydra.run, with_log_configuration=False))
         try:
             if script == "-m data.prepare":
-                from data.prepare_command import main
+                from data.prepare import main
 
                 main()
             else:

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from common.files import BEST_NAME, CKPT_NAME, RunDir
 from conftest import compose_config, run_in_process, tiny_run_overrides
 from inference.sampling import load_model
 from model.checkpoint import load_checkpoint
 from training.run import train
-from training.run_dir import BEST_NAME, CKPT_NAME, RunDir
 from training.trainer import Losses, Trainer
 
 SCRIPTED_VAL = {0: 3.0, 2: 2.0, 4: 2.5, 6: 2.2, 8: 2.6, 10: 2.7}  # iteration -> val loss: the best is at 2
@@ -80,3 +81,7 @@ def test_sampling_picks_best_or_latest_and_says_when_there_is_no_best(tmp_path: 
     result = run_in_process("sample.py", [f"out_dir={plain}", "ckpt=best"], tmp_path)
     assert result.returncode == 2, result.stderr
     assert f"no best.pt in {plain}: train with train.keep_best=true, or use ckpt=latest" in result.stderr
+    if hasattr(os, "mkfifo"):  # a FIFO there is named as one, not taken for no best.pt
+        os.mkfifo(plain / BEST_NAME)
+        result = run_in_process("sample.py", [f"out_dir={plain}", "ckpt=best"], tmp_path)
+        assert result.returncode == 2 and f"{plain / BEST_NAME} is not a regular file (a pipe" in result.stderr

@@ -17,13 +17,13 @@ import torch
 
 import data.corpus as corpus
 from common.errors import ConfigError, DataError
+from common.files import CKPT_NAME
 from conftest import REPO, TINY_BPE, compose_config, run_in_process, tiny_encoding, tiny_run_overrides
 from data.corpus import HEADER_BYTES, MAGIC, VERSION, read_shard, write_shard
 from data.prepare import DataConfig, PreparedData, TokenFiles, ensure_prepared, every_window, get_batch
 from data.tokenizers import BpeTokenizer, CharTokenizer
 from model.checkpoint import load_checkpoint
 from training.run import train
-from training.run_dir import CKPT_NAME
 
 SHARD = 8_000
 TOPICS = list(pydoc_data.topics.topics.values())

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from common.errors import ConfigError, DiskFull
+from common.files import CKPT_NAME, METRICS_NAME, RunDir
 from conftest import compose_config, save_checkpoint, tiny_run_overrides
 from model import GPT, GPTConfig
 from model.checkpoint import Checkpoint, Progress, load_checkpoint
 from training.run import train
-from training.run_dir import CKPT_NAME, METRICS_NAME, RunDir
 from training.trainer import MetricsLog
 
 # Dropout on, so the restored random state matters; 40 iterations, evaluated every 10, logged every 3: a stop

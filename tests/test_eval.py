@@ -16,6 +16,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from common.config import typed_config
 from common.errors import ConfigError, DataError, UserError
+from common.files import CKPT_NAME
 from common.runtime import make_runtime
 from conftest import REPO, TINY_BPE, compose_config, run_in_process, run_script, tiny_encoding, tiny_run_overrides
 from data.prepare import DataConfig, ensure_prepared
@@ -26,9 +27,9 @@ from inference.eval_run import run_eval
 from inference.sampling import EvalConfig
 from model import GPT, GPTConfig
 from model.checkpoint import load_checkpoint
+from training.config import TrainConfig, TrainRunConfig
 from training.distributed import World
-from training.run import OptimConfig, TrainRunConfig, train
-from training.run_dir import CKPT_NAME
+from training.run import train
 from training.trainer import Evaluator, split_across_ranks
 
 HELLASWAG = [
@@ -109,7 +110,7 @@ def test_eval_py_with_disjoint_windows_is_the_training_loops_full_val_loss(train
     checkpoint = load_checkpoint(trained_run / CKPT_NAME)
     model = checkpoint.build_model().eval()
     data = ensure_prepared(DataConfig(**checkpoint.config["data"]), prepare=False)
-    train = OptimConfig(full_val=True, eval_iters=1, batch_size=8)
+    train = TrainConfig(full_val=True, eval_iters=1, batch_size=8)
     ones = torch.ones(checkpoint.model_config.vocab_size, dtype=torch.float64)  # characters: a byte each (ASCII)
     evaluator = Evaluator(data, train, 0, 32, ones, make_runtime("cpu", "float32"), World())
     full_val = evaluator(model).val
@@ -311,7 +312,7 @@ def test_train_hellaswag_every_is_refused_for_char_data_and_off_the_evaluations(
     with pytest.raises(ConfigError, match="train.hellaswag_every=15 is not a multiple of train.eval_interval=10"):
         typed_config(compose_config(overrides), TrainRunConfig)
     with pytest.raises(ConfigError, match="train.hellaswag_file=hs.jsonl is read only with train.hellaswag_every"):
-        OptimConfig(hellaswag_file="hs.jsonl")
+        TrainConfig(hellaswag_file="hs.jsonl")
 
 
 def test_eval_py_is_documented() -> None:

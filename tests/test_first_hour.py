@@ -16,12 +16,13 @@ import torch
 from omegaconf import OmegaConf
 
 from common.config import typed_config
+from common.files import CKPT_NAME
 from conftest import CONFIGS, REPO, compose_config, run_in_process, start_script, tiny_run_overrides, wait_for_text
 from data.prepare import KNOWN_TEXTS, DataConfig, ensure_prepared
 from model.checkpoint import load_checkpoint
+from training.config import TrainRunConfig
 from training.resume import resume_argument
-from training.run import TrainRunConfig, train
-from training.run_dir import CKPT_NAME
+from training.run import train
 from training.trainer import lr_at
 
 UNREACHABLE = "http://127.0.0.1:9/input.txt"  # the discard port: a download fails at once, offline or not
@@ -317,10 +318,10 @@ def test_a_train_log_the_disk_cannot_take_costs_no_traceback(
     tmp_path: Path, corpus_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a full disk the log handler's own errors (97 lines, 3 tracebacks) hid the one line saying why."""
-    import training.run_dir
+    import common.files
 
     opened = open
-    monkeypatch.setattr(training.run_dir, "open", lambda path, *args, **kwargs: opened(
+    monkeypatch.setattr(common.files, "open", lambda path, *args, **kwargs: opened(
         "/dev/full" if Path(path).name == "train.log" else path, *args, **kwargs), raising=False)
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 2})))
     err = capsys.readouterr().err

@@ -24,18 +24,19 @@ from unittest import mock
 import pytest
 import torch
 
+import common.files
 from common.config import check_override, check_overrides, literal_text, typed_config
 from common.errors import CheckpointError, ConfigError, DataError, DiskFull, UserError
-from common.runtime import make_directory
-from conftest import compose_config, run_in_process, run_script, start_script, tiny_run_overrides
+from common.files import CKPT_NAME, LOCK_NAME, LOG_NAME, METRICS_NAME, RunDir, make_directory, read_records
+from conftest import TINY_BPE, compose_config, run_in_process, run_script, start_script, tiny_run_overrides
 from data.prepare import DataConfig, ensure_prepared
 from inference.sampling import EvalConfig, SampleConfig, load_model, read_prompt
 from model import GPT, GPTConfig
 from model.checkpoint import Checkpoint, load_checkpoint
+from training.config import TrainConfig, TrainRunConfig, WandbConfig
 from training.distributed import World
 from training.resume import CONFIG_GROUPS
-from training.run import OptimConfig, TrainRunConfig, WandbConfig, check_fits, train
-from training.run_dir import CKPT_NAME, METRICS_NAME, RunDir, read_records
+from training.run import check_fits, train
 from training.trainer import MetricsLog
 
 FAST = {"train.max_iters": 4, "train.eval_interval": 2, "train.log_interval": 1}
@@ -74,13 +75,13 @@ def test_a_model_too_large_for_memory_is_told_to_shrink_and_only_a_batch_too_lar
     monkeypatch.setattr("common.runtime.memory_bytes", lambda device: 64 * 2**30)
     huge = GPTConfig(vocab_size=50304, block_size=1024, n_layer=48, n_head=64, n_embd=8192)
     with pytest.raises(ConfigError) as info:
-        check_fits(huge, OptimConfig(batch_size=1), torch.device("cpu"), World())
+        check_fits(huge, TrainConfig(batch_size=1), torch.device("cpu"), World())
     assert str(info.value).startswith("a model of about 39,066,796,032 parameters (its weights and gradients alone) "
                                       "needs about 291.1 GiB, more than this machine's 64.0 GiB; train a smaller model")
     assert "batch_size" not in str(info.value)
     small = GPTConfig(vocab_size=50304, block_size=1024, n_layer=2, n_head=2, n_embd=64)
     with pytest.raises(ConfigError, match=r"^train.batch_size=100000 with a model of .*; lower train.batch_size "):
-        check_fits(small, OptimConfig(batch_size=100_000), torch.device("cpu"), World())
+        check_fits(small, TrainConfig(batch_size=100_000), torch.device("cpu"), World())
 
 
 @pytest.mark.parametrize(
@@ -322,6 +323,9 @@ def _by_position(raw: dict) -> None:
         (_set(tokenizer={"kind": "zzz"}), "holds damaged tokenizer metadata (neither char nor bpe)"),
         (_set(tokenizer={"kind": "char", "chars": [1, 2, 3]}), "chars are not a list of characters"),
         (_set(tokenizer={"kind": "char", "chars": ["a"]}), "(1 characters for a model of 3 tokens)"),
+        (_set(tokenizer={"kind": "char", "chars": list("abcd")}), "(4 characters for a model of 3 tokens)"),
+        (_set(tokenizer={"kind": "bpe", "encoding": TINY_BPE}), "(272 tokens for a model of 3 tokens)"),
+        (_set(tokenizer={"kind": "char", "chars": ["a", "b", "\ud800"]}), "its chars are not a list of characters"),
         (_set(tokenizer={"kind": "bpe", "encoding": 5}), "(its encoding is not a name)"),
     ],
 )
@@ -399,6 +403,35 @@ def test_a_compressed_checkpoint_is_refused_before_it_is_unpacked(tmp_path: Path
         assert result.returncode == 2 and result.stderr == f"error: {run / CKPT_NAME} can't be used: its records are " \
             "compressed, which torch.save never does, and unpacking them could take gigabytes; use the file as " \
             "train.py wrote it\n"
+
+
+@pytest.mark.parametrize(("script", "args"), [("sample.py", ["start=hhh"]), ("eval.py", ["input=TEXT"]),
+                                              ("serve.py", ["port=0"])])
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line_in_every_command(
+    tmp_path: Path, script: str, args: list[str]
+) -> None:
+    """Its ids past the model's table were an IndexError in sample.py and eval.py, and a 500 from serve.py."""
+    run = _crafted(tmp_path / "run", _set(tokenizer={"kind": "char", "chars": list("abcdefgh")}))
+    (tmp_path / "text.txt").write_text("hhhh gggg " * 20)
+    args = [arg.replace("TEXT", str(tmp_path / "text.txt")) for arg in args]
+    result = run_in_process(script, [f"out_dir={run}", "device=cpu", *args], tmp_path)
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", f"error: {run / CKPT_NAME} holds damaged "
+                                                                 "tokenizer metadata (8 characters for a model of 3 "
+                                                                 "tokens); use a file train.py wrote\n")
+
+
+@pytest.mark.parametrize(("config", "says"), [
+    ({"train": [1, 2]}, "its config's train is a list, not a mapping"),  # a ValueError with an override
+    ({"train": {"max_iters": "${nope}"}}, "its config's train.max_iters: Interpolation key 'nope' not found"),
+    ({"train": {"max_iters": "many"}}, "its config's train.max_iters: Value 'many' of type 'str' could not be"),
+])
+def test_a_checkpoint_config_that_cant_be_read_is_one_line_at_resume(tmp_path: Path, config: dict, says: str) -> None:
+    """Not OmegaConf's words (full_key, reference_type=TrainConfig) after Hydra's "Error executing job"."""
+    run = _crafted(tmp_path / "run", _set(config=config))
+    for override in ([], ["train.eval_interval=5"]):
+        result = run_in_process("train.py", [f"out_dir={run}", "resume=true", *override], tmp_path)
+        assert result.returncode == 2 and result.stderr.startswith(f"error: {run / CKPT_NAME} can't be used: {says}")
+        assert result.stderr.count("\n") == 1 and sorted(p.name for p in run.iterdir()) == [CKPT_NAME]
 
 
 def test_sample_py_says_a_nan_checkpoint_in_one_line(tmp_path: Path) -> None:
@@ -524,6 +557,96 @@ def test_a_killed_writers_temporary_is_overwritten_and_never_read(tmp_path: Path
     train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **FAST)))
     assert not list(run.glob("*.tmp")) and load_checkpoint(run / CKPT_NAME).progress.iter == FAST["train.max_iters"]
     assert (tmp_path / "elsewhere").read_text() == "the user's own\n"
+
+
+def test_a_resume_of_a_finished_run_lets_go_of_a_killed_writers_temporary_and_writes_nothing(
+    trained_run: Path, tmp_path: Path
+) -> None:
+    """The temporary (a checkpoint's size: 139 MB) stayed until a resume that trained."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    (run / "ckpt.pt.tmp").write_bytes(b"what a killed writer left")
+    result = run_in_process("train.py", [f"out_dir={run}", "resume=true"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_a_new_run_writes_only_into_a_new_or_empty_directory_or_one_its_own_dead_run_left(
+    tmp_path: Path, corpus_path: Path
+) -> None:
+    """An empty out_dir= is the current directory: a run there replaced the user's config.yaml, metrics.jsonl and
+    train.log. Refused before any work; a run killed before its first checkpoint leaves a directory a new one takes."""
+    here = tmp_path / "here"
+    here.mkdir()
+    mine = {"config.yaml": "my settings\n", "metrics.jsonl": "my numbers\n", "train.log": "my notes\n", "a.txt": ""}
+    for name, text in mine.items():
+        (here / name).write_text(text)
+    overrides = [o for o in tiny_run_overrides(tmp_path, corpus_path, **FAST) if not o.startswith("out_dir=")]
+    result = run_in_process("train.py", [*overrides, "out_dir="], here)
+    assert (result.returncode, result.stderr) == (2, "error: out_dir=. holds files no run wrote (a.txt); a new run "
+                                                     "needs a new or empty directory: name another out_dir\n")
+    assert {p.name: p.read_text() for p in tmp_path.rglob("*") if p.is_file()} == mine
+    dead = tmp_path / "dead"  # what a kill -9 before the first checkpoint leaves
+    (dead / ".hydra").mkdir(parents=True)
+    for name in (LOCK_NAME, LOG_NAME, METRICS_NAME, "config.yaml", ".hydra/config.yaml", "ckpt.pt.tmp"):
+        (dead / name).write_text("")
+    assert train(compose_config([*overrides, f"out_dir={dead}"])).iters == FAST["train.max_iters"]
+
+
+def test_hydra_as_a_file_in_out_dir_is_one_line_for_a_new_run_and_a_resume(
+    trained_run: Path, tmp_path: Path, corpus_path: Path
+) -> None:
+    """Its mkdir was a traceback (FileExistsError), after .lock and train.log were made."""
+    fresh, resumed = tmp_path / "fresh", tmp_path / "resumed"
+    fresh.mkdir()
+    shutil.copytree(trained_run, resumed)
+    shutil.rmtree(resumed / ".hydra")
+    resume = [f"out_dir={resumed}", "resume=true", "resume_with_changes=true", "train.max_iters=70"]
+    for run, args in ((fresh, tiny_run_overrides(tmp_path, corpus_path, **FAST, out_dir=fresh)), (resumed, resume)):
+        (run / ".hydra").write_text("not Hydra's folder\n")
+        before = {p: p.read_bytes() for p in run.iterdir()}
+        result = run_in_process("train.py", args, tmp_path)
+        assert result.returncode == 2 and result.stderr.splitlines()[-1] == (
+            f"error: {run / '.hydra'} is not a directory; a run keeps Hydra's record of its command in that folder: "
+            "remove it")
+        assert {p: p.read_bytes() for p in run.iterdir()} == before
+
+
+@pytest.mark.parametrize("name", [LOCK_NAME, LOG_NAME, ".hydra/config.yaml", "config.yaml"])
+def test_a_disk_full_at_start_is_one_line_and_leaves_no_run_directory(
+    tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """No inodes left for .lock was a traceback; a full disk at Hydra's record left .hydra/, .lock and an empty
+    train.log."""
+    run, no_room = tmp_path / "run", OSError(errno.ENOSPC, "No space left on device")
+    opened, lock = open, common.files.FileLock
+
+    def full(path: Path, *args: object, **kwargs: object) -> object:
+        if Path(path) in (run / name, run / f"{name}.tmp"):
+            raise no_room
+        return (lock if Path(path).name == LOCK_NAME else opened)(path, *args, **kwargs)
+
+    monkeypatch.setattr(common.files, "open", full, raising=False)
+    monkeypatch.setattr(common.files, "FileLock", full)
+    result = run_in_process("train.py", tiny_run_overrides(tmp_path, corpus_path, **FAST), tmp_path)
+    where = re.escape(str((run / name).parent))
+    assert result.returncode == 2 and re.fullmatch(rf"error: {re.escape(str(run / name))} not written: the disk "
+                                                   rf"holding {where} is full \([\d,.]+ MiB free\)\n", result.stderr)
+    assert [p.name for p in tmp_path.iterdir()] == ["data"]
+
+
+def test_attention_dir_on_a_full_disk_is_one_line(trained_run: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    monkeypatch.setattr(np, "savez", mock.Mock(side_effect=OSError(errno.ENOSPC, "No space left on device")))
+    maps = tmp_path / "maps"
+    result = run_in_process("sample.py", [f"out_dir={trained_run}", "max_new_tokens=20", "num_samples=1",
+                                          f"attention_dir={maps}"], tmp_path)
+    assert result.returncode == 2 and re.fullmatch(rf"error: {re.escape(str(maps / 'attention.npz'))} not written: "
+                                                   r"the disk holding .* is full \([\d,.]+ MiB free\)\n", result.stderr)
+    assert list(maps.iterdir()) == []
 
 
 def test_attention_dir_never_overwrites_the_users_files(trained_run: Path, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from model.attention import Rotary
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.gpt import Decoding
 from model.hf_gpt2 import hf_from_gpt
-from training.run import TrainRunConfig
+from training.config import TrainRunConfig
 
 SMALL = dict(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)
 
@@ -197,7 +197,7 @@ def test_a_gpt2_bpe_table_has_50304_rows_and_the_padding_changes_no_weight_logit
 
 @pytest.mark.parametrize("preset", ["gpt2", "gpt2_speedrun"])
 def test_the_gpt2_presets_train_from_scratch_without_biases_on_a_table_of_50304_rows(preset: str) -> None:
-    config = typed_config(compose_config([f"experiment={preset}"]), TrainRunConfig).model.gpt_config(50257)
+    config = typed_config(compose_config([f"experiment={preset}"]), TrainRunConfig).model.with_vocabulary(50257)
     assert (config.vocab_multiple, config.bias) == (64, False)  # 50257 padded to 50304, as the test above shows
 
 

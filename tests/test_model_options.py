@@ -13,6 +13,7 @@ import torch
 
 from analysis.causality import check_causality
 from common.errors import ConfigError
+from common.files import CKPT_NAME
 from conftest import MODERN, assert_same_logits_and_gradients, compose_config, tiny_run_overrides
 from model import GPT, GPTConfig
 from model.attention import KVCache
@@ -20,7 +21,6 @@ from model.checkpoint import load_checkpoint
 from model.gpt import BIGRAM_ROWS, BigramEmbedding
 from model.hf_gpt2 import PretrainedError, hf_from_gpt
 from training.run import train
-from training.run_dir import CKPT_NAME
 
 SMALL = dict(vocab_size=50, block_size=16, n_layer=3, n_head=4, n_embd=32)
 # Each option alone, then all at once; attn_window=4 alone is SSL: its last layer full, so a cache can't roll.

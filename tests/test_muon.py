@@ -12,8 +12,8 @@ from torch import nn
 import training.muon
 from common.runtime import Runtime
 from model import GPT, GPTConfig
+from training.config import TrainConfig
 from training.muon import MuonAdamW, newton_schulz
-from training.run import OptimConfig
 from training.trainer import FROM_CONFIG, lr_at, make_optimizer, set_hyperparameters
 
 CPU = Runtime(torch.device("cpu"), torch.float32)
@@ -80,7 +80,7 @@ def test_a_step_with_found_inf_leaves_the_weights_and_state_as_they_were(optimiz
     """The trainer's skip of a NaN step, decided on the device: NaN gradients and found_inf 1 change nothing, not
     even the AdamW step counts; found_inf 0 steps as no flag at all."""
     models = [_tiny_gpt() for _ in range(3)]
-    optimizers = [make_optimizer(model, OptimConfig(optimizer=optimizer), CPU) for model in models]
+    optimizers = [make_optimizer(model, TrainConfig(optimizer=optimizer), CPU) for model in models]
     _step_with_random_grads(optimizers, [list(model.parameters()) for model in models])
     state_before = [{k: v.clone() for k, v in s.items()} for s in optimizers[0].state.values()]
     weights_before = [p.detach().clone() for p in models[0].parameters()]
@@ -101,7 +101,7 @@ def test_muon_takes_the_blocks_linear_weights_and_adamw_the_rest() -> None:
     model.transformer.h[0].extra = nn.Embedding(4, 32)  # what a block may gain later: AdamW's, by type
     model.transformer.h[0].gain = nn.Parameter(torch.ones(()))
     names = {id(p): name for name, p in model.named_parameters()}
-    optimizer = make_optimizer(model, OptimConfig(optimizer="muon"), CPU)
+    optimizer = make_optimizer(model, TrainConfig(optimizer="muon"), CPU)
     groups = [({names[id(p)] for p in g["params"]}, g) for g in optimizer.param_groups]
     (muon, muon_group), (decayed, decayed_group), (not_decayed, not_decayed_group) = groups[-1], *groups[:-1]
     linears = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -114,9 +114,9 @@ def test_muon_takes_the_blocks_linear_weights_and_adamw_the_rest() -> None:
     assert muon | decayed | not_decayed == set(names.values())  # the head is tied to wte
     # restore() re-applies FROM_CONFIG: a key missing there would not be
     assert all(set(group) - {"params", "muon"} <= set(FROM_CONFIG) for group in optimizer.param_groups)
-    bfloat16_run = make_optimizer(model, OptimConfig(optimizer="muon"), Runtime(CPU.device, torch.bfloat16))
+    bfloat16_run = make_optimizer(model, TrainConfig(optimizer="muon"), Runtime(CPU.device, torch.bfloat16))
     assert optimizer.ns_dtype == torch.float32 and bfloat16_run.ns_dtype == torch.bfloat16  # Newton-Schulz's
-    plain = make_optimizer(_tiny_gpt(), OptimConfig(), CPU)  # train.optimizer=adamw: nanoGPT's, as before
+    plain = make_optimizer(_tiny_gpt(), TrainConfig(), CPU)  # train.optimizer=adamw: nanoGPT's, as before
     assert type(plain) is torch.optim.AdamW and plain.defaults["fused"] and len(plain.param_groups) == 2
 
 
@@ -126,7 +126,7 @@ def test_every_group_gets_its_step_hyperparameters_from_the_config(monkeypatch: 
     original = training.muon.newton_schulz
     monkeypatch.setattr(training.muon, "newton_schulz", lambda g, steps: calls.append((tuple(g.shape), steps))
                         or original(g, steps))
-    train = OptimConfig(optimizer="muon", learning_rate=1e-3, muon_lr=0.02, warmup_iters=10, max_iters=1000,
+    train = TrainConfig(optimizer="muon", learning_rate=1e-3, muon_lr=0.02, warmup_iters=10, max_iters=1000,
                         muon_ns_steps=3)
     model = _tiny_gpt()
     optimizer = make_optimizer(model, train, CPU)

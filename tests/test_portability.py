@@ -17,13 +17,13 @@ import pytest
 import torch
 from filelock import FileLock
 
-import common.runtime
+import common.files
 import training.run
+from common.files import CKPT_NAME
 from common.runtime import Runtime, make_runtime
 from conftest import compose_config, sample_py, save_checkpoint, tiny_run_overrides, train_py, user_error
 from model import GPT, GPTConfig
 from model.checkpoint import Checkpoint, Progress, load_checkpoint
-from training.run_dir import CKPT_NAME
 
 
 def _checkpoint() -> Checkpoint:
@@ -51,8 +51,8 @@ def test_a_checkpoint_goes_through_its_own_temporary_fsynced_with_its_directory_
             raise OSError(failure, os.strerror(failure))
         real_fsync(fd)
 
-    monkeypatch.setattr(common.runtime.os, "fsync", fsync)
-    monkeypatch.setattr(common.runtime.os, "replace", lambda src, dst: (renamed.append(src), real_replace(src, dst)))
+    monkeypatch.setattr(common.files.os, "fsync", fsync)
+    monkeypatch.setattr(common.files.os, "replace", lambda src, dst: (renamed.append(src), real_replace(src, dst)))
     save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
     assert synced == [False, True] and [Path(p).name for p in renamed] == [f"{CKPT_NAME}.tmp"]
     failure = errno.EIO
@@ -60,7 +60,7 @@ def test_a_checkpoint_goes_through_its_own_temporary_fsynced_with_its_directory_
         save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
     failure = errno.EINVAL
     save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
-    monkeypatch.setattr(common.runtime.os, "open", windows_open)
+    monkeypatch.setattr(common.files.os, "open", windows_open)
     (tmp_path / CKPT_NAME).unlink()
     save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
     assert load_checkpoint(tmp_path / CKPT_NAME).model.keys() == _checkpoint().model.keys()
@@ -79,14 +79,14 @@ def test_a_replace_that_meets_a_reader_is_tried_again_on_windows_only(
             raise PermissionError(13, "The process cannot access the file", str(dst))
         real_replace(src, dst)
 
-    monkeypatch.setattr(common.runtime.os, "replace", windows_replace)
-    monkeypatch.setattr(common.runtime.time, "sleep", waits.append)
+    monkeypatch.setattr(common.files.os, "replace", windows_replace)
+    monkeypatch.setattr(common.files.time, "sleep", waits.append)
     for platform, refused, waited in (("win32", 2, 2), ("win32", 10, 9), ("linux", 1, 0)):
-        monkeypatch.setattr(common.runtime.sys, "platform", platform)
+        monkeypatch.setattr(common.files.sys, "platform", platform)
         refusals, waits[:] = iter([True] * refused), []
         (tmp_path / "a").write_text("new")
         with pytest.raises(PermissionError) if refused > waited else contextlib.nullcontext():
-            common.runtime.replace_file(tmp_path / "a", tmp_path / "b")
+            common.files.replace_file(tmp_path / "a", tmp_path / "b")
         assert len(waits) == waited and all(0 < a < b for a, b in zip(waits, waits[1:], strict=False))
     assert (tmp_path / "b").read_text() == "new"
 

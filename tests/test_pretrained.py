@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from common.errors import CheckpointError, ConfigError
+from common.files import CKPT_NAME
 from conftest import (
     REPO,
     TINY_BPE,
@@ -31,7 +32,6 @@ from model import GPT, GPTConfig
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.hf_gpt2 import PRETRAINED, PretrainedError, gpt_from_hf, hf_from_gpt, load_pretrained
 from training.run import train
-from training.run_dir import CKPT_NAME
 
 SHAPE = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=97)
 N_POSITIONS = 64

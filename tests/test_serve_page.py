@@ -98,3 +98,22 @@ def test_the_page_shows_the_cropping_line_above_the_tokens_and_in_the_explorer(b
     assert shown.is_displayed() and shown.text == note
     in_explorer = "const d = document.getElementById('explorer').contentDocument.getElementById('context-note');"
     assert browser.execute_script(in_explorer + "return [d.hidden, d.textContent]") == [False, shown.text]
+
+
+def test_the_page_shows_no_empty_box_before_its_text_nor_a_blank_chart_before_a_replacement(
+    browser, server: ServeProcess
+) -> None:
+    """It showed empty boxes until Generate, then a large blank chart until a token was replaced."""
+    from selenium.webdriver.common.by import By
+
+    def shown() -> list[str]:
+        boxes = ("output", "tokens-wait", "tokens", "change-chart", "explorer")
+        return [box for box in boxes if browser.find_element(By.ID, box).is_displayed()]
+
+    browser.get(server.url + "/")
+    assert shown() == ["tokens-wait"]
+    _generate(browser, server, PROMPT, 3)
+    assert shown() == ["output", "tokens", "explorer"]
+    browser.execute_script("window.servePage.replace(3, 'a')")
+    _wait(browser, "return window.servePage.state.changes")
+    assert shown() == ["output", "tokens", "change-chart", "explorer"]

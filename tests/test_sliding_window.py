@@ -16,12 +16,12 @@ import torch.nn.functional as F
 import model.attention
 from analysis.attention_maps import save_attention_maps
 from analysis.causality import check_causality, format_report
+from common.files import CKPT_NAME
 from conftest import MODERN, compose_config, run_in_process, tiny_run_overrides
 from model import GPT, GPTConfig, causal_mask, masked_attention
 from model.attention import ROLL_SLACK, KVCache, Rotary, flex_windowed_attention, windowed_attention
 from model.checkpoint import load_checkpoint
 from training.run import train
-from training.run_dir import CKPT_NAME
 
 SMALL = dict(vocab_size=40, block_size=32, n_layer=3, n_head=2, n_embd=16)
 

@@ -413,11 +413,13 @@ def test_plot_py_skips_fifos_and_devices_refuses_them_as_outputs_and_replaces_li
     assert kept.read_text() == "someone's file\n"
     assert not picture.is_symlink() and picture.read_bytes().startswith(b"\x89PNG")
     assert not document.is_symlink() and json.loads(document.read_text())["metric"] == "val_loss"
-    fifo = tmp_path / "fifo.png"
+    fifo, pipe = tmp_path / "fifo.png", tmp_path / "pipe"  # pipe: as /dev/null, once written as /dev/null.png
     os.mkfifo(fifo)
-    for args in (["-o", str(fifo)], ["-o", str(picture), "--json", str(fifo)]):
+    os.mkfifo(pipe)
+    for args in (["-o", str(fifo)], ["-o", str(picture), "--json", str(fifo)], ["-o", str(pipe)]):
         stderr = plot_refused(capsys, str(sweep_dir / "a_1"), *args)
-        assert stderr == f"error: {args[-2]} {fifo}: not a regular file (a FIFO, a device); name a file\n"
+        assert stderr == f"error: {args[-2]} {args[-1]}: not a regular file (a FIFO, a device); name a file\n"
+    assert not pipe.with_suffix(".png").exists()
 
 
 def test_plot_py_writes_its_picture_into_the_sweep_folder_titled_with_groups_and_runs(

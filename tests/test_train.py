@@ -10,11 +10,11 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from common.errors import CheckpointError, ConfigError
+from common.files import CKPT_NAME
 from conftest import CONFIGS, MODERN, REACHES_TARGET, TINY_BPE, compose_config, sample_py, tiny_run_overrides
 from model import GPTConfig
 from model.checkpoint import load_checkpoint
 from training.run import train
-from training.run_dir import CKPT_NAME
 from training.trainer import lr_at
 
 TEN = {"train.max_iters": 10}

@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from common.config import shown
+from common.config import shown, typed_config
 from common.errors import CheckpointError, ConfigError
+from common.files import CKPT_NAME
 from model import GPTConfig
 from model.checkpoint import Checkpoint, saved_config
-from training.run_dir import CKPT_NAME
 
 log = logging.getLogger("train")
 CONFIG_GROUPS = ("experiment", "model", "data")  # train.py's Hydra groups: configs/<group>/NAME.yaml, as group=NAME
@@ -41,7 +42,7 @@ def resumed_config(cfg: DictConfig, overrides: list[str], schema: type) -> DictC
     saved = saved_config(out_dir / CKPT_NAME)
     if saved is None:
         return cfg
-    base = OmegaConf.create(_known_keys(saved, schema))
+    base = OmegaConf.create(_known_keys(saved, schema, out_dir / CKPT_NAME))
     base.resume, base.resume_with_changes = True, False  # asked anew each time, never inherited from a resume
     try:  # the config groups the run was started with (Hydra's runtime.choices, which train.py keeps in .hydra/)
         recorded = dict(OmegaConf.select(OmegaConf.load(out_dir / ".hydra" / "hydra.yaml"), "hydra.runtime.choices"))
@@ -64,13 +65,23 @@ def resumed_config(cfg: DictConfig, overrides: list[str], schema: type) -> DictC
         value = raw if isinstance(raw, str) and "${" in raw else OmegaConf.select(cfg, key)  # ${..}: the run's
         OmegaConf.update(base, key, value, merge=False, force_add=True)
     base.out_dir = str(out_dir)  # the directory whose checkpoint was read (where the run writes train.log)
+    try:  # a saved value of another type, or an interpolation in one, said here (train() would quote OmegaConf)
+        typed_config(base, schema)
+    except OmegaConfBaseException as err:
+        why = str(err.msg).partition("\n")[0]
+        raise CheckpointError(f"{out_dir / CKPT_NAME} can't be used: its config's {err.full_key}: {why}") from None
     return base
 
 
-def _known_keys(saved: dict[str, Any], schema: type) -> dict[str, Any]:
-    """The saved config less keys this version's schema no longer has (nothing reads them)."""
+def _known_keys(saved: dict[str, Any], schema: type, path: Path, prefix: str = "") -> dict[str, Any]:
+    """The saved config less keys this version's schema no longer has (nothing reads them); a group of keys saved as
+    anything but a mapping is refused."""
     hints = typing.get_type_hints(schema)
-    return {key: _known_keys(value, hints[key]) if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict)
+    for key in saved.keys() & {key for key, hint in hints.items() if dataclasses.is_dataclass(hint)}:
+        if not isinstance(saved[key], dict):
+            raise CheckpointError(f"{path} can't be used: its config's {prefix}{key} is a "
+                                  f"{type(saved[key]).__name__}, not a mapping")
+    return {key: _known_keys(value, hints[key], path, f"{prefix}{key}.") if dataclasses.is_dataclass(hints[key])
             else value for key, value in saved.items() if key in hints}
 
 
@@ -82,7 +93,7 @@ def check_resume(checkpoint: Checkpoint, config: Any) -> None:
         raise CheckpointError(f"resume=true with train.optimizer={optimizer}, but the checkpoint's run was trained "
                               f"with {before}; resume with train.optimizer={before}, or start a new run")
     if config.init_from is None:
-        check_same_shape(checkpoint.model_config, config.model.gpt_config(checkpoint.model_config.vocab_size))
+        check_same_shape(checkpoint.model_config, config.model.with_vocabulary(checkpoint.model_config.vocab_size))
     done = checkpoint.progress.iter
     if config.train.max_iters < done:
         raise ConfigError(f"train.max_iters={config.train.max_iters} is below the {done} iterations the run already "

@@ -1,5 +1,5 @@
-"""train.py's typed config (a bad key or type fails at start: model.* from GPTConfig, data.* data.prepare's), and
-train(cfg): one process's part of a run: checkpoint, data, model, optimizer, metrics; checks, then Trainer.fit."""
+"""train(cfg): one process's part of a run: checkpoint, data, model, optimizer, metrics (build_trainer, which writes
+nothing); checks; then the run directory opened and Trainer.fit."""
 
 from __future__ import annotations
 
@@ -9,37 +9,33 @@ import importlib.util
 import logging
 import sys
 import time
-import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from common.config import SEED_MAX, check_fields, option, typed_config
+from common.config import typed_config
 from common.errors import CheckpointError, ConfigError
+from common.files import BEST_NAME, CKPT_NAME, CONFIG_NAME, METRICS_NAME, RunDir
 from common.runtime import (
-    DEVICES,
-    DTYPES,
     Runtime,
     check_memory,
     cpu_matmul_flops,
     datasheet_peak,
     make_runtime,
 )
-from data.prepare import DataConfig, PreparedData, ensure_prepared
+from data.prepare import PreparedData, ensure_prepared
 from data.tokenizers import Tokenizer, tokenizer_from_metadata
 from evals.hellaswag import hellaswag_path, load_examples
 from model import GPT, GPTConfig
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.hf_gpt2 import SETTINGS as PRETRAINED_SETTINGS
 from model.hf_gpt2 import load_pretrained
+from training.config import TrainConfig, TrainRunConfig
 from training.distributed import World, world_from_env
 from training.resume import check_resume, check_same_shape
-from training.run_dir import BEST_NAME, CKPT_NAME, CONFIG_NAME, METRICS_NAME, RunDir
 from training.trainer import (
     Evaluator,
     HellaSwagEval,
@@ -51,135 +47,6 @@ from training.trainer import (
 )
 
 log = logging.getLogger("train")
-
-
-OPTIMIZERS = ("adamw", "muon")
-LR_SCHEDULES = ("cosine", "wsd")  # after warmup: a half cosine, or warmup-stable-decay
-ON_NONFINITE = ("stop", "skip")
-MAX_GRAD_ACCUM = 65536  # micro-batches per step: past any recipe (GPT-2 on one GPU: 40), short of endless
-PARALLEL = ("ddp", "fsdp")
-# The schema's defaults for the model's shape: the baby model (configs/model/baby.yaml), not GPTConfig's GPT-2; and
-# the token table padded to a multiple of 64 rows, as nanoGPT pads GPT-2's (a char model pays ~1 % a step on a CPU)
-SCHEMA_SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "vocab_multiple": 64}
-
-
-def _model_keys() -> type:
-    """`model.*`: GPTConfig's fields and rules less vocab_size (the data's), so the keys can't drift from the model."""
-    hints = typing.get_type_hints(GPTConfig)
-    keys = [(f.name, hints[f.name], field(default=SCHEMA_SHAPE.get(f.name, f.default), metadata=f.metadata))
-            for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size"]
-
-    def gpt_config(self: Any, vocab_size: int) -> GPTConfig:
-        return GPTConfig(vocab_size=vocab_size, **dataclasses.asdict(self))
-
-    def check(self: Any) -> None:
-        try:
-            self.gpt_config(vocab_size=GPTConfig.vocab_size)  # any vocabulary: the shape is what is checked
-        except ConfigError as err:
-            raise ConfigError(f"model.{err}") from None
-
-    cls = dataclasses.make_dataclass("ModelConfig", keys, namespace={"gpt_config": gpt_config, "__post_init__": check})
-    cls.__module__ = __name__  # importable by name, like a class written here
-    return cls
-
-
-ModelConfig = _model_keys()
-
-
-@dataclass
-class OptimConfig:
-    """`train.*`: the optimizer, its schedule, evaluation, logging and the step's machinery."""
-
-    batch_size: int = option(12, at_least=1)  # sequences per micro-batch, in each process
-    # micro-batches per optimizer step, all processes together; a larger step wants a larger batch_size
-    grad_accum: int = option(1, at_least=1, at_most=MAX_GRAD_ACCUM, hint="raise train.batch_size instead")
-    learning_rate: float = option(1e-3, above=0.0)
-    min_lr: float = option(1e-4, at_least=0.0)  # the schedule (cosine or wsd) ends at this
-    max_iters: int = option(2000, at_least=0)
-    lr_decay_iters: int | None = option(None, at_least=0)  # default: max_iters
-    lr_schedule: str = option("cosine", choices=LR_SCHEDULES)  # after warmup: cosine | wsd (plateau, then cooldown)
-    cooldown_frac: float = option(0.2, above=0.0, at_most=1.0)  # wsd's: the share of lr_decay_iters cooling down
-    warmup_iters: int = option(100, at_least=0)
-    weight_decay: float = option(0.1, at_least=0.0)  # decoupled, on 2-D weights (and Muon's matrices)
-    beta1: float = option(0.9, at_least=0.0, below=1.0)
-    beta2: float = option(0.99, at_least=0.0, below=1.0)
-    grad_clip: float = option(1.0, at_least=0.0)  # 0 disables clipping
-    # adamw: AdamW for every parameter (nanoGPT's) | muon: Muon for the blocks' nn.Linear weights, AdamW for the rest
-    optimizer: str = option("adamw", choices=OPTIMIZERS)
-    # Muon's keys, read with optimizer=muon only (a preset may set them and still sweep the optimizer)
-    muon_lr: float = option(0.02, above=0.0)  # Muon's peak lr; follows learning_rate's schedule (scaled by the ratio)
-    muon_momentum: float = option(0.95, at_least=0.0, below=1.0)  # Muon's Nesterov momentum, after its warmup
-    muon_momentum_warmup: int = option(300, at_least=0)  # iterations to go from 0.85 to muon_momentum; 0: none
-    muon_ns_steps: int = option(5, at_least=1)  # Newton-Schulz iterations per update: fewer are cheaper, rougher
-    eval_interval: int = option(250, at_least=1)
-    # evaluate (and write ckpt.pt) only from this iteration on, and after the last step: a timed run skips early ones
-    eval_from: int = option(0, at_least=0)
-    eval_iters: int = option(100, at_least=1)  # batches per split in each evaluation
-    full_val: bool = False  # evaluate val on every block of the split, in order, instead of eval_iters batches
-    target_val_loss: float | None = None  # stop once an evaluation reaches it; metrics get time_to_target_s
-    keep_best: bool = False  # also keep best.pt, the checkpoint of the lowest val loss (ckpt.pt stays the latest)
-    log_interval: int = option(10, at_least=1)
-    compile: bool | None = None  # default: on for CUDA, off elsewhere
-    # recompute each block's activations in backward: far less memory, ~one more forward's compute (bench.py memory)
-    activation_checkpointing: bool = False
-    dtype: str = option("auto", choices=DTYPES)  # auto: bfloat16 on CUDA GPUs that have it, else float32
-    peak_tflops: float | None = option(None, above=0.0)  # MFU's denominator per process; null: datasheet peak or no MFU
-    on_nonfinite: str = option("stop", choices=ON_NONFINITE)  # a NaN/Inf loss: stop (ckpt.pt stays) | skip the step
-    parallel: str = option("ddp", choices=PARALLEL)  # under torchrun: ddp (replicas) | fsdp (FSDP2: sharded)
-    # HellaSwag at the evaluations whose iteration is a multiple of this (BPE data only); 0: never
-    hellaswag_every: int = option(0, at_least=0, hint="0 means never; use a multiple of train.eval_interval")
-    hellaswag_file: str | None = option(None, path=True)  # a hellaswag_val.jsonl; null: data/cache/hellaswag's
-
-    def __post_init__(self) -> None:
-        check_fields(self, "train.")
-        if self.hellaswag_every % self.eval_interval:
-            raise ConfigError(f"train.hellaswag_every={self.hellaswag_every} is not a multiple of "
-                              f"train.eval_interval={self.eval_interval}: HellaSwag runs at evaluations")
-        if self.hellaswag_file is not None and not self.hellaswag_every:
-            raise ConfigError(f"train.hellaswag_file={self.hellaswag_file} is read only with train.hellaswag_every > 0")
-
-    @property
-    def decay_iters(self) -> int:
-        return self.max_iters if self.lr_decay_iters is None else self.lr_decay_iters
-
-
-@dataclass
-class WandbConfig:
-    enabled: bool = False
-    project: str = "gpt"
-    entity: str | None = None
-    run_name: str | None = None
-    mode: str | None = option(None, choices=("online", "offline", "disabled"))  # default: $WANDB_MODE, else online
-    tags: list[str] = field(default_factory=list)
-    group: str | None = None
-    init_timeout: float = option(30.0, above=0.0)  # seconds wandb may take to start; then training goes on without it
-
-    def __post_init__(self) -> None:
-        check_fields(self, "wandb.")
-
-
-@dataclass
-class TrainRunConfig:
-    out_dir: str = option("outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}", path=True)
-    device: str = option("auto", choices=DEVICES)
-    seed: int = option(1337, at_least=0, at_most=SEED_MAX)
-    resume: bool = False  # continue the run in out_dir from its ckpt.pt, with its saved settings
-    resume_with_changes: bool = False  # resume=true: overrides may change what is trained (schedule, data, model...)
-    init_from: str | None = option(None, path=True)  # gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 dir
-    model: ModelConfig = field(default_factory=ModelConfig)  # type: ignore[valid-type]
-    data: DataConfig = field(default_factory=DataConfig)
-    train: OptimConfig = field(default_factory=OptimConfig)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-
-    def __post_init__(self) -> None:
-        check_fields(self)  # its own keys; the groups checked themselves as they were built
-        if self.train.hellaswag_every and self.data.tokenizer == "char":
-            raise ConfigError(f"train.hellaswag_every={self.train.hellaswag_every} needs a BPE model (HellaSwag is "
-                              "scored in GPT-2's tokens); this run's data.tokenizer is char (try data=shakespeare)")
-
-
-def register_schemas() -> None:
-    ConfigStore.instance().store(name="train_schema", node=TrainRunConfig)
 
 
 def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] = lambda it: None,
@@ -199,7 +66,8 @@ def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] =
             return finished
         with contextlib.ExitStack() as held:
             if world.is_main:  # should this fail, torchrun stops the other ranks
-                open_run_directory(trainer, held, hydra_record or {})
+                with trainer.run_dir.starting(held):
+                    open_run_directory(trainer, held, hydra_record or {})
             world.barrier()
             result = trainer.fit()
             world.barrier()  # leave together: none tears its process group down while rank 0 still writes
@@ -275,10 +143,13 @@ def _cut_history(run_dir: RunDir, iter: int, settings: dict[str, Any]) -> None:
 
 def _finished(trainer: Trainer) -> TrainResult | None:
     """A resumed run that already evaluated its last iteration (train.max_iters, or the target): said, its result
-    returned, and nothing written."""
+    returned, and nothing written; what a killed writer left (ckpt.pt.tmp, a checkpoint's size) goes (RunDir.open)."""
     p, train = trainer.progress, trainer.config.train
     if p.last_eval_iter != p.iter or (p.iter < train.max_iters and not trainer.reaches_target(p.val_loss)):
         return None
+    if trainer.world.is_main:
+        with contextlib.ExitStack() as held:
+            trainer.run_dir.open(held)
     log.info(f"out_dir={trainer.out_dir} is finished: {p.iter} iters, val loss {p.val_loss:.4f}; nothing written "
              "(to train on, raise train.max_iters and add resume_with_changes=true)")
     return TrainResult(trainer.out_dir, p.iter, p.val_loss, p.best_val_loss, p.elapsed_s, None,
@@ -298,8 +169,8 @@ def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime) -> Tra
     if config.resume:
         checkpoint = load_checkpoint(out_dir / CKPT_NAME, resuming=True)
         check_resume(checkpoint, config)  # before any data is prepared: a refused resume changes nothing
-    elif (out_dir / CKPT_NAME).exists():
-        raise ConfigError(f"out_dir={out_dir} already holds a run; pass resume=true to continue it, or another out_dir")
+    else:
+        run_dir.check_new()
     torch.manual_seed(config.seed)  # the same initial weights on every rank (FSDP2 shards each rank's own)
     data = ensure_prepared(config.data) if world.is_main else None
     world.barrier()  # rank 0 prepares; the others then read what it made
@@ -332,7 +203,7 @@ def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime) -> Tra
     return trainer
 
 
-def check_for_world(train: OptimConfig, world: World) -> None:
+def check_for_world(train: TrainConfig, world: World) -> None:
     """The checks that need the number of processes (torchrun's: one process passes them all)."""
     if train.grad_accum % world.size:
         raise ConfigError(f"train.grad_accum={train.grad_accum} (micro-batches per step, all processes together) is "
@@ -348,7 +219,7 @@ def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: Pr
     weights leave open from the config; another shape is refused."""
     if checkpoint is None and config.init_from is not None:
         return _pretrained_model(config, data)
-    model_config = config.model.gpt_config(data.meta["vocab_size"])
+    model_config = config.model.with_vocabulary(data.meta["vocab_size"])
     if checkpoint is not None:
         if config.init_from is not None:  # a finetune: the shape is the pretrained model's, as saved
             settings = {k: getattr(config.model, k) for k in ("block_size", *PRETRAINED_SETTINGS)}
@@ -361,7 +232,7 @@ def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: Pr
     return GPT(model_config)
 
 
-def check_fits(model: GPTConfig, train: OptimConfig, device: torch.device, world: World) -> None:
+def check_fits(model: GPTConfig, train: TrainConfig, device: torch.device, world: World) -> None:
     """Refused before allocating, by a bound from below: the float32 weights and gradients of the blocks' matrices
     and token table, and one micro-batch's activations, measured in bench.py memory (4 bytes each, checkpointed)."""
     C, L, V = model.n_embd, model.n_layer, model.vocab_size
@@ -403,7 +274,7 @@ def _check_data_fits(data: PreparedData, block_size: int) -> None:
                               f"{more})")
 
 
-def _hellaswag(train: OptimConfig, tokenizer: Tokenizer, block_size: int, runtime: Runtime,
+def _hellaswag(train: TrainConfig, tokenizer: Tokenizer, block_size: int, runtime: Runtime,
                world: World) -> HellaSwagEval:
     """HellaSwag examples, read at start to fail before training; rank 0 downloads them once while the others wait."""
     path = hellaswag_path(train.hellaswag_file, "train.hellaswag_file") if world.is_main else None

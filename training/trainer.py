@@ -13,13 +13,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from common.errors import DiskFull, TrainingDiverged, first_line
+from common.files import BEST_NAME, CKPT_NAME, METRICS_NAME, RunDir
 from common.runtime import Runtime, cpu_matmul_flops, synchronize
 from data.prepare import EVAL_WINDOWS, TRAIN_WINDOWS, PreparedData, batch_generator, every_window, get_batch
 from data.tokenizers import Tokenizer
@@ -28,13 +29,10 @@ from evals.perplexity import TextScore, token_sums
 from model import GPT
 from model.checkpoint import Checkpoint, Progress
 from model.gpt import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
+from training.config import TrainConfig, TrainRunConfig, WandbConfig
 from training.distributed import World, full_state, gradient_sync, load_full_state
 from training.muon import MuonAdamW
 from training.resume import resume_command
-from training.run_dir import BEST_NAME, CKPT_NAME, METRICS_NAME, RunDir
-
-if TYPE_CHECKING:  # run.py, which builds the trainer, holds the config's schema
-    from training.run import OptimConfig, TrainRunConfig, WandbConfig
 
 log = logging.getLogger("train")
 MAX_SKIPS_IN_A_ROW = 100  # train.on_nonfinite=skip gives up after so many steps skipped in a row
@@ -373,7 +371,7 @@ FROM_CONFIG = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov", "ns
 MUON_MOMENTUM_START = 0.85  # where Muon's momentum starts its warmup (train.muon_momentum_warmup)
 
 
-def make_optimizer(model: nn.Module, train: OptimConfig, runtime: Runtime) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, train: TrainConfig, runtime: Runtime) -> torch.optim.Optimizer:
     """train.optimizer's, its param groups' hyperparameters from the config (restore() keeps them on resume)."""
     hidden = hidden_matrices(model) if train.optimizer == "muon" else {}
     rest = [p for name, p in model.named_parameters() if p.requires_grad and name not in hidden]
@@ -397,7 +395,7 @@ def hidden_matrices(model: nn.Module) -> dict[str, nn.Parameter]:
     return {f"transformer.h.{name}.weight": weight for name, weight in linears if weight.requires_grad}
 
 
-def set_hyperparameters(optimizer: torch.optim.Optimizer, t: OptimConfig, step: int) -> float:
+def set_hyperparameters(optimizer: torch.optim.Optimizer, t: TrainConfig, step: int) -> float:
     """The step's learning rate, from the step alone; Muon's scaled to muon_lr, and its momentum going in a straight
     line from MUON_MOMENTUM_START to muon_momentum over muon_momentum_warmup steps."""
     lr = lr_at(step, t.learning_rate, t.min_lr, t.warmup_iters, t.decay_iters, t.lr_schedule, t.cooldown_frac)
@@ -516,7 +514,7 @@ class Evaluator:
     bits per byte of text, as nanochat. Ranks split the batches and sum: the result doesn't depend on their number."""
 
     data: PreparedData
-    train: OptimConfig
+    train: TrainConfig
     seed: int
     block_size: int
     byte_lengths: torch.Tensor  # UTF-8 bytes of each token id (0: a special token), float64 on the device

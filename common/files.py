@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import logging
 import math
@@ -168,8 +169,9 @@ class RunDir:
         except Timeout:
             raise RunLocked(f"out_dir={self.path} is being written by another run; wait for it to end or stop it, "
                             "or use another out_dir") from None
-        for name in WHOLE_NAMES:  # the lock says their writer is gone
-            (self.path / f"{name}.tmp").unlink(missing_ok=True)
+        for name in WHOLE_NAMES:  # the lock says their writer is gone (NAME.PID.tmp: an older version's)
+            for tmp in (self.path / f"{name}.tmp", *self.path.glob(f"{glob.escape(name)}.*[0-9].tmp")):
+                tmp.unlink(missing_ok=True)
         with unless_disk_full(self.path / LOG_NAME):
             handler = held.enter_context(contextlib.closing(RunLog(self.path / LOG_NAME)))
         logging.getLogger().addHandler(handler)
@@ -184,8 +186,8 @@ class RunDir:
             yield
         except BaseException as err:
             if made and not isinstance(err, RunLocked):  # a locked one is another run's
-                held.close()  # the lock and train.log let go first
-                shutil.rmtree(self.path, ignore_errors=True)
+                shutil.rmtree(self.path, ignore_errors=True)  # still locked: no other run starts in it meanwhile
+                held.close()
             raise
 
     def write(self, name: str, write: Callable[[BinaryIO], object]) -> None:

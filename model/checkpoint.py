@@ -91,6 +91,7 @@ class Checkpoint:
         """The trained model (the one from_dict built); attn_impl may differ from the training run's, since both
         paths share weights."""
         model = self.built if self.built is not None else _model_of(self.model, self.model_config, Path("weights"))
+        self.built = None  # handed out once: a second call builds its own
         if attn_impl is not None:
             model.config = dataclasses.replace(model.config, attn_impl=attn_impl)
             for block in model.transformer.h:
@@ -160,6 +161,7 @@ def _model_of(weights: dict[str, Any], config: GPTConfig, path: Path) -> GPT:
     except RuntimeError as err:  # its first line says only that loading failed
         raise CheckpointError(f"{path} can't be used: {str(err).splitlines()[1].strip()[:300]}") from None
     model.lm_head.weight = model.transformer.wte.weight  # assigned, each name got a tensor of its own
+    model.float()  # float32 parameters, as training keeps them, whatever a file stored (no copy when it is float32)
     for name, weight in model.state_dict().items():
         backed = weight.layout == torch.strided and weight.untyped_storage().nbytes() >= weight.nbytes  # not stride 0
         if not backed or not weight.is_floating_point():

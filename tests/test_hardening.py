@@ -339,6 +339,25 @@ def test_a_crafted_or_damaged_checkpoint_is_refused_at_load_naming_the_field(
     assert message in str(info.value) and str(run / CKPT_NAME) in str(info.value)
 
 
+def test_a_checkpoint_saved_before_this_versions_keys_resumes_and_samples_in_float32(tmp_path: Path,
+                                                                                    corpus_path: Path) -> None:
+    """model.vocab_multiple came later (its runs were unpadded, the schema pads now), and a file may hold float16
+    weights beside float32 ones: each still resumes, or samples in float32."""
+    keys = {**FAST, "model.vocab_multiple": 1}
+    train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **keys)))
+    path = tmp_path / "run" / CKPT_NAME
+    raw = torch.load(path, weights_only=True)
+    del raw["config"]["model"]["vocab_multiple"], raw["model_config"]["vocab_multiple"]
+    raw["model"]["transformer.h.0.mlp.c_fc.weight"] = raw["model"]["transformer.h.0.mlp.c_fc.weight"].half()
+    torch.save(raw, path)
+    assert {p.dtype for p in load_model(str(tmp_path / "run"), None, "latest", None).model.parameters()} == {
+        torch.float32}
+    args = [f"out_dir={tmp_path / 'run'}", "resume=true", "resume_with_changes=true", "train.max_iters=6"]
+    result = run_in_process("train.py", args, tmp_path)  # train.py's resume: the saved config, less the new key
+    assert result.returncode == 0, result.stderr
+    assert load_checkpoint(path).progress.iter == 6
+
+
 @pytest.mark.parametrize(
     ("alter", "message"),
     [

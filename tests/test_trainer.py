@@ -116,6 +116,20 @@ def test_the_optimizer_sees_gradients_clipped_to_train_grad_clip(tmp_path: Path,
     assert all(n > 0.05 for n in norms[0.0])  # the tiny model's gradients are larger: the bound above is the clip's
 
 
+def test_float16s_overflows_are_gradscalers_to_skip_not_a_diverged_run(tmp_path: Path, corpus_path: Path) -> None:
+    """Under float16 an inf gradient is GradScaler's overflow (its first steps have them at a scale of 65536): it skips
+    the step and lowers the scale, and the run trains on, though on_nonfinite=stop would stop a non-finite one."""
+    config = typed_config(compose_config(tiny_run_overrides(tmp_path, corpus_path, **{"train.max_iters": 6})),
+                          TrainRunConfig)
+    (tmp_path / "run").mkdir()
+    trainer = build_trainer(config, World(), make_runtime("cpu", "float16"))
+    weight, scales = trainer.model.transformer.h[0].mlp.c_fc.weight, []
+    weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), math.inf) if trainer.progress.iter == 3 else g)
+    trainer.before_step = lambda it: scales.append(trainer.scaler.get_scale())
+    result = trainer.fit()
+    assert result.iters == 6 and math.isfinite(result.val_loss) and scales[4] < scales[3]
+
+
 def _state(trainer: Trainer) -> list[torch.Tensor]:
     """Weights, and every optimizer state tensor (moments, momentum buffers, step counts), copied."""
     optimizer = trainer.optimizer.state_dict()["state"]

@@ -43,6 +43,8 @@ def resumed_config(cfg: DictConfig, overrides: list[str], schema: type) -> DictC
     if saved is None:
         return cfg
     base = OmegaConf.create(_known_keys(saved, schema, out_dir / CKPT_NAME))
+    if isinstance(base.get("model"), DictConfig) and "vocab_multiple" not in base.model:  # saved before the key
+        base.model.vocab_multiple = 1  # those runs' tables were unpadded
     base.resume, base.resume_with_changes = True, False  # asked anew each time, never inherited from a resume
     try:  # the config groups the run was started with (Hydra's runtime.choices, which train.py keeps in .hydra/)
         recorded = dict(OmegaConf.select(OmegaConf.load(out_dir / ".hydra" / "hydra.yaml"), "hydra.runtime.choices"))

@@ -17,8 +17,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from common.config import typed_config
-from common.errors import CheckpointError, ConfigError
-from common.files import BEST_NAME, CKPT_NAME, CONFIG_NAME, METRICS_NAME, RunDir
+from common.errors import CheckpointError, ConfigError, UserError
+from common.files import BEST_NAME, CKPT_NAME, CONFIG_NAME, METRICS_NAME, RunDir, make_directory
 from common.runtime import (
     Runtime,
     check_memory,
@@ -95,7 +95,7 @@ def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, hydra_recor
         (out_dir / BEST_NAME).unlink(missing_ok=True)
     if not (config.resume and (out_dir / ".hydra" / "hydra.yaml").is_file()):  # a resume reads its config groups
         for name, text in hydra_record.items():
-            (out_dir / ".hydra").mkdir(exist_ok=True)
+            make_directory(out_dir / ".hydra", f"out_dir={out_dir}")
             run_dir.write_text(f".hydra/{name}", text)
     run_dir.write_text(CONFIG_NAME, OmegaConf.to_yaml(dataclasses.asdict(config)))
     trainer.metrics.write_settings(trainer.progress.iter, settings)
@@ -147,8 +147,8 @@ def _finished(trainer: Trainer) -> TrainResult | None:
     p, train = trainer.progress, trainer.config.train
     if p.last_eval_iter != p.iter or (p.iter < train.max_iters and not trainer.reaches_target(p.val_loss)):
         return None
-    if trainer.world.is_main:
-        with contextlib.ExitStack() as held:
+    if trainer.world.is_main:  # best effort: a finished run may sit in a folder it can't write, or one in use
+        with contextlib.suppress(UserError, OSError), contextlib.ExitStack() as held:
             trainer.run_dir.open(held)
     log.info(f"out_dir={trainer.out_dir} is finished: {p.iter} iters, val loss {p.val_loss:.4f}; nothing written "
              "(to train on, raise train.max_iters and add resume_with_changes=true)")

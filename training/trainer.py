@@ -167,7 +167,9 @@ class Trainer:
         # the norm before clipping (max_norm inf: grad_clip=0 leaves the gradients as they are); an inf gradient with a
         # finite loss makes it inf, and the clipped gradients NaN
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip or math.inf)
-        finite = torch.isfinite(loss) & torch.isfinite(getattr(norm, "full_tensor", lambda: norm)())  # FSDP2: a DTensor
+        finite = torch.isfinite(loss)
+        if not self.scaler.is_enabled():  # float16's overflows are GradScaler's to skip, lowering its scale
+            finite &= torch.isfinite(getattr(norm, "full_tensor", lambda: norm)())  # FSDP2: a DTensor
         # found_inf is the flag GradScaler hands an optimizer: fused AdamW's and MuonAdamW's kernels read it on the
         # device and leave weights, moments and step counts as they were when it is 1. Under float16, GradScaler sets
         # its own (from the gradients, which a NaN loss makes NaN too), and reads it on the host for MuonAdamW.

@@ -63,7 +63,8 @@ WARM_UP = ["train.max_iters=2", "train.warmup_iters=0", "train.eval_from=0", "tr
            "train.target_val_loss=null"]
 TINY_MODEL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
 TINY_RUN = [*TINY_MODEL, "device=cpu", "train.batch_size=8", "train.max_iters=40", "train.eval_interval=10",
-            "train.eval_from=0", "train.eval_iters=4", "train.warmup_iters=5", "train.lr_decay_iters=40"]
+            "train.eval_from=0", "train.eval_iters=4", "train.full_val=false", "train.warmup_iters=5",
+            "train.lr_decay_iters=40"]  # the dry run's: random val batches, not the whole split
 # (n_layer, n_embd, block_size, batch_size, checkpointing, vocab_size, bf16, compiled): plain, checkpointed, compiled
 DRY_RUN_PROBES = [(2, 64, 128, 8, 0, 2048, 0, 0), (4, 64, 128, 8, 1, 65, 1, 0), (2, 64, 128, 8, 0, 2048, 0, 1)]
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"  # tiktoken's cache key

@@ -43,8 +43,7 @@ from inference.sampling import Sampler
 from model import GPT, GPTConfig, causal_mask, masked_attention
 from model.attention import windowed_attention
 from model.gpt import Decoding
-from training.config import TrainConfig, TrainRunConfig, register_schemas
-from training.run import train
+from train import TrainConfig, TrainRunConfig, train
 
 REPO = Path(__file__).resolve().parent
 NANOGPT_SAMPLING = {"temperature": 0.8, "top_k": 200}  # nanoGPT's sample.py defaults, ours too
@@ -146,7 +145,6 @@ class Measured(Exception):
 
 
 def bench_train(args: argparse.Namespace) -> list[dict]:
-    register_schemas()
     n = args.train_iters
     overrides = [f"experiment={args.experiment}", f"device={args.device}", *args.override,
                  f"train.max_iters={2 * n + 1}", f"train.log_interval={n}", f"train.eval_interval={10 * n}",

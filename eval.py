@@ -4,10 +4,9 @@ accuracy (evals/). Readable lines, then one JSON line, go to stdout; progress to
 import json
 import math
 
-import hydra
 from omegaconf import DictConfig
 
-from common.config import end_quietly_when_stdout_closes, exit_on_user_error, run_hydra, typed_config
+from common.config import end_quietly_when_stdout_closes, run_hydra, typed_config
 from inference.eval_run import run_eval
 from inference.sampling import EvalConfig, register_schemas
 
@@ -31,10 +30,8 @@ Examples:
 Every key: docs/reference.md. Hydra's own flags: --hydra-help."""
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="eval")
 def main(dict_cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        record = run_eval(typed_config(dict_cfg, EvalConfig))  # checked: one line for a bad value
+    record = run_eval(typed_config(dict_cfg, EvalConfig))  # checked: one line for a bad value
     end_quietly_when_stdout_closes()
     if "loss" in record:
         print(f"{record['input']}: {record['tokens']:,} tokens scored ({record['bytes']:,} bytes of text), "
@@ -49,4 +46,4 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    run_hydra(main, EvalConfig, usage=usage)
+    run_hydra(main, "eval", EvalConfig, usage=usage)

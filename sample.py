@@ -3,10 +3,9 @@
 import sys
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
 
-from common.config import end_quietly_when_stdout_closes, exit_on_user_error, literal_text, run_hydra, typed_config
+from common.config import end_quietly_when_stdout_closes, literal_text, run_hydra, typed_config
 from common.files import make_directory
 from common.runtime import make_runtime
 from inference.sampling import SEPARATOR, SampleConfig, Sampler, load_model, register_schemas, stop_strings, warn
@@ -15,31 +14,29 @@ from model.gpt import Decoding
 register_schemas()
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="sample")
 def main(dict_cfg: DictConfig) -> None:
     end_quietly_when_stdout_closes()
-    with exit_on_user_error():
-        cfg = typed_config(dict_cfg, SampleConfig)
-        if cfg.attention_dir:  # before any work: nothing of the user's is overwritten
-            from analysis.attention_maps import check_output_dir
-            check_output_dir(Path(cfg.attention_dir))
-            make_directory(Path(cfg.attention_dir), f"attention_dir={cfg.attention_dir}")  # a file there: one line
-        runtime = make_runtime(cfg.device, cfg.dtype)
-        loaded = load_model(cfg.out_dir, cfg.init_from, cfg.ckpt, cfg.attn_impl)
-        sampler = Sampler(loaded.model.to(runtime.device).eval(), loaded.tokenizer, runtime)
-        prompt = sampler.encode_prompt(cfg.start)
-        decoding = Decoding(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
-        count = 1 if decoding.greedy else cfg.num_samples
-        if count < cfg.num_samples:
-            warn(f"greedy decoding: the {cfg.num_samples} samples would be the same text, so one is drawn")
-        stream = sys.stdout.isatty() if cfg.stream is None else cfg.stream
-        stop = stop_strings(cfg.stop, sampler.tokenizer)
-        samples = sampler.generate(prompt, count, cfg.max_new_tokens, decoding, use_cache=cfg.use_cache, stop=stop,
-                                   stream=sys.stdout if stream else None, seed=cfg.seed)
-        if not stream:
-            sys.stdout.write("".join(sample.text + SEPARATOR for sample in samples))
-        if cfg.attention_dir or cfg.check_causal:
-            look_inside(cfg, sampler, samples[0].ids, len(prompt))
+    cfg = typed_config(dict_cfg, SampleConfig)
+    if cfg.attention_dir:  # before any work: nothing of the user's is overwritten
+        from analysis.attention_maps import check_output_dir
+        check_output_dir(Path(cfg.attention_dir))
+        make_directory(Path(cfg.attention_dir), f"attention_dir={cfg.attention_dir}")  # a file there: one line
+    runtime = make_runtime(cfg.device, cfg.dtype)
+    loaded = load_model(cfg.out_dir, cfg.init_from, cfg.ckpt, cfg.attn_impl)
+    sampler = Sampler(loaded.model.to(runtime.device).eval(), loaded.tokenizer, runtime)
+    prompt = sampler.encode_prompt(cfg.start)
+    decoding = Decoding(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+    count = 1 if decoding.greedy else cfg.num_samples
+    if count < cfg.num_samples:
+        warn(f"greedy decoding: the {cfg.num_samples} samples would be the same text, so one is drawn")
+    stream = sys.stdout.isatty() if cfg.stream is None else cfg.stream
+    stop = stop_strings(cfg.stop, sampler.tokenizer)
+    samples = sampler.generate(prompt, count, cfg.max_new_tokens, decoding, use_cache=cfg.use_cache, stop=stop,
+                               stream=sys.stdout if stream else None, seed=cfg.seed)
+    if not stream:
+        sys.stdout.write("".join(sample.text + SEPARATOR for sample in samples))
+    if cfg.attention_dir or cfg.check_causal:
+        look_inside(cfg, sampler, samples[0].ids, len(prompt))
 
 
 def look_inside(cfg: SampleConfig, sampler: Sampler, first: list[int], prompt_length: int) -> None:
@@ -103,4 +100,4 @@ Every key: docs/reference.md. Hydra's own flags: --hydra-help."""
 if __name__ == "__main__":
     if any("${" in arg for arg in sys.argv[1:]):  # a prompt's ${...} is text, not an interpolation
         sys.argv[1:] = literal_text(sys.argv[1:], ("start", "stop"))
-    run_hydra(main, SampleConfig, usage=usage)
+    run_hydra(main, "sample", SampleConfig, usage=usage)

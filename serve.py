@@ -1,10 +1,9 @@
 """Serve a model through OpenAI's completions API, requests taking turns, and a live page; usage() lists the keys set
 most. Greedy text equals sample.py's at temperature=0; seed S gives choice i sample.py's sample i at seed=S."""
 
-import hydra
 from omegaconf import DictConfig
 
-from common.config import exit_on_user_error, run_hydra, typed_config
+from common.config import run_hydra, typed_config
 from inference.sampling import ServeConfig, register_schemas
 
 register_schemas()
@@ -27,13 +26,11 @@ Every key: docs/reference.md (python serve.py --cfg job shows them); the API: do
 flags: --hydra-help."""
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="serve")
 def main(dict_cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        from inference.server import serve  # FastAPI and uvicorn: pip install ".[serve]"
+    from inference.server import serve  # FastAPI and uvicorn: pip install ".[serve]"
 
-        serve(typed_config(dict_cfg, ServeConfig))
+    serve(typed_config(dict_cfg, ServeConfig))
 
 
 if __name__ == "__main__":
-    run_hydra(main, ServeConfig, usage=usage)
+    run_hydra(main, "serve", ServeConfig, usage=usage)

@@ -4,9 +4,9 @@ did-you-mean; a value against its key's rule; else Hydra's own reason) is one li
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
+import functools
 import math
 import operator
 import os
@@ -15,15 +15,18 @@ import signal
 import sys
 import types
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+import hydra
 from hydra._internal.utils import get_args_parser
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep
 from hydra.errors import HydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
@@ -161,27 +164,17 @@ def fail(message: str) -> typing.NoReturn:
     sys.exit(2)
 
 
-@contextlib.contextmanager
-def exit_on_user_error(job: str | None = None) -> Iterator[None]:
-    """`job` names the sweep job, so a failing one says which it is (the sweep stops there)."""
-    try:
-        yield
-    except UserError as err:
-        fail(f"{job + ': ' if job else ''}{err}")
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
-
-
 def end_quietly_when_stdout_closes() -> None:
     """A reader that leaves (`sample.py | head`) ends the command as it ends `cat`: by SIGPIPE, without a word."""
     if hasattr(signal, "SIGPIPE"):  # not on Windows
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
-def run_hydra(main: Callable[[], None], schema: type, groups: tuple[str, ...] = (),
+def run_hydra(task: Callable[[DictConfig], None], config_name: str, schema: type, groups: tuple[str, ...] = (),
               usage: Callable[[], str] = str) -> None:
-    """Runs a script's @hydra.main: --help prints `usage`; a command line at fault is one line (a sweep's at once)."""
+    """Runs a command: --help prints `usage`; Hydra composes configs/`config_name`.yaml and the command line into
+    `task`'s config. A user's mistake, on the command line (a sweep's, all at once) or found by the task, is one line
+    and status 2; a sweep's job says which it is, and the sweep stops there."""
     args = sys.argv[1:]
     if "-h" in args or "--help" in args:
         end_quietly_when_stdout_closes()
@@ -190,8 +183,21 @@ def run_hydra(main: Callable[[], None], schema: type, groups: tuple[str, ...] = 
     if "-m" in args or "--multirun" in args:
         check_overrides(args, schema, groups)  # a sweep: every job's values, before the first job runs
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting
+
+    @functools.wraps(task)  # Hydra names the job after the task's file
+    def job(cfg: DictConfig) -> None:
+        try:
+            task(cfg)
+        except UserError as err:
+            hydra_cfg = HydraConfig.get()
+            multirun = hydra_cfg.mode == RunMode.MULTIRUN
+            fail(f"job {hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)}): {err}" if multirun else str(err))
+
     try:
-        main()
+        hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=config_name)(job)()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
     except Exception as err:
         check_overrides(args, schema, groups)  # exits with the one line when the command is at fault
         refused_by_hydra(err)  # and so for what only Hydra can say; a bug keeps its traceback
@@ -222,7 +228,7 @@ def check_overrides(args: list[str], schema: type, groups: tuple[str, ...] = ())
         key, sweep = override.key_or_group, override.is_sweep_override()
         if override.is_hydra_override() or override.is_delete():
             continue
-        with exit_on_user_error():
+        try:
             if sweep and key not in groups and not isinstance(override.value(), ChoiceSweep):
                 check_key(schema, key)  # range() or interval(): each job checks its own value
                 continue
@@ -233,6 +239,8 @@ def check_overrides(args: list[str], schema: type, groups: tuple[str, ...] = ())
                     close = difflib.get_close_matches(str(value), choices, 1, 0.6)
                     guess = f"; did you mean {key}={close[0]}?" if close else ""
                     raise ConfigError(f"{key}={value} is unknown{guess} (the choices: {', '.join(choices)})")
+        except ConfigError as err:
+            fail(str(err))
 
 
 def presets(group: str) -> list[str]:

@@ -321,22 +321,20 @@ Example: python -m data.prepare data.input=my_text.txt data.name=mine"""
 
 def main() -> None:
     """`python -m data.prepare`: a text or a corpus tokenized into its dataset folder."""
-    import hydra
     from hydra.core.config_store import ConfigStore
 
-    from common.config import CONFIG_DIR, exit_on_user_error, presets, run_hydra, typed_config
+    from common.config import presets, run_hydra, typed_config
 
-    @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="prepare")
     def prepare(cfg: Any) -> None:
-        with exit_on_user_error():
-            data = ensure_prepared(typed_config(cfg, PrepareConfig).data)
+        data = ensure_prepared(typed_config(cfg, PrepareConfig).data)
         m = data.meta
         shards = f" in {m['train_shards'] + m['val_shards']} shards" if m.get("sharded") else ""
         print(f"{data.dir}: {m['train_tokens']:,} train and {m['val_tokens']:,} val tokens{shards}, "
               f"vocabulary {m['vocab_size']}")
 
     ConfigStore.instance().store(name="prepare_schema", node=PrepareConfig)
-    run_hydra(prepare, PrepareConfig, ("data",), lambda: PREPARE_USAGE.format(presets=", ".join(presets("data"))))
+    usage = PREPARE_USAGE.format(presets=", ".join(presets("data")))
+    run_hydra(prepare, "prepare", PrepareConfig, ("data",), lambda: usage)
 
 
 if __name__ == "__main__":  # through the module as imported, not this __main__ copy of it (one PrepareConfig)

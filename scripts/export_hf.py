@@ -11,7 +11,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common.config import exit_on_user_error  # noqa: E402
+from common.config import fail  # noqa: E402
+from common.errors import UserError  # noqa: E402
 from common.files import CKPT_NAME  # noqa: E402
 from model.checkpoint import load_checkpoint  # noqa: E402
 from model.hf_gpt2 import hf_from_gpt  # noqa: E402
@@ -24,9 +25,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.hf_dir.exists() and not args.hf_dir.is_dir():  # save_pretrained would only log an error
         parser.error(f"HF_DIR {args.hf_dir} is a file; pass a directory")
-    with exit_on_user_error():
+    try:
         model = load_checkpoint(args.run_dir / CKPT_NAME).build_model()
         hf_from_gpt(model.eval()).save_pretrained(args.hf_dir)
+    except UserError as err:
+        fail(str(err))
     config = model.config
     print(f"wrote {args.hf_dir}: GPT-2 with {config.n_layer} layers, {config.n_head} heads, width {config.n_embd}, "
           f"context {config.block_size}, vocabulary {config.vocab_size}")

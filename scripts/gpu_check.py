@@ -185,11 +185,9 @@ def train_runs(args: argparse.Namespace) -> None:
     from torch._dynamo.utils import counters
 
     from common.config import typed_config
-    from training.config import TrainRunConfig, register_schemas
-    from training.run import train
+    from train import TrainRunConfig, train
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    register_schemas()
     experiment, root = args.runs, args.work / args.runs
     jobs: dict[str, dict] = {}
     for job, seed in [("warm-up", args.seeds[0]), *((f"seed{seed}", seed) for seed in args.seeds)]:
@@ -285,12 +283,9 @@ def step_checks(args: argparse.Namespace, optimizer: str) -> tuple[list[str], st
     from hydra import compose, initialize_config_dir
 
     from common.config import typed_config
-    from common.runtime import make_runtime
-    from training.config import TrainRunConfig, register_schemas
-    from training.distributed import World
-    from training.run import build_trainer
+    from common.runtime import World, make_runtime
+    from train import TrainRunConfig, build_trainer
 
-    register_schemas()
     out_dir = args.work / f"steps-{optimizer}"
     overrides = [*TINY_MODEL, f"device={args.device}", f"data.input={args.text}", f"data.dir={args.work / 'data'}",
                  f"out_dir={out_dir}", f"train.optimizer={optimizer}", "train.max_iters=10", "train.compile=false",

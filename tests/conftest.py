@@ -28,12 +28,12 @@ import tiktoken
 import torch
 from hydra import compose, initialize_config_dir
 from hydra._internal.hydra import Hydra
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 from tiktoken_ext.openai_public import r50k_pat_str
 
 import inference.sampling
-import training.config
-import training.run
+import train as train_command
 from common.files import RunDir
 from model.checkpoint import Checkpoint
 
@@ -47,8 +47,15 @@ MODERN = dict(norm="rmsnorm", qk_norm=True, logit_softcap=15.0, x0_mix=True, val
 _TINY_MERGES = [b"th", b"he", b"in", b"er", b"an", b" t", b" a", b"the", b" the", b"ou", b"on", b"re", b"nd", b"and",
                 b" and"]
 
-training.config.register_schemas()
-inference.sampling.register_schemas()
+
+
+def register_schemas() -> None:
+    """The commands' schemas, as imported here, for Hydra's compose (run_in_process's __main__ copies replace them)."""
+    ConfigStore.instance().store(name="train_schema", node=train_command.TrainRunConfig)
+    inference.sampling.register_schemas()
+
+
+register_schemas()
 if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: each worker, and every command it starts, on one thread
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -135,6 +142,7 @@ def run_in_process(script: str, args: list[str], cwd: Path) -> subprocess.Comple
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+            register_schemas()
     return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
 
 
@@ -288,7 +296,7 @@ def browser():
 @pytest.fixture(scope="session")
 def served_run(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
     """A tiny char-level run with room for a prompt and a few dozen tokens (block_size 96), for serve.py."""
-    from training.run import train
+    from train import train
 
     extra = {"model.block_size": 96, "train.max_iters": 60, "train.eval_interval": 60, "train.learning_rate": 3e-3}
 

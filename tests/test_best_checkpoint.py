@@ -13,7 +13,7 @@ from common.files import BEST_NAME, CKPT_NAME, RunDir
 from conftest import compose_config, run_in_process, tiny_run_overrides
 from inference.sampling import load_model
 from model.checkpoint import load_checkpoint
-from training.run import train
+from train import train
 from training.trainer import Losses, Trainer
 
 SCRIPTED_VAL = {0: 3.0, 2: 2.0, 4: 2.5, 6: 2.2, 8: 2.6, 10: 2.7}  # iteration -> val loss: the best is at 2

@@ -13,7 +13,7 @@ from common.files import CKPT_NAME, METRICS_NAME
 from common.runtime import make_runtime
 from conftest import compose_config, tiny_run_overrides
 from model.checkpoint import load_checkpoint
-from training.run import train
+from train import train
 
 TOLERANCE = 0.01  # relative, on the val loss after 40 iterations (measured: 1e-5 on this CPU)
 

@@ -12,7 +12,7 @@ from common.config import typed_config
 from common.errors import ConfigError
 from conftest import compose_config
 from inference.sampling import SampleConfig
-from training.config import TrainRunConfig
+from train import TrainRunConfig
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from data.corpus import HEADER_BYTES, MAGIC, VERSION, read_shard, write_shard
 from data.prepare import DataConfig, PreparedData, TokenFiles, ensure_prepared, every_window, get_batch
 from data.tokenizers import BpeTokenizer, CharTokenizer
 from model.checkpoint import load_checkpoint
-from training.run import train
+from train import train
 
 SHARD = 8_000
 TOPICS = list(pydoc_data.topics.topics.values())

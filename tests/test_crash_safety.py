@@ -22,7 +22,7 @@ from common.files import CKPT_NAME, METRICS_NAME, RunDir
 from conftest import compose_config, save_checkpoint, tiny_run_overrides
 from model import GPT, GPTConfig
 from model.checkpoint import Checkpoint, Progress, load_checkpoint
-from training.run import train
+from train import train
 from training.trainer import MetricsLog
 
 # Dropout on, so the restored random state matters; 40 iterations, evaluated every 10, logged every 3: a stop

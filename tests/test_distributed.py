@@ -21,11 +21,10 @@ from torch.distributed.fsdp import fully_shard
 from common.config import typed_config
 from common.errors import ConfigError
 from common.files import CKPT_NAME
+from common.runtime import World, close_process_group
 from conftest import REPO, built_once, compose_config, run_in_process, tiny_run_overrides, wait_for_text
 from model.checkpoint import load_checkpoint
-from training.config import TrainRunConfig
-from training.distributed import World, close_process_group
-from training.run import check_for_world, train
+from train import TrainRunConfig, check_for_world, train
 from training.trainer import split_across_ranks
 
 # Four micro-batches a step: one process runs all four, each of two processes two (gradients reduced on the

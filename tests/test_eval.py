@@ -17,7 +17,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from common.config import typed_config
 from common.errors import ConfigError, DataError, UserError
 from common.files import CKPT_NAME
-from common.runtime import make_runtime
+from common.runtime import World, make_runtime
 from conftest import REPO, TINY_BPE, compose_config, run_in_process, run_script, tiny_encoding, tiny_run_overrides
 from data.prepare import DataConfig, ensure_prepared
 from data.tokenizers import BpeTokenizer
@@ -27,9 +27,7 @@ from inference.eval_run import run_eval
 from inference.sampling import EvalConfig
 from model import GPT, GPTConfig
 from model.checkpoint import load_checkpoint
-from training.config import TrainConfig, TrainRunConfig
-from training.distributed import World
-from training.run import train
+from train import TrainConfig, TrainRunConfig, train
 from training.trainer import Evaluator, split_across_ranks
 
 HELLASWAG = [

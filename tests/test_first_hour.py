@@ -20,9 +20,8 @@ from common.files import CKPT_NAME
 from conftest import CONFIGS, REPO, compose_config, run_in_process, start_script, tiny_run_overrides, wait_for_text
 from data.prepare import KNOWN_TEXTS, DataConfig, ensure_prepared
 from model.checkpoint import load_checkpoint
-from training.config import TrainRunConfig
+from train import TrainRunConfig, train
 from training.resume import resume_argument
-from training.run import train
 from training.trainer import lr_at
 
 UNREACHABLE = "http://127.0.0.1:9/input.txt"  # the discard port: a download fails at once, offline or not
@@ -164,7 +163,7 @@ def test_a_first_log_line_far_off_on_this_cpu_is_said_before_the_first_step(
     """A GPU's preset on a CPU sat silent for minutes, a context of 100,000 tokens for hours, and Ctrl-C waited for
     the torch op under way. Now a warning at start, when even the CPU's matmul rate (given here, not timed) puts the
     first log line over 30 s away."""
-    monkeypatch.setattr("training.run.cpu_matmul_flops", lambda threads: cpu_flops)
+    monkeypatch.setattr("train.cpu_matmul_flops", lambda threads: cpu_flops)
     keys = {"train.grad_accum": 1024, "train.eval_from": 100}  # 5 steps to the first log line, no evaluation first
 
     class Stopped(Exception):

@@ -28,15 +28,14 @@ import common.files
 from common.config import check_override, check_overrides, literal_text, typed_config
 from common.errors import CheckpointError, ConfigError, DataError, DiskFull, UserError
 from common.files import CKPT_NAME, LOCK_NAME, LOG_NAME, METRICS_NAME, RunDir, make_directory, read_records
+from common.runtime import World
 from conftest import TINY_BPE, compose_config, run_in_process, run_script, start_script, tiny_run_overrides
 from data.prepare import DataConfig, ensure_prepared
 from inference.sampling import EvalConfig, SampleConfig, load_model, read_prompt
 from model import GPT, GPTConfig
 from model.checkpoint import Checkpoint, load_checkpoint
-from training.config import TrainConfig, TrainRunConfig, WandbConfig
-from training.distributed import World
+from train import TrainConfig, TrainRunConfig, WandbConfig, check_fits, train
 from training.resume import CONFIG_GROUPS
-from training.run import check_fits, train
 from training.trainer import MetricsLog
 
 FAST = {"train.max_iters": 4, "train.eval_interval": 2, "train.log_interval": 1}

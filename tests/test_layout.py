@@ -53,3 +53,29 @@ def test_functions_fit_on_a_screen() -> None:
                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                     start = min([node.lineno] + [d.lineno for d in node.decorator_list])
                     assert node.end_lineno - start < 70, f"{path.relative_to(REPO)}: {node.name} has over 70 lines"
+
+
+def _imported_files(path: Path) -> set[Path]:
+    """The project's files that `path` imports, anywhere in it but under `if TYPE_CHECKING:` (annotations only)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            node.body = []
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.update([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)])
+    files = {REPO / (name.replace(".", "/") + ".py") for name in names}
+    files |= {REPO / name.replace(".", "/") / "__init__.py" for name in names}
+    return {file for file in files if file.is_file() and file != path}
+
+
+def test_no_two_files_import_each_other() -> None:
+    """Each file can be read, and changed, before the files that import it."""
+    paths = [p for p in REPO.rglob("*.py") if not {"tests", ".venv", "venv"} & set(p.relative_to(REPO).parts)]
+    imports = {path: _imported_files(path) for path in paths}
+    assert any(imports.values())
+    pairs = [(a, b) for a in paths for b in imports[a] if a in imports.get(b, ())]
+    assert not pairs, [f"{a.relative_to(REPO)} <-> {b.relative_to(REPO)}" for a, b in pairs]

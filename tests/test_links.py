@@ -7,7 +7,7 @@ import pytest
 
 from common.errors import UserError
 from conftest import compose_config, tiny_run_overrides
-from training.run import train
+from train import train
 
 
 def _precious(tmp_path: Path) -> Path:

@@ -12,7 +12,7 @@ from model.attention import Rotary
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.gpt import Decoding
 from model.hf_gpt2 import hf_from_gpt
-from training.config import TrainRunConfig
+from train import TrainRunConfig
 
 SMALL = dict(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)
 

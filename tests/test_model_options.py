@@ -20,7 +20,7 @@ from model.attention import KVCache
 from model.checkpoint import load_checkpoint
 from model.gpt import BIGRAM_ROWS, BigramEmbedding
 from model.hf_gpt2 import PretrainedError, hf_from_gpt
-from training.run import train
+from train import train
 
 SMALL = dict(vocab_size=50, block_size=16, n_layer=3, n_head=4, n_embd=32)
 # Each option alone, then all at once; attn_window=4 alone is SSL: its last layer full, so a cache can't roll.

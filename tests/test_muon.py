@@ -12,7 +12,7 @@ from torch import nn
 import training.muon
 from common.runtime import Runtime
 from model import GPT, GPTConfig
-from training.config import TrainConfig
+from train import TrainConfig
 from training.muon import MuonAdamW, newton_schulz
 from training.trainer import FROM_CONFIG, lr_at, make_optimizer, set_hyperparameters
 

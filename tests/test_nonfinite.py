@@ -13,12 +13,10 @@ import torch
 
 from common.config import typed_config
 from common.files import BEST_NAME, CKPT_NAME, read_records
-from common.runtime import make_runtime
+from common.runtime import World, make_runtime
 from conftest import compose_config, run_in_process, tiny_run_overrides
 from model.checkpoint import load_checkpoint
-from training.config import TrainRunConfig
-from training.distributed import World
-from training.run import build_trainer, train
+from train import TrainRunConfig, build_trainer, train
 
 
 def test_a_diverging_resume_stops_in_one_line_keeping_the_good_checkpoints(tmp_path: Path, corpus_path: Path) -> None:

@@ -18,7 +18,7 @@ import torch
 from filelock import FileLock
 
 import common.files
-import training.run
+import train as train_command
 from common.files import CKPT_NAME
 from common.runtime import Runtime, make_runtime
 from conftest import compose_config, sample_py, save_checkpoint, tiny_run_overrides, train_py, user_error
@@ -154,9 +154,9 @@ def test_under_torchrun_every_rank_stops_when_the_run_is_locked(tmp_path: Path, 
 
 @pytest.mark.parametrize("triton", [False, True])
 def test_compile_is_on_by_default_on_windows_only_with_triton(monkeypatch: pytest.MonkeyPatch, triton: bool) -> None:
-    monkeypatch.setattr(training.run.sys, "platform", "win32")
-    monkeypatch.setattr(training.run.importlib.util, "find_spec", lambda name: object() if triton else None)
-    assert training.run._compiles_here() is triton
+    monkeypatch.setattr(train_command.sys, "platform", "win32")
+    monkeypatch.setattr(train_command.importlib.util, "find_spec", lambda name: object() if triton else None)
+    assert train_command._compiles_here() is triton
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ from data.prepare import TokenFiles, every_window
 from model import GPT, GPTConfig
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.hf_gpt2 import PRETRAINED, PretrainedError, gpt_from_hf, hf_from_gpt, load_pretrained
-from training.run import train
+from train import train
 
 SHAPE = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=97)
 N_POSITIONS = 64

@@ -10,7 +10,7 @@ import pytest
 from common.config import check_overrides, typed_config
 from conftest import REPO, compose_config
 from inference.sampling import EvalConfig, SampleConfig, ServeConfig
-from training.config import TrainRunConfig
+from train import TrainRunConfig
 from training.resume import CONFIG_GROUPS
 
 README = (REPO / "README.md").read_text(encoding="utf-8")

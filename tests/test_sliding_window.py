@@ -21,7 +21,7 @@ from conftest import MODERN, compose_config, run_in_process, tiny_run_overrides
 from model import GPT, GPTConfig, causal_mask, masked_attention
 from model.attention import ROLL_SLACK, KVCache, Rotary, flex_windowed_attention, windowed_attention
 from model.checkpoint import load_checkpoint
-from training.run import train
+from train import train
 
 SMALL = dict(vocab_size=40, block_size=32, n_layer=3, n_head=2, n_embd=16)
 

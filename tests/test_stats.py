@@ -21,7 +21,7 @@ from test_experiments import TINY, plot_ok, plot_refused
 import plot
 from conftest import REPO, compose_config
 from plot import Group, compare, find_baseline, group_runs, run_value, seeds_per_arm
-from training.run import train
+from train import train
 
 
 @pytest.fixture(scope="module")

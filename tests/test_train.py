@@ -14,7 +14,7 @@ from common.files import CKPT_NAME
 from conftest import CONFIGS, MODERN, REACHES_TARGET, TINY_BPE, compose_config, sample_py, tiny_run_overrides
 from model import GPTConfig
 from model.checkpoint import load_checkpoint
-from training.run import train
+from train import train
 from training.trainer import lr_at
 
 TEN = {"train.max_iters": 10}

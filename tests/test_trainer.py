@@ -16,13 +16,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from common.config import typed_config
 from common.errors import TrainingDiverged
 from common.files import CKPT_NAME
-from common.runtime import make_runtime
+from common.runtime import World, make_runtime
 from conftest import compose_config, tiny_run_overrides
 from data.prepare import TRAIN_WINDOWS, every_window, get_batch
 from model.checkpoint import load_checkpoint
-from training.config import TrainRunConfig
-from training.distributed import World
-from training.run import build_trainer, train
+from train import TrainRunConfig, build_trainer, train
 from training.trainer import Trainer, lr_at, sample_table
 
 

@@ -1,5 +1,5 @@
 """One training run: its state (model, optimizer, Progress) and its loop, fit(); the optimizer (AdamW, or Muon for
-hidden matrices) and the learning rate's schedule (warmup, then cosine or warmup-stable-decay). run.py builds it."""
+hidden matrices) and the learning rate's schedule (warmup, then cosine or warmup-stable-decay). train.py builds it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,7 @@ from torch import nn
 
 from common.errors import DiskFull, TrainingDiverged, first_line
 from common.files import BEST_NAME, CKPT_NAME, METRICS_NAME, RunDir
-from common.runtime import Runtime, cpu_matmul_flops, synchronize
+from common.runtime import Runtime, World, cpu_matmul_flops, full_state, gradient_sync, load_full_state, synchronize
 from data.prepare import EVAL_WINDOWS, TRAIN_WINDOWS, PreparedData, batch_generator, every_window, get_batch
 from data.tokenizers import Tokenizer
 from evals.hellaswag import Example, hellaswag_sums
@@ -29,10 +29,11 @@ from evals.perplexity import TextScore, token_sums
 from model import GPT
 from model.checkpoint import Checkpoint, Progress
 from model.gpt import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
-from training.config import TrainConfig, TrainRunConfig, WandbConfig
-from training.distributed import World, full_state, gradient_sync, load_full_state
 from training.muon import MuonAdamW
 from training.resume import resume_command
+
+if TYPE_CHECKING:  # train.py builds the trainer: its schema, for annotations
+    from train import TrainConfig, TrainRunConfig, WandbConfig
 
 log = logging.getLogger("train")
 MAX_SKIPS_IN_A_ROW = 100  # train.on_nonfinite=skip gives up after so many steps skipped in a row

@@ -3,14 +3,38 @@ accuracy (evals/). Readable lines, then one JSON line, go to stdout; progress to
 
 import json
 import math
+from dataclasses import dataclass
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from common.config import end_quietly_when_stdout_closes, run_hydra, typed_config
+from common.config import end_quietly_when_stdout_closes, option, run_hydra, typed_config
+from common.errors import ConfigError
 from inference.eval_run import run_eval
-from inference.sampling import EvalConfig, register_schemas
+from inference.sampling import ModelChoice
 
-register_schemas()
+
+@dataclass
+class EvalConfig(ModelChoice):
+    input: str | None = option(None, path=True)  # a UTF-8 text file to score; null: the run's own val split
+    context: int | None = option(None, at_least=1, hint="null means the model's block_size")  # tokens a window holds
+    # tokens each window advances (and scores, but the first); null: context // 2. stride=context: disjoint windows
+    stride: int | None = option(None, at_least=1, hint="null means half the context")
+    batch_size: int | None = option(None, at_least=1, hint="null means 4096 // context windows")  # per forward pass
+    hellaswag: bool = False  # also score HellaSwag's validation set (BPE models)
+    hellaswag_file: str | None = option(None, path=True)  # local hellaswag_val.jsonl; null: in data/cache/hellaswag
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.out_dir is None and self.input is None and not self.hellaswag:
+            raise ConfigError(f"init_from={self.init_from} has no val split to score: pass input=FILE (a text file) or "
+                              "hellaswag=true")
+        if self.hellaswag_file is not None and not self.hellaswag:
+            raise ConfigError(f"hellaswag_file={self.hellaswag_file} is read only with hellaswag=true; add it")
+
+
+ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
+
 
 
 def usage() -> str:

@@ -1,17 +1,48 @@
 """Generate text from a trained run, the samples drawn as one batch: `python sample.py --help` lists the keys."""
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from common.config import end_quietly_when_stdout_closes, literal_text, run_hydra, typed_config
+from common.config import SEED_MAX, end_quietly_when_stdout_closes, literal_text, option, run_hydra, typed_config
+from common.errors import ConfigError
 from common.files import make_directory
 from common.runtime import make_runtime
-from inference.sampling import SEPARATOR, SampleConfig, Sampler, load_model, register_schemas, stop_strings, warn
-from model.gpt import Decoding
+from inference.sampling import MAX_NEW_TOKENS, SEPARATOR, ModelChoice, Sampler, load_model, stop_strings, warn
+from model.gpt import DEFAULT_TEMPERATURE, DEFAULT_TOP_K, Decoding
 
-register_schemas()
+
+@dataclass
+class SampleConfig(ModelChoice):
+    start: str = "\n"  # the prompt, or FILE:path to read it from a file
+    num_samples: int = option(3, at_least=1)
+    # bounded: 1e10 would run for days while its text filled memory
+    max_new_tokens: int = option(500, at_least=1, at_most=MAX_NEW_TOKENS)
+    temperature: float = option(DEFAULT_TEMPERATURE, at_least=0.0,
+                                hint="0 means greedy decoding (the most likely token)")
+    top_k: int | None = option(DEFAULT_TOP_K, at_least=1, hint="null means no cut-off")  # the k most likely tokens
+    top_p: float | None = option(None, above=0.0, at_most=1.0, hint="null means no cut-off")  # nucleus: mass p
+    min_p: float | None = option(None, above=0.0, at_most=1.0, hint="null means no cut-off")  # p >= min_p * top
+    seed: int = option(1337, at_least=0, at_most=SEED_MAX)
+    use_cache: bool = True  # KV cache: run the prompt once, then one token per step
+    # a sample ends before the first of these strings (\n, \t: newline, tab); BPE's <|endoftext|> too, unless stop=[]
+    stop: list[str] | None = None
+    stream: bool | None = None  # print each sample as it is generated; null: when stdout is a terminal
+    attention_dir: str | None = option(None, path=True)  # write attention.npz and one PNG per layer here
+    check_causal: bool = False  # print the causality demonstration after the samples: a summary by range
+    check_causal_positions: bool = False  # with check_causal: one line per position instead of the summary
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.stop is not None and "" in self.stop:
+            raise ConfigError(f"stop={self.stop} has an empty string, which would stop at once; remove it")
+
+
+ConfigStore.instance().store(name="sample_schema", node=SampleConfig)
+
 
 
 def main(dict_cfg: DictConfig) -> None:

@@ -179,16 +179,15 @@ def main(cfg: DictConfig) -> None:
 
 
 def _hydra_record(cfg: DictConfig, hydra_cfg: DictConfig) -> dict[str, str]:
-    """Hydra's record of the command, for out_dir/.hydra/ (Hydra itself writes none: the run does, once it holds
-    out_dir); interpolations unresolved."""
+    """Hydra's record of the command, interpolations unresolved: the run writes it once it holds out_dir."""
     records = {"config.yaml": cfg, "hydra.yaml": {"hydra": hydra_cfg}, "overrides.yaml": hydra_cfg.overrides.task}
     return {name: OmegaConf.to_yaml(record) for name, record in records.items()}
 
 
 def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] = lambda it: None,
           hydra_record: dict[str, str] | None = None) -> TrainResult:
-    """Nothing is written until every check has passed. hydra_record: Hydra's record of the command (name: YAML), for
-    out_dir/.hydra/ (a resume keeps the record of the command that started the run)."""
+    """One process's part of a run; nothing is written before every check has passed. hydra_record: out_dir/.hydra/'s
+    files (name: YAML), the record of the command that started the run."""
     world = world_from_env()
     if not world.is_main:
         log.setLevel(logging.WARNING)  # one voice: rank 0's
@@ -216,14 +215,14 @@ def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, hydra_recor
     """out_dir opened for the run's life (RunDir.open); the history cut back to the checkpoint; the config written."""
     run_dir, out_dir, config, train = trainer.run_dir, trainer.out_dir, trainer.config, trainer.config.train
     run_dir.open(held)
-    world, peak = trainer.world, trainer.peak_flops
+    world, peak, compiled = trainer.world, trainer.peak_flops, hasattr(trainer.step_model, "_orig_mod")
     processes = f", {world.size} processes ({train.parallel})" if world.distributed else ""
     mfu = "" if peak is None else f"; MFU against {peak / world.size / 1e12:.3g} TFLOP/s per process"
     log.info(f"{trainer.model.num_params() / 1e6:.2f}M parameters, {trainer.data.meta['vocab_size']} tokens in the "
-             f"vocabulary, device {trainer.runtime.device}, {trainer.runtime.dtype_name}, compile "
-             f"{hasattr(trainer.step_model, '_orig_mod')}{processes}, out_dir {out_dir}{mfu}")
+             f"vocabulary, device {trainer.runtime.device}, {trainer.runtime.dtype_name}, compile {compiled}"
+             f"{processes}, out_dir {out_dir}{mfu}")
     settings = {"device": trainer.runtime.device.type, "train.dtype": trainer.runtime.dtype_name,  # for plot.py
-                "train.compile": hasattr(trainer.step_model, "_orig_mod"), "threads": torch.get_num_threads()}
+                "train.compile": compiled, "threads": torch.get_num_threads()}
     if config.resume:
         _cut_history(run_dir, trainer.progress.iter, settings)
     else:  # a run that died before its first ckpt.pt left these: not this run's
@@ -324,8 +323,7 @@ def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime) -> Tra
         step_model = torch.compile(step_model)
     byte_lengths = torch.from_numpy(tokenizer.token_byte_lengths()).to(runtime.device, torch.float64)
     peak = train.peak_tflops * 1e12 if train.peak_tflops else None
-    if peak is None and runtime.is_cuda:
-        peak = datasheet_peak(runtime.device, runtime.dtype)
+    peak = peak or (datasheet_peak(runtime.device, runtime.dtype) if runtime.is_cuda else None)
     hellaswag = _hellaswag(train, tokenizer, model.config.block_size, runtime, world) if train.hellaswag_every else None
     trainer = Trainer(
         config=config, world=world, runtime=runtime, run_dir=run_dir, data=data, tokenizer=tokenizer, model=model,

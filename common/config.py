@@ -172,16 +172,11 @@ def end_quietly_when_stdout_closes() -> None:
 
 def run_hydra(task: Callable[[DictConfig], None], config_name: str, schema: type, groups: tuple[str, ...] = (),
               usage: Callable[[], str] = str) -> None:
-    """Runs a command: --help prints `usage`; Hydra composes configs/`config_name`.yaml and the command line into
-    `task`'s config. A user's mistake, on the command line (a sweep's, all at once) or found by the task, is one line
-    and status 2; a sweep's job says which it is, and the sweep stops there."""
+    """Runs a command: Hydra composes configs/`config_name`.yaml and the command line into `task`'s config. A user's
+    mistake, on the command line (a sweep's, all at once) or found by the task, is one line and exit status 2."""
     args = sys.argv[1:]
-    if "-h" in args or "--help" in args:
-        end_quietly_when_stdout_closes()
-        print(usage().strip())
-        sys.exit(0)
-    if "-m" in args or "--multirun" in args:
-        check_overrides(args, schema, groups)  # a sweep: every job's values, before the first job runs
+    if "-h" in args or "--help" in args or "-m" in args or "--multirun" in args:
+        _help_or_sweep(args, schema, groups, usage)
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting
 
     @functools.wraps(task)  # Hydra names the job after the task's file
@@ -189,19 +184,38 @@ def run_hydra(task: Callable[[DictConfig], None], config_name: str, schema: type
         try:
             task(cfg)
         except UserError as err:
-            hydra_cfg = HydraConfig.get()
-            multirun = hydra_cfg.mode == RunMode.MULTIRUN
-            fail(f"job {hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)}): {err}" if multirun else str(err))
+            _fail_job(err)
 
     try:
         hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=config_name)(job)()
-    except KeyboardInterrupt:
+    except (Exception, KeyboardInterrupt) as err:
+        _exit_if_not_a_bug(err, args, schema, groups)
+        raise
+
+
+def _help_or_sweep(args: list[str], schema: type, groups: tuple[str, ...], usage: Callable[[], str]) -> None:
+    """--help prints `usage`; a sweep's every value is checked before its first job runs."""
+    if "-h" in args or "--help" in args:
+        end_quietly_when_stdout_closes()
+        print(usage().strip())
+        sys.exit(0)
+    check_overrides(args, schema, groups)
+
+
+def _fail_job(err: UserError) -> typing.NoReturn:
+    """A job's mistake in one line; a sweep's job says which it is, and the sweep stops there."""
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    fail(f"job {hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)}): {err}" if multirun else str(err))
+
+
+def _exit_if_not_a_bug(err: BaseException, args: list[str], schema: type, groups: tuple[str, ...]) -> None:
+    """Ctrl-C: status 130; the command line at fault, or what only Hydra can say: one line. A bug returns, to raise."""
+    if isinstance(err, KeyboardInterrupt):
         print("interrupted", file=sys.stderr)
         sys.exit(130)
-    except Exception as err:
-        check_overrides(args, schema, groups)  # exits with the one line when the command is at fault
-        refused_by_hydra(err)  # and so for what only Hydra can say; a bug keeps its traceback
-        raise
+    check_overrides(args, schema, groups)
+    refused_by_hydra(err)
 
 
 def refused_by_hydra(err: Exception, fix: str = "") -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -18,8 +18,11 @@ from data.source import read_utf8
 from data.tokenizers import CharTokenizer
 from evals.hellaswag import hellaswag_path, hellaswag_sums, load_examples
 from evals.perplexity import score_sequences
-from inference.sampling import EvalConfig, load_model
+from inference.sampling import load_model
 from model import GPTConfig
+
+if TYPE_CHECKING:  # eval.py's schema, for annotations
+    from eval import EvalConfig
 
 
 def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:

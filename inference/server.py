@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import torch
 import uvicorn
@@ -43,8 +43,11 @@ from common.runtime import make_runtime
 from data.corpus import default_num_proc
 from data.tokenizers import Tokenizer
 from inference.engine import Choice, Engine, Job, Update
-from inference.sampling import SampleText, ServeConfig, load_model
+from inference.sampling import SampleText, load_model
 from model.gpt import Decoding, row_generators
+
+if TYPE_CHECKING:  # serve.py's schema, for annotations
+    from serve import ServeConfig
 
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI's limits
 SLICE_S = 0.02  # a request's turn on the model: this long, or one forward pass if longer; then the next request's

@@ -18,8 +18,8 @@ from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
 from common.config import check_fields, check_override, option, typed_config
-from common.errors import CheckpointError, ConfigError
-from common.files import check_regular_file
+from common.errors import CheckpointError, ConfigError, DataError
+from common.files import why_not_a_file
 from model.gpt import GPT, GPTConfig
 
 # Options removed from the model, dropped on load: the first two only when off (on, the weights have parts this
@@ -247,8 +247,9 @@ def _upgraded(old: dict[str, Any]) -> dict[str, Any]:
 
 def load_checkpoint(path: Path, resuming: bool = False) -> Checkpoint:
     """weights_only: a checkpoint holding anything but tensors and plain values is refused, never unpickled."""
-    check_regular_file(path)  # a FIFO would block torch.load forever
-    if not path.is_file():
+    if not path.is_file():  # nothing there, or a FIFO, which would block torch.load forever
+        if path.exists():
+            raise DataError(f"{path} {why_not_a_file(path)}; remove it, or name another directory")
         raise CheckpointError(f"no checkpoint at {path}; pass out_dir=RUN, a directory written by train.py")
     try:
         stored = _stored_as_saved(path)

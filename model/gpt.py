@@ -74,13 +74,17 @@ class ModelConfig:
         if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
             raise ConfigError(f"{keys}pos_emb=rope needs an even head size; n_embd/n_head is "
                               f"{self.n_embd // self.n_head}")
-        if (pattern := self.window_pattern) is not None:
-            if not pattern or set(pattern) - {WINDOWED, FULL}:
-                raise ConfigError(f"{keys}window_pattern={pattern} may only hold the letters S (windowed) and L (full)")
-            if WINDOWED not in pattern and self.attn_window is not None:
-                raise ConfigError(f"{keys}window_pattern={pattern} windows no layer; add an S or set attn_window=null")
-            if len(pattern) > self.n_layer:
-                raise ConfigError(f"{keys}window_pattern={pattern} has more letters than n_layer={self.n_layer}")
+        if self.window_pattern is not None:
+            self._check_window_pattern()
+
+    def _check_window_pattern(self) -> None:
+        keys, pattern = self.KEYS, self.window_pattern
+        if not pattern or set(pattern) - {WINDOWED, FULL}:
+            raise ConfigError(f"{keys}window_pattern={pattern} may only hold the letters S (windowed) and L (full)")
+        if WINDOWED not in pattern and self.attn_window is not None:
+            raise ConfigError(f"{keys}window_pattern={pattern} windows no layer; add an S or set attn_window=null")
+        if len(pattern) > self.n_layer:
+            raise ConfigError(f"{keys}window_pattern={pattern} has more letters than n_layer={self.n_layer}")
 
     def with_vocabulary(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(vocab_size=vocab_size, **dataclasses.asdict(self))

@@ -32,7 +32,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 from tiktoken_ext.openai_public import r50k_pat_str
 
-import inference.sampling
+import eval as eval_command
+import sample as sample_command
+import serve as serve_command
 import train as train_command
 from common.files import RunDir
 from model.checkpoint import Checkpoint
@@ -52,7 +54,8 @@ _TINY_MERGES = [b"th", b"he", b"in", b"er", b"an", b" t", b" a", b"the", b" the"
 def register_schemas() -> None:
     """The commands' schemas, as imported here, for Hydra's compose (run_in_process's __main__ copies replace them)."""
     ConfigStore.instance().store(name="train_schema", node=train_command.TrainRunConfig)
-    inference.sampling.register_schemas()
+    for name, command in (("sample", sample_command), ("eval", eval_command), ("serve", serve_command)):
+        ConfigStore.instance().store(name=f"{name}_schema", node=getattr(command, f"{name.title()}Config"))
 
 
 register_schemas()

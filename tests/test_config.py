@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from common.config import typed_config
 from common.errors import ConfigError
 from conftest import compose_config
-from inference.sampling import SampleConfig
+from sample import SampleConfig
 from train import TrainRunConfig
 
 

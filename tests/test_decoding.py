@@ -10,8 +10,8 @@ import torch
 
 from common.errors import ConfigError
 from conftest import run_in_process
-from inference.sampling import SampleConfig
 from model.gpt import Decoding, row_generators
+from sample import SampleConfig
 
 LOGITS = torch.tensor([[0.05, 0.5, 0.15, 0.3]]).log()  # token 1 most likely, then 3, 2, 0
 

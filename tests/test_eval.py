@@ -21,10 +21,10 @@ from common.runtime import World, make_runtime
 from conftest import REPO, TINY_BPE, compose_config, run_in_process, run_script, tiny_encoding, tiny_run_overrides
 from data.prepare import DataConfig, ensure_prepared
 from data.tokenizers import BpeTokenizer
+from eval import EvalConfig
 from evals.hellaswag import Example, ending_scores, hellaswag_path, hellaswag_sums, load_examples
 from evals.perplexity import score_sequences, windows
 from inference.eval_run import run_eval
-from inference.sampling import EvalConfig
 from model import GPT, GPTConfig
 from model.checkpoint import load_checkpoint
 from train import TrainConfig, TrainRunConfig, train

@@ -31,9 +31,11 @@ from common.files import CKPT_NAME, LOCK_NAME, LOG_NAME, METRICS_NAME, RunDir, m
 from common.runtime import World
 from conftest import TINY_BPE, compose_config, run_in_process, run_script, start_script, tiny_run_overrides
 from data.prepare import DataConfig, ensure_prepared
-from inference.sampling import EvalConfig, SampleConfig, load_model, read_prompt
+from eval import EvalConfig
+from inference.sampling import load_model, read_prompt
 from model import GPT, GPTConfig
 from model.checkpoint import Checkpoint, load_checkpoint
+from sample import SampleConfig
 from train import TrainConfig, TrainRunConfig, WandbConfig, check_fits, train
 from training.resume import CONFIG_GROUPS
 from training.trainer import MetricsLog

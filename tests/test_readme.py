@@ -9,7 +9,9 @@ import pytest
 
 from common.config import check_overrides, typed_config
 from conftest import REPO, compose_config
-from inference.sampling import EvalConfig, SampleConfig, ServeConfig
+from eval import EvalConfig
+from sample import SampleConfig
+from serve import ServeConfig
 from train import TrainRunConfig
 from training.resume import CONFIG_GROUPS
 

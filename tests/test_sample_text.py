@@ -17,9 +17,10 @@ from common.errors import ConfigError
 from common.runtime import make_runtime
 from conftest import REPO, run_in_process, tiny_encoding
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer
-from inference.sampling import MAX_NEW_TOKENS, SEPARATOR, SampleConfig, Sampler, SampleText, stop_strings
+from inference.sampling import MAX_NEW_TOKENS, SEPARATOR, Sampler, SampleText, stop_strings
 from model import GPT, GPTConfig
 from model.gpt import Decoding
+from sample import SampleConfig
 
 CHARS = CharTokenizer(sorted(set("\n !.:ABDEHNORST") | set("abcdefghijklmnopqrstuvwxyz")))
 BYTES = BpeTokenizer(tiny_encoding())  # ids 0-255 are the single bytes; then merges; then <|endoftext|>

@@ -26,9 +26,10 @@ import torch
 from conftest import REPO, ServeProcess, run_in_process, tiny_encoding
 from data.tokenizers import BpeTokenizer
 from inference.engine import prompt_scores
-from inference.sampling import SEPARATOR, ServeConfig
+from inference.sampling import SEPARATOR
 from inference.server import Service, bind
 from model import GPT, GPTConfig
+from serve import ServeConfig
 
 PROMPT = "ROMEO:"
 NEW = 110  # past the served run's block_size of 96, with the prompt's 6

@@ -110,9 +110,8 @@ class Trainer:
         return self.run_dir.path
 
     def fit(self) -> TrainResult:
-        """nanoGPT's loop, in which a step never waits for the device (under torchrun, only for the ranks' agreement
-        to stop): NaN and inf losses are skipped there and reported at log lines and evaluations. A signal stops the
-        run after the current step, with a checkpoint."""
+        """nanoGPT's loop; no step waits for the device (under torchrun, only for the ranks' agreement to stop). A
+        signal stops the run after the current step, with a checkpoint."""
         progress, train = self.progress, self.config.train
         self.tally = torch.tensor([progress.log_loss_sum, progress.log_steps, 0, 0, 0], device=self.runtime.device)
         accum = train.grad_accum // self.world.size  # this process's share of the step's micro-batches
@@ -152,8 +151,8 @@ class Trainer:
         return self.finish(stopped_by)
 
     def train_batch(self, it: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The windows depend only on the seed, the step and the micro-batch, so a resumed run, or another number of
-        processes, sees the same ones. On CUDA they are pinned: the copy runs while the host draws the next."""
+        """Windows from the seed, step and micro-batch alone: a resume, or another number of processes, sees the same.
+        On CUDA they are pinned: the copy runs while the host draws the next."""
         generator = batch_generator(self.config.seed, TRAIN_WINDOWS, it, micro)
         x, y = get_batch(self.data.train, self.config.train.batch_size, self.model.config.block_size, generator)
         if self.runtime.is_cuda:
@@ -161,12 +160,11 @@ class Trainer:
         return x.to(self.runtime.device, non_blocking=True), y.to(self.runtime.device, non_blocking=True)
 
     def optimizer_step(self, loss: torch.Tensor) -> None:
-        """Clip, step and zero the gradients, with no wait for the device: a step whose loss or gradient norm is NaN or
-        inf is skipped on the device, by the optimizer's found_inf, and counted in the tally."""
+        """Clip, step and zero the gradients with no wait for the device: a step whose loss or gradient norm is not
+        finite is skipped on the device (found_inf) and counted in the tally."""
         train, tally = self.config.train, self.tally
         self.scaler.unscale_(self.optimizer)  # float16's loss scale out first; a no-op otherwise
-        # the norm before clipping (max_norm inf: grad_clip=0 leaves the gradients as they are); an inf gradient with a
-        # finite loss makes it inf, and the clipped gradients NaN
+        # the norm before clipping (grad_clip=0: max_norm inf, no clipping); an inf gradient makes it inf
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip or math.inf)
         finite = torch.isfinite(loss)
         if not self.scaler.is_enabled():  # float16's overflows are GradScaler's to skip, lowering its scale

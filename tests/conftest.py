@@ -149,6 +149,13 @@ def run_in_process(script: str, args: list[str], cwd: Path) -> subprocess.Comple
     return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
 
 
+def refused(result: subprocess.CompletedProcess) -> str:
+    """A user's mistake as every command says it: exit status 2 and one line on stderr, "error: ..."; that line."""
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, (
+        result.returncode, result.stderr)
+    return result.stderr.rstrip("\n")
+
+
 def train_py(args: list[str]) -> None:
     """`python train.py ARGS` from the current directory, in this process (run_in_process): its output on this
     process's stdout and stderr, a failure as SystemExit with its status."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import bench
-from conftest import run_in_process, run_script
+from conftest import refused, run_in_process, run_script
 from model import GPTConfig
 
 
@@ -134,8 +134,7 @@ def test_an_absurd_model_or_sample_count_is_one_line_from_the_command_line(
     """sample.py num_samples=10000000 once took 7.5 GB before it was stopped: each sample has a KV cache."""
     args = [f"data.input={corpus_path}", f"data.dir={tmp_path / 'data'}", "model.n_embd=65536", "model.n_layer=64"]
     result = run_in_process("train.py", [*args, "device=cpu", f"out_dir={tmp_path / 'run'}"], cwd=tmp_path)
-    assert result.returncode == 2 and result.stderr.startswith("error: ") and " GiB" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+    assert " GiB" in refused(result) and not (tmp_path / "run").exists()
     result = run_in_process("sample.py", [f"out_dir={trained_run}", "num_samples=10000000", "max_new_tokens=5"],
                             tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr and "; lower num_samples" in result.stderr

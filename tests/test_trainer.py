@@ -301,7 +301,7 @@ def test_the_first_timed_log_line_says_when_a_busy_cpu_keeps_the_threads_waiting
     so. Matmuls on the run's threads far slower than on one thread (rates given here, not timed): one line, after the
     first timed log line, naming the fix."""
     monkeypatch.setattr("training.trainer.cpu_matmul_flops", lambda threads: 100e9 if threads == 1 else on_two_threads)
-    torch.set_num_threads(2)  # put back after the test
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # said, not used: the run itself keeps one thread
     keys = {"train.max_iters": 15, "train.eval_interval": 100, "train.log_interval": 5}
     with caplog.at_level(logging.INFO, logger="train"):
         train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **keys)))

@@ -2,43 +2,82 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from common.config import typed_config
+from common.config import check_overrides, typed_config
 from common.errors import ConfigError
 from conftest import compose_config
 from sample import SampleConfig
 from train import TrainRunConfig
+from training.resume import CONFIG_GROUPS
+
+SCHEMAS = {"config": (TrainRunConfig, CONFIG_GROUPS), "sample": (SampleConfig, ())}
 
 
-@pytest.mark.parametrize(
-    ("override", "schema", "message"),
-    [
-        ("temperature=-1", SampleConfig, "temperature=-1.0 must be >= 0.0; 0 means greedy decoding (the most likely "
-                                         "token)"),
-        ("top_p=1.01", SampleConfig, "top_p=1.01 must be <= 1.0; null means no cut-off"),
-        ("top_k=0", SampleConfig, "top_k=0 must be >= 1; null means no cut-off"),
-        ("num_samples=0", SampleConfig, "num_samples=0 must be >= 1"),
-        ("max_new_tokens=0", SampleConfig, "max_new_tokens=0 must be >= 1"),
-        ("attn_impl=fast", SampleConfig, "attn_impl=fast is unknown; use one of flash, math"),
-        ("dtype=fp8", SampleConfig, "dtype=fp8 is unknown; use one of auto, float32, bfloat16, float16"),
-        # a key added with + must exist like any other
-        ("+temp=0.5", SampleConfig, "temp is not a key of this config; did you mean temperature?"),
-        ("+train.learning_rat=1", TrainRunConfig, "train.learning_rat is not a key of this config; did you mean "
-                                                  "train.learning_rate?"),
-        ("+model.attn_windw=4", TrainRunConfig, "model.attn_windw is not a key of this config; did you mean "
-                                                "model.attn_window?"),
-        ("+train.foo=1", TrainRunConfig, "train.foo is not a key of this config; see the keys with --cfg job"),
-    ],
-)
-def test_a_bad_value_or_an_unknown_key_is_one_config_error(override: str, schema: type, message: str) -> None:
-    overrides, name = (["out_dir=RUN", override], "sample") if schema is SampleConfig else ([override], "config")
-    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
-        typed_config(compose_config(overrides, config_name=name), schema)
+def refusal(config: str, overrides: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """What a command line gets: check_overrides' line before Hydra runs (a key's name, type and range), else the typed
+    config's refusal of the composed config (the rules between keys); "" if neither refuses."""
+    schema, groups = SCHEMAS[config]
+    overrides = ["out_dir=RUN", *overrides] if config == "sample" else overrides
+    try:
+        check_overrides(overrides, schema, groups)
+        typed_config(compose_config(overrides, config_name=config), schema)
+    except SystemExit as exit:
+        assert exit.code == 2
+        return capsys.readouterr().err.removeprefix("error: ").rstrip("\n")
+    except ConfigError as err:
+        return str(err)
+    return ""
+
+
+# Every rule of a key's name, type and value, in the words a user reads: (the command's config, overrides, message).
+RULES = [
+    ("sample", ["temperature=-1"], "temperature=-1.0 must be >= 0.0; 0 means greedy decoding (the most likely token)"),
+    ("sample", ["top_p=1.01"], "top_p=1.01 must be <= 1.0; null means no cut-off"),
+    ("sample", ["top_k=0"], "top_k=0 must be >= 1; null means no cut-off"),
+    ("sample", ["max_new_tokens=0"], "max_new_tokens=0 must be >= 1"),
+    ("sample", ["dtype=fp8"], "dtype=fp8 is unknown; use one of auto, float32, bfloat16, float16"),
+    ("sample", ["+temp=0.5"], "temp is not a key of this config; did you mean temperature?"),  # + adds no key
+    ("config", ["+train.foo=1"], "train.foo is not a key of this config; see the keys with --cfg job"),
+    ("config", ["train.lerning_rate=1"], "train.lerning_rate is not a key of this config; did you mean "
+                                         "train.learning_rate?"),
+    ("config", ["train.lr=1e-3"], "train.lr is not a key of this config; did you mean train.learning_rate or "
+                                  "train.lr_decay_iters?"),  # other tools' abbreviation: a key's initials
+    ("config", ["modle.n_layer=2"], "modle is not a key of this config; did you mean model?"),
+    ("config", ["model.n_layers=2"], "model.n_layers is not a key of this config; did you mean model.n_layer?"),
+    ("config", ["model.vocab_size=100"], "model.vocab_size is not a key of this config; did you mean "
+                                         "model.block_size?"),  # the data's, never the user's
+    ("config", ["train.max_iters=abc"], "train.max_iters=abc is not an integer"),
+    ("config", ["model.attn_window=wide"], "model.attn_window=wide is not an integer or null"),
+    ("config", ["train.compile=maybe"], "train.compile=maybe is not true or false or null"),
+    ("config", ["wandb.tags=x"], "wandb.tags=x is not a list such as [a,b]"),
+    ("config", ["seed=null"], "seed=null is not an integer"),
+    ("config", ["data.val_fraction=1.5"], "data.val_fraction=1.5 must be < 1.0"),
+    ("config", ["train.learning_rate='-1e-3'"], "train.learning_rate=-0.001 must be > 0.0"),  # the number it becomes
+    ("config", ["train.learning_rate=nan"], "train.learning_rate=nan must be a finite number"),
+    ("config", ["model.n_layer=0"], "model.n_layer=0 must be >= 1"),
+    ("config", ["model.n_layer=1000000"], "model.n_layer=1000000 must be <= 1024"),
+    ("config", ["model.block_size=1099511627776"], "model.block_size=1099511627776 must be <= 1048576"),
+    ("config", ["model.attn_impl=fast"], "model.attn_impl=fast is unknown; use one of flash, math"),
+    ("config", ["model.activation=swish"], "model.activation=swish is unknown; use one of gelu, gelu_tanh, relu2"),
+    ("config", ["train.learning_rate.x=1"], "train.learning_rate is a value, not a group of keys, so "
+                                            "train.learning_rate.x is not a key"),
+    ("config", ["train={max_iterz:2}"], "train.max_iterz is not a key of this config; did you mean train.max_iters?"),
+    ("config", ["train=5"], "train=5: train is a group of keys; set one as train.KEY=VALUE"),
+    ("config", ["model.n_embd=30", "model.n_head=4"], "model.n_embd=30 is not divisible by n_head=4; use a multiple "
+                                                      "of it"),
+    ("config", ["model.pos_emb=rope", "model.n_embd=36", "model.n_head=4"], "model.pos_emb=rope needs an even head "
+                                                                            "size; n_embd/n_head is 9"),
+]
+
+
+@pytest.mark.parametrize(("config", "overrides", "message"), RULES)
+def test_every_rule_of_a_key_is_one_line_naming_it(config: str, overrides: list[str], message: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert refusal(config, overrides, capsys) == message
 
 
 def test_sample_needs_a_run_or_pretrained_weights() -> None:

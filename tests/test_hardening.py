@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import common.files
-from common.config import check_override, check_overrides, literal_text, typed_config
+from common.config import check_overrides, literal_text, typed_config
 from common.errors import CheckpointError, ConfigError, DataError, DiskFull, UserError
 from common.files import CKPT_NAME, LOCK_NAME, LOG_NAME, METRICS_NAME, RunDir, make_directory, read_records
 from common.runtime import World
@@ -41,32 +41,6 @@ from training.resume import CONFIG_GROUPS
 from training.trainer import MetricsLog
 
 FAST = {"train.max_iters": 4, "train.eval_interval": 2, "train.log_interval": 1}
-
-
-@pytest.mark.parametrize(
-    ("key", "value", "message"),
-    [
-        ("train.lerning_rate", 1, "train.lerning_rate is not a key of this config; did you mean train.learning_rate?"),
-        ("train.lr", 1e-3, "train.lr is not a key of this config; did you mean train.learning_rate or "
-                           "train.lr_decay_iters?"),  # other tools' abbreviation: a key's initials
-        ("modle.n_layer", 2, "modle is not a key of this config; did you mean model?"),
-        ("train.max_iters", "abc", "train.max_iters=abc is not an integer"),
-        ("model.attn_window", "wide", "model.attn_window=wide is not an integer or null"),
-        ("train.compile", "maybe", "train.compile=maybe is not true or false or null"),
-        ("wandb.tags", "x", "wandb.tags=x is not a list such as [a,b]"),
-        ("data.val_fraction", 1.5, "data.val_fraction=1.5 must be < 1.0"),
-        ("train.learning_rate", "-1e-3", "train.learning_rate=-0.001 must be > 0.0"),  # quoted: the number it becomes
-        ("train.learning_rate", float("nan"), "train.learning_rate=nan must be a finite number"),
-        ("seed", None, "seed=null is not an integer"),
-        ("train.learning_rate.x", 1, "train.learning_rate is a value, not a group of keys, so train.learning_rate.x"),
-        ("train", {"max_iterz": 2}, "train.max_iterz is not a key of this config; did you mean train.max_iters?"),
-        ("train", 5, "train=5: train is a group of keys; set one as train.KEY=VALUE"),
-    ],
-)
-def test_a_command_line_override_is_checked_against_the_schema(key: str, value: object, message: str) -> None:
-    with pytest.raises(ConfigError) as info:
-        check_override(TrainRunConfig, key, value)
-    assert str(info.value).startswith(message)
 
 
 def test_a_model_too_large_for_memory_is_told_to_shrink_and_only_a_batch_too_large_to_lower_batch_size(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from common.config import end_quietly_when_stdout_closes, option, run_hydra, typed_config
+from common.config import end_quietly_when_stdout_closes, keys_help, option, run_hydra, typed_config
 from common.errors import ConfigError
 from inference.eval_run import run_eval
 from inference.sampling import ModelChoice
@@ -17,7 +17,8 @@ from inference.sampling import ModelChoice
 @dataclass
 class EvalConfig(ModelChoice):
     input: str | None = option(None, path=True)  # a UTF-8 text file to score; null: the run's own val split
-    context: int | None = option(None, at_least=1, hint="null means the model's block_size")  # tokens a window holds
+    # tokens a window holds; null: the model's block_size
+    context: int | None = option(None, at_least=1, hint="null means the model's block_size")
     # tokens each window advances (and scores, but the first); null: context // 2. stride=context: disjoint windows
     stride: int | None = option(None, at_least=1, hint="null means half the context")
     batch_size: int | None = option(None, at_least=1, hint="null means 4096 // context windows")  # per forward pass
@@ -38,14 +39,10 @@ ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
 
 
 def usage() -> str:
-    return """Score a model: loss, perplexity and bits per byte of a text, and HellaSwag. Settings are key=value.
+    return f"""Score a model: loss, perplexity and bits per byte of a text, and HellaSwag. Settings are key=value.
 
-Keys set most:
-  out_dir=RUN             a train.py run directory (or init_from=gpt2 for OpenAI's GPT-2)
-  input=FILE              a UTF-8 text to score; default: the run's own val split
-  context=N stride=N      tokens a window holds, and how far it advances (default: block_size, half of it)
-  hellaswag=true          also score HellaSwag's validation set (BPE models)
-  ckpt=best               the run's best.pt instead of ckpt.pt
+Keys set most, at their defaults:
+{keys_help(EvalConfig, ("out_dir", "init_from", "input", "context", "stride", "hellaswag", "ckpt"))}
 
 Examples:
   python eval.py out_dir=runs/cpu

@@ -4,6 +4,7 @@ difference is bigger than seed noise.
     python plot.py RUN_DIR [RUN_DIR ...] -o loss.png            # runs, or sweep directories holding runs
     python plot.py multirun/2026-11-29/10-00-00 --x time        # x axis: iter (default), time or tokens
     python plot.py multirun/DATE/TIME --baseline model.qk_norm=true --json ab.json   # groups of seeds, A/B tests
+    python plot.py RUN_DIR --heads                              # each head's scores (train.head_scores=true)
 
 The legend names each run by the config keys that differ between the runs. Runs that differ only in NEUTRAL_KEYS (the
 seed, ...) form a group: its mean curve with each evaluation's 95 % interval as bars and the runs' min-max as a band,
@@ -12,6 +13,13 @@ found, the seeds per arm that would find it. The val loss is compared at the las
 arm that stopped at its target is compared with the others where they were at that point, not where they ended.
 Without -o the picture goes into the deepest folder holding all those given. A run that can't be read is skipped with
 one warning; a run without config.yaml is in no group.
+
+--heads draws instead the head scores a run logged at each evaluation (train.head_scores=true): a panel per score, a
+line per head labelled LAYER.HEAD, the losses on a second axis, and a mark where a head first reaches its FORMATION
+threshold (previous_token >= 0.5, induction >= 0.3), printed too. Given several runs of one config (seeds), it ranks
+each run's heads within their layer by their last score (a layer's heads are interchangeable, so head 2 of one seed's
+run is no relation of head 2 of another's), draws each rank's mean score, and gives its formation iteration as the
+mean ± its 95 % interval over the runs it formed in.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ ALPHA = 0.05  # a difference with p below this is called real
 POWER = 0.8  # the chance of detecting an effect that the seeds-per-arm estimate asks for
 MAX_SEEDS = 10_000
 ABSENT = "<absent>"  # the value of a key some runs' configs lack
+FORMATION = {"previous_token": 0.5, "induction": 0.3}  # --heads: a head has formed at its first evaluation over these
 
 
 # --- the statistics: replicates grouped, their intervals, Welch's test against the baseline ---
@@ -273,7 +282,7 @@ def load_run(run: Path, needed: tuple[str, ...] = ()) -> Loaded:
         if missing:
             raise Damaged(f"{path}: the line of iter {r['iter']} has no {missing[0]}")
         for key, value in r.items():
-            if key != "settings" and not _is_number(value):
+            if key not in ("settings", "heads") and not _is_number(value):
                 raise Damaged(f"{path}: the line of iter {r['iter']} has {key}={value!r}, not a number")
 
     def walk(node: Any, prefix: str) -> dict[str, Any]:
@@ -609,6 +618,101 @@ def _draw_groups(ax: Any, groups: list[Group], by_run: dict[Path, dict[str, Any]
             ax.fill_between(xs, low, high, color=f"C{i % 10}", alpha=0.1 if kind == "train_loss" else 0.2, lw=0)
 
 
+def compare_losses(loaded: list[Loaded], args: argparse.Namespace) -> Any:
+    """The runs' table and, for replicates, the groups' statistics (and --json) on stdout; the loss picture."""
+    summaries = summaries_of(loaded)
+    print_table(summaries)
+    groups, measure = replicate_groups(loaded, args) or (None, args.metric)
+    if groups is not None:
+        baseline, *others = groups
+        comparisons = [compare(g, baseline, measure) for g in others if g.n > 1 and baseline.n > 1]
+        print_statistics(groups, comparisons, measure)
+        if args.json is not None:
+            document = {"metric": args.metric, "measure": measure, "groups": [g.to_dict() for g in groups],
+                        "comparisons": [c.to_dict() for c in comparisons]}
+            save(args.json, "--json", lambda f: f.write(json.dumps(document, indent=1).encode() + b"\n"))
+    return figure(summaries, args.x, groups if groups and any(g.n > 1 for g in groups) else None, measure)
+
+
+# --- head scores over training: --heads ---
+def heads_figure(loaded: list[Loaded]) -> Any:
+    """A panel per score: each head's score at the evaluations the runs share (several runs: each rank's mean), the
+    mean losses on a second axis, and each head's formation (FORMATION) as the mean iteration ± its 95 % interval,
+    also printed."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    runs, configs, records = ([item[i] for item in loaded] for i in range(3))
+    groups = group_runs(runs, configs, [0.0] * len(runs))
+    if len(groups) > 1:
+        fail(f"--heads averages runs of one config over seeds; these differ in {', '.join(groups[0].config)}")
+    logged = [{r["iter"]: r["heads"] for r in rs if isinstance(r.get("heads"), dict)} for rs in records]
+    bare = [run for run, heads in zip(runs, logged, strict=True) if not heads]
+    if bare:
+        fail(f"{bare[0] / METRICS_NAME} has no head scores; train the run with train.head_scores=true")
+    iters = sorted(set.intersection(*(set(heads) for heads in logged)))
+    names = list(logged[0][iters[0]]) if iters else []
+    if not names:
+        fail("the runs share no evaluation with head scores; pass runs evaluated at the same iterations")
+    # (runs, evaluations, n_layer, n_head) per score; a null (undefined) score is NaN
+    scores = {name: np.array([[heads[it][name] for it in iters] for heads in logged], dtype=float) for name in names}
+    n_layer, n_head = scores[names[0]].shape[2:]
+    labels = [[f"{layer}.{head}" for head in range(n_head)] for layer in range(n_layer)]
+    if len(runs) > 1:  # a layer's heads are interchangeable, so a head index names no head across seeds: each run's
+        # heads are ranked within their layer by their last score, and ranks averaged (1.#1: layer 1's top head)
+        for name, s in scores.items():
+            order = np.argsort(-np.nan_to_num(s[:, -1], nan=-np.inf), axis=-1, kind="stable")  # (runs, L, H)
+            scores[name] = np.take_along_axis(s, order[:, None], axis=-1)
+        labels = [[f"{layer}.#{rank + 1}" for rank in range(n_head)] for layer in range(n_layer)]
+    colour = colormaps["tab20" if n_layer * n_head > 10 else "tab10"]
+    fig = Figure(figsize=(10, 1.2 + 2.2 * len(names)), layout="constrained")
+    axes = fig.subplots(len(names), 1, sharex=True, squeeze=False)[:, 0]
+    formed_rows = [["score", "head", "formed in", "at iteration (mean ± 95% CI half-width)"]]
+    for ax, name in zip(axes, names, strict=True):
+        mean = scores[name].mean(0)
+        for layer, head in np.ndindex(n_layer, n_head):
+            ax.plot(iters, mean[:, layer, head], color=colour(layer * n_head + head), lw=1.2, label=labels[layer][head])
+        ax.set_ylabel(name.replace("_", " "))
+        ax.grid(True, alpha=0.3)
+        if name in FORMATION:
+            formed_rows += _formation(ax, np.array(iters), scores[name], name, colour, labels)
+        twin = ax.twinx()
+        for kind, style in (("train_loss", {"color": "0.55", "lw": 0.8}), ("val_loss", {"color": "black", "ls": ":"})):
+            by_iter = [{r["iter"]: r[kind] for r in rs if kind in r and ("lr" in r) == (kind == "train_loss")}
+                       for rs in records]
+            xs = sorted(set.intersection(*(set(b) for b in by_iter)))
+            twin.plot(xs, [statistics.fmean(b[x] for b in by_iter) for x in xs], label=kind.replace("_", " "), **style)
+        twin.set_ylabel("loss")
+    axes[-1].set_xlabel("iteration")
+    many = f"{len(runs)} runs' mean" if len(runs) > 1 else f"{runs[0]}"
+    axes[0].set_title(f"head scores over training, {many}; marks: formation (first evaluation over the dashed line)")
+    handles = axes[0].get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+    fig.legend(handles=handles, loc="outside right upper", fontsize=7, title="layer.head" if len(runs) == 1 else
+               "layer.#rank in the layer\nby the last score", title_fontsize=7)
+    print_rows(formed_rows)
+    return fig
+
+
+def _formation(ax: Any, iters: np.ndarray, scores: np.ndarray, name: str, colour: Callable,
+               labels: list[list[str]]) -> list[list[str]]:
+    """Each head's formation, its first evaluation at or over FORMATION[name] in each run: marked on `ax` at the mean
+    over the runs it formed in, ± the 95 % interval; returned as table rows."""
+    threshold, n_runs = FORMATION[name], len(scores)
+    over = scores >= threshold  # (runs, evaluations, n_layer, n_head)
+    at = np.where(over.any(1), iters[over.argmax(1)], np.nan)
+    ax.axhline(threshold, color="0.4", ls="--", lw=0.8)
+    rows = []
+    for layer, head in np.ndindex(at.shape[1:]):
+        values = [float(v) for v in at[:, layer, head] if not math.isnan(v)]
+        if values:
+            half = half_width(values)
+            ax.errorbar(statistics.fmean(values), threshold, xerr=half, color=colour(layer * at.shape[2] + head),
+                        marker="o", mec="black", ms=6, capsize=3, zorder=3)
+            shown_at = f"{statistics.fmean(values):,.0f}" + ("" if half is None else f" ± {half:,.0f}")
+            rows.append([f"{name} >= {threshold}", labels[layer][head], f"{len(values)}/{n_runs} runs", shown_at])
+    return rows or [[f"{name} >= {threshold}", "none", f"0/{n_runs} runs", "-"]]
+
+
 def main(argv: list[str] | None = None) -> None:
     """The command: argv as the command line holds it (default: sys.argv's), so tests can call it in-process."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -622,28 +726,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", nargs="+", action="extend", metavar="KEY=VALUE",
                         help="the group the others are compared with (default: the first group)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the groups and comparisons as JSON")
+    parser.add_argument("--heads", action="store_true", help="draw each head's scores over training instead "
+                        "(runs trained with train.head_scores=true; default picture: heads.png)")
     args = parser.parse_args(argv)
     if args.baseline:  # `--baseline K=V RUN_DIR`: a run directory after the pairs is a run directory
         args.runs += [Path(item) for item in args.baseline if "=" not in item]
         args.baseline = [item for item in args.baseline if "=" in item] or None
     if not args.runs:
         fail("no run directory given; pass train.py run directories or a sweep directory")
-    out = picture_path(args.out or Path(os.path.commonpath([p.absolute() for p in args.runs])) / "loss.png")
+    if args.heads and (args.baseline or args.json or args.x != "iter" or args.metric != "val_loss"):
+        fail("--heads draws head scores against iterations: leave out --x, --metric, --baseline and --json")
+    name = "heads.png" if args.heads else "loss.png"
+    out = picture_path(args.out or Path(os.path.commonpath([p.absolute() for p in args.runs])) / name)
     if args.json is not None:
         check_output(args.json, "--json")
     loaded = load_runs(args.runs, ("elapsed_s",) if args.x == "time" else ())
-    summaries = summaries_of(loaded)
-    print_table(summaries)
-    groups, measure = replicate_groups(loaded, args) or (None, args.metric)
-    if groups is not None:
-        baseline, *others = groups
-        comparisons = [compare(g, baseline, measure) for g in others if g.n > 1 and baseline.n > 1]
-        print_statistics(groups, comparisons, measure)
-        if args.json is not None:
-            document = {"metric": args.metric, "measure": measure, "groups": [g.to_dict() for g in groups],
-                        "comparisons": [c.to_dict() for c in comparisons]}
-            save(args.json, "--json", lambda f: f.write(json.dumps(document, indent=1).encode() + b"\n"))
-    fig = figure(summaries, args.x, groups if groups and any(g.n > 1 for g in groups) else None, measure)
+    fig = heads_figure(loaded) if args.heads else compare_losses(loaded, args)
     # a PNG carries its title and legend as text, for whoever reads the file without looking (and the tests)
     legend = "\n".join(t.get_text() for lg in fig.legends for t in [lg.get_title(), *lg.get_texts()] if t.get_text())
     metadata = {"Title": fig.axes[0].get_title(), "Description": legend} if out.suffix.lower() == ".png" else None

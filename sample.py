@@ -7,7 +7,15 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from common.config import SEED_MAX, end_quietly_when_stdout_closes, literal_text, option, run_hydra, typed_config
+from common.config import (
+    SEED_MAX,
+    end_quietly_when_stdout_closes,
+    keys_help,
+    literal_text,
+    option,
+    run_hydra,
+    typed_config,
+)
 from common.errors import ConfigError
 from common.files import make_directory
 from common.runtime import make_runtime
@@ -18,15 +26,16 @@ from model.gpt import DEFAULT_TEMPERATURE, DEFAULT_TOP_K, Decoding
 @dataclass
 class SampleConfig(ModelChoice):
     start: str = "\n"  # the prompt, or FILE:path to read it from a file
-    num_samples: int = option(3, at_least=1)
-    # bounded: 1e10 would run for days while its text filled memory
+    num_samples: int = option(3, at_least=1)  # samples drawn side by side (one when decoding is greedy)
+    # tokens per sample; bounded, as 1e10 would run for days while its text filled memory
     max_new_tokens: int = option(500, at_least=1, at_most=MAX_NEW_TOKENS)
+    # logits divided by it: 0 is greedy (the most likely token), below 1 sharper, above 1 flatter
     temperature: float = option(DEFAULT_TEMPERATURE, at_least=0.0,
                                 hint="0 means greedy decoding (the most likely token)")
     top_k: int | None = option(DEFAULT_TOP_K, at_least=1, hint="null means no cut-off")  # the k most likely tokens
     top_p: float | None = option(None, above=0.0, at_most=1.0, hint="null means no cut-off")  # nucleus: mass p
     min_p: float | None = option(None, above=0.0, at_most=1.0, hint="null means no cut-off")  # p >= min_p * top
-    seed: int = option(1337, at_least=0, at_most=SEED_MAX)
+    seed: int = option(1337, at_least=0, at_most=SEED_MAX)  # the same seed, the same samples
     use_cache: bool = True  # KV cache: run the prompt once, then one token per step
     # a sample ends before the first of these strings (\n, \t: newline, tab); BPE's <|endoftext|> too, unless stop=[]
     stop: list[str] | None = None
@@ -93,32 +102,26 @@ def look_inside(cfg: SampleConfig, sampler: Sampler, first: list[int], prompt_le
             causality = (report, tokens)
     if cfg.attention_dir:
         from analysis.attention_maps import save_attention_maps
-        from analysis.explorer import causality_data, save_explorer
+        from analysis.explorer import causality_data, head_history, save_explorer
 
         out_dir = Path(cfg.attention_dir)
         window = sampler.last_window(first, "attention maps")
         paths = save_attention_maps(sampler.model, window, decode_each[-len(window) :], out_dir)
         title = f"{cfg.init_from if cfg.out_dir is None else cfg.out_dir}: {cfg.start!r}"
+        history = None if cfg.out_dir is None else head_history(Path(cfg.out_dir))  # train.head_scores's
         page = save_explorer(sampler.model, first, prompt_length, out_dir, title,
-                             None if causality is None else causality_data(*causality), use_cache=cfg.use_cache)
+                             None if causality is None else causality_data(*causality), use_cache=cfg.use_cache,
+                             history=history)
         print(f"wrote {out_dir / 'attention.npz'}, {len(paths)} PNGs and {page}", file=sys.stderr)
 
 
 def usage() -> str:
     """`python sample.py --help`: the keys set most; every key: docs/reference.md."""
-    return """Generate text from a trained run. Settings are key=value, no dashes.
+    return f"""Generate text from a trained run. Settings are key=value, no dashes.
 
-Keys set most:
-  out_dir=RUN             a train.py run directory (or init_from=gpt2 for OpenAI's GPT-2)
-  start=TEXT              the prompt; start=FILE:prompt.txt reads it from a file
-  num_samples=N           samples drawn side by side (default 3; one when decoding is greedy)
-  max_new_tokens=N        tokens per sample (default 500, at most 1,000,000)
-  temperature=X           0 is greedy; default 0.8 (and top_k=200, top_p=, min_p=)
-  seed=N                  the same seed, the same samples
-  stop=[...]              end each sample before the first of these strings
-  ckpt=best               the run's best.pt instead of its latest ckpt.pt
-  attention_dir=DIR       write attention maps and an offline page to explore them
-  check_causal=true       show that the causal mask holds (check_causal_positions=true: position by position)
+Keys set most, at their defaults:
+{keys_help(SampleConfig, ("out_dir", "init_from", "start", "num_samples", "max_new_tokens", "temperature", "top_k",
+                          "seed", "stop", "ckpt", "attention_dir", "check_causal"))}
 
 Examples:
   python sample.py out_dir=runs/cpu start="ROMEO:" num_samples=2 max_new_tokens=200

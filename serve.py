@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from common.config import option, run_hydra, typed_config
+from common.config import keys_help, option, run_hydra, typed_config
 from inference.sampling import ModelChoice
 
 
@@ -35,13 +35,10 @@ ConfigStore.instance().store(name="serve_schema", node=ServeConfig)
 
 
 def usage() -> str:
-    return """Serve a model through OpenAI's completions API, with a live page at /. Settings are key=value.
+    return f"""Serve a model through OpenAI's completions API, with a live page at /. Settings are key=value.
 
-Keys set most:
-  out_dir=RUN             a train.py run directory (or init_from=gpt2 for OpenAI's GPT-2)
-  host=ADDR port=N        where to listen (default 127.0.0.1:8000; port=0: any free port)
-  api_key=KEY             requests then need Authorization: Bearer KEY (or set $GPT_LAB_API_KEY)
-  max_request_tokens=N    the most tokens a request may generate, max_tokens x choices (default 4096)
+Keys set most, at their defaults:
+{keys_help(ServeConfig, ("out_dir", "init_from", "host", "port", "api_key", "max_request_tokens"))}
 
 Examples:
   python serve.py out_dir=runs/cpu

@@ -24,7 +24,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from common.config import SEED_MAX, check_fields, option, presets, run_hydra, typed_config
+from analysis.diagnostics import HeadProbe
+from common.config import SEED_MAX, check_fields, keys_help, option, presets, run_hydra, typed_config
 from common.errors import CheckpointError, ConfigError, UserError
 from common.files import BEST_NAME, CKPT_NAME, CONFIG_NAME, METRICS_NAME, RunDir, make_directory
 from common.runtime import (
@@ -72,16 +73,16 @@ class TrainConfig:
     batch_size: int = option(12, at_least=1)  # sequences per micro-batch, in each process
     # micro-batches per optimizer step, all processes together; a larger step wants a larger batch_size
     grad_accum: int = option(1, at_least=1, at_most=MAX_GRAD_ACCUM, hint="raise train.batch_size instead")
-    learning_rate: float = option(1e-3, above=0.0)
+    learning_rate: float = option(1e-3, above=0.0)  # the peak, reached after warmup_iters
     min_lr: float = option(1e-4, at_least=0.0)  # the schedule (cosine or wsd) ends at this
-    max_iters: int = option(2000, at_least=0)
+    max_iters: int = option(2000, at_least=0)  # optimizer steps; the learning rate decays to min_lr over them
     lr_decay_iters: int | None = option(None, at_least=0)  # default: max_iters
     lr_schedule: str = option("cosine", choices=LR_SCHEDULES)  # after warmup: cosine | wsd (plateau, then cooldown)
     cooldown_frac: float = option(0.2, above=0.0, at_most=1.0)  # wsd's: the share of lr_decay_iters cooling down
-    warmup_iters: int = option(100, at_least=0)
+    warmup_iters: int = option(100, at_least=0)  # steps of linear warmup to learning_rate
     weight_decay: float = option(0.1, at_least=0.0)  # decoupled, on 2-D weights (and Muon's matrices)
-    beta1: float = option(0.9, at_least=0.0, below=1.0)
-    beta2: float = option(0.99, at_least=0.0, below=1.0)
+    beta1: float = option(0.9, at_least=0.0, below=1.0)  # AdamW's momentum
+    beta2: float = option(0.99, at_least=0.0, below=1.0)  # AdamW's second-moment decay
     grad_clip: float = option(1.0, at_least=0.0)  # 0 disables clipping
     # adamw: AdamW for every parameter (nanoGPT's) | muon: Muon for the blocks' nn.Linear weights, AdamW for the rest
     optimizer: str = option("adamw", choices=OPTIMIZERS)
@@ -90,14 +91,15 @@ class TrainConfig:
     muon_momentum: float = option(0.95, at_least=0.0, below=1.0)  # Muon's Nesterov momentum, after its warmup
     muon_momentum_warmup: int = option(300, at_least=0)  # iterations to go from 0.85 to muon_momentum; 0: none
     muon_ns_steps: int = option(5, at_least=1)  # Newton-Schulz iterations per update: fewer are cheaper, rougher
-    eval_interval: int = option(250, at_least=1)
+    eval_interval: int = option(250, at_least=1)  # evaluate, log and write ckpt.pt every this many steps
     # evaluate (and write ckpt.pt) only from this iteration on, and after the last step: a timed run skips early ones
     eval_from: int = option(0, at_least=0)
     eval_iters: int = option(100, at_least=1)  # batches per split in each evaluation
     full_val: bool = False  # evaluate val on every block of the split, in order, instead of eval_iters batches
+    head_scores: bool = False  # score every head at each evaluation (metrics.jsonl's "heads"; plot.py RUN --heads)
     target_val_loss: float | None = None  # stop once an evaluation reaches it; metrics get time_to_target_s
     keep_best: bool = False  # also keep best.pt, the checkpoint of the lowest val loss (ckpt.pt stays the latest)
-    log_interval: int = option(10, at_least=1)
+    log_interval: int = option(10, at_least=1)  # a log line (loss, ms/iter, tokens/s, ETA) every this many steps
     compile: bool | None = None  # default: on for CUDA, off elsewhere
     # recompute each block's activations in backward: far less memory, ~one more forward's compute (bench.py memory)
     activation_checkpointing: bool = False
@@ -124,13 +126,13 @@ class TrainConfig:
 
 @dataclass
 class WandbConfig:
-    enabled: bool = False
-    project: str = "gpt"
-    entity: str | None = None
-    run_name: str | None = None
+    enabled: bool = False  # also log to Weights & Biases (pip ".[wandb]"); metrics.jsonl is written either way
+    project: str = "gpt"  # the wandb project
+    entity: str | None = None  # the wandb team or user; null: your default
+    run_name: str | None = None  # null: wandb's own name
     mode: str | None = option(None, choices=("online", "offline", "disabled"))  # default: $WANDB_MODE, else online
-    tags: list[str] = field(default_factory=list)
-    group: str | None = None
+    tags: list[str] = field(default_factory=list)  # wandb tags, e.g. [baseline,cpu]
+    group: str | None = None  # runs wandb shows together, e.g. a sweep
     init_timeout: float = option(30.0, above=0.0)  # seconds wandb may take to start; then training goes on without it
 
     def __post_init__(self) -> None:
@@ -139,9 +141,10 @@ class WandbConfig:
 
 @dataclass
 class TrainRunConfig:
+    # the run directory (ckpt.pt, metrics.jsonl, config.yaml); a new run needs a new or empty one
     out_dir: str = option("outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}", path=True)
-    device: str = option("auto", choices=DEVICES)
-    seed: int = option(1337, at_least=0, at_most=SEED_MAX)
+    device: str = option("auto", choices=DEVICES)  # auto: cuda, else mps, else cpu
+    seed: int = option(1337, at_least=0, at_most=SEED_MAX)  # initial weights, batches and dropout
     resume: bool = False  # continue the run in out_dir from its ckpt.pt, with its saved settings
     resume_with_changes: bool = False  # resume=true: overrides may change what is trained (schedule, data, model...)
     init_from: str | None = option(None, path=True)  # gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a HF GPT-2 dir
@@ -279,16 +282,17 @@ def _cut_history(run_dir: RunDir, iter: int, settings: dict[str, Any]) -> None:
 def _finished(trainer: Trainer) -> TrainResult | None:
     """A resumed run that already evaluated its last iteration (train.max_iters, or the target): said, its result
     returned, and nothing written; what a killed writer left (ckpt.pt.tmp, a checkpoint's size) goes (RunDir.open)."""
-    p, train = trainer.progress, trainer.config.train
-    if p.last_eval_iter != p.iter or (p.iter < train.max_iters and not trainer.reaches_target(p.val_loss)):
+    progress, train = trainer.progress, trainer.config.train
+    reached = progress.iter >= train.max_iters or trainer.reaches_target(progress.val_loss)
+    if progress.last_eval_iter != progress.iter or not reached:
         return None
     if trainer.world.is_main:  # best effort: a finished run may sit in a folder it can't write, or one in use
         with contextlib.suppress(UserError, OSError), contextlib.ExitStack() as held:
             trainer.run_dir.open(held)
-    log.info(f"out_dir={trainer.out_dir} is finished: {p.iter} iters, val loss {p.val_loss:.4f}; nothing written "
-             "(to train on, raise train.max_iters and add resume_with_changes=true)")
-    return TrainResult(trainer.out_dir, p.iter, p.val_loss, p.best_val_loss, p.elapsed_s, None,
-                       trainer.runtime.dtype_name)
+    log.info(f"out_dir={trainer.out_dir} is finished: {progress.iter} iters, val loss {progress.val_loss:.4f}; "
+             "nothing written (to train on, raise train.max_iters and add resume_with_changes=true)")
+    return TrainResult(trainer.out_dir, progress.iter, progress.val_loss, progress.best_val_loss,
+                       progress.elapsed_s, None, trainer.runtime.dtype_name)
 
 
 def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime) -> Trainer:
@@ -298,11 +302,10 @@ def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime) -> Tra
         check_for_world(config.train, world)
     # Each rank's Hydra resolved ${now:} on its own clock: all write to rank 0's directory.
     config = dataclasses.replace(config, out_dir=world.all_gather(config.out_dir)[0])
-    out_dir, train = Path(config.out_dir), config.train
-    run_dir = RunDir(out_dir)
+    train, run_dir = config.train, RunDir(Path(config.out_dir))
     checkpoint = None
     if config.resume:
-        checkpoint = load_checkpoint(out_dir / CKPT_NAME, resuming=True)
+        checkpoint = load_checkpoint(run_dir.path / CKPT_NAME, resuming=True)
         check_resume(checkpoint, config)  # before any data is prepared: a refused resume changes nothing
     else:
         run_dir.check_new()
@@ -318,19 +321,20 @@ def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime) -> Tra
     model.activation_checkpointing = train.activation_checkpointing
     if not (world.distributed and train.parallel == "fsdp"):  # FSDP2 moves each rank's shards to its device itself
         model.to(runtime.device)
-    step_model = world.wrap(model, train.parallel, runtime.device)
+    step_model = world.wrap(model, model.transformer.h, train.parallel, runtime.device)
     if train.compile or (train.compile is None and runtime.is_cuda and _compiles_here()):
         step_model = torch.compile(step_model)
     byte_lengths = torch.from_numpy(tokenizer.token_byte_lengths()).to(runtime.device, torch.float64)
     peak = train.peak_tflops * 1e12 if train.peak_tflops else None
     peak = peak or (datasheet_peak(runtime.device, runtime.dtype) if runtime.is_cuda else None)
-    hellaswag = _hellaswag(train, tokenizer, model.config.block_size, runtime, world) if train.hellaswag_every else None
+    extras = [_hellaswag(train, tokenizer, model.config.block_size, runtime, world)] if train.hellaswag_every else []
+    extras += [HeadProbe.first_block(data.val, model.config.block_size)] if train.head_scores else []
     trainer = Trainer(
         config=config, world=world, runtime=runtime, run_dir=run_dir, data=data, tokenizer=tokenizer, model=model,
         step_model=step_model, optimizer=make_optimizer(model, train, runtime),
         scaler=torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16),
         evaluator=Evaluator(data, train, config.seed, model.config.block_size, byte_lengths, runtime, world),
-        metrics=MetricsLog(run_dir, active=world.is_main, max_iters=train.max_iters), hellaswag=hellaswag,
+        metrics=MetricsLog(run_dir, active=world.is_main, max_iters=train.max_iters), extra_scores=extras,
         flops_per_token=flops_per_token, peak_flops=peak * world.size if peak else None, started=started)
     if checkpoint is not None:
         trainer.restore(checkpoint)
@@ -345,6 +349,9 @@ def check_for_world(train: TrainConfig, world: World) -> None:
     if world.distributed and train.parallel == "fsdp" and train.optimizer == "muon":
         raise ConfigError("train.optimizer=muon needs each hidden matrix whole, and train.parallel=fsdp shards them; "
                           "use train.parallel=ddp (or train.optimizer=adamw)")
+    if world.distributed and train.parallel == "fsdp" and train.head_scores:
+        raise ConfigError("train.head_scores needs each head's whole weights, and train.parallel=fsdp shards them; use "
+                          "train.parallel=ddp (or train.head_scores=false)")
 
 
 def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: PreparedData, runtime: Runtime,
@@ -361,7 +368,7 @@ def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: Pr
         check_same_shape(checkpoint.model_config, model_config)
         if checkpoint.tokenizer_for_decoding(Path(config.out_dir) / CKPT_NAME) != data.meta["tokenizer"]:
             raise CheckpointError("resume=true with data tokenized differently from the checkpoint's; use its data")
-    _check_data_fits(data, model_config.block_size)  # the plainer mistake first
+    _check_data_fits(data, model_config.block_size)  # too little text: said before the memory check, as likelier
     check_fits(model_config, config.train, runtime.device, world)  # before allocating it
     return GPT(model_config)
 
@@ -427,6 +434,11 @@ def _compiles_here() -> bool:
     return True
 
 
+KEYS_SET_MOST = ("out_dir", "resume", "resume_with_changes", "data.input", "device", "train.max_iters",
+                 "train.learning_rate", "train.batch_size", "train.grad_accum", "train.eval_interval", "model.n_layer",
+                 "model.n_embd", "model.block_size", "train.compile")
+
+
 def usage() -> str:
     """`python train.py --help`: the keys set most; every key: --cfg job, docs/reference.md."""
     return f"""Train a GPT. Settings are Hydra overrides, key=value, no dashes.
@@ -439,18 +451,8 @@ Presets (group=NAME):
   model        {", ".join(presets("model"))}
   data         {", ".join(presets("data"))}
 
-Keys set most:
-  out_dir=DIR             the run directory (ckpt.pt, metrics.jsonl, config.yaml); default outputs/DATE/TIME
-  resume=true             continue the run in out_dir with its saved settings
-                          (changing what it trains, e.g. train.max_iters: add resume_with_changes=true)
-  data.input=FILE         train on your own UTF-8 text instead of tiny Shakespeare
-  device=cpu|cuda|mps     default: the best there is
-  train.max_iters=N       optimizer steps; the learning rate decays to train.min_lr over them
-  train.learning_rate=X   the peak learning rate
-  train.batch_size=N      sequences per micro-batch (train.grad_accum=N micro-batches per step)
-  train.eval_interval=N   evaluate, log and save ckpt.pt every N steps
-  model.n_layer=N model.n_head=N model.n_embd=N model.block_size=N   the model's shape
-  train.compile=true      torch.compile the model (default: on for CUDA)
+Keys set most, at their defaults:
+{keys_help(TrainRunConfig, KEYS_SET_MOST)}
 
 Examples:
   python train.py experiment=shakespeare_char_cpu train.max_iters=500 out_dir=runs/short

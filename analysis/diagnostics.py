@@ -1,13 +1,17 @@
-"""What each head does: per-head numbers (TransformerLens's definitions, formulas in docs/attention_explorer.md), and
-the weights each KV-cache decode step used (the mask at work during generation, not the full matrix replayed)."""
+"""What each head does: per-head numbers (TransformerLens's definitions, formulas in docs/attention_explorer.md), as
+training goes on too (HeadProbe, train.head_scores), and the weights each KV-cache decode step used (the mask at work
+during generation, not the full matrix replayed)."""
 
 from __future__ import annotations
 
 import contextlib
+import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from data.prepare import TokenFiles, every_window
 from model import GPT
 from model.attention import KVCache
 
@@ -47,6 +51,29 @@ def induction_scores(model: GPT) -> np.ndarray:
     weights = model.attention_weights(idx)[:, 0].float().cpu().numpy()  # (n_layer, n_head, 2R, 2R)
     stripe = np.diagonal(weights, offset=1 - repeat, axis1=-2, axis2=-1)  # (i, i - R + 1) for i = R - 1 .. 2R - 1
     return stripe[..., 1:].mean(-1)  # queries R .. 2R - 1: the second repeat
+
+
+@dataclass
+class HeadProbe:
+    """train.head_scores: every head's scores at each evaluation, on the val split's first block and induction_scores'
+    repeated sequence. Both come from the data alone, so a resumed run, and every seed, is probed on the same text."""
+
+    idx: torch.Tensor  # (1, block_size)
+
+    @classmethod
+    def first_block(cls, val: TokenFiles, block_size: int) -> HeadProbe:
+        return cls(next(every_window(val, 1, block_size))[0])
+
+    def __call__(self, model: GPT, iter: int = 0) -> dict[str, dict[str, list]]:
+        """{"heads": {name: n_layer x n_head nested lists}} in DIAGNOSTIC_NAMES order, rounded to 3 decimals (None:
+        undefined), from the math path in eval mode, at every evaluation; the model's mode is then put back."""
+        training = model.training
+        model.eval()
+        weights = model.attention_weights(self.idx.to(next(model.parameters()).device))[:, 0].float().cpu().numpy()
+        scores = head_diagnostics(model, weights)
+        model.train(training)
+        return {"heads": {name: [[None if math.isnan(v) else round(float(v), 3) for v in layer]
+                                 for layer in scores[..., k]] for k, name in enumerate(DIAGNOSTIC_NAMES)}}
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ import numpy as np
 from analysis.attention_maps import attention_arrays
 from analysis.causality import CausalityReport, verdict
 from analysis.diagnostics import DIAGNOSTIC_NAMES, decode_step_weights, head_diagnostics
-from common.files import write_text_atomically
+from common.files import METRICS_NAME, read_records, write_text_atomically
 from model import GPT
 
 PAGE = Path(__file__).with_name("explorer_page.html")
@@ -37,10 +37,23 @@ def causality_data(report: CausalityReport, tokens: list[str]) -> dict:
     return {"tokens": tokens, "position": report.position, "changes": changes, "verdict": verdict(report)}
 
 
+def head_history(run: Path) -> dict | None:
+    """The head scores the run logged at its evaluations (train.head_scores), for the open head's charts: {"iters",
+    "scores": {name: per evaluation, n_layer x n_head nested lists}}; None when it logged none."""
+    if not (run / METRICS_NAME).is_file():
+        return None
+    logged = [r for r in read_records(run)[0] if isinstance(r.get("heads"), dict)]
+    if not logged:
+        return None
+    return {"iters": [r["iter"] for r in logged], "scores": {name: [r["heads"][name] for r in logged]
+                                                             for name in logged[0]["heads"]}}
+
+
 def page_data(title: str, tokens: list[str], weights: np.ndarray, mask: np.ndarray, windows: list[int | None],
               diagnostics: np.ndarray, steps: np.ndarray | None = None, causality: dict | None = None,
-              steps_note: str | None = None, context_note: str | None = None) -> dict:
-    """The page's JSON (module docstring): weights and mask as in attention.npz, steps as from decode_step_weights."""
+              steps_note: str | None = None, context_note: str | None = None, history: dict | None = None) -> dict:
+    """The page's JSON (module docstring): weights and mask as in attention.npz, steps as from decode_step_weights,
+    history as from head_history."""
     n_layer, n_head, T, _ = weights.shape
     matrix = quantise(weights)
     packed = b"".join(matrix[layer, head][mask[layer]].tobytes() for layer in range(n_layer) for head in range(n_head))
@@ -50,7 +63,7 @@ def page_data(title: str, tokens: list[str], weights: np.ndarray, mask: np.ndarr
         "nLayer": n_layer, "nHead": n_head, "T": T, "windows": list(windows),
         "weights": base64.b64encode(packed).decode("ascii"), "steps": None,
         "diagnostics": {"names": list(DIAGNOSTIC_NAMES), "values": values}, "causality": causality,
-        "stepsNote": steps_note, "contextNote": context_note,
+        "stepsNote": steps_note, "contextNote": context_note, "history": history,
     }
     if steps is not None and len(steps):
         n_steps = len(steps)
@@ -72,7 +85,7 @@ def render_page(data: dict) -> str:
 
 def live_page(model: GPT, ids: list[int], tokens: list[str], n_prompt: int, title: str,
               induction: np.ndarray | None = None, context_note: str | None = None, causality: dict | None = None,
-              use_cache: bool = True, saved: np.lib.npyio.NpzFile | None = None) -> str:
+              use_cache: bool = True, saved: np.lib.npyio.NpzFile | None = None, history: dict | None = None) -> str:
     """The page for a sequence in memory (serve.py's live page; save_explorer writes one): its last block_size tokens,
     tokens[i] the text of ids[i], with the decode steps of those after n_prompt where generation took them. `saved`:
     that window's attention.npz, whose weights, mask and diagnostics are then not computed again."""
@@ -90,16 +103,16 @@ def live_page(model: GPT, ids: list[int], tokens: list[str], n_prompt: int, titl
                 "window without the KV cache, so there are no decode steps to show for this window.")
     diagnostics = saved["diagnostics"] if saved is not None else head_diagnostics(model, weights, induction)
     return render_page(page_data(title, tokens[-T:], weights, mask, config.layer_windows(), diagnostics, steps,
-                                 causality, note, context_note))
+                                 causality, note, context_note, history))
 
 
 def save_explorer(model: GPT, sample: list[int], n_prompt: int, out_dir: Path, title: str,
-                  causality: dict | None = None, use_cache: bool = True) -> Path:
+                  causality: dict | None = None, use_cache: bool = True, history: dict | None = None) -> Path:
     """Write out_dir/index.html beside the attention.npz of `sample`'s last window (save_attention_maps), replacing a
     link of that name rather than writing through it."""
     with np.load(out_dir / "attention.npz") as saved:
         page = live_page(model, sample, [str(t) for t in saved["tokens"]], n_prompt, title, causality=causality,
-                         use_cache=use_cache, saved=saved)
+                         use_cache=use_cache, saved=saved, history=history)
     path = out_dir / "index.html"
     write_text_atomically(path, page)
     return path

@@ -7,12 +7,16 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import inspect
+import io
 import math
 import operator
 import os
 import re
 import signal
 import sys
+import textwrap
+import tokenize
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -68,6 +72,62 @@ def typed_config(cfg: DictConfig | Config, schema: type[Config]) -> Config:
     if isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is schema:  # as Hydra composes it
         return OmegaConf.to_object(cfg)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), cfg))
+
+
+def key_docs(schema: type, prefix: str = "") -> dict[str, str]:
+    """Each key's one description: its field's comment in the schema (the comment on the field's line, else the
+    comment lines just above it), groups' keys dotted. --help and docs/reference.md's key tables are made from it."""
+    described: dict[str, str] = {}
+    for cls in reversed([c for c in schema.__mro__ if dataclasses.is_dataclass(c)]):  # a base's fields first
+        source = inspect.getsource(cls)
+        tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+        comments = {t.start[0]: t.string[1:].strip() for t in tokens if t.type == tokenize.COMMENT}
+        above: list[str] = []
+        for number, line in enumerate(source.splitlines(), 1):
+            if line.strip().startswith("#"):
+                above.append(comments[number])
+            elif field := re.match(r" {4}(\w+): ", line):
+                described[field[1]] = comments.get(number) or " ".join(above)
+                above = []
+            else:
+                above = []
+    docs = {}
+    for f in dataclasses.fields(schema):
+        hint = typing.get_type_hints(schema)[f.name]
+        if dataclasses.is_dataclass(hint):
+            docs |= key_docs(hint, f"{prefix}{f.name}.")
+        else:
+            docs[prefix + f.name] = described.get(f.name, "")
+    return docs
+
+
+def keys_help(schema: type, keys: Sequence[str]) -> str:
+    """--help's lines for `keys`: each key at its default, and its schema comment (key_docs), wrapped to 120 columns."""
+    docs = key_docs(schema)
+    return "\n".join(textwrap.fill(docs[key], 118, initial_indent=f"  {f'{key}={_default(schema, key)}':<26}  ",
+                                   subsequent_indent=" " * 30) for key in keys)
+
+
+def _default(schema: type, key: str) -> str:
+    """A key's default as the command line writes it, a control character escaped (sample.py's start: \\n)."""
+    owner, name, _ = check_key(schema, key)
+    field = next(f for f in dataclasses.fields(owner) if f.name == name)
+    default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+    return shown(default).encode("unicode_escape").decode("ascii")
+
+
+def key_table(schema: type) -> str:
+    """docs/reference.md's table of a schema's keys: default, what a value may be, and the key_docs description."""
+    rows = ["| key | default | value | what |", "| --- | --- | --- | --- |"]
+    for key, doc in key_docs(schema).items():
+        owner, name, hint = check_key(schema, key)
+        field = next(f for f in dataclasses.fields(owner) if f.name == name)
+        rules = {k: v for k, v in field.metadata.get("rules", {}).items() if k != "hint"}
+        allowed = ", ".join(rules.pop("choices", ())) or _kind(hint)
+        allowed += "".join(f", {BOUNDS[bound][0]} {shown(value)}" for bound, value in rules.items())
+        doc = doc.replace("|", r"\|")  # a | inside a cell would end it
+        rows.append(f"| `{key}` | `{_default(schema, key)}` | {allowed} | {doc} |")
+    return "\n".join(rows) + "\n"
 
 
 def check_key(schema: type, key: str) -> tuple[type, str, Any]:

@@ -130,8 +130,8 @@ class World:
     def close(self) -> None:
         """Leave them (Torchrun)."""
 
-    def wrap(self, model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
-        return model  # Torchrun's: DDP or FSDP2
+    def wrap(self, model: nn.Module, blocks: nn.ModuleList, parallel: str, device: torch.device) -> nn.Module:
+        return model  # Torchrun's: DDP or FSDP2 (blocks: what FSDP2 shards one by one)
 
     def barrier(self) -> None:
         """Wait for every rank."""
@@ -163,14 +163,14 @@ class Torchrun(World):
     def close(self) -> None:
         close_process_group()
 
-    def wrap(self, model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
+    def wrap(self, model: nn.Module, blocks: nn.ModuleList, parallel: str, device: torch.device) -> nn.Module:
         """DDP replicates the model; FSDP2 shards parameters, gradients and optimizer state in place."""
         if parallel == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh(device.type, (self.size,))
-            for block in model.transformer.h:  # one all-gather per block, freed after use
+            for block in blocks:  # one all-gather per block, freed after use
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)  # the rest: embeddings (tied to the head) and the final norm
             return model

@@ -39,13 +39,14 @@ class DataConfig:
     name: str = "shakespeare_char"  # folder under data/cache unless data.dir is set
     tokenizer: str = "char"  # char, or a tiktoken encoding (r50k_base is GPT-2's BPE); a corpus needs a BPE
     input: str | None = option(None, path=True)  # a UTF-8 text file, not the download, or a dir of .txt/.jsonl docs
-    url: str | None = SHAKESPEARE_URL
+    url: str | None = SHAKESPEARE_URL  # the text downloaded when there is no data.input
     dir: str | None = option(None, path=True)  # where the token files and meta.json live
     val_fraction: float = option(0.1, above=0.0, below=1.0)  # a text's last part kept for val
     hf_dataset: str | None = None  # a Hugging Face dataset to stream, e.g. HuggingFaceFW/fineweb-edu (pip ".[hf]")
     hf_name: str | None = None  # its configuration, e.g. sample-10BT
-    shard_tokens: int = option(100_000_000, at_least=1, hint="it counts tokens per shard (100M in llm.c)")
+    shard_tokens: int = option(100_000_000, at_least=1, hint="it counts tokens per shard (100M in llm.c)")  # a corpus's
     max_tokens: int | None = option(None, at_least=1, hint="null means the whole corpus")  # stop a corpus early
+    # processes tokenizing a corpus; null: the CPUs available less one
     num_proc: int | None = option(None, at_least=1, hint="null means the CPUs available less one")
 
     def __post_init__(self) -> None:

@@ -202,8 +202,8 @@ class ModelChoice:
     out_dir: str | None = option(None, path=True)  # a train.py run directory holding ckpt.pt (or init_from)
     init_from: str | None = option(None, path=True)  # instead of out_dir: gpt2[-medium|-large|-xl] or a HF GPT-2 dir
     ckpt: str = option("latest", choices=("latest", "best"))  # the run's ckpt.pt, or its best.pt (train.keep_best)
-    device: str = option("auto", choices=DEVICES)
-    dtype: str = option("auto", choices=DTYPES)
+    device: str = option("auto", choices=DEVICES)  # auto: cuda, else mps, else cpu
+    dtype: str = option("auto", choices=DTYPES)  # auto: bfloat16 on CUDA GPUs that have it, else float32
     attn_impl: str | None = option(None, choices=ATTN_IMPLS)  # default: the checkpoint's
 
     def __post_init__(self) -> None:

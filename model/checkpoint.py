@@ -249,7 +249,7 @@ def load_checkpoint(path: Path, resuming: bool = False) -> Checkpoint:
     """weights_only: a checkpoint holding anything but tensors and plain values is refused, never unpickled."""
     if not path.is_file():  # nothing there, or a FIFO, which would block torch.load forever
         if path.exists():
-            raise DataError(f"{path} {why_not_a_file(path)}; remove it, or name another directory")
+            raise DataError(f"{path} {why_not_a_file(path)}; a checkpoint is a regular file: remove it")
         raise CheckpointError(f"no checkpoint at {path}; pass out_dir=RUN, a directory written by train.py")
     try:
         stored = _stored_as_saved(path)

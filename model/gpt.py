@@ -43,14 +43,14 @@ class ModelConfig:
     # are no tokens: never a target, a logit or a sample.
     vocab_multiple: int = option(64, at_least=1, at_most=1024)
     block_size: int = option(64, at_least=1, at_most=MAX_CONTEXT)  # the context: positions the model sees at once
-    n_layer: int = option(4, at_least=1, at_most=MAX_LAYERS)
-    n_head: int = option(4, at_least=1, at_most=MAX_WIDTH)
+    n_layer: int = option(4, at_least=1, at_most=MAX_LAYERS)  # transformer blocks
+    n_head: int = option(4, at_least=1, at_most=MAX_WIDTH)  # attention heads per block
     n_embd: int = option(128, at_least=1, at_most=MAX_WIDTH)  # width; a multiple of n_head
-    dropout: float = option(0.0, at_least=0.0, below=1.0)
+    dropout: float = option(0.0, at_least=0.0, below=1.0)  # on embeddings, attention weights and residual branches
     bias: bool = True  # biases in the linear layers and LayerNorms
     attn_impl: str = option("flash", choices=ATTN_IMPLS)  # flash (fused SDPA) | math (the textbook formula)
-    activation: str = option("gelu", choices=ACTIVATIONS)
-    pos_emb: str = option("learned", choices=POS_EMBS)
+    activation: str = option("gelu", choices=ACTIVATIONS)  # the MLP's: gelu | gelu_tanh (GPT-2's) | relu2 (ReLU²)
+    pos_emb: str = option("learned", choices=POS_EMBS)  # learned (a position table) | rope (rotary, on q and k)
     # query i sees keys i-attn_window+1 .. i; null: all earlier
     attn_window: int | None = option(None, at_least=1, at_most=MAX_CONTEXT)
     # Which layers use attn_window: S (windowed) or L (full), first layer first. A pattern shorter than n_layer is

@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> None:
         hf_from_gpt(model.eval()).save_pretrained(args.hf_dir)
     except UserError as err:
         fail(str(err))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
     config = model.config
     print(f"wrote {args.hf_dir}: GPT-2 with {config.n_layer} layers, {config.n_head} heads, width {config.n_embd}, "
           f"context {config.block_size}, vocabulary {config.vocab_size}")

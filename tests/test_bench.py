@@ -89,14 +89,14 @@ def test_gpu_check_dry_run_passes_on_cpu(tmp_path: Path, corpus_path: Path) -> N
 def test_gpu_check_stops_at_its_deadline_and_marks_the_steps_it_did_not_reach(tmp_path: Path, corpus_path: Path
                                                                              ) -> None:
     out = tmp_path / "check"
-    args = ["--dry-run", "--text", str(corpus_path), "--out", str(out), "--deadline", "5"]
+    args = ["--dry-run", "--text", str(corpus_path), "--out", str(out), "--deadline", "3"]
     assert run_in_process("scripts/gpu_check.py", args, tmp_path).returncode == 1
     report = json.loads((out / "gpu_check.json").read_text())
     assert [step["step"] for step in report["steps"]] == GPU_CHECK_STEPS and report["steps"][0]["ok"]
     stopped = [step for step in report["steps"] if "error" in step]
     assert len(stopped) == 1 and stopped[0]["error"].startswith("stopped at its limit")
     after = report["steps"][report["steps"].index(stopped[0]) + 1 :]
-    assert after and all(step["skipped"] == "the 5 s deadline had passed" for step in after)
+    assert after and all(step["skipped"] == "the 3 s deadline had passed" for step in after)
     assert report["total_s"] < 15  # the step under way is stopped at the deadline, its processes killed
 
 

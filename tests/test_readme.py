@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shlex
 
 import pytest
 
-from common.config import check_overrides, typed_config
+from common.config import check_overrides, key_docs, typed_config
 from conftest import REPO, compose_config
 from eval import EvalConfig
 from sample import SampleConfig
@@ -72,3 +73,16 @@ def test_the_test_section_installs_what_the_tests_need_before_running_them() -> 
     section = README[README.index("## Test"):README.index("## Where next")]
     assert 'pip install ".[dev]"' in section
     assert section.index('pip install ".[dev]"') < section.index("python -m pytest")
+
+
+def test_reference_md_describes_every_key_as_its_schema_does() -> None:
+    """Each key is described once, by its field's comment: docs/reference.md's tables are made from the schemas
+    (scripts/key_tables.py), and every key has a description."""
+    spec = importlib.util.spec_from_file_location("key_tables", REPO / "scripts" / "key_tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    text = (REPO / "docs" / "reference.md").read_text(encoding="utf-8")
+    assert text.split(tables.BEGIN)[1].split(tables.END)[0] == tables.section(), "run python scripts/key_tables.py"
+    for _, schema in tables.COMMANDS:
+        assert all(key_docs(schema).values()), [key for key, doc in key_docs(schema).items() if not doc]
+    assert "| `train.max_iters` | `2000` | an integer, >= 0 | optimizer steps;" in text

@@ -27,7 +27,7 @@ CHANGEABLE_ON_RESUME = frozenset({
     "out_dir", "device", "model.attn_impl", "data.num_proc",
     *(f"train.{key}" for key in ("eval_interval", "eval_from", "eval_iters", "full_val", "target_val_loss", "keep_best",
                                  "log_interval", "compile", "activation_checkpointing", "dtype", "on_nonfinite",
-                                 "peak_tflops", "parallel", "hellaswag_every", "hellaswag_file")),
+                                 "peak_tflops", "parallel", "hellaswag_every", "hellaswag_file", "head_scores")),
 })
 # model.* keys a checkpoint's weights don't fix (the rest is its shape, never changed: check_same_shape says so)
 FREE_MODEL_KEYS = ("attn_impl", "dropout")

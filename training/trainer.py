@@ -100,7 +100,8 @@ class Trainer:
     started: float  # perf_counter() when the run began, its earlier processes' time (a resumed run's) included
     progress: Progress = field(default_factory=Progress)
     before_step: Callable[[int], None] = lambda it: None  # a test seam: called with the iteration before each step
-    hellaswag: HellaSwagEval | None = None  # train.hellaswag_every > 0
+    # what else an evaluation scores, on the plain model, given it and the iteration: HellaSwagEval, HeadProbe
+    extra_scores: list[Callable[[GPT, int], dict[str, Any]]] = field(default_factory=list)
     checkpointed_iter: int | None = None  # the iteration ckpt.pt holds (None: none written yet), for messages
     tally: torch.Tensor | None = None  # sums on the device, so that no step waits for them (LOSS_SUM's slots)
     timed_from: tuple[float, int] | None = None  # perf_counter() and iter where the log line's timing began
@@ -227,8 +228,8 @@ class Trainer:
         progress.best_val_loss = min(progress.best_val_loss, losses.val)
         record = {"iter": progress.iter, "train_loss": losses.train, "val_loss": losses.val, "val_bpb": losses.val_bpb,
                   "elapsed_s": self.elapsed()}  # before HellaSwag: time_to_target_s is the training's
-        if self.hellaswag is not None and progress.iter % self.hellaswag.every == 0:
-            record |= self.hellaswag(self.model)  # not compiled: each example has its own length
+        for scores in self.extra_scores:  # not compiled: HellaSwag's examples each have their own length
+            record |= scores(self.model, progress.iter)
         reached = self.reaches_target(losses.val)
         self.metrics.write(record | ({"time_to_target_s": record["elapsed_s"]} if reached else {}))
         if reached:
@@ -396,16 +397,17 @@ def hidden_matrices(model: nn.Module) -> dict[str, nn.Parameter]:
     return {f"transformer.h.{name}.weight": weight for name, weight in linears if weight.requires_grad}
 
 
-def set_hyperparameters(optimizer: torch.optim.Optimizer, t: TrainConfig, step: int) -> float:
+def set_hyperparameters(optimizer: torch.optim.Optimizer, train: TrainConfig, step: int) -> float:
     """The step's learning rate, from the step alone; Muon's scaled to muon_lr, and its momentum going in a straight
     line from MUON_MOMENTUM_START to muon_momentum over muon_momentum_warmup steps."""
-    lr = lr_at(step, t.learning_rate, t.min_lr, t.warmup_iters, t.decay_iters, t.lr_schedule, t.cooldown_frac)
+    lr = lr_at(step, train.learning_rate, train.min_lr, train.warmup_iters, train.decay_iters, train.lr_schedule,
+               train.cooldown_frac)
     for group in optimizer.param_groups:
         group["lr"] = lr
         if group.get("muon"):
-            frac = min(step / t.muon_momentum_warmup, 1.0) if t.muon_momentum_warmup else 1.0
-            group["lr"] = t.muon_lr * lr / t.learning_rate
-            group["momentum"] = (1 - frac) * MUON_MOMENTUM_START + frac * t.muon_momentum
+            frac = min(step / train.muon_momentum_warmup, 1.0) if train.muon_momentum_warmup else 1.0
+            group["lr"] = train.muon_lr * lr / train.learning_rate
+            group["momentum"] = (1 - frac) * MUON_MOMENTUM_START + frac * train.muon_momentum
     return lr
 
 
@@ -454,7 +456,7 @@ class MetricsLog:
         self.run_dir.append(METRICS_NAME, json.dumps(strict, allow_nan=False))  # NaN and inf as null, read as NaN
         log.info(_readable(record, self.max_iters))
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
+            self.wandb_run.log({k: v for k, v in record.items() if k not in ("iter", "heads")}, step=record["iter"])
 
     def write_settings(self, iter: int, settings: dict[str, Any]) -> None:
         """What the run resolved that its config leaves open, for plot.py's groups: to the file only (rank 0's)."""
@@ -568,7 +570,9 @@ class HellaSwagEval:
     world: World
 
     @torch.no_grad()
-    def __call__(self, model: torch.nn.Module) -> dict[str, float]:
+    def __call__(self, model: torch.nn.Module, iter: int) -> dict[str, float]:
+        if iter % self.every:
+            return {}
         model.eval()
         shares = split_across_ranks(((example,) for example in self.examples), self.world)
         sums = hellaswag_sums(model, shares, self.block_size, self.runtime.device, self.runtime.autocast)

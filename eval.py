@@ -16,12 +16,14 @@ from inference.sampling import ModelChoice
 
 @dataclass
 class EvalConfig(ModelChoice):
-    input: str | None = option(None, path=True)  # a UTF-8 text file to score; null: the run's own val split
+    # a UTF-8 text file to score; null: the run's own val split (init_from needs a file)
+    input: str | None = option(None, path=True)
     # tokens a window holds; null: the model's block_size
     context: int | None = option(None, at_least=1, hint="null means the model's block_size")
     # tokens each window advances (and scores, but the first); null: context // 2. stride=context: disjoint windows
     stride: int | None = option(None, at_least=1, hint="null means half the context")
-    batch_size: int | None = option(None, at_least=1, hint="null means 4096 // context windows")  # per forward pass
+    # windows per forward pass; null: 4096 // context, lowered with a note to what fits in half the memory
+    batch_size: int | None = option(None, at_least=1, hint="null means 4096 // context windows")
     hellaswag: bool = False  # also score HellaSwag's validation set (BPE models)
     hellaswag_file: str | None = option(None, path=True)  # local hellaswag_val.jsonl; null: in data/cache/hellaswag
 

@@ -650,6 +650,9 @@ def heads_figure(loaded: list[Loaded]) -> Any:
     bare = [run for run, heads in zip(runs, logged, strict=True) if not heads]
     if bare:
         fail(f"{bare[0] / METRICS_NAME} has no head scores; train the run with train.head_scores=true")
+    shapes = {np.shape(next(iter(heads.values()))["previous_token"]) for heads in logged}
+    if len(shapes) > 1:
+        fail(f"--heads averages runs of one model's shape; these have layers x heads {' and '.join(map(str, shapes))}")
     iters = sorted(set.intersection(*(set(heads) for heads in logged)))
     names = list(logged[0][iters[0]]) if iters else []
     if not names:
@@ -664,14 +667,16 @@ def heads_figure(loaded: list[Loaded]) -> Any:
             order = np.argsort(-np.nan_to_num(s[:, -1], nan=-np.inf), axis=-1, kind="stable")  # (runs, L, H)
             scores[name] = np.take_along_axis(s, order[:, None], axis=-1)
         labels = [[f"{layer}.#{rank + 1}" for rank in range(n_head)] for layer in range(n_layer)]
-    colour = colormaps["tab20" if n_layer * n_head > 10 else "tab10"]
+    palette = colormaps["tab20" if n_layer * n_head > 10 else "tab10"]
+    colour = lambda i: palette(i % palette.N)  # noqa: E731 (past 20 heads, colours repeat)
     fig = Figure(figsize=(10, 1.2 + 2.2 * len(names)), layout="constrained")
     axes = fig.subplots(len(names), 1, sharex=True, squeeze=False)[:, 0]
     formed_rows = [["score", "head", "formed in", "at iteration (mean ± 95% CI half-width)"]]
     for ax, name in zip(axes, names, strict=True):
         mean = scores[name].mean(0)
         for layer, head in np.ndindex(n_layer, n_head):
-            ax.plot(iters, mean[:, layer, head], color=colour(layer * n_head + head), lw=1.2, label=labels[layer][head])
+            ax.plot(iters, mean[:, layer, head], color=colour(layer * n_head + head), lw=1.2, label=labels[layer][head],
+                    marker="o" if len(iters) == 1 else None)
         ax.set_ylabel(name.replace("_", " "))
         ax.grid(True, alpha=0.3)
         if name in FORMATION:

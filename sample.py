@@ -27,20 +27,24 @@ from model.gpt import DEFAULT_TEMPERATURE, DEFAULT_TOP_K, Decoding
 class SampleConfig(ModelChoice):
     start: str = "\n"  # the prompt, or FILE:path to read it from a file
     num_samples: int = option(3, at_least=1)  # samples drawn side by side (one when decoding is greedy)
-    # tokens per sample; bounded, as 1e10 would run for days while its text filled memory
+    # tokens per sample, at most 1,000,000 (1e10 would run for days while its text filled memory)
     max_new_tokens: int = option(500, at_least=1, at_most=MAX_NEW_TOKENS)
     # logits divided by it: 0 is greedy (the most likely token), below 1 sharper, above 1 flatter
     temperature: float = option(DEFAULT_TEMPERATURE, at_least=0.0,
                                 hint="0 means greedy decoding (the most likely token)")
     top_k: int | None = option(DEFAULT_TOP_K, at_least=1, hint="null means no cut-off")  # the k most likely tokens
-    top_p: float | None = option(None, above=0.0, at_most=1.0, hint="null means no cut-off")  # nucleus: mass p
-    min_p: float | None = option(None, above=0.0, at_most=1.0, hint="null means no cut-off")  # p >= min_p * top
+    # nucleus sampling: the fewest most likely tokens holding probability top_p (of tied ones, the first by id); null:
+    # no cut-off
+    top_p: float | None = option(None, above=0.0, at_most=1.0, hint="null means no cut-off")
+    # the tokens at least min_p times as likely as the most likely one; null: no cut-off
+    min_p: float | None = option(None, above=0.0, at_most=1.0, hint="null means no cut-off")
     seed: int = option(1337, at_least=0, at_most=SEED_MAX)  # the same seed, the same samples
     use_cache: bool = True  # KV cache: run the prompt once, then one token per step
     # a sample ends before the first of these strings (\n, \t: newline, tab); BPE's <|endoftext|> too, unless stop=[]
     stop: list[str] | None = None
     stream: bool | None = None  # print each sample as it is generated; null: when stdout is a terminal
-    attention_dir: str | None = option(None, path=True)  # write attention.npz and one PNG per layer here
+    # write attention.npz, one PNG per layer and index.html, the attention explorer, here
+    attention_dir: str | None = option(None, path=True)
     check_causal: bool = False  # print the causality demonstration after the samples: a summary by range
     check_causal_positions: bool = False  # with check_causal: one line per position instead of the summary
 

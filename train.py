@@ -107,7 +107,8 @@ class TrainConfig:
     peak_tflops: float | None = option(None, above=0.0)  # MFU's denominator per process; null: datasheet peak or no MFU
     on_nonfinite: str = option("stop", choices=ON_NONFINITE)  # a NaN/Inf loss: stop (ckpt.pt stays) | skip the step
     parallel: str = option("ddp", choices=PARALLEL)  # under torchrun: ddp (replicas) | fsdp (FSDP2: sharded)
-    # HellaSwag at the evaluations whose iteration is a multiple of this (BPE data only); 0: never
+    # HellaSwag at the evaluations whose iteration is a multiple of this, itself a multiple of eval_interval (BPE data
+    # only); 0: never
     hellaswag_every: int = option(0, at_least=0, hint="0 means never; use a multiple of train.eval_interval")
     hellaswag_file: str | None = option(None, path=True)  # a hellaswag_val.jsonl; null: data/cache/hellaswag's
 
@@ -328,7 +329,7 @@ def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime) -> Tra
     peak = train.peak_tflops * 1e12 if train.peak_tflops else None
     peak = peak or (datasheet_peak(runtime.device, runtime.dtype) if runtime.is_cuda else None)
     extras = [_hellaswag(train, tokenizer, model.config.block_size, runtime, world)] if train.hellaswag_every else []
-    extras += [HeadProbe.first_block(data.val, model.config.block_size)] if train.head_scores else []
+    extras += [HeadProbe.first_block(data.val, model.config.block_size)] if train.head_scores and world.is_main else []
     trainer = Trainer(
         config=config, world=world, runtime=runtime, run_dir=run_dir, data=data, tokenizer=tokenizer, model=model,
         step_model=step_model, optimizer=make_optimizer(model, train, runtime),
@@ -436,7 +437,7 @@ def _compiles_here() -> bool:
 
 KEYS_SET_MOST = ("out_dir", "resume", "resume_with_changes", "data.input", "device", "train.max_iters",
                  "train.learning_rate", "train.batch_size", "train.grad_accum", "train.eval_interval", "model.n_layer",
-                 "model.n_embd", "model.block_size", "train.compile")
+                 "model.n_head", "model.n_embd", "model.block_size", "train.compile")
 
 
 def usage() -> str:

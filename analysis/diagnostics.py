@@ -23,7 +23,8 @@ def head_diagnostics(model: GPT, weights: np.ndarray, induction: np.ndarray | No
     """(n_layer, n_head, 5) in DIAGNOSTIC_NAMES order: four from the sample's `weights` (n_layer, n_head, T, T), and
     the induction score of a repeated random sequence (`induction`, if already known), as a sample rarely repeats."""
     induction = induction_scores(model) if induction is None else induction
-    return np.concatenate([pattern_scores(weights), induction[..., None]], axis=-1).astype(np.float32)
+    patterns = np.stack([pattern_scores(layer) for layer in weights])  # a layer at a time: float64 copies are large
+    return np.concatenate([patterns, induction[..., None]], axis=-1).astype(np.float32)
 
 
 def pattern_scores(weights: np.ndarray) -> np.ndarray:
@@ -69,10 +70,12 @@ class HeadProbe:
         undefined), from the math path in eval mode, at every evaluation; the model's mode is then put back."""
         training = model.training
         model.eval()
-        weights = model.attention_weights(self.idx.to(next(model.parameters()).device))[:, 0].float().cpu().numpy()
-        scores = head_diagnostics(model, weights)
-        model.train(training)
-        return {"heads": {name: [[None if math.isnan(v) else round(float(v), 3) for v in layer]
+        try:
+            weights = model.attention_weights(self.idx.to(next(model.parameters()).device))[:, 0].float().cpu().numpy()
+            scores = head_diagnostics(model, weights)
+        finally:
+            model.train(training)
+        return {"heads": {name: [[None if math.isnan(v) else round(float(v), 3) + 0.0 for v in layer]
                                  for layer in scores[..., k]] for k, name in enumerate(DIAGNOSTIC_NAMES)}}
 
 

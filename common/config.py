@@ -85,7 +85,7 @@ def key_docs(schema: type, prefix: str = "") -> dict[str, str]:
         above: list[str] = []
         for number, line in enumerate(source.splitlines(), 1):
             if line.strip().startswith("#"):
-                above.append(comments[number])
+                above.append(comments.get(number, ""))
             elif field := re.match(r" {4}(\w+): ", line):
                 described[field[1]] = comments.get(number) or " ".join(above)
                 above = []
@@ -103,9 +103,12 @@ def key_docs(schema: type, prefix: str = "") -> dict[str, str]:
 
 def keys_help(schema: type, keys: Sequence[str]) -> str:
     """--help's lines for `keys`: each key at its default, and its schema comment (key_docs), wrapped to 120 columns."""
-    docs = key_docs(schema)
-    return "\n".join(textwrap.fill(docs[key], 118, initial_indent=f"  {f'{key}={_default(schema, key)}':<26}  ",
-                                   subsequent_indent=" " * 30) for key in keys)
+    docs, lines = key_docs(schema), []
+    for key in keys:
+        default = re.sub(r"\$\{now:[^}]*\}", "NOW", _default(schema, key))  # the default out_dir: outputs/NOW/NOW
+        lines.append(textwrap.fill(docs[key], 118, initial_indent=f"  {f'{key}={default}':<26}  ",
+                                   subsequent_indent=" " * 30))
+    return "\n".join(lines)
 
 
 def _default(schema: type, key: str) -> str:
@@ -113,7 +116,7 @@ def _default(schema: type, key: str) -> str:
     owner, name, _ = check_key(schema, key)
     field = next(f for f in dataclasses.fields(owner) if f.name == name)
     default = field.default_factory() if field.default is dataclasses.MISSING else field.default
-    return shown(default).encode("unicode_escape").decode("ascii")
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in shown(default))
 
 
 def key_table(schema: type) -> str:
@@ -124,6 +127,7 @@ def key_table(schema: type) -> str:
         field = next(f for f in dataclasses.fields(owner) if f.name == name)
         rules = {k: v for k, v in field.metadata.get("rules", {}).items() if k != "hint"}
         allowed = ", ".join(rules.pop("choices", ())) or _kind(hint)
+        allowed += " or null" if type(None) in typing.get_args(hint) and "null" not in allowed else ""
         allowed += "".join(f", {BOUNDS[bound][0]} {shown(value)}" for bound, value in rules.items())
         doc = doc.replace("|", r"\|")  # a | inside a cell would end it
         rows.append(f"| `{key}` | `{_default(schema, key)}` | {allowed} | {doc} |")

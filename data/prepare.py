@@ -44,7 +44,8 @@ class DataConfig:
     val_fraction: float = option(0.1, above=0.0, below=1.0)  # a text's last part kept for val
     hf_dataset: str | None = None  # a Hugging Face dataset to stream, e.g. HuggingFaceFW/fineweb-edu (pip ".[hf]")
     hf_name: str | None = None  # its configuration, e.g. sample-10BT
-    shard_tokens: int = option(100_000_000, at_least=1, hint="it counts tokens per shard (100M in llm.c)")  # a corpus's
+    # tokens per shard file of a corpus (llm.c: 100M)
+    shard_tokens: int = option(100_000_000, at_least=1, hint="it counts tokens per shard (100M in llm.c)")
     max_tokens: int | None = option(None, at_least=1, hint="null means the whole corpus")  # stop a corpus early
     # processes tokenizing a corpus; null: the CPUs available less one
     num_proc: int | None = option(None, at_least=1, hint="null means the CPUs available less one")

@@ -99,6 +99,15 @@ def test_plot_py_heads_draws_the_scores_and_says_when_a_run_has_none(
     err = plot_refused(capsys, str(bare), "--heads", "-o", str(tmp_path / "bare.png"))
     assert err.startswith("error: ") and "train.head_scores=true" in err and len(err.strip().splitlines()) == 1
     assert "Traceback" not in err
+    wider = tmp_path / "wider"  # another shape, and no config.yaml to tell the runs apart
+    wider.mkdir()
+    heads = {"previous_token": [[0.1, 0.2, 0.3]], "induction": [[0.0, 0.0, 0.0]]}
+    (wider / METRICS_NAME).write_text(json.dumps({"iter": 0, "train_loss": 4.0, "val_loss": 4.0, "heads": heads}))
+    (plain := tmp_path / "plain").mkdir()
+    lines = (scored_run / METRICS_NAME).read_text().splitlines()
+    (plain / METRICS_NAME).write_text("".join(line + "\n" for line in lines if '"heads"' in line))  # no settings
+    err = plot_refused(capsys, str(plain), str(wider), "--heads", "-o", str(tmp_path / "both.png"))
+    assert err.startswith("error: --heads averages runs of one model's shape") and err.count("\n") == 1, err
 
 
 def test_plot_py_heads_gives_each_heads_formation_as_the_mean_and_interval_over_seeds(

@@ -714,6 +714,8 @@ def _formation(ax: Any, iters: np.ndarray, scores: np.ndarray, name: str, colour
             ax.errorbar(statistics.fmean(values), threshold, xerr=half, color=colour(layer * at.shape[2] + head),
                         marker="o", mec="black", ms=6, capsize=3, zorder=3)
             shown_at = f"{statistics.fmean(values):,.0f}" + ("" if half is None else f" ± {half:,.0f}")
+            if iters[0] > 0 and over[:, 0, layer, head].any():  # over when scoring began (turned on at a resume)
+                shown_at = f"<= {shown_at}"
             rows.append([f"{name} >= {threshold}", labels[layer][head], f"{len(values)}/{n_runs} runs", shown_at])
     return rows or [[f"{name} >= {threshold}", "none", f"0/{n_runs} runs", "-"]]
 

@@ -155,3 +155,15 @@ def test_the_open_heads_page_charts_each_score_over_the_evaluations(explorer_pag
                                     ".map(l => l.getAttribute('points').trim().split(/ +/).length)")
     assert points == [3] * len(DIAGNOSTIC_NAMES)  # a chart per score, a point per evaluation
     assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+
+
+def test_a_head_formed_before_scoring_began_is_said_to_have_formed_by_then(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Scores turned on at a resume start late: a head over its threshold at the first of them formed at or before."""
+    run = tmp_path / "run"
+    run.mkdir()
+    heads = {"previous_token": [[0.9, 0.1]], "induction": [[0.0, 0.0]]}
+    lines = [{"iter": it, "train_loss": 3.0, "val_loss": 3.0, "heads": heads} for it in (100, 200)]
+    (run / METRICS_NAME).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    stdout, _ = plot_ok(capsys, str(run), "--heads")
+    assert re.search(r"previous_token >= 0.5 +0.0 +1/1 runs +<= 100", stdout), stdout

@@ -60,6 +60,7 @@ POWER = 0.8  # the chance of detecting an effect that the seeds-per-arm estimate
 MAX_SEEDS = 10_000
 ABSENT = "<absent>"  # the value of a key some runs' configs lack
 FORMATION = {"previous_token": 0.5, "induction": 0.3}  # --heads: a head has formed at its first evaluation over these
+LOSS_STYLES = {"train_loss": {"color": "0.55", "lw": 0.8}, "val_loss": {"color": "black", "ls": ":"}}  # --heads
 
 
 # --- the statistics: replicates grouped, their intervals, Welch's test against the baseline ---
@@ -669,6 +670,12 @@ def heads_figure(loaded: list[Loaded]) -> Any:
         labels = [[f"{layer}.#{rank + 1}" for rank in range(n_head)] for layer in range(n_layer)]
     palette = colormaps["tab20" if n_layer * n_head > 10 else "tab10"]
     colour = lambda i: palette(i % palette.N)  # noqa: E731 (past 20 heads, colours repeat)
+    losses = {}  # the runs' mean train and val loss at the iterations they share, drawn in every panel
+    for kind in LOSS_STYLES:
+        by_iter = [{r["iter"]: r[kind] for r in rs if kind in r and ("lr" in r) == (kind == "train_loss")}
+                   for rs in records]
+        xs = sorted(set.intersection(*(set(b) for b in by_iter)))
+        losses[kind] = xs, [statistics.fmean(b[x] for b in by_iter) for x in xs]
     fig = Figure(figsize=(10, 1.2 + 2.2 * len(names)), layout="constrained")
     axes = fig.subplots(len(names), 1, sharex=True, squeeze=False)[:, 0]
     formed_rows = [["score", "head", "formed in", "at iteration (mean ± 95% CI half-width)"]]
@@ -682,11 +689,8 @@ def heads_figure(loaded: list[Loaded]) -> Any:
         if name in FORMATION:
             formed_rows += _formation(ax, np.array(iters), scores[name], name, colour, labels)
         twin = ax.twinx()
-        for kind, style in (("train_loss", {"color": "0.55", "lw": 0.8}), ("val_loss", {"color": "black", "ls": ":"})):
-            by_iter = [{r["iter"]: r[kind] for r in rs if kind in r and ("lr" in r) == (kind == "train_loss")}
-                       for rs in records]
-            xs = sorted(set.intersection(*(set(b) for b in by_iter)))
-            twin.plot(xs, [statistics.fmean(b[x] for b in by_iter) for x in xs], label=kind.replace("_", " "), **style)
+        for kind, (xs, ys) in losses.items():
+            twin.plot(xs, ys, label=kind.replace("_", " "), **LOSS_STYLES[kind])
         twin.set_ylabel("loss")
     axes[-1].set_xlabel("iteration")
     many = f"{len(runs)} runs' mean" if len(runs) > 1 else f"{runs[0]}"

@@ -91,9 +91,9 @@ def key_docs(schema: type, prefix: str = "") -> dict[str, str]:
                 above = []
             else:
                 above = []
-    docs = {}
+    docs, hints = {}, typing.get_type_hints(schema)
     for f in dataclasses.fields(schema):
-        hint = typing.get_type_hints(schema)[f.name]
+        hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
             docs |= key_docs(hint, f"{prefix}{f.name}.")
         else:
@@ -105,16 +105,15 @@ def keys_help(schema: type, keys: Sequence[str]) -> str:
     """--help's lines for `keys`: each key at its default, and its schema comment (key_docs), wrapped to 120 columns."""
     docs, lines = key_docs(schema), []
     for key in keys:
-        default = re.sub(r"\$\{now:[^}]*\}", "NOW", _default(schema, key))  # the default out_dir: outputs/NOW/NOW
+        default = _default(check_key(schema, key)[1])
+        default = re.sub(r"\$\{now:[^}]*\}", "NOW", default)  # the default out_dir: outputs/NOW/NOW
         lines.append(textwrap.fill(docs[key], 118, initial_indent=f"  {f'{key}={default}':<26}  ",
                                    subsequent_indent=" " * 30))
     return "\n".join(lines)
 
 
-def _default(schema: type, key: str) -> str:
-    """A key's default as the command line writes it, a control character escaped (sample.py's start: \\n)."""
-    owner, name, _ = check_key(schema, key)
-    field = next(f for f in dataclasses.fields(owner) if f.name == name)
+def _default(field: dataclasses.Field) -> str:
+    """A field's default as the command line writes it, a control character escaped (sample.py's start: \\n)."""
     default = field.default_factory() if field.default is dataclasses.MISSING else field.default
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in shown(default))
 
@@ -123,33 +122,33 @@ def key_table(schema: type) -> str:
     """docs/reference.md's table of a schema's keys: default, what a value may be, and the key_docs description."""
     rows = ["| key | default | value | what |", "| --- | --- | --- | --- |"]
     for key, doc in key_docs(schema).items():
-        owner, name, hint = check_key(schema, key)
-        field = next(f for f in dataclasses.fields(owner) if f.name == name)
+        _, field, hint = check_key(schema, key)
         rules = {k: v for k, v in field.metadata.get("rules", {}).items() if k != "hint"}
         allowed = ", ".join(rules.pop("choices", ())) or _kind(hint)
         allowed += " or null" if type(None) in typing.get_args(hint) and "null" not in allowed else ""
         allowed += "".join(f", {BOUNDS[bound][0]} {shown(value)}" for bound, value in rules.items())
         doc = doc.replace("|", r"\|")  # a | inside a cell would end it
-        rows.append(f"| `{key}` | `{_default(schema, key)}` | {allowed} | {doc} |")
+        rows.append(f"| `{key}` | `{_default(field)}` | {allowed} | {doc} |")
     return "\n".join(rows) + "\n"
 
 
-def check_key(schema: type, key: str) -> tuple[type, str, Any]:
-    """The dataclass holding the dotted `key`, its field's name and type; else a ConfigError naming the closest key."""
+def check_key(schema: type, key: str) -> tuple[type, dataclasses.Field, Any]:
+    """The dataclass holding the dotted `key`, its field and the field's type; else a ConfigError naming the closest
+    key (a class constant such as ModelConfig.KEYS is no key)."""
     owner, hint, prefix = schema, schema, ""
     for name in key.split("."):
         if not dataclasses.is_dataclass(hint):
             raise ConfigError(f"{prefix[:-1]} is a value, not a group of keys, so {key} is not a key")
-        owner, hints = hint, typing.get_type_hints(hint)
-        if name not in hints:
-            raise ConfigError(_unknown_key(name, hints, prefix))
-        hint, prefix = hints[name], f"{prefix}{name}."
-    return owner, name, hint
+        owner, fields = hint, {f.name: f for f in dataclasses.fields(hint)}
+        if name not in fields:
+            raise ConfigError(_unknown_key(name, fields, prefix))
+        field, hint, prefix = fields[name], typing.get_type_hints(owner)[name], f"{prefix}{name}."
+    return owner, field, hint
 
 
 def check_override(schema: type, key: str, value: Any) -> None:
     """Check a `key=value`: known key, its type and rules; else a ConfigError naming it (not Hydra's `+key` advice)."""
-    owner, name, hint = check_key(schema, key)
+    owner, field, hint = check_key(schema, key)
     if isinstance(value, str) and "${" in value:
         return  # an interpolation: judged once resolved
     if dataclasses.is_dataclass(hint):
@@ -160,11 +159,10 @@ def check_override(schema: type, key: str, value: Any) -> None:
         return
     node = OmegaConf.structured(owner)
     try:
-        node[name] = value  # OmegaConf's own conversion ("1e-3" to a float), as when Hydra merges
+        node[field.name] = value  # OmegaConf's own conversion ("1e-3" to a float), as when Hydra merges
     except ValidationError:
         raise ConfigError(f"{key}={shown(value)} is not {_kind(hint)}") from None
-    value = node[name]
-    field = next(f for f in dataclasses.fields(owner) if f.name == name)
+    value = node[field.name]
     problem = _problem(value, **field.metadata["rules"]) if "rules" in field.metadata and value is not None else ""
     if problem:
         raise ConfigError(f"{key}={shown(value)} {problem}")

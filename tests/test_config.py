@@ -50,6 +50,7 @@ RULES = [
     ("config", ["model.n_layers=2"], "model.n_layers is not a key of this config; did you mean model.n_layer?"),
     ("config", ["model.vocab_size=100"], "model.vocab_size is not a key of this config; did you mean "
                                          "model.block_size?"),  # the data's, never the user's
+    ("config", ["model.KEYS=x"], "model.KEYS is not a key of this config; see the keys with --cfg job"),  # a constant
     ("config", ["train.max_iters=abc"], "train.max_iters=abc is not an integer"),
     ("config", ["model.attn_window=wide"], "model.attn_window=wide is not an integer or null"),
     ("config", ["train.compile=maybe"], "train.compile=maybe is not true or false or null"),

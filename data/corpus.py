@@ -25,7 +25,6 @@ import tiktoken
 from tqdm import tqdm
 
 from common.errors import DataError, first_line
-from common.files import write_text_atomically
 from data.source import read_utf8
 from data.tokenizers import BpeTokenizer
 
@@ -139,8 +138,8 @@ def fingerprint(config: DataConfig) -> dict[str, Any]:
             "max_tokens": config.max_tokens}
 
 
-def prepare_corpus(config: DataConfig, fingerprint: dict[str, Any], into: Path) -> dict[str, Any]:
-    """The corpus's shards written into the folder `into`; their meta."""
+def prepare_corpus(config: DataConfig, into: Path) -> dict[str, Any]:
+    """The corpus's shards written into the folder `into`; the tokenizer and the counts."""
     if config.tokenizer == "char":
         raise DataError("data.tokenizer=char can't encode a corpus (its vocabulary would need every character "
                         "first); use a BPE such as data.tokenizer=r50k_base")
@@ -155,10 +154,7 @@ def prepare_corpus(config: DataConfig, fingerprint: dict[str, Any], into: Path) 
     documents = hf_documents(hf, config.hf_name) if hf else local_documents(Path(config.input))  # type: ignore[arg-type]
     with contextlib.closing(encode_documents(documents, tokenizer, config.num_proc or default_num_proc())) as encoded:
         counts = write_shards(encoded, into, config.shard_tokens, config.max_tokens)
-    meta = {"tokenizer": tokenizer.metadata(), "vocab_size": tokenizer.vocab_size, "sharded": True, **counts,
-            **fingerprint}
-    write_text_atomically(into / "meta.json", json.dumps(meta, ensure_ascii=False))  # last: now the folder counts
-    return meta
+    return {"tokenizer": tokenizer.metadata(), "vocab_size": tokenizer.vocab_size, "sharded": True, **counts}
 
 
 def encode_documents(documents: Iterable[str], tokenizer: BpeTokenizer, num_proc: int) -> Iterator[np.ndarray]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import functools
 import hashlib
 import json
@@ -21,7 +20,7 @@ import torch
 
 from common.config import check_fields, option
 from common.errors import ConfigError, DataError, DiskFull
-from common.files import check_regular_file, make_directory, replace_file, why_not_a_file
+from common.files import check_regular_file, make_directory, why_not_a_file, write_text_atomically
 from data import corpus
 from data.corpus import map_shard, read_shard
 from data.source import TextFile, download
@@ -67,7 +66,7 @@ class PrepareConfig:  # `python -m data.prepare`'s: the data group alone
 
 
 DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
-# The token files PreparedData.split reads: an unfinished preparation's go before another's move in
+# The token files PreparedData.split reads, which a new preparation replaces
 _TOKEN_FILES = ("train.bin", "val.bin", "train_[0-9]*.bin", "val_[0-9]*.bin")
 
 
@@ -160,7 +159,7 @@ def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData
     out_dir = dataset_dir(config.name, config.dir)
     if config.hf_dataset or (config.input and Path(config.input).is_dir()):
         fingerprint = corpus.fingerprint(config)
-        make = functools.partial(corpus.prepare_corpus, config, fingerprint)
+        make = functools.partial(corpus.prepare_corpus, config)
         return _reusable(out_dir, fingerprint) or _prepare_new(out_dir, fingerprint, {}, prepare, make)
     settings = {"tokenizer_spec": config.tokenizer, "val_fraction": config.val_fraction}
     at_hand = os.path.exists(config.input) if config.input else (out_dir / "input.txt").is_file()
@@ -172,12 +171,12 @@ def ensure_prepared(config: DataConfig, *, prepare: bool = True) -> PreparedData
     source = {"input_sha256": file_sha256(Path(config.input))} if config.input else {"url": config.url}
     fingerprint = {"source": source, **settings}  # a changed data.input is never served stale tokens
     made_from = {"input": str(Path(config.input).absolute())} if config.input else {}  # said when refused or reused
-    make = functools.partial(_prepare_text, config, out_dir, {**fingerprint, **made_from})
+    make = functools.partial(_prepare_text, config, out_dir)
     return _reusable(out_dir, fingerprint) or _prepare_new(out_dir, fingerprint, made_from, prepare, make)
 
 
-def _prepare_text(config: DataConfig, out_dir: Path, meta: dict[str, Any], into: Path) -> dict[str, Any]:
-    """train.bin and val.bin in `into` of data.input, else of an earlier download, else of one saved there; the meta."""
+def _prepare_text(config: DataConfig, out_dir: Path, into: Path) -> dict[str, Any]:
+    """train.bin and val.bin in `into` of data.input, else of an earlier download, else of one saved there."""
     if config.input:
         path = Path(config.input)
     elif (out_dir / "input.txt").is_file():
@@ -189,19 +188,18 @@ def _prepare_text(config: DataConfig, out_dir: Path, meta: dict[str, Any], into:
     text = TextFile.survey(path, chars=config.tokenizer == "char")
     if not text.length:
         raise DataError(f"the text for dataset {config.name!r} is empty; pass a non-empty file with data.input=PATH")
-    return write_dataset(text, make_tokenizer(config.tokenizer, text.chars), into, config.val_fraction, meta)
+    return write_dataset(text, make_tokenizer(config.tokenizer, text.chars), into, config.val_fraction)
 
 
 def _prepared_before(out_dir: Path, config: DataConfig, settings: dict[str, Any]) -> PreparedData | None:
-    """The folder's dataset from a text no longer at hand: data.input gone and prepared from that path, or none given
-    and nothing downloaded (offline runs, resumes and sweeps need not repeat data.input)."""
-    meta = _read_meta(out_dir)
-    source = meta.get("source") if isinstance(meta, dict) else None
+    """The folder's dataset prepared from a file that is no longer at hand (data.input gone, or none given and nothing
+    downloaded), so that offline runs, resumes and sweeps need not repeat data.input."""
+    prepared = _reusable(out_dir, settings)
+    source = prepared.meta.get("source") if prepared else None
     if not isinstance(source, dict) or "input_sha256" not in source:
         return None
-    made_from = meta.get("input", "an earlier data.input")
-    prepared = _reusable(out_dir, {**settings, "source": source})
-    if prepared is None or (config.input and made_from != str(Path(config.input).absolute())):
+    made_from = prepared.meta.get("input", "an earlier data.input")
+    if config.input and made_from != str(Path(config.input).absolute()):
         return None
     if config.input:
         log.warning(f"data.input={config.input} is gone; using the data prepared from it in {out_dir}")
@@ -215,7 +213,8 @@ def _prepared_before(out_dir: Path, config: DataConfig, settings: dict[str, Any]
 
 def _prepare_new(out_dir: Path, fingerprint: dict[str, Any], made_from: dict[str, str], prepare: bool,
                  make: Callable[[Path], dict[str, Any]]) -> PreparedData:
-    """A dataset written by `make` (which returns its meta) in a new folder beside out_dir, then moved in."""
+    """A dataset written by `make` (which returns its tokenizer's metadata and its counts) in a new folder beside
+    out_dir, meta.json last, then moved in."""
     _refuse_other(out_dir, fingerprint, made_from)
     if not prepare:  # a torchrun rank other than 0 only reads what rank 0 prepared
         raise DataError(f"no prepared dataset in {out_dir} matches data.*, though rank 0 prepared it: put data.dir on "
@@ -223,7 +222,9 @@ def _prepare_new(out_dir: Path, fingerprint: dict[str, Any], made_from: dict[str
     into = out_dir.parent / f".{out_dir.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"  # this preparation's own
     try:
         make_directory(into, f"data.dir={out_dir}")
-        return _move_in(into, out_dir, make(into), fingerprint, made_from)
+        meta = {**make(into), **fingerprint, **made_from}
+        write_text_atomically(into / "meta.json", json.dumps(meta, ensure_ascii=False))  # last: now the folder counts
+        return _move_in(into, out_dir, meta, fingerprint, made_from)
     except DiskFull:  # named by the temporary folder
         raise DiskFull(f"data.dir={out_dir} not prepared: the disk holding it is full; free space, or name a data.dir "
                        "on another disk") from None
@@ -233,8 +234,8 @@ def _prepare_new(out_dir: Path, fingerprint: dict[str, Any], made_from: dict[str
 
 def _move_in(into: Path, out_dir: Path, meta: dict[str, Any], fingerprint: dict[str, Any],
              made_from: dict[str, str]) -> PreparedData:
-    """The new folder becomes out_dir, or, where out_dir is there, its files move in, meta.json last (an
-    unfinished preparation's files go first). Another process that prepared the same meanwhile: theirs."""
+    """The new folder becomes out_dir; where out_dir exists, the files of another process that prepared the same
+    meanwhile are used, and otherwise the stale files go and the new ones move in, meta.json last."""
     try:
         into.rename(out_dir)
         return PreparedData(out_dir, meta)
@@ -248,19 +249,13 @@ def _move_in(into: Path, out_dir: Path, meta: dict[str, Any], fingerprint: dict[
         for stale in out_dir.glob(pattern):
             stale.unlink()
     for path in sorted(into.iterdir(), key=lambda path: path.name == "meta.json"):
-        try:
-            replace_file(path, out_dir / path.name)
-        except OSError as err:
-            if err.errno != errno.EXDEV:
-                raise
-            shutil.move(path, out_dir / path.name)  # out_dir on another disk (a mount, a link): copied
+        shutil.move(path, out_dir / path.name)  # a rename, or a copy where out_dir is on another disk
     return PreparedData(out_dir, meta)
 
 
 def _refuse_other(out_dir: Path, fingerprint: dict[str, Any], made_from: dict[str, str]) -> None:
-    """A folder prepared from another source or with other settings (a run may be reading it), holding a meta.json
-    this project didn't write (ours names its source and tokenizer spec), or token files without one (another tool's,
-    nanoGPT's train.bin beside its meta.pkl), is never prepared again."""
+    """Refuse a folder prepared from another source or with other settings (a run may be reading it), a meta.json
+    this project didn't write, and token files without a meta.json (another tool's, such as nanoGPT's)."""
     theirs = sorted(path.name for pattern in _TOKEN_FILES for path in out_dir.glob(pattern))
     if theirs and not (out_dir / "meta.json").exists():
         raise DataError(f"data.dir={out_dir} holds token files without the meta.json this project writes beside them "
@@ -298,7 +293,7 @@ def _reusable(out_dir: Path, fingerprint: dict[str, Any]) -> PreparedData | None
     meta = _read_meta(out_dir)
     if not isinstance(meta, dict) or any(meta.get(k) != v for k, v in fingerprint.items()):
         return None
-    size = meta.get("vocab_size")  # and the tokenizer: else damaged, prepared again as an unreadable meta.json is
+    size = meta.get("vocab_size")  # a damaged tokenizer or vocabulary size is prepared again, as a damaged meta.json
     intact = not metadata_problem(meta.get("tokenizer")) and isinstance(size, int) and 1 <= size <= 2**16
     return PreparedData(out_dir, meta) if intact else None
 

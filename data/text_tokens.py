@@ -1,10 +1,9 @@
-"""A text -> train.bin / val.bin (uint16) and meta.json in bounded memory: encoded in pieces, same as encoded whole."""
+"""A text -> train.bin / val.bin (uint16) in bounded memory: encoded in pieces, same as encoded whole."""
 
 from __future__ import annotations
 
 import bisect
 import itertools
-import json
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ import regex
 from tqdm import tqdm
 
 from common.errors import DataError
-from common.files import write_atomically, write_text_atomically
+from common.files import write_atomically
 from data.source import TextFile, utf8_pieces
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer
 
@@ -29,9 +28,8 @@ def make_tokenizer(spec: str, chars: Iterable[str]) -> Tokenizer:
     return CharTokenizer(sorted(set(chars))) if spec == "char" else BpeTokenizer.from_name(spec)
 
 
-def write_dataset(text: TextFile, tokenizer: Tokenizer, out_dir: Path, val_fraction: float,
-                  extra_meta: dict) -> dict[str, Any]:
-    """Split the text (first part train, last part val), encode each part and write the streams; their meta.json."""
+def write_dataset(text: TextFile, tokenizer: Tokenizer, out_dir: Path, val_fraction: float) -> dict[str, Any]:
+    """Split the text (first part train, last part val) and write each part's tokens; the tokenizer and the counts."""
     if tokenizer.vocab_size > np.iinfo(np.uint16).max + 1:
         raise DataError(f"vocabulary of {tokenizer.vocab_size} tokens does not fit in uint16 token files")
     split = int(text.length * (1 - val_fraction))
@@ -47,9 +45,7 @@ def write_dataset(text: TextFile, tokenizer: Tokenizer, out_dir: Path, val_fract
             text.check_unchanged()
             raise
     text.check_unchanged()  # the text encoded is the text surveyed: its split and its vocabulary
-    meta = {"tokenizer": tokenizer.metadata(), "vocab_size": tokenizer.vocab_size, **counts, **extra_meta}
-    write_text_atomically(out_dir / "meta.json", json.dumps(meta, ensure_ascii=False))  # last: now they count
-    return meta
+    return {"tokenizer": tokenizer.metadata(), "vocab_size": tokenizer.vocab_size, **counts}
 
 
 def _split(pieces: Iterator[str], at: int) -> tuple[Iterator[str], Iterator[str]]:

@@ -33,7 +33,6 @@ class ServeConfig(ModelChoice):
 ConfigStore.instance().store(name="serve_schema", node=ServeConfig)
 
 
-
 def usage() -> str:
     return f"""Serve a model through OpenAI's completions API, with a live page at /. Settings are key=value.
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Generator, Iterator
@@ -172,10 +171,6 @@ class Engine:
                 if time.monotonic() >= end:
                     return updates, False
         return updates, True
-
-    def run(self, job: Job) -> list[Update]:
-        """The job to its end in one go, as if no other request took a turn: its updates."""
-        return self.advance(self.steps(job), math.inf)[0]
 
     def _generate(self, job: Job, choices: list[Choice]) -> Iterator[list[Update]]:
         """One prompt's choices as one batch, token by token, until each ends."""

@@ -496,7 +496,6 @@ def add_tokenizer_and_page(app: FastAPI, service: Service, authorised: Callable[
                 "mask_held": report.mask_held, "verdict": verdict(report)}
 
 
-
 def tokens_on_page(service: Service, page: PageText) -> tuple[list[int], list[str], int, str | None]:
     """The text's last block_size tokens (all the page shows), their texts, the prompt's count, and a note if cut."""
     if not page.text:

@@ -4,6 +4,8 @@ failing request ends, and the engine serves the next; a job runs a forward pass 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -44,6 +46,11 @@ def _model(name: str) -> GPT:
     return model
 
 
+def _run(engine: Engine, job: Job) -> None:
+    """The job to its end in one go, as if no other request took a turn."""
+    engine.advance(engine.steps(job), math.inf)
+
+
 def _job(prompts: list[list[int]], n: int, decoding: Decoding, seed: int | None = None, max_new_tokens: int = NEW,
          logprobs: int | None = None, score_prompts: bool = False) -> Job:
     choices = [Choice(p * n + j, prompt, SampleText(Letters(), "")) for p, prompt in enumerate(prompts)
@@ -57,7 +64,7 @@ def test_each_prompt_s_choices_draw_what_sample_py_draws(name: str, decoding: De
     """Choice i of a request with seed S is sample.py's sample i at seed S (its own generator, seeded S + i)."""
     model = _model(name)
     job = _job(PROMPTS, 2, decoding, seed=7)
-    Engine(model, CPU).run(job)
+    _run(Engine(model, CPU), job)
     generators = row_generators(7, 4)
     expected = []
     for p, prompt in enumerate(PROMPTS):
@@ -78,12 +85,12 @@ def test_echo_scores_a_text_as_decoding_scored_it_when_it_generated_it(
     model = _model(name)
     engine = Engine(model, CPU)
     made = _job([[1, 2, 3]], 1, Decoding(0.7, top_k=5), seed=3, logprobs=3)
-    engine.run(made)
+    _run(engine, made)
     (choice,) = made.choices
     assert len(choice.scores) == NEW and all(len(s.top) == 3 for s in choice.scores)
     text = choice.prompt + choice.tokens
     echoed = _job([text, [4, 5]], 1, Decoding(0.0), max_new_tokens=0, logprobs=3, score_prompts=True)
-    engine.run(echoed)
+    _run(engine, echoed)
     assert [c.finish_reason for c in echoed.choices] == ["length"] * 2 and echoed.choices[0].tokens == []
     scores = echoed.choices[0].prompt_scores
     assert len(scores) == len(text) - 1 and len(echoed.choices[1].prompt_scores) == 1
@@ -92,19 +99,32 @@ def test_echo_scores_a_text_as_decoding_scored_it_when_it_generated_it(
     assert [[t for t, _ in s.top] for s in again] == [[t for t, _ in s.top] for s in choice.scores]
     with torch.no_grad():  # the first tokens' scores, by hand: log-softmax of the plain forward pass
         logits, _ = model(torch.tensor([text[:8]]))
-        alone = _drained(prompt_scores(model, [[4, 5]], 3))[0]
+        _, (alone,) = _drained(prompt_scores(model, [[4, 5]], 3))
     by_hand = torch.log_softmax(logits[0, :-1], -1).gather(-1, torch.tensor(text[1:8])[:, None])[:, 0]
     assert [s.logprob for s in scores[:7]] == pytest.approx(by_hand.tolist(), abs=1e-5)
     assert echoed.choices[1].prompt_scores[0].logprob == pytest.approx(alone[0].logprob, abs=1e-5)
 
 
 def _drained(steps):
-    """A generator's value once it has run to its end."""
+    """How often a generator paused (the forward passes of prompt_scores) and its value once it has run to its end."""
+    pauses = 0
     while True:
         try:
             next(steps)
         except StopIteration as done:
-            return done.value
+            return pauses, done.value
+        pauses += 1
+
+
+def test_echo_scores_prompts_within_the_context_in_one_forward_pass() -> None:
+    """Prompts within block_size are scored together in one forward pass; past it, each token in a window of its own,
+    PREFILL_CHUNK positions of windows a pass."""
+    model = GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
+    with torch.no_grad():
+        passes, scores = _drained(prompt_scores(model, [list(range(33)), list(range(40, 60))], 0))
+        assert (passes, [len(s) for s in scores]) == (1, [32, 19])
+        passes, scores = _drained(prompt_scores(model, [list(range(33)) * 3], 0))
+        assert (passes, [len(s) for s in scores]) == (3, [98])  # 67 windows of 32 tokens, 32 a pass
 
 
 def test_a_job_runs_a_forward_pass_a_step_and_a_closed_one_ends_as_cancelled() -> None:
@@ -126,7 +146,7 @@ def test_a_failing_request_ends_in_error_and_the_engine_serves_the_next(monkeypa
     failed, again = _job(PROMPTS[:1], 1, Decoding(0.0)), _job(PROMPTS[:1], 1, Decoding(0.0))
     with monkeypatch.context() as patch:
         patch.setattr(model, "generate_tokens", lambda *a, **k: (_ for _ in ()).throw(MemoryError("too long")))
-        engine.run(failed)
+        _run(engine, failed)
     assert failed.choices[0].finish_reason == "error"
-    engine.run(again)
+    _run(engine, again)
     assert again.choices[0].finish_reason == "length" and engine.finished == {"error": 1, "length": 1}

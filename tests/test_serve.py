@@ -21,14 +21,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 
 from conftest import REPO, ServeProcess, refused, run_in_process, tiny_encoding
 from data.tokenizers import BpeTokenizer
-from inference.engine import prompt_scores
 from inference.sampling import SEPARATOR
 from inference.server import Service, bind
-from model import GPT, GPTConfig
 from serve import ServeConfig
 
 PROMPT = "ROMEO:"
@@ -36,12 +33,14 @@ NEW = 110  # past the served run's block_size of 96, with the prompt's 6
 
 
 @pytest.fixture(scope="module")
-def server(served_run: Path) -> Iterator[ServeProcess]:
-    """This module's own server (not conftest's shared one): the limits its tests reach."""
-    server = ServeProcess(served_run, "max_request_tokens=240", "max_choices=8", "max_body_bytes=20000",
-                          "max_prompt_tokens=300")
+def impatient(served_run: Path) -> Iterator[ServeProcess]:
+    """A server whose requests time out at once, that takes two connections and has small limits of its own; it must
+    stop with no traceback and no warning (a "coroutine ... was never awaited")."""
+    server = ServeProcess(served_run, "timeout_s=0.02", "max_connections=2", "max_choices=2", "max_body_bytes=20000",
+                          "max_prompt_tokens=300", "max_request_tokens=240")
     yield server
-    server.stop()
+    _, stderr = server.stop()
+    assert "Warning" not in stderr and "Traceback" not in stderr, stderr
 
 
 def sample_py(run: Path, *overrides: str) -> list[str]:
@@ -60,7 +59,6 @@ def test_models_lists_the_run_by_a_name_requests_can_use(server: ServeProcess, s
     models = server.client().models.list().data
     assert [m.id for m in models] == [served_run.name]
     assert server.client().completions.create(model=models[0].id, prompt=PROMPT, max_tokens=3).model == served_run.name
-    assert server.http.get("/health").json()["status"] == "ok"
 
 
 def test_greedy_and_seeded_text_equal_sample_py_s_past_the_context(server: ServeProcess, served_run: Path) -> None:
@@ -156,8 +154,8 @@ def test_prompts_as_token_ids_and_the_tokenizer_endpoints(server: ServeProcess) 
 
 BAD_REQUESTS = [
     ({"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens", "max_tokens=0 must be at least 1 (0 with echo=true)"),
-    ({"prompt": PROMPT, "max_tokens": 121, "n": 2}, 400, "max_tokens",
-     "max_tokens=121 for 2 choice(s) asks for 242 tokens; this server generates at most 240 a request "
+    ({"prompt": PROMPT, "max_tokens": 2049, "n": 2}, 400, "max_tokens",
+     "max_tokens=2049 for 2 choice(s) asks for 4098 tokens; this server generates at most 4096 a request "
      "(max_request_tokens)"),
     ({"prompt": PROMPT, "max_tokens": "ten"}, 400, "max_tokens", "max_tokens: Input should be a valid integer"),
     ({"prompt": PROMPT, "temperature": "0.5"}, 400, "temperature", "temperature: Input should be a valid number"),
@@ -166,7 +164,7 @@ BAD_REQUESTS = [
     ({"prompt": PROMPT, "top_k": 0}, 400, "top_k", "top_k: Input should be greater than or equal to 1"),
     ({"prompt": PROMPT, "min_p": 2}, 400, "min_p", "min_p: Input should be less than or equal to 1"),
     ({"prompt": PROMPT, "seed": -5}, 400, "seed", "seed: Input should be greater than or equal to 0"),
-    ({"prompt": PROMPT, "n": 9}, 400, "n", "asks for 9 choices; this server takes at most 8 a request (max_choices)"),
+    ({"prompt": PROMPT, "n": 17}, 400, "n", "17 choices; this server takes at most 16 a request (max_choices)"),
     ({"prompt": PROMPT, "n": 0}, 400, "n", "n: Input should be greater than or equal to 1"),
     ({"prompt": PROMPT, "stop": ["", "x"]}, 400, "stop", "stop has an empty string"),
     ({"prompt": PROMPT, "stop": list("abcde")}, 400, "stop", "stop takes at most 4 strings of at most 256 characters"),
@@ -176,7 +174,7 @@ BAD_REQUESTS = [
     ({"prompt": ""}, 400, "prompt", "prompt is empty"),
     ({"prompt": [[3, 4], []]}, 400, "prompt", "prompt is empty; give at least one character or token id"),
     ({"prompt": [5, 99999]}, 400, "prompt", "token id 99999 is not in this model's vocabulary (0 to "),
-    ({"prompt": ["x" * 151] * 2}, 400, "prompt", "the prompts have 302 tokens; this server takes at most 300 a "
+    ({"prompt": ["x" * 4097] * 2}, 400, "prompt", "the prompts have 8194 tokens; this server takes at most 8192 a "
      "request (max_prompt_tokens)"),
     ({"prompt": "ROMEO: Ω"}, 400, "prompt", "character 'Ω' is not in the model's vocabulary"),
     ({"max_tokens": 5}, 400, "prompt", "prompt: Field required"),
@@ -199,14 +197,14 @@ def test_malformed_oversized_and_unmeasured_bodies_are_refused_too(server: Serve
     cases = [
         (server.http.post("/v1/completions", content=b'{"prompt": "ROMEO:", ', headers=headers), 400, "not valid JSON"),
         (server.http.post("/v1/completions", content=b"\xff\xfe", headers=headers), 400, "not valid JSON"),
-        (server.post({"prompt": "x" * 30000}), 413, "larger than 20000 bytes"),
+        (server.post({"prompt": "x" * 1_000_000}), 413, "larger than 1000000 bytes"),
         (server.http.post("/v1/completions", content=iter([b'{"prompt": "x"}'])), 411, "Content-Length"),  # chunked
         (server.http.get("/v1/nothing"), 404, "no such endpoint"),
     ]
     for response, status, message in cases:
         assert response.status_code == status and message in response.json()["error"]["message"], response.text
-    with pytest.raises(openai.BadRequestError, match="asks for 500 tokens; this server generates at most 240"):
-        server.client().completions.create(model="run", prompt=PROMPT, max_tokens=500)
+    with pytest.raises(openai.BadRequestError, match="asks for 5000 tokens; this server generates at most 4096"):
+        server.client().completions.create(model="run", prompt=PROMPT, max_tokens=5000)
 
 
 def test_concurrent_requests_each_get_the_text_they_get_alone(server: ServeProcess) -> None:
@@ -221,48 +219,6 @@ def test_concurrent_requests_each_get_the_text_they_get_alone(server: ServeProce
     alone = [ask(p) for p in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
         assert list(pool.map(ask, prompts)) == alone
-
-
-def test_a_full_queue_answers_503_and_a_client_that_leaves_mid_stream_frees_the_model(served_run: Path) -> None:
-    server = ServeProcess(served_run, "max_queue=0", "timeout_s=600", "max_request_tokens=65536")
-    try:
-        with server.http.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1000,
-                                                                  "stream": True}) as r:
-            lines = r.iter_lines()  # kept: its end would close the stream
-            assert next(lines).startswith("data: ")
-            # the model is this stream's and nothing may wait: the next request is turned away
-            busy = server.post({"prompt": PROMPT, "max_tokens": 2})
-            assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
-            assert busy.json()["error"]["type"] == "server_busy"
-        deadline = time.monotonic() + 10
-        while "cancelled" not in (health := server.http.get("/health").json())["finished"]:
-            assert time.monotonic() < deadline, health
-            time.sleep(0.05)
-        assert health["running"] == 0 and health["finished"]["cancelled"] == 1, health  # the model is free
-        assert server.post({"prompt": PROMPT, "max_tokens": 2}).status_code == 200
-        with pytest.raises(httpx.ReadTimeout):  # a whole answer's client that leaves frees the model too
-            server.post({"prompt": PROMPT, "max_tokens": 60000}, timeout=1)
-        while server.http.get("/health").json()["finished"]["cancelled"] < 2:
-            assert time.monotonic() < deadline + 30, "an abandoned request kept the model"
-            time.sleep(0.05)
-    finally:
-        server.stop()
-
-
-def test_a_request_past_timeout_s_is_cancelled_with_504(served_run: Path) -> None:
-    server = ServeProcess(served_run, "timeout_s=0.02")
-    try:
-        response = server.post({"prompt": PROMPT, "max_tokens": 90})
-        assert response.status_code == 504 and response.json()["error"]["type"] == "timeout", response.text
-        streamed = server.post({"prompt": PROMPT, "max_tokens": 90, "stream": True}).text
-        assert '"type": "timeout"' in streamed and streamed.rstrip().endswith("data: [DONE]")
-        deadline = time.monotonic() + 10
-        while server.http.get("/health").json()["running"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert server.http.get("/health").json()["running"] == 0  # the model was freed
-    finally:
-        _, stderr = server.stop()
-    assert "Warning" not in stderr and "Traceback" not in stderr, stderr  # no "coroutine ... was never awaited"
 
 
 def _unread_request(server: ServeProcess, body: dict) -> socket.socket:
@@ -285,6 +241,55 @@ def _wait_for(server: ServeProcess, what: str, running: int, cancelled: int | No
         time.sleep(0.02)
 
 
+def test_a_full_queue_answers_503_and_a_client_that_leaves_mid_stream_frees_the_model(served_run: Path) -> None:
+    server = ServeProcess(served_run, "max_queue=0")
+    try:
+        with server.http.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1000,
+                                                                  "stream": True}) as r:
+            lines = r.iter_lines()  # kept: its end would close the stream
+            assert next(lines).startswith("data: ")
+            # the model is this stream's and nothing may wait: the next request is turned away
+            busy = server.post({"prompt": PROMPT, "max_tokens": 2})
+            assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+            assert busy.json()["error"]["type"] == "server_busy"
+        _wait_for(server, "the stream outlived its client", running=0, cancelled=1)
+        assert server.post({"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_a_request_past_timeout_s_is_cancelled_with_504(impatient: ServeProcess) -> None:
+    response = impatient.post({"prompt": PROMPT, "max_tokens": 90})
+    assert response.status_code == 504 and response.json()["error"]["type"] == "timeout", response.text
+    streamed = impatient.post({"prompt": PROMPT, "max_tokens": 90, "stream": True}).text
+    assert '"type": "timeout"' in streamed and streamed.rstrip().endswith("data: [DONE]")
+    _wait_for(impatient, "a request past its time kept the model", running=0)
+
+
+def test_the_limits_a_server_is_started_with_are_the_ones_it_holds(impatient: ServeProcess) -> None:
+    cases = [({"prompt": PROMPT, "n": 3}, 400, "3 choices; this server takes at most 2 a request (max_choices)"),
+             ({"prompt": "x" * 30000}, 413, "larger than 20000 bytes"),
+             ({"prompt": "x" * 301}, 400, "301 tokens; this server takes at most 300 a request (max_prompt_tokens)"),
+             ({"prompt": PROMPT, "max_tokens": 241}, 400, "this server generates at most 240 a request")]
+    for body, status, message in cases:
+        response = impatient.post(body)
+        assert response.status_code == status and message in response.json()["error"]["message"], response.text
+
+
+def test_past_max_connections_the_503_is_openai_s_error_object(impatient: ServeProcess) -> None:
+    host, port = impatient.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))), socket.create_connection((host, int(port))):  # idle
+        busy = httpx.post(f"{impatient.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})  # a third
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
+        error = busy.json()["error"]
+        assert error["type"] == "server_busy" and "(max_connections)" in error["message"], error
+    deadline = time.monotonic() + 60
+    while (answer := impatient.http.get("/health")).status_code == 503:  # until the idle connections are gone
+        assert time.monotonic() < deadline, answer.text
+        time.sleep(0.05)
+    assert answer.status_code == 200, answer.text
+
+
 HEAVY = {  # the longest work the default limits allow, a request each
     "max_tokens=4096": {"prompt": PROMPT, "max_tokens": 4096},
     "max_tokens=256, n=16, streamed": {"prompt": PROMPT, "max_tokens": 256, "n": 16, "stream": True},
@@ -294,27 +299,22 @@ HEAVY = {  # the longest work the default limits allow, a request each
 
 
 def test_a_short_request_ends_before_any_long_one_under_way_and_a_client_that_leaves_frees_the_model(
-    served_run: Path,
+    server: ServeProcess,
 ) -> None:
     """Requests take turns on the model a slice at a time, so a short one behind the longest request the default
     limits allow ends first, and that request still runs; once its client leaves, its choices end as cancelled."""
-    server = ServeProcess(served_run)  # the default limits
-    try:
-        for name, body in HEAVY.items():
-            before = server.http.get("/health").json()["finished"]
-            heavy = _unread_request(server, body)
-            _wait_for(server, f"{name} never started", running=1)
-            short = server.post({"prompt": PROMPT, "max_tokens": 20})
-            assert short.status_code == 200 and len(short.json()["choices"][0]["text"]) == 20, short.text
-            health = server.http.get("/health").json()
-            assert health["running"] == 1, (name, health)  # still under way
-            assert health["finished"] == {**before, "length": before.get("length", 0) + 1}, (name, health)
-            heavy.close()
-            cancelled = before.get("cancelled", 0) + body.get("n", 1)
-            _wait_for(server, f"{name} outlived its client", running=0, cancelled=cancelled)
-    finally:
-        _, stderr = server.stop()
-    assert "Traceback" not in stderr, stderr
+    for name, body in HEAVY.items():
+        before = server.http.get("/health").json()["finished"]
+        heavy = _unread_request(server, body)
+        _wait_for(server, f"{name} never started", running=1)
+        short = server.post({"prompt": PROMPT, "max_tokens": 20})
+        assert short.status_code == 200 and len(short.json()["choices"][0]["text"]) == 20, short.text
+        health = server.http.get("/health").json()
+        assert health["running"] == 1, (name, health)  # still under way
+        assert health["finished"] == {**before, "length": before.get("length", 0) + 1}, (name, health)
+        heavy.close()
+        cancelled = before.get("cancelled", 0) + body.get("n", 1)
+        _wait_for(server, f"{name} outlived its client", running=0, cancelled=cancelled)
 
 
 def test_a_stream_whose_client_stops_reading_ends_at_timeout_s(served_run: Path) -> None:
@@ -331,43 +331,6 @@ def test_a_stream_whose_client_stops_reading_ends_at_timeout_s(served_run: Path)
     finally:
         _, stderr = server.stop()
     assert "Traceback" not in stderr, stderr
-
-
-def test_past_max_connections_the_503_is_openai_s_error_object(served_run: Path) -> None:
-    server = ServeProcess(served_run, "max_connections=1")
-    try:
-        host, port = server.url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port))):  # a second connection, idle
-            busy = server.post({"prompt": PROMPT, "max_tokens": 2})
-            assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
-            error = busy.json()["error"]
-            assert error["type"] == "server_busy" and "(max_connections)" in error["message"], error
-        deadline = time.monotonic() + 60
-        while (answer := server.post({"prompt": PROMPT, "max_tokens": 2})).status_code == 503:
-            assert time.monotonic() < deadline, answer.text
-            time.sleep(0.05)
-        assert answer.status_code == 200, answer.text
-    finally:
-        server.stop()
-
-
-def test_echo_scores_prompts_within_the_context_in_one_forward_pass() -> None:
-    """Each prompt token is scored from what generation would have seen: prompts within block_size together in one
-    forward pass; past it, each token in a window of its own (PREFILL_CHUNK positions of windows a pass)."""
-    model = GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
-
-    def passes(prompts: list[list[int]]) -> tuple[int, list[int]]:
-        scoring, count = prompt_scores(model, prompts, 0), 0
-        with torch.no_grad():
-            while True:
-                try:
-                    next(scoring)
-                except StopIteration as done:
-                    return count, [len(scores) for scores in done.value]
-                count += 1
-
-    assert passes([list(range(33)), list(range(40, 60))]) == (1, [32, 19])
-    assert passes([list(range(33)) * 3]) == (3, [98])  # 67 windows of 32 tokens, 32 a pass
 
 
 def test_a_stop_lets_the_stream_in_flight_finish_and_ends_the_next_with_an_error_event(served_run: Path) -> None:
@@ -435,7 +398,7 @@ def test_an_api_key_is_required_when_set_and_compared_as_utf8(served_run: Path, 
 def test_a_host_beyond_loopback_without_a_key_not_this_machine_s_or_a_port_in_use_is_one_line(
     server: ServeProcess, served_run: Path, host: str, message: str
 ) -> None:
-    port = server.url.rsplit(":", 1)[1] if host == "127.0.0.1" else "0"  # the module server's: in use
+    port = server.url.rsplit(":", 1)[1] if host == "127.0.0.1" else "0"  # the running server's: in use
     result = run_in_process("serve.py", [f"out_dir={served_run}", f"host={host}", f"port={port}", "device=cpu"],
                             served_run.parent)
     message = message.replace("PORT", port)

@@ -37,6 +37,14 @@ def _generate(browser, server: ServeProcess, prompt: str, max_tokens: int) -> di
     return browser.execute_script("return window.servePage.state")
 
 
+def _shown(browser) -> list[str]:
+    """The page's boxes on screen: none empty before its text, and no blank chart before a replacement."""
+    from selenium.webdriver.common.by import By
+
+    boxes = ("output", "tokens-wait", "tokens", "change-chart", "explorer")
+    return [box for box in boxes if browser.find_element(By.ID, box).is_displayed()]
+
+
 @pytest.mark.parametrize(("body", "param", "message"), [
     ({"text": "ROMEO", "position": 5, "replacement": "e"}, "position", "position=5 is not a token of the text"),
     ({"text": "ROMEO", "position": 1, "replacement": "ee"}, "replacement", "'ee' is 2 tokens; give one"),
@@ -56,7 +64,7 @@ def test_the_page_streams_text_follows_it_with_the_explorer_and_shows_the_mask_o
     from selenium.webdriver.common.by import By
 
     state = _generate(browser, server, PROMPT, 40)
-    assert state["error"] is None
+    assert state["error"] is None and _shown(browser) == ["output", "tokens", "explorer"]
     greedy = server.post({"prompt": PROMPT, "max_tokens": 40, "temperature": 0}).json()["choices"][0]["text"]
     assert state["text"] == PROMPT + greedy  # the page's stream is the API's text
     assert browser.find_element(By.ID, "generated").text.strip() == greedy.strip()
@@ -80,6 +88,7 @@ def test_the_page_streams_text_follows_it_with_the_explorer_and_shows_the_mask_o
         assert all(change > 0 for change in changes["changes"][impl][position:]), impl
     assert changes["position"] == position and changes["replacement"] == replacement
     assert browser.find_element(By.ID, "change-verdict").text.startswith("mask held")
+    assert _shown(browser) == ["output", "tokens", "change-chart", "explorer"]
     assert browser.execute_script("return document.getElementById('change-chart').toDataURL()") != blank
     assert [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"] == []
 
@@ -91,29 +100,10 @@ def test_the_page_shows_the_cropping_line_above_the_tokens_and_in_the_explorer(b
     from selenium.webdriver.common.by import By
 
     browser.get(server.url + "/")
-    assert not browser.find_element(By.ID, "tokens-note").is_displayed()
+    assert not browser.find_element(By.ID, "tokens-note").is_displayed() and _shown(browser) == ["tokens-wait"]
     _generate(browser, server, LONG, 3)
     shown = browser.find_element(By.ID, "tokens-note")
     note = f"showing the last 96 of the text's {len(LONG) + 3} tokens: the model's context (block_size=96)"
     assert shown.is_displayed() and shown.text == note
     in_explorer = "const d = document.getElementById('explorer').contentDocument.getElementById('context-note');"
     assert browser.execute_script(in_explorer + "return [d.hidden, d.textContent]") == [False, shown.text]
-
-
-def test_the_page_shows_no_empty_box_before_its_text_nor_a_blank_chart_before_a_replacement(
-    browser, server: ServeProcess
-) -> None:
-    """It showed empty boxes until Generate, then a large blank chart until a token was replaced."""
-    from selenium.webdriver.common.by import By
-
-    def shown() -> list[str]:
-        boxes = ("output", "tokens-wait", "tokens", "change-chart", "explorer")
-        return [box for box in boxes if browser.find_element(By.ID, box).is_displayed()]
-
-    browser.get(server.url + "/")
-    assert shown() == ["tokens-wait"]
-    _generate(browser, server, PROMPT, 3)
-    assert shown() == ["output", "tokens", "explorer"]
-    browser.execute_script("window.servePage.replace(3, 'a')")
-    _wait(browser, "return window.servePage.state.changes")
-    assert shown() == ["output", "tokens", "change-chart", "explorer"]

@@ -144,13 +144,17 @@ class Measured(Exception):
     """Raised before the step after the measured ones: no evaluation, and no checkpoint, that nothing here reads."""
 
 
-def bench_train(args: argparse.Namespace) -> list[dict]:
-    n = args.train_iters
-    overrides = [f"experiment={args.experiment}", f"device={args.device}", *args.override,
-                 f"train.max_iters={2 * n + 1}", f"train.log_interval={n}", f"train.eval_interval={10 * n}",
-                 f"train.eval_from={10 * n}", "train.target_val_loss=null"]  # no evaluation: one compiled graph
+def run_config(overrides: list[str]) -> TrainRunConfig:
+    """train.py's typed config, composed from configs/ with these Hydra overrides as the command composes it."""
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        config = typed_config(compose(config_name="config", overrides=overrides), TrainRunConfig)
+        return typed_config(compose(config_name="config", overrides=overrides), TrainRunConfig)
+
+
+def bench_train(args: argparse.Namespace) -> list[dict]:
+    n = args.train_iters  # no evaluation, so one compiled graph
+    config = run_config([f"experiment={args.experiment}", f"device={args.device}", *args.override,
+                         f"train.max_iters={2 * n + 1}", f"train.log_interval={n}", f"train.eval_interval={10 * n}",
+                         f"train.eval_from={10 * n}", "train.target_val_loss=null"])
 
     def stop_when_measured(it: int) -> None:
         if it == 2 * n:
@@ -353,24 +357,6 @@ def bench_memory(args: argparse.Namespace) -> list[dict]:
     return rows + [probe_row(probe, args.device) for probe in probes]
 
 
-def adamw_step(model: GPT, forward: nn.Module, batch_size: int, bf16: bool
-               ) -> tuple[torch.optim.Optimizer, Callable[[], None]]:
-    """An AdamW optimizer and a step of `forward` (the model, or its compiled self) on random tokens, contiguous as the
-    trainer hands them to a GPU (their strides are part of a compiled graph)."""
-    device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
-
-    def step() -> None:
-        block = torch.randint(model.config.vocab_size, (batch_size, model.config.block_size + 1), device=device)
-        with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
-            _, loss = forward(block[:, :-1].contiguous(), block[:, 1:].contiguous())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return optimizer, step
-
-
 def probe_row(probe: tuple[int, ...], device: str, backend: str = "inductor") -> dict:
     """A probe's prediction against the peak bytes of an AdamW step, its weights and AdamW's state included: measured
     on the second step (the first makes AdamW's state, and compiles, whose own allocations are left out). On CUDA also
@@ -378,18 +364,30 @@ def probe_row(probe: tuple[int, ...], device: str, backend: str = "inductor") ->
     n_layer, n_embd, block_size, batch_size, checkpointing, vocab, bf16, compiled = probe
     config = GPTConfig(vocab_size=vocab, vocab_multiple=64, block_size=block_size, n_layer=n_layer,
                        n_head=n_embd // 64, n_embd=n_embd, bias=False, activation="gelu_tanh")  # as the gpt2 presets
+    device_type = torch.device(device).type
     gc.collect()
     torch.manual_seed(0)
     model = GPT(config).to(device).train()
     model.activation_checkpointing = bool(checkpointing)
     forward = torch.compile(model, backend=backend) if compiled else model
-    optimizer, step = adamw_step(model, forward, batch_size, bool(bf16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device_type == "cuda" or None)
+
+    def step() -> None:
+        """An AdamW step on random tokens, contiguous as the trainer hands them to a GPU (their strides are part of a
+        compiled graph)."""
+        block = torch.randint(vocab, (batch_size, block_size + 1), device=device)
+        with torch.autocast(device_type, torch.bfloat16, enabled=bool(bf16)):
+            _, loss = forward(block[:, :-1].contiguous(), block[:, 1:].contiguous())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
     step()
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     live = sum(t.numel() * t.element_size() for t in (*model.parameters(), *state))
     added, reserved = peak_bytes(step, device)
     measured, predicted = live + added, training_memory(config, batch_size, bool(bf16), bool(checkpointing))
-    return {"section": f"memory: predicted against measured ({torch.device(device).type})",
+    return {"section": f"memory: predicted against measured ({device_type})",
             "shape": f"{n_layer}x{n_embd}, vocab {vocab}, block {block_size}, batch {batch_size}",
             "dtype": "bfloat16" if bf16 else "float32", "checkpointing": bool(checkpointing),
             "compiled": bool(compiled), "measured_mib": measured / 2**20, "predicted_mib": predicted / 2**20,

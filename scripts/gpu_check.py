@@ -42,16 +42,20 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench import MEMORY_PROBES, probe_row  # noqa: E402
+from bench import MEMORY_PROBES, probe_row, run_config  # noqa: E402
 from common.files import CONFIG_NAME, METRICS_NAME, read_records  # noqa: E402
+from common.runtime import World, make_runtime  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from train import build_trainer, train  # noqa: E402
 
 # Seconds each step takes on one H100 (docs/gpu.md: how each is estimated); a step may take twice its estimate
 ESTIMATE_S = {"preflight": 10, "gpt2": 125, "speedrun_gpu": 120, "shakespeare": 75, "cuda steps": 10, "memory": 40,
@@ -76,23 +80,22 @@ class StepTimeout(BaseException):
     """A step ran past its limit (SIGALRM, again every 5 s): no `except Exception` inside torch swallows it."""
 
 
-def run_command(command: list[str], log: Path) -> int | None:
+def run_command(command: list[str], log: Path, result: dict) -> int | None:
     """command's exit status, its output in log; None if the step's limit came first: then its whole process group is
-    killed (inductor's compile workers too)."""
+    killed (inductor's compile workers too). The step's result says whether it was stopped, and holds the output's
+    tail if the command failed."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out, subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                                 start_new_session=True) as process:
         try:
-            return process.wait()
+            status = process.wait()
         except BaseException as err:
             os.killpg(process.pid, signal.SIGKILL)
-            if isinstance(err, StepTimeout):
-                return None
-            raise
-
-
-def tail(log: Path) -> str:
-    return log.read_text(errors="replace")[-600:]
+            if not isinstance(err, StepTimeout):
+                raise
+            status = None
+    result |= {"stopped": status is None, "log_tail": "" if status == 0 else log.read_text(errors="replace")[-600:]}
+    return status
 
 
 def bpe_ranks(ranks: Path | None) -> str | None:
@@ -118,16 +121,17 @@ def preflight(args: argparse.Namespace, report: dict, result: dict) -> None:
     context: used memory outside the allocator, measured)."""
     args.ranks_missing = bpe_ranks(args.ranks)
     text = args.text is not None and args.text.is_file()
-    result |= {"ok": text and (args.dry_run or torch.cuda.is_available()), "bpe_ranks": args.ranks_missing or "found",
+    result |= {"ok": text, "bpe_ranks": args.ranks_missing or "found",
                "text": str(args.text) if text else f"missing: pass --text, tiny Shakespeare's input.txt ({args.text})"}
     versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
     report["versions"] = result["versions"] = versions
-    if torch.cuda.is_available() and not args.dry_run:
+    if not args.dry_run:
         torch.zeros(1, device="cuda")  # the context made
         free, total = torch.cuda.mem_get_info()
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30).stdout.strip() if shutil.which(
-                                    "nvidia-smi") else None
+        driver = None
+        if shutil.which("nvidia-smi"):
+            query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+            driver = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip()
         versions |= {"gpu": torch.cuda.get_device_name(), "driver": driver, "gpu_memory_gib": total / 2**30}
         result |= {"free_gib": free / 2**30, "cuda_context_gib": cuda_context_gib()}
 
@@ -153,50 +157,38 @@ def gpt2_throughput(args: argparse.Namespace, result: dict) -> None:
         overrides = ["data=shakespeare", f"data.dir={args.work / 'data_bpe'}", "train.grad_accum=4"]
         options = ["--train-iters", "10"]
     out, log = args.work / "train.json", args.out / "logs" / "gpt2.log"
-    overrides += [f"data.input={args.text}"]
+    overrides.append(f"data.input={args.text}")
     command = [sys.executable, str(REPO / "bench.py"), "train", "--device", args.device, "--experiment", "gpt2",
                *options, *(option for override in overrides for option in ("--override", override)), "--json", str(out)]
-    status = run_command(command, log)
+    status = run_command(command, log, result)
     loops = {r["loop"]: r for r in json.loads(out.read_text())} if status == 0 else {}
     ours = loops.get("train.py", {})
     measured = re.search(r"^train\.py: ([\d.]+) tokens/s", log.read_text(errors="replace"), re.M)  # said early
-    result |= {"ok": bool(ours), "stopped": status is None, "tokens_per_sec": ours.get(
-                   "tokens_per_sec", float(measured[1]) if measured else None),
-               "mfu": ours.get("mfu"), "peak": ours.get("peak"), "vs_compiled_nanogpt": ours.get("vs_compiled_nanogpt"),
-               **{f"{loop} tokens_per_sec": r["tokens_per_sec"] for loop, r in loops.items() if loop != "train.py"},
-               "log_tail": "" if status == 0 else tail(log)}
+    result |= {"ok": bool(ours), "tokens_per_sec": ours.get("tokens_per_sec", float(measured[1]) if measured else None),
+               **{key: ours.get(key) for key in ("mfu", "peak", "vs_compiled_nanogpt")},
+               **{f"{loop} tokens_per_sec": r["tokens_per_sec"] for loop, r in loops.items() if loop != "train.py"}}
 
 
-def run_overrides(args: argparse.Namespace, experiment: str) -> list[str]:
-    """A preset's runs to val TARGET on the whole val split (a 20-batch train estimate), each stopping there;
-    nanoGPT's recipe keeps its 5000-iteration schedule but stops by 2500."""
+def train_runs(args: argparse.Namespace) -> None:
+    """--runs: a warm-up job, then a run a seed, in this one process: the runs reuse the warm-up's compiled graphs,
+    so none of them pays a compile. Each run stops at val TARGET on the whole val split (a 20-batch train estimate);
+    nanoGPT's recipe keeps its 5000-iteration schedule but stops by 2500. WORK/EXPERIMENT/jobs.json: each job's seconds
+    and graphs compiled."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    experiment, root = args.runs, args.work / args.runs
     overrides = [f"experiment={experiment}", f"data.dir={args.work / 'data'}", f"data.input={args.text}",
                  f"train.target_val_loss={4.0 if args.dry_run else TARGET}", "train.full_val=true",
                  "train.eval_iters=20"]
     if experiment == "shakespeare":
         overrides += ["train.lr_decay_iters=5000", "train.max_iters=2500"]
-    return overrides + (TINY_RUN if args.dry_run else [])
-
-
-def train_runs(args: argparse.Namespace) -> None:
-    """--runs: a warm-up job, then a run a seed, in this one process: the runs reuse the warm-up's compiled graphs,
-    so none of them pays a compile. WORK/EXPERIMENT/jobs.json: each job's seconds and graphs compiled."""
-    from hydra import compose, initialize_config_dir
-    from torch._dynamo.utils import counters
-
-    from common.config import typed_config
-    from train import TrainRunConfig, train
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    experiment, root = args.runs, args.work / args.runs
+    overrides += TINY_RUN if args.dry_run else []
     jobs: dict[str, dict] = {}
     for job, seed in [("warm-up", args.seeds[0]), *((f"seed{seed}", seed) for seed in args.seeds)]:
-        overrides = [*run_overrides(args, experiment), f"seed={seed}", f"out_dir={root / job}"]
-        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-            config = compose(config_name="config", overrides=overrides + (WARM_UP if job == "warm-up" else []))
+        warm_up = WARM_UP if job == "warm-up" else []
+        config = run_config([*overrides, f"seed={seed}", f"out_dir={root / job}", *warm_up])
         graphs, began = counters["stats"]["unique_graphs"], time.perf_counter()
         try:
-            train(typed_config(config, TrainRunConfig))
+            train(config)
         except Exception as err:  # a diverged or out-of-memory seed: said, and the next one runs
             jobs[job] = {"error": f"{type(err).__name__}: {err}"[:300]}
         jobs[job] = {**jobs.get(job, {}), "seconds": time.perf_counter() - began,
@@ -222,25 +214,22 @@ def preset_runs(args: argparse.Namespace, experiment: str, seeds: tuple[int, ...
     log = args.out / "logs" / f"{experiment}.log"
     command = [sys.executable, str(Path(__file__).resolve()), "--runs", experiment, "--seeds",
                ",".join(map(str, seeds)), "--work", str(args.work), "--text", str(args.text)]
-    command += ["--dry-run"] if args.dry_run else []
-    status = run_command(command, log)
+    status = run_command(command + (["--dry-run"] if args.dry_run else []), log, result)
     root = args.work / experiment
     jobs = json.loads((root / "jobs.json").read_text()) if (root / "jobs.json").is_file() else {}
     per_seed = {str(seed): seed_result(root / f"seed{seed}") | {key: jobs.get(f"seed{seed}", {}).get(key) for key in (
         "graphs", "error")} for seed in seeds}
-    for run in (path for path in root.glob("*") if path.is_dir()):
-        for name in (METRICS_NAME, CONFIG_NAME):
-            if (run / name).is_file():
-                (args.out / "runs" / experiment / run.name).mkdir(parents=True, exist_ok=True)
-                shutil.copy(run / name, args.out / "runs" / experiment / run.name / name)
+    for file in (*root.glob(f"*/{METRICS_NAME}"), *root.glob(f"*/{CONFIG_NAME}")):
+        kept = args.out / "runs" / experiment / file.parent.name
+        kept.mkdir(parents=True, exist_ok=True)
+        shutil.copy(file, kept)
     times = [r["time_to_target_s"] or math.inf for r in per_seed.values()]
     median = statistics.median(times)
     warm_up = jobs.get("warm-up", {})
-    result |= {"ok": status == 0 and math.inf not in times, "stopped": status is None,
+    result |= {"ok": status == 0 and math.inf not in times,
                "reached": f"{len(times) - times.count(math.inf)} of {len(times)}",
                "median_time_to_target_s": median if math.isfinite(median) else None, "per_seed": per_seed,
-               "warm_up_s": warm_up.get("seconds"), "warm_up_graphs": warm_up.get("graphs"),
-               "log_tail": "" if status == 0 else tail(log)}
+               "warm_up_s": warm_up.get("seconds"), "warm_up_graphs": warm_up.get("graphs")}
     if experiment == "shakespeare":
         result |= time_ratio(args, next((s for s in report["steps"] if s["step"] == "speedrun_gpu"), {}), result)
 
@@ -258,13 +247,6 @@ def time_ratio(args: argparse.Namespace, speedrun: dict, recipe: dict) -> dict:
             "the same, each with its warm-up": with_warm_up}
 
 
-def training_state(trainer: object) -> list[torch.Tensor]:
-    """Weights and every optimizer state tensor (moments, momentum buffers, step counts), copied."""
-    optimizer = trainer.optimizer.state_dict()["state"]
-    return [*(v.clone() for v in trainer.model.state_dict().values()),
-            *(v.clone() for s in optimizer.values() for v in s.values() if torch.is_tensor(v))]
-
-
 def cuda_steps(args: argparse.Namespace, result: dict) -> None:
     """train.py's step on the tiny model, eager, for AdamW and Muon: steps 2-5 under CUDA's sync debug mode (each wait
     is a warning), an inf gradient with a finite loss at step 6, a NaN loss at step 8, train.on_nonfinite=skip. On a
@@ -280,18 +262,11 @@ def cuda_steps(args: argparse.Namespace, result: dict) -> None:
 def step_checks(args: argparse.Namespace, optimizer: str) -> tuple[list[str], str]:
     """cuda_steps' for one optimizer: where steps 2-5 waited for the device, and whether both bad steps left the state
     as it was."""
-    from hydra import compose, initialize_config_dir
-
-    from common.config import typed_config
-    from common.runtime import World, make_runtime
-    from train import TrainRunConfig, build_trainer
-
     out_dir = args.work / f"steps-{optimizer}"
-    overrides = [*TINY_MODEL, f"device={args.device}", f"data.input={args.text}", f"data.dir={args.work / 'data'}",
-                 f"out_dir={out_dir}", f"train.optimizer={optimizer}", "train.max_iters=10", "train.compile=false",
-                 "train.eval_from=100", "train.log_interval=100", "train.on_nonfinite=skip", "train.batch_size=8"]
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        config = typed_config(compose(config_name="config", overrides=overrides), TrainRunConfig)
+    config = run_config([*TINY_MODEL, f"device={args.device}", f"data.input={args.text}",
+                         f"data.dir={args.work / 'data'}", f"out_dir={out_dir}", f"train.optimizer={optimizer}",
+                         "train.max_iters=10", "train.compile=false", "train.eval_from=100", "train.log_interval=100",
+                         "train.on_nonfinite=skip", "train.batch_size=8"])
     out_dir.mkdir(parents=True)
     trainer = build_trainer(config, World(), make_runtime(args.device, "auto"))
     model, cuda = trainer.model, args.device == "cuda"
@@ -305,7 +280,12 @@ def step_checks(args: argparse.Namespace, optimizer: str) -> tuple[list[str], st
         warnings.simplefilter("always")
 
         def before_step(it: int) -> None:
-            states[it], syncs[it] = training_state(trainer), len(caught)
+            """Keeps a copy of the weights and every optimizer state tensor (moments, momentum buffers, step counts) and
+            the warnings so far; CUDA warns of each sync in steps 2-5."""
+            optimizer_state = trainer.optimizer.state_dict()["state"].values()
+            moments = [v for s in optimizer_state for v in s.values() if torch.is_tensor(v)]
+            states[it] = [v.clone() for v in (*model.state_dict().values(), *moments)]
+            syncs[it] = len(caught)
             if cuda and it in (2, 6):
                 torch.cuda.set_sync_debug_mode("warn" if it == 2 else "default")
 
@@ -345,11 +325,10 @@ def sample_with_maps(args: argparse.Namespace, result: dict) -> None:
     maps, log = args.out / "maps", args.out / "logs" / "sample.log"
     command = [sys.executable, str(REPO / "sample.py"), f"out_dir={args.work / 'speedrun_gpu' / f'seed{SEEDS[0]}'}",
                "start=ROMEO:", "max_new_tokens=40", "num_samples=1", f"attention_dir={maps}", "check_causal=true"]
-    status = run_command(command, log)
+    status = run_command(command, log, result)
     output = log.read_text(errors="replace")
     held = "causality check" in output and "MASK LEAKED" not in output
-    result |= {"ok": status == 0 and held and (maps / "index.html").is_file(), "stopped": status is None,
-               "log_tail": "" if status == 0 else tail(log)}
+    result["ok"] = status == 0 and held and (maps / "index.html").is_file()
 
 
 def paths_agree(args: argparse.Namespace, result: dict) -> None:
@@ -422,20 +401,20 @@ def main() -> None:
     args.work = Path(tempfile.mkdtemp(prefix="gpu-check-"))  # token files and checkpoints: not kept
     report: dict = {"deadline_s": args.deadline, "versions": {}, "steps": []}
     args.ranks_missing = "the preflight did not finish"
-    steps: list[tuple[str, Callable[[dict], None]]] = [
-        ("preflight", lambda result: preflight(args, report, result)),
-        ("gpt2", lambda result: gpt2_throughput(args, result)),
-        ("speedrun_gpu", lambda result: preset_runs(args, "speedrun_gpu", SEEDS, report, result)),
-        ("shakespeare", lambda result: preset_runs(args, "shakespeare", SEEDS[:1], report, result)),  # nanoGPT's
-        ("cuda steps", lambda result: cuda_steps(args, result)),
-        ("memory", lambda result: peak_memory(args, result)),
-        ("sample", lambda result: sample_with_maps(args, result)),
-        ("flash = math", lambda result: paths_agree(args, result)),
-        ("compile", lambda result: compiled_like_eager(args, result)),
-    ]
+    steps = {
+        "preflight": partial(preflight, args, report),
+        "gpt2": partial(gpt2_throughput, args),
+        "speedrun_gpu": partial(preset_runs, args, "speedrun_gpu", SEEDS, report),
+        "shakespeare": partial(preset_runs, args, "shakespeare", SEEDS[:1], report),  # nanoGPT's recipe
+        "cuda steps": partial(cuda_steps, args),
+        "memory": partial(peak_memory, args),
+        "sample": partial(sample_with_maps, args),
+        "flash = math": partial(paths_agree, args),
+        "compile": partial(compiled_like_eager, args),
+    }
     signal.signal(signal.SIGALRM, _time_out)
     try:
-        for name, step in steps:
+        for name, step in steps.items():
             report["steps"].append(run_step(name, step, args))
             write_json(args.out / "gpu_check.json", report)  # kept if the loan ends now
     finally:
@@ -476,7 +455,7 @@ def run_step(name: str, step: Callable[[dict], None], args: argparse.Namespace) 
     try:
         step(result)
     except StepTimeout:
-        result |= {"ok": False, "stopped": True}
+        result["stopped"] = True
     except Exception as err:  # one failed step (a compile error, an out-of-memory) costs only its own answer
         result |= {"ok": False, "error": f"{type(err).__name__}: {err}"[:500]}
     finally:
@@ -484,15 +463,18 @@ def run_step(name: str, step: Callable[[dict], None], args: argparse.Namespace) 
     if result.pop("stopped", False):  # at the limit (its command killed)
         result |= {"ok": False, "error": f"stopped at its limit, {limit:.0f} s"}
     result = {"step": name, **result, "took_s": time.monotonic() - began, "limit_s": limit}
-    shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()
-                      if k not in ("step", "ok", "took_s", "limit_s", "per_seed", "log_tail", "versions")
-                      and v not in (None, ""))
+    shown = figures({k: v for k, v in result.items() if v not in (None, "")
+                     and k not in ("step", "ok", "took_s", "limit_s", "per_seed", "log_tail", "versions")})
     print(f"{'PASS' if result['ok'] else 'FAIL'}  {name}: {shown} [{result['took_s']:.0f} s of {limit:.0f} s]",
           flush=True)
-    for seed, figures in result.get("per_seed", {}).items():
-        print(f"      seed {seed}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                               for k, v in figures.items()), flush=True)
+    for seed, values in result.get("per_seed", {}).items():
+        print(f"      seed {seed}: {figures(values)}", flush=True)
     return result
+
+
+def figures(values: dict) -> str:
+    """The figures as a line prints them, floats to four significant digits."""
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
 
 
 if __name__ == "__main__":

@@ -2,13 +2,14 @@
 estimate against the tensor bytes measured, and the commands that refuse, before allocating, what can't fit."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 import bench
-from conftest import refused, run_in_process, run_script
+from conftest import refused, run_in_process
 from model import GPTConfig
 
 
@@ -18,22 +19,22 @@ def test_bench_py_runs_every_section_on_tiny_sizes(tmp_path: Path, corpus_path: 
                   f"data.input={corpus_path}", f"data.dir={tmp_path / 'data'}"]
     args = ("train attention sampling sampling-batch memory --memory-probes 0 --num-samples 2 --device cpu --repeats 1 "
             "--train-iters 3 --lengths 16 --block-size 32 --new-tokens 8 --compile-backend aot_eager").split()
-    result = run_script("bench.py", [*args, "--json", str(out), *(a for o in tiny_train for a in ("--override", o))],
-                        cwd=tmp_path)
+    overrides = [a for o in tiny_train for a in ("--override", o)]
+    result = run_in_process("bench.py", [*args, "--json", str(out), *overrides], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())
     train = [r for r in rows if r["section"] == "train"]
     assert [r["loop"] for r in train] == ["nanoGPT, eager", "nanoGPT, compiled", "train.py"]
     assert all(r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1 and r["peak"] == "measured float32 matmul" for r in train)
-    assert train[1]["vs_compiled_nanogpt"] == 1 and "vs_compiled_nanogpt" in result.stdout
-    attention = [r for r in rows if r["section"] == "attention"]  # a fresh process each
+    assert train[1]["vs_compiled_nanogpt"] == 1
+    attention = [r for r in rows if r["section"] == "attention"]
     assert {(r["attn_impl"], r["window"], r["T"]) for r in attention} == {("flash", "-", 16), ("math", "-", 16),
                                                                           ("flash", 256, 16)}
     assert all(r["seconds"] > 0 and r["peak_mib"] >= 0 and r["time_vs_shortest"] == 1 for r in attention)
     sampling = [r for r in rows if r["section"] == "sampling"]
     assert {(r["attn_impl"], r["kv_cache"]) for r in sampling} == {(a, c) for a in ("flash", "math")
                                                                    for c in (False, True)}
-    assert "speedup" in result.stdout and "time_vs_shortest" in result.stdout
+    assert all(column in result.stdout for column in ("vs_compiled_nanogpt", "time_vs_shortest", "speedup"))
     batch = [r for r in rows if r["section"] == "sampling: batch and nanoGPT"]
     assert [r["way"] for r in batch] == ["nanoGPT's loop, one at a time", "one at a time, KV cache",
                                          "one batch, KV cache (sample.py)", "the same, streamed"]
@@ -42,12 +43,6 @@ def test_bench_py_runs_every_section_on_tiny_sizes(tmp_path: Path, corpus_path: 
     assert len(fits) == 16 and fits[0]["plain"] == "batch_size=20 grad_accum=24"  # docs/gpu.md's table
     unknown = run_in_process("bench.py", ["trian"], cwd=tmp_path)
     assert unknown.returncode == 2 and "unknown section trian" in unknown.stderr
-
-
-def test_the_measured_matmul_peak_leaves_the_global_random_state_alone() -> None:
-    state = torch.get_rng_state()
-    assert bench.matmul_flops(torch.device("cpu"), torch.float32) > 0
-    assert torch.equal(torch.get_rng_state(), state)
 
 
 GPU_CHECK_STEPS = ["preflight", "gpt2", "speedrun_gpu", "shakespeare", "cuda steps", "memory", "sample", "flash = math",
@@ -102,8 +97,8 @@ def test_gpu_check_stops_at_its_deadline_and_marks_the_steps_it_did_not_reach(tm
 
 @pytest.mark.parametrize(
     "probe",
-    [  # (n_layer, n_embd, block_size, batch_size, checkpointing, vocab_size, bf16, compiled)
-        (2, 64, 128, 8, 0, 2048, 0, 0),  # a vocabulary whose logits dominate
+    [  # (n_layer, n_embd, block_size, batch_size, checkpointing, vocab_size, bf16, compiled); the GPU check's dry run
+        # judges a vocabulary whose logits dominate, and a checkpointed model under bf16 autocast
         (4, 64, 128, 8, 0, 65, 1, 0),  # the blocks dominate, under bf16 autocast
         (4, 64, 128, 8, 1, 65, 0, 0),  # checkpointed
         (2, 64, 128, 8, 1, 2048, 1, 0),
@@ -137,8 +132,7 @@ def test_an_absurd_model_or_sample_count_is_one_line_from_the_command_line(
     assert " GiB" in refused(result) and not (tmp_path / "run").exists()
     result = run_in_process("sample.py", [f"out_dir={trained_run}", "num_samples=10000000", "max_new_tokens=5"],
                             tmp_path)
-    assert result.returncode == 2 and "Traceback" not in result.stderr and "; lower num_samples" in result.stderr
-    assert result.stderr.startswith("error: num_samples=10000000 needs about ")
+    assert re.fullmatch(r"error: num_samples=10000000 needs about .* GiB, .*; lower num_samples", refused(result))
 
 
 def test_evaluation_scores_in_passes_that_fit(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:

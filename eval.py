@@ -39,7 +39,6 @@ class EvalConfig(ModelChoice):
 ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
 
 
-
 def usage() -> str:
     return f"""Score a model: loss, perplexity and bits per byte of a text, and HellaSwag. Settings are key=value.
 

@@ -21,8 +21,7 @@ LABELS_UP_TO = 48  # token labels on the axes only while they stay readable
 
 def save_attention_maps(model: GPT, ids: list[int], tokens: list[str], out_dir: Path) -> list[Path]:
     """Write out_dir/attention.npz (weights (n_layer, n_head, T, T); mask (n_layer, T, T), True where a query may
-    attend; tokens; diagnostics (n_layer, n_head, 5), named by diagnostic_names) and the PNGs. Each is written beside
-    its name and renamed over it, so a link of that name is replaced, never written through."""
+    attend; tokens; diagnostics (n_layer, n_head, 5), named by diagnostic_names) and a PNG per layer."""
     out_dir.mkdir(parents=True, exist_ok=True)
     weights, mask = attention_arrays(model, ids)
     arrays = dict(weights=weights, mask=mask, tokens=np.array(tokens), diagnostics=head_diagnostics(model, weights),
@@ -39,7 +38,7 @@ def attention_arrays(model: GPT, ids: list[int]) -> tuple[np.ndarray, np.ndarray
     return weights, mask
 
 
-def check_output_dir(out_dir: Path, key: str = "attention_dir") -> None:
+def check_output_dir(out_dir: Path) -> None:
     """Before any work: DataError unless out_dir is new, empty or holds only what an earlier attention_dir wrote."""
     if not out_dir.is_dir():
         return
@@ -48,8 +47,8 @@ def check_output_dir(out_dir: Path, key: str = "attention_dir") -> None:
     if page.is_file() and EXPLORER_MARK not in page.read_text(encoding="utf-8", errors="replace")[:1000]:
         strangers.append("index.html (not an attention explorer page)")
     if strangers:
-        raise DataError(f"{key}={out_dir} holds files sample.py didn't write ({', '.join(strangers[:3])}); name an "
-                        "empty or new directory, so nothing of yours is overwritten")
+        raise DataError(f"attention_dir={out_dir} holds files sample.py didn't write ({', '.join(strangers[:3])}); "
+                        "name an empty or new directory, so nothing of yours is overwritten")
 
 
 def _plot_layer(weights: np.ndarray, mask: np.ndarray, tokens: list[str], layer: int, out_dir: Path) -> Path:

@@ -85,8 +85,6 @@ def decode_step_weights(model: GPT, ids: list[int], n_prefill: int, last: int | 
     n_layer, n_head, last), the last `last` tokens' steps over the last `last` keys (0 where none cached), captured on
     the math path from the same queries and cached keys, as the fused path doesn't return its weights."""
     T = len(ids)
-    if not 1 <= n_prefill <= T:
-        raise ValueError(f"n_prefill={n_prefill} must be between 1 and the {T} tokens")
     last = T if last is None else min(last, T)
     start = T - last  # the first key position kept
     first_step = max(n_prefill, start)

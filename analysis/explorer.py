@@ -108,8 +108,7 @@ def live_page(model: GPT, ids: list[int], tokens: list[str], n_prompt: int, titl
 
 def save_explorer(model: GPT, sample: list[int], n_prompt: int, out_dir: Path, title: str,
                   causality: dict | None = None, use_cache: bool = True, history: dict | None = None) -> Path:
-    """Write out_dir/index.html beside the attention.npz of `sample`'s last window (save_attention_maps), replacing a
-    link of that name rather than writing through it."""
+    """Write out_dir/index.html beside the attention.npz of `sample`'s last window (save_attention_maps)."""
     with np.load(out_dir / "attention.npz") as saved:
         page = live_page(model, sample, [str(t) for t in saved["tokens"]], n_prompt, title, causality=causality,
                          use_cache=use_cache, saved=saved, history=history)

@@ -19,7 +19,6 @@ from common.errors import ConfigError, DataError, UserError
 from common.files import CKPT_NAME
 from common.runtime import World, make_runtime
 from conftest import (
-    REPO,
     TINY_BPE,
     compose_config,
     refused,
@@ -249,9 +248,6 @@ def test_hellaswag_file_errors_are_one_line_and_a_download_cut_short_is_not_kept
     (tmp_path / "bad.jsonl").write_text('{"ctx": "a", "endings": ["b", "c"], "label": 0}\n')
     with pytest.raises(DataError, match=r"bad\.jsonl:1 is not a HellaSwag example"):
         load_examples(tmp_path / "bad.jsonl", BpeTokenizer(tiny_encoding()))
-    (tmp_path / "latin1.jsonl").write_bytes(b'{"ctx": "caf\xe9"}\n')  # for eval.py and train.hellaswag_file alike
-    with pytest.raises(DataError, match=r"latin1\.jsonl is not UTF-8 text"):
-        load_examples(tmp_path / "latin1.jsonl", BpeTokenizer(tiny_encoding()))
 
     class Short(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (the handler's name)
@@ -319,9 +315,3 @@ def test_train_hellaswag_every_is_refused_for_char_data_and_off_the_evaluations(
         typed_config(compose_config(overrides), TrainRunConfig)
     with pytest.raises(ConfigError, match="train.hellaswag_file=hs.jsonl is read only with train.hellaswag_every"):
         TrainConfig(hellaswag_file="hs.jsonl")
-
-
-def test_eval_py_is_documented() -> None:
-    readme = (REPO / "docs" / "reference.md").read_text()
-    for key in ("input", "context", "stride", "batch_size", "hellaswag", "hellaswag_file", "train.hellaswag_every"):
-        assert f"`{key}" in readme, key

@@ -1,8 +1,5 @@
-"""Attention maps, the causality demonstration and the attention explorer (analysis/), on a real (tiny) trained
-checkpoint: the explorer's data without a browser, then the page itself in headless Chromium, checked through the
-page (window.attentionExplorer, its canvases, its console). The browser tests need Debian's chromium and
-chromium-driver and the selenium client (.ci/run installs them): without them they skip with the reason, under CI
-(the CI variable set) they fail instead."""
+"""Attention maps, the causality demonstration and the attention explorer (analysis/) on a tiny trained checkpoint:
+the explorer's data, then the page itself in headless Chromium (the browser fixture says what it needs)."""
 
 from __future__ import annotations
 
@@ -28,11 +25,6 @@ from inference.sampling import load_model
 from model import GPT, GPTConfig, causal_mask
 
 T, PREFILL = 30, 6  # the page's sequence: 6 prompt tokens, 24 decode steps
-STEP = 1 / 255  # rounding each row to add up to 255 moves a weight by less than one step
-
-
-def _within_rounding(shown: np.ndarray, exact: np.ndarray) -> bool:
-    return bool(np.all(np.abs(shown - exact) < STEP + 1e-6))
 
 
 @pytest.fixture(scope="module")
@@ -163,14 +155,8 @@ def test_causality_check_finds_no_leak_in_a_trained_model_refuses_no_change_and_
     summary = format_report(report, [str(i) for i in ids], "x").splitlines()
     assert summary[1] == "  positions 0-14 (before it): flash 0, math 0" and summary[-1] == text[-1]
     assert summary[2].startswith("  positions 15-29 (from it on): flash ") and len(summary) == 4
-    # a one-token vocabulary (or the same token asked for) changes nothing: "the mask held" would prove nothing
-    one = GPT(GPTConfig(vocab_size=1, block_size=8, n_layer=1, n_head=1, n_embd=8)).eval()
-    with pytest.raises(ValueError, match="token 2 would be replaced by itself"):
-        check_causality(one, [0] * 6, position=2)
-    two = GPT(GPTConfig(vocab_size=5, block_size=8, n_layer=1, n_head=1, n_embd=8)).eval()
-    with pytest.raises(ValueError, match="token 1 would be replaced by itself"):
-        check_causality(two, [1, 3, 2], position=1, replacement=3)
-    assert check_causality(two, [1, 3, 2], position=1, replacement=4).position == 1
+    with pytest.raises(ValueError, match="token 1 would be replaced by itself"):  # "the mask held" would prove nothing
+        check_causality(trained, ids, position=1, replacement=ids[1])
     sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(model.attention, "causal_mask", lambda n_queries, n_keys, device=None, window=None:
                         torch.ones(n_queries, n_keys, dtype=torch.bool, device=device))
@@ -213,27 +199,20 @@ def _matrix_pixels(driver) -> str:
 
 
 def test_the_pages_weights_and_steps_are_the_saved_ones(page, page_dir: Path, windowed_model) -> None:
-    """Rows sum to 1, masked cells are 0, and each decode step shows its own weights."""
+    """The page shows the saved weights and each decode step's own, quantised (so rows sum to 1, masked cells 0)."""
     api = page.execute_script("const e = window.attentionExplorer; return [e.T, e.nLayer, e.nHead, e.tokens]")
     assert api[:3] == [T, 2, 2] and len(api[3]) == T and page.title == "Attention explorer: test </script> & <b>"
     shown = np.array(page.execute_script(RANGE + "return r(e.nLayer).map(l => r(e.nHead).map(h => r(e.T).map(i => "
                                          "r(e.T).map(j => e.weight(l, h, i, j)))))"))
     saved = np.load(page_dir / "attention.npz")
-    weights, mask = saved["weights"], saved["mask"][:, None]
-    assert mask[0, 0, 10, 7] and not mask[0, 0, 10, 6]  # the band of layer 0's window
-    mask = np.broadcast_to(mask, weights.shape)
-    assert np.all(shown[~mask] == 0) and np.all(shown[mask & (weights >= STEP)] > 0)
-    np.testing.assert_array_equal(shown, quantise(weights) / 255)
-    assert _within_rounding(shown, weights)
-    np.testing.assert_allclose(shown.sum(-1), 1.0, rtol=0, atol=1e-9)  # 255 steps in every row
+    assert saved["mask"][0, 10, 7] and not saved["mask"][0, 10, 6]  # the band of layer 0's window
+    np.testing.assert_array_equal(shown, quantise(saved["weights"]) / 255)
     values = page.execute_script("return window.attentionExplorer.diagnostics")
     assert values["names"] == list(DIAGNOSTIC_NAMES)
     np.testing.assert_allclose(np.array(values["values"], dtype=float), saved["diagnostics"], rtol=1e-6)
     steps = np.array(page.execute_script(RANGE + "return r(e.steps.count).map(s => r(e.nLayer).map(l => r(e.nHead).map("
                                          "h => r(e.T).map(j => e.stepWeight(s, l, h, j)))))"))
     model, ids, _ = windowed_model
-    math_rows = model.attention_weights(torch.tensor([ids]))[:, 0, :, PREFILL:].numpy().transpose(2, 0, 1, 3)
-    assert steps.shape == math_rows.shape and _within_rounding(steps, math_rows) and np.all(steps[math_rows == 0] == 0)
     np.testing.assert_array_equal(steps, quantise(decode_step_weights(model, ids, PREFILL)) / 255)
 
 
@@ -302,8 +281,7 @@ def show(browser, page_dir: Path, tmp_path: Path):
 
 def test_a_step_row_unlike_the_matrix_row_is_stored_and_shown_and_weights_near_zero_read_as_unattended(show) -> None:
     """Quantised, a decode step's row is nearly always the matrix's own bytes (stored once); one that isn't is
-    stored apart, and the page shows each step's own weights either way. A weight of ~0 once coloured the text black
-    on inferno's dark end, which read as a highlight."""
+    stored apart, and the page shows each step's own weights either way. A weight of ~0 leaves its text uncoloured."""
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
 

@@ -67,7 +67,7 @@ def test_a_head_built_to_look_at_the_previous_token_scores_1_there_and_the_other
         c_attn[C:C + T, :T] = torch.eye(T)  # head 0's key dim d: position d
     probe = HeadProbe(torch.arange(T)[None] % 8)
     scores = probe(model)["heads"]  # through the model's own forward, in eval mode
-    assert model.training  # and the mode it was in is put back
+    assert model.training  # and training goes on in training mode
     assert scores["previous_token"][0][0] > 0.99 and scores["previous_token"][0][1] < 0.25
     assert scores["induction"][0][0] < 0.05 and scores["mean_distance"][0][0] == pytest.approx(15 / 16, abs=0.01)
 
@@ -98,7 +98,6 @@ def test_plot_py_heads_draws_the_scores_and_says_when_a_run_has_none(
     (bare / METRICS_NAME).write_text(json.dumps({"iter": 0, "train_loss": 4.0, "val_loss": 4.0, "elapsed_s": 1.0}))
     err = plot_refused(capsys, str(bare), "--heads", "-o", str(tmp_path / "bare.png"))
     assert err.startswith("error: ") and "train.head_scores=true" in err and len(err.strip().splitlines()) == 1
-    assert "Traceback" not in err
     wider = tmp_path / "wider"  # another shape, and no config.yaml to tell the runs apart
     wider.mkdir()
     heads = {"previous_token": [[0.1, 0.2, 0.3]], "induction": [[0.0, 0.0, 0.0]]}

@@ -21,14 +21,6 @@ from inference.sampling import load_model
 TASKS = REPO / "evals" / "lm_eval_tasks"
 
 
-def documented_command() -> str:
-    """The lm_eval command of docs/serving.md's offline section, its continued lines joined."""
-    section = (REPO / "docs" / "serving.md").read_text(encoding="utf-8").split("### lm-eval offline", 1)[1]
-    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
-    (command,) = [line for line in block.replace("\\\n", " ").splitlines() if "lm_eval " in line]
-    return command
-
-
 def test_the_documented_offline_lm_eval_command_scores_the_shipped_task_as_the_project_does(
     server: ServeProcess, served_run: Path, tmp_path: Path
 ) -> None:
@@ -38,7 +30,10 @@ def test_the_documented_offline_lm_eval_command_scores_the_shipped_task_as_the_p
     docs = [json.loads(line) for line in (TASKS / "shakespeare_lines.jsonl").read_text(encoding="utf-8").splitlines()]
     assert len(docs) == 100 and {d["label"] for d in docs} == {0, 1, 2, 3}
     assert "test: evals/lm_eval_tasks/shakespeare_lines.jsonl" in (TASKS / "shakespeare_lines.yaml").read_text()
-    command = documented_command()
+    # the lm_eval command of docs/serving.md's offline section, its continued lines joined
+    section = (REPO / "docs" / "serving.md").read_text(encoding="utf-8").split("### lm-eval offline", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    (command,) = [line for line in block.replace("\\\n", " ").splitlines() if "lm_eval " in line]
     assert "--include_path evals/lm_eval_tasks --tasks shakespeare_lines" in command
     assert "base_url=http://127.0.0.1:8000/v1/completions" in command and "model=cpu," in command
     ours = command.replace("http://127.0.0.1:8000", server.url).replace("model=cpu,", "model=run,")

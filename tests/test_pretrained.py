@@ -195,8 +195,7 @@ def test_pretrained_export_script_writes_a_model_hf_loads_and_refusals_are_one_l
 
 
 def _saved_hf_model(tmp_path: Path, vocab_size: int) -> Path:
-    model = GPT2LMHeadModel(GPT2Config(**{**SHAPE, "vocab_size": vocab_size, "n_positions": N_POSITIONS}))
-    _randomize(model, seed=3).save_pretrained(tmp_path / "hf")
+    _hf_model(seed=3, vocab_size=vocab_size).save_pretrained(tmp_path / "hf")
     return tmp_path / "hf"
 
 

@@ -177,15 +177,11 @@ def main(cfg: DictConfig) -> None:
                  "python train.py --help lists the experiments")
     if cfg.resume:
         cfg = resumed_config(cfg, list(task), TrainRunConfig)
-    result = train(cfg, hydra_record=_hydra_record(cfg, hydra_cfg))
+    # Hydra's record of the command (interpolations unresolved), written once the run holds out_dir
+    records = {"config.yaml": cfg, "hydra.yaml": {"hydra": hydra_cfg}, "overrides.yaml": hydra_cfg.overrides.task}
+    result = train(cfg, hydra_record={name: OmegaConf.to_yaml(record) for name, record in records.items()})
     if result.stopped_by is not None:
         sys.exit(128 + signal.Signals[result.stopped_by].value)  # the shell's convention for "killed by"
-
-
-def _hydra_record(cfg: DictConfig, hydra_cfg: DictConfig) -> dict[str, str]:
-    """Hydra's record of the command, interpolations unresolved: the run writes it once it holds out_dir."""
-    records = {"config.yaml": cfg, "hydra.yaml": {"hydra": hydra_cfg}, "overrides.yaml": hydra_cfg.overrides.task}
-    return {name: OmegaConf.to_yaml(record) for name, record in records.items()}
 
 
 def train(cfg: DictConfig | TrainRunConfig, before_step: Callable[[int], None] = lambda it: None,
@@ -335,7 +331,7 @@ def build_trainer(config: TrainRunConfig, world: World, runtime: Runtime) -> Tra
         step_model=step_model, optimizer=make_optimizer(model, train, runtime),
         scaler=torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16),
         evaluator=Evaluator(data, train, config.seed, model.config.block_size, byte_lengths, runtime, world),
-        metrics=MetricsLog(run_dir, active=world.is_main, max_iters=train.max_iters), extra_scores=extras,
+        metrics=MetricsLog(run_dir, active=world.is_main), extra_scores=extras,
         flops_per_token=flops_per_token, peak_flops=peak * world.size if peak else None, started=started)
     if checkpoint is not None:
         trainer.restore(checkpoint)

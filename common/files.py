@@ -42,10 +42,9 @@ def unless_disk_full(path: Path) -> Iterator[None]:
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """write(f) fills PATH.tmp, synced, then renamed over `path`: a reader sees one whole file, and the directory synced
-    makes the rename durable (Windows can't open a directory, some filesystems can't sync one). One writer at a time
-    (a run's lock, a data folder's): a killed writer's PATH.tmp is overwritten; a link there is removed, never
-    written through."""
+    """write(f) fills PATH.tmp, synced, then renamed over `path`: a reader or a crash sees the old file or the new one,
+    never a part. Its writer is the only one (a run's lock, a data folder's), so a killed writer's PATH.tmp is simply
+    replaced; a link there is removed first, never written through."""
     tmp = path.with_name(f"{path.name}.tmp")
     try:
         with unless_disk_full(path):
@@ -58,12 +57,12 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     except BaseException:  # a full disk, a second Ctrl-C: the previous file stays as it was
         tmp.unlink(missing_ok=True)
         raise
-    try:
-        handle = os.open(path.parent, os.O_RDONLY)
+    try:  # the rename made durable where a directory can be synced (Windows can't open one, some filesystems sync none)
+        directory = os.open(path.parent, os.O_RDONLY)
         try:
-            os.fsync(handle)
+            os.fsync(directory)
         finally:
-            os.close(handle)
+            os.close(directory)
     except OSError as err:
         if err.errno not in (errno.EACCES, errno.EPERM, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF):
             raise

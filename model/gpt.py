@@ -222,24 +222,24 @@ class GPT(nn.Module):
 
     def hidden(self, idx: Tensor, cache: KVCache | None = None) -> Tensor:
         """Final hidden states (B, T, n_embd) of the tokens idx (B, T)."""
-        T, t = idx.size(1), self.transformer
-        length = T + (0 if cache is None else cache.length)
-        if length > self.config.block_size and not self.config.rolls:
-            raise ValueError(f"sequence length {length} exceeds block_size={self.config.block_size}; crop the input")
-        x = t.wte(idx)
-        if t.bigram is not None:
-            x = x + t.bigram(idx, None if cache is None else cache.last_token)
-        if t.wpe is not None:  # with rope, positions enter through the attention instead
-            x = x + t.wpe(torch.arange(T, device=idx.device) + (0 if cache is None else cache.length))
+        T, parts = idx.size(1), self.transformer
+        start = 0 if cache is None else cache.length  # the position of idx's first token
+        if start + T > self.config.block_size and not self.config.rolls:
+            raise ValueError(f"sequence length {start + T} exceeds block_size={self.config.block_size}; crop the input")
+        x = parts.wte(idx)
+        if parts.bigram is not None:
+            x = x + parts.bigram(idx, None if cache is None else cache.last_token)
+        if parts.wpe is not None:  # with rope, positions enter through the attention instead
+            x = x + parts.wpe(torch.arange(start, start + T, device=idx.device))
         x = x0 = F.dropout(x, self.config.dropout, self.training)  # x0: what x0_mix mixes into every block's input
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         first_values = None  # value_residual: the first layer's values, which the later layers mix in
-        for block in t.h:
+        for block in parts.h:
             args = (x, x0, first_values, cache)
             x, first_values = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
         if cache is not None:  # every layer has stored the new tokens
             cache.length, cache.last_token = cache.length + T, idx[:, -1:]
-        return t.ln_f(x)
+        return parts.ln_f(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """The next-token logits (..., vocab_size); the padded rows' (vocab_multiple) are cut off: no token's."""

@@ -3,10 +3,16 @@ much) for hidden weight matrices, AdamW for the rest, in one Optimizer: clipping
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.optim._functional import adamw
+
+if TYPE_CHECKING:  # the train.* keys, for annotations
+    from train import TrainConfig
+
+MUON_MOMENTUM_START = 0.85  # where Muon's momentum starts its warmup (train.muon_momentum_warmup)
 
 
 def newton_schulz(grad: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -81,3 +87,16 @@ class MuonAdamW(torch.optim.Optimizer):
         adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
               [s["step"] for s in states], fused=True, found_inf=found_inf, amsgrad=False, beta1=beta1, beta2=beta2,
               lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+
+def muon_adamw(model: nn.Module, train: TrainConfig, dtype: torch.dtype) -> MuonAdamW:
+    """Muon for the blocks' nn.Linear weights (the hidden matrices); AdamW for embeddings, the head, norms and biases,
+    with weight decay on the 2-D ones. Newton-Schulz runs in bfloat16 when training does: it is faster there."""
+    hidden = [m.weight for m in model.transformer.h.modules() if isinstance(m, nn.Linear) and m.weight.requires_grad]
+    rest = [p for p in model.parameters() if p.requires_grad and all(p is not h for h in hidden)]
+    adam = {"muon": False, "lr": train.learning_rate, "betas": (train.beta1, train.beta2), "eps": 1e-8}
+    groups = [{**adam, "params": [p for p in rest if p.dim() >= 2], "weight_decay": train.weight_decay},
+              {**adam, "params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+              {"muon": True, "params": hidden, "lr": train.muon_lr, "momentum": train.muon_momentum, "nesterov": True,
+               "ns_steps": train.muon_ns_steps, "weight_decay": train.weight_decay}]  # decoupled, as AdamW's
+    return MuonAdamW(groups, ns_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)

@@ -29,7 +29,7 @@ from evals.perplexity import TextScore, token_sums
 from model import GPT
 from model.checkpoint import Checkpoint, Progress
 from model.gpt import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
-from training.muon import MuonAdamW
+from training.muon import MUON_MOMENTUM_START, muon_adamw
 from training.resume import resume_command
 
 if TYPE_CHECKING:  # train.py builds the trainer: its schema, for annotations
@@ -232,6 +232,11 @@ class Trainer:
             record |= scores(self.model, progress.iter)
         reached = self.reaches_target(losses.val)
         self.metrics.write(record | ({"time_to_target_s": record["elapsed_s"]} if reached else {}))
+        said = f"step {progress.iter}: train loss {losses.train:.4f}, val loss {losses.val:.4f}, "
+        said += f"val {losses.val_bpb:.4f} bits/byte"
+        if "hellaswag_acc" in record:
+            said += f", hellaswag acc {record['hellaswag_acc']:.4f} (acc_norm {record['hellaswag_acc_norm']:.4f})"
+        log.info(said)
         if reached:
             log.info(f"reached val loss {losses.val:.4f} <= {train.target_val_loss} at iter {progress.iter}")
         latest = progress.iter > 0 or progress.iter >= train.max_iters  # at iter 0 only best.pt (or max_iters=0's end)
@@ -266,15 +271,20 @@ class Trainer:
         if not applied:
             return
         record = {"iter": progress.iter, "train_loss": loss_sum / applied, "lr": lr, "elapsed_s": self.elapsed()}
+        said = f"iter {progress.iter}/{train.max_iters}: loss {record['train_loss']:.4f}, lr {lr:.2e}"
         steps, seconds = progress.iter - first, now - began
         if steps:
             tokens_per_sec = train.batch_size * train.grad_accum * self.model.config.block_size * steps / seconds
             record |= {"ms_per_iter": 1000 * seconds / steps, "tokens_per_sec": tokens_per_sec}
+            said += f", {1000 * seconds / steps:.1f} ms/iter, {tokens_per_sec:,.0f} tok/s"
             if self.peak_flops is not None:
                 record["mfu"] = self.flops_per_token * tokens_per_sec / self.peak_flops
+                said += f", mfu {100 * record['mfu']:.1f}%"
             left = max(0, train.max_iters - progress.iter)
             record["eta_s"] = round((now - eta_from[0]) / max(1, progress.iter - eta_from[1]) * left, 1)
+            said += f", ETA {_duration(record['eta_s'])}"
         self.metrics.write(record)
+        log.info(said if steps else said + " (warm-up, not timed)")
         first_timed = steps and progress.iter - eta_from[1] <= train.log_interval and self.world.is_main
         if first_timed and self.runtime.device.type == "cpu" and (threads := torch.get_num_threads()) > 1:
             slowdown = cpu_matmul_flops(1) / cpu_matmul_flops(threads)  # 0.5 on 2 free cores, 6-42 on busy ones
@@ -370,31 +380,17 @@ class Trainer:
 
 
 FROM_CONFIG = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov", "ns_steps")  # set by make_optimizer
-MUON_MOMENTUM_START = 0.85  # where Muon's momentum starts its warmup (train.muon_momentum_warmup)
 
 
 def make_optimizer(model: nn.Module, train: TrainConfig, runtime: Runtime) -> torch.optim.Optimizer:
     """train.optimizer's, its param groups' hyperparameters from the config (restore() keeps them on resume)."""
-    hidden = hidden_matrices(model) if train.optimizer == "muon" else {}
-    rest = [p for name, p in model.named_parameters() if p.requires_grad and name not in hidden]
-    groups = [
-        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": train.weight_decay},  # matmuls, embeddings
-        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},  # biases, norms
-    ]
-    if train.optimizer == "muon":  # Muon for the hidden matrices, AdamW for the rest
-        adamw = {"muon": False, "lr": train.learning_rate, "betas": (train.beta1, train.beta2), "eps": 1e-8}
-        muon = {"muon": True, "params": list(hidden.values()), "lr": train.muon_lr, "momentum": train.muon_momentum,
-                "nesterov": True, "ns_steps": train.muon_ns_steps, "weight_decay": train.weight_decay}  # decoupled
-        ns_dtype = torch.bfloat16 if runtime.dtype == torch.bfloat16 else torch.float32  # Newton-Schulz: bf16 is faster
-        return MuonAdamW([*({**adamw, **g} for g in groups), muon], ns_dtype=ns_dtype)
+    if train.optimizer == "muon":
+        return muon_adamw(model, train, runtime.dtype)
+    matrices = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]  # matmuls, embeddings
+    vectors = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]  # biases, norms: no weight decay
+    groups = [{"params": matrices, "weight_decay": train.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
     # The fused kernel: one pass over all parameters, and it skips a step on the device (the trainer's found_inf).
     return torch.optim.AdamW(groups, lr=train.learning_rate, betas=(train.beta1, train.beta2), fused=True)
-
-
-def hidden_matrices(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Muon's, by name: the blocks' nn.Linear weights. Embeddings, the head, norms and biases stay with AdamW."""
-    linears = [(name, m.weight) for name, m in model.transformer.h.named_modules() if isinstance(m, nn.Linear)]
-    return {f"transformer.h.{name}.weight": weight for name, weight in linears if weight.requires_grad}
 
 
 def set_hyperparameters(optimizer: torch.optim.Optimizer, train: TrainConfig, step: int) -> float:
@@ -433,7 +429,6 @@ SPLIT_KEYS = {"train": 0, "val": 1}  # batch_generator's key for each split's ow
 class MetricsLog:
     run_dir: RunDir
     active: bool = True  # False on every torchrun rank but 0
-    max_iters: int | None = None  # for the console's "iter N/MAX"
     wandb_run: Any = None
 
     def start_wandb(self, config: WandbConfig, run_config: dict[str, Any]) -> None:
@@ -454,7 +449,6 @@ class MetricsLog:
             return
         strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         self.run_dir.append(METRICS_NAME, json.dumps(strict, allow_nan=False))  # NaN and inf as null, read as NaN
-        log.info(_readable(record, self.max_iters))
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k not in ("iter", "heads")}, step=record["iter"])
 
@@ -478,22 +472,6 @@ def sample_table(model: GPT, tokenizer: Tokenizer, first: int, runtime: Runtime,
     prompt, end = tokenizer.decode([first]), tokenizer.end_of_text
     texts = [tokenizer.decode(row[1:].tolist()) for row in rows]
     return [[prompt, prompt + (text.split(end)[0] if end else text)] for text in texts]
-
-
-def _readable(r: dict[str, Any], max_iters: int | None = None) -> str:
-    if "val_loss" in r:
-        line = f"step {r['iter']}: train loss {r['train_loss']:.4f}, val loss {r['val_loss']:.4f}, "
-        line += f"val {r['val_bpb']:.4f} bits/byte"
-        if "hellaswag_acc" in r:
-            line += f", hellaswag acc {r['hellaswag_acc']:.4f} (acc_norm {r['hellaswag_acc_norm']:.4f})"
-        return line
-    of = f"/{max_iters}" if max_iters else ""
-    line = f"iter {r['iter']}{of}: loss {r['train_loss']:.4f}, lr {r['lr']:.2e}"
-    if "tokens_per_sec" not in r:
-        return line + " (warm-up, not timed)"
-    line += f", {r['ms_per_iter']:.1f} ms/iter, {r['tokens_per_sec']:,.0f} tok/s"
-    line += f", mfu {100 * r['mfu']:.1f}%" if "mfu" in r else ""
-    return line + f", ETA {_duration(r['eta_s'])}"
 
 
 def _duration(seconds: float) -> str:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common.files import BEST_NAME, CKPT_NAME, RunDir
-from conftest import compose_config, run_in_process, tiny_run_overrides
+from conftest import compose_config, refused, run_in_process, tiny_run_overrides
 from inference.sampling import load_model
 from model.checkpoint import load_checkpoint
 from train import train
@@ -37,7 +37,7 @@ def run(tmp_path: Path, corpus: Path, keep_best: bool, max_iters: int = 6, resum
     return tmp_path / "run"
 
 
-def test_best_pt_holds_the_lowest_val_loss_and_ckpt_pt_the_latest(
+def test_best_pt_holds_the_lowest_val_loss_ckpt_pt_the_latest_and_sampling_picks_either(
     tmp_path: Path, corpus_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     saves, write = [], RunDir.write  # (iteration, file) of every checkpoint written, in order
@@ -53,13 +53,27 @@ def test_best_pt_holds_the_lowest_val_loss_and_ckpt_pt_the_latest(
     assert lines == ["best.pt: iter 0, val loss 3.0000", "best.pt: iter 2, val loss 2.0000"]
     # iter 0: the initial weights as best.pt only; best.pt before ckpt.pt, so a kill between them resumes and redoes it
     assert saves == [(0, "best.pt"), (2, "best.pt"), (2, "ckpt.pt"), (4, "ckpt.pt"), (6, "ckpt.pt")]
+    for which, saved in (("best", best), ("latest", latest)):
+        weight = load_model(str(out), None, which, None).model.lm_head.weight.detach()
+        assert torch.equal(weight, saved.model["lm_head.weight"])
 
 
 def test_keep_best_turned_on_at_resume_keeps_the_best_of_what_follows(
     tmp_path: Path, corpus_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The best val loss so far (2.0) came before best.pt was kept: best.pt starts at the resumed run's first eval."""
-    run(tmp_path, corpus_path, keep_best=False, max_iters=6)
+    """The best val loss so far (2.0) came before best.pt was kept: best.pt starts at the resumed run's first eval.
+    Before it, sample.py ckpt=best says there is none."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / BEST_NAME).write_bytes(b"a dead run's")  # a new run removes what it didn't write
+    plain = run(tmp_path, corpus_path, keep_best=False, max_iters=6)
+    assert not (plain / BEST_NAME).exists()
+    result = run_in_process("sample.py", [f"out_dir={plain}", "ckpt=best"], tmp_path)
+    assert f"no best.pt in {plain}: train with train.keep_best=true, or use ckpt=latest" in refused(result)
+    if hasattr(os, "mkfifo"):  # a FIFO there is named as one, not taken for no best.pt
+        os.mkfifo(plain / BEST_NAME)
+        result = run_in_process("sample.py", [f"out_dir={plain}", "ckpt=best"], tmp_path)
+        assert f"{plain / BEST_NAME} is not a regular file (a pipe" in refused(result)
+        (plain / BEST_NAME).unlink()
     out = run(tmp_path, corpus_path, keep_best=True, max_iters=10, resume=True)
     best = load_checkpoint(out / BEST_NAME)
     assert (best.progress.iter, best.progress.val_loss) == (8, 2.6)
@@ -67,21 +81,3 @@ def test_keep_best_turned_on_at_resume_keeps_the_best_of_what_follows(
     caplog.set_level(logging.WARNING, logger="train")
     run(tmp_path, corpus_path, keep_best=False, max_iters=10, resume=True)
     assert "best.pt stays as it is: this resume has train.keep_best=false" in caplog.text
-
-
-def test_sampling_picks_best_or_latest_and_says_when_there_is_no_best(tmp_path: Path, corpus_path: Path) -> None:
-    out = run(tmp_path / "kept", corpus_path, keep_best=True)
-    for which, name in (("best", BEST_NAME), ("latest", CKPT_NAME)):
-        saved = load_checkpoint(out / name).model["lm_head.weight"]
-        assert torch.equal(load_model(str(out), None, which, None).model.lm_head.weight.detach(), saved)
-    (tmp_path / "plain" / "run").mkdir(parents=True)
-    (tmp_path / "plain" / "run" / BEST_NAME).write_bytes(b"a dead run's")  # a new run removes what it didn't write
-    plain = run(tmp_path / "plain", corpus_path, keep_best=False)
-    assert not (plain / BEST_NAME).exists()
-    result = run_in_process("sample.py", [f"out_dir={plain}", "ckpt=best"], tmp_path)
-    assert result.returncode == 2, result.stderr
-    assert f"no best.pt in {plain}: train with train.keep_best=true, or use ckpt=latest" in result.stderr
-    if hasattr(os, "mkfifo"):  # a FIFO there is named as one, not taken for no best.pt
-        os.mkfifo(plain / BEST_NAME)
-        result = run_in_process("sample.py", [f"out_dir={plain}", "ckpt=best"], tmp_path)
-        assert result.returncode == 2 and f"{plain / BEST_NAME} is not a regular file (a pipe" in result.stderr

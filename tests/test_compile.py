@@ -12,16 +12,11 @@ from torch._dynamo.utils import counters
 from conftest import MODERN
 from model import GPT, GPTConfig
 
-# torch's own, from inside inductor
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-
 SHAPE = dict(vocab_size=65, vocab_multiple=64, block_size=64, n_layer=2, n_head=2, n_embd=32)  # train.py's padding
 # GPT-2's block, with rotary positions, a sliding window in its first layer (the blocked SDPA path off CUDA) and a full
-# second one:
-# gpu_check.py's dry run (tests/test_bench.py) and the compiled DDP run (tests/test_distributed.py) train this shape at
-# this batch too, so only the first of them compiles it cold. Every modern option then takes three more steps with
-# train.activation_checkpointing (one more graph, against plain eager): value_residual's first-layer values cross the
-# recomputed blocks as an argument and a return, and fullgraph proves nothing breaks.
+# second one, which the compiled DDP run (tests/test_distributed.py) trains too. Every modern option then takes three
+# more steps with train.activation_checkpointing (one more graph, against plain eager): value_residual's first-layer
+# values cross the recomputed blocks as an argument and a return, and fullgraph proves nothing breaks.
 MODELS = {"gpt2_windowed": dict(attn_window=16, window_pattern="SL", pos_emb="rope"), "every_modern_option": MODERN}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from common.config import check_overrides, typed_config
@@ -39,6 +40,11 @@ RULES = [
     ("sample", ["top_p=1.01"], "top_p=1.01 must be <= 1.0; null means no cut-off"),
     ("sample", ["top_k=0"], "top_k=0 must be >= 1; null means no cut-off"),
     ("sample", ["max_new_tokens=0"], "max_new_tokens=0 must be >= 1"),
+    ("sample", ["max_new_tokens=10000000000"], "max_new_tokens=10000000000 must be <= 1000000"),  # days of sampling
+    ("sample", ["top_p=0.0"], "top_p=0.0 must be > 0.0; null means no cut-off"),
+    ("sample", ["min_p=2.0"], "min_p=2.0 must be <= 1.0; null means no cut-off"),
+    ("sample", ["seed=-5"], "seed=-5 must be >= 0"),
+    ("sample", ["seed=99999999999999999999"], "seed=99999999999999999999 must be <= 9223372036854775807"),
     ("sample", ["dtype=fp8"], "dtype=fp8 is unknown; use one of auto, float32, bfloat16, float16"),
     ("sample", ["+temp=0.5"], "temp is not a key of this config; did you mean temperature?"),  # + adds no key
     ("config", ["+train.foo=1"], "train.foo is not a key of this config; see the keys with --cfg job"),
@@ -64,6 +70,26 @@ RULES = [
     ("config", ["model.block_size=1099511627776"], "model.block_size=1099511627776 must be <= 1048576"),
     ("config", ["model.attn_impl=fast"], "model.attn_impl=fast is unknown; use one of flash, math"),
     ("config", ["model.activation=swish"], "model.activation=swish is unknown; use one of gelu, gelu_tanh, relu2"),
+    ("config", ["model.pos_emb=alibi"], "model.pos_emb=alibi is unknown; use one of learned, rope"),
+    ("config", ["model.norm=batchnorm"], "model.norm=batchnorm is unknown; use one of layernorm, rmsnorm"),
+    ("config", ["model.dropout=1.0"], "model.dropout=1.0 must be < 1.0"),
+    ("config", ["model.logit_softcap=0.0"], "model.logit_softcap=0.0 must be > 0.0"),
+    ("config", ["model.attn_window=0"], "model.attn_window=0 must be >= 1"),
+    ("config", ["train.batch_size=0"], "train.batch_size=0 must be >= 1"),
+    ("config", ["train.dtype=fp8"], "train.dtype=fp8 is unknown; use one of auto, float32, bfloat16, float16"),
+    ("config", ["train.parallel=zero"], "train.parallel=zero is unknown; use one of ddp, fsdp"),
+    ("config", ["train.on_nonfinite=ignore"], "train.on_nonfinite=ignore is unknown; use one of stop, skip"),
+    ("config", ["train.optimizer=sgd"], "train.optimizer=sgd is unknown; use one of adamw, muon"),
+    ("config", ["train.beta2=1.0"], "train.beta2=1.0 must be < 1.0"),
+    ("config", ["train.muon_lr=0"], "train.muon_lr=0.0 must be > 0.0"),
+    ("config", ["train.muon_momentum=1.0"], "train.muon_momentum=1.0 must be < 1.0"),
+    ("config", ["train.muon_momentum_warmup=-1"], "train.muon_momentum_warmup=-1 must be >= 0"),
+    ("config", ["train.muon_ns_steps=0"], "train.muon_ns_steps=0 must be >= 1"),
+    ("config", ["train.eval_from=-1"], "train.eval_from=-1 must be >= 0"),
+    ("config", ["train.lr_schedule=linear"], "train.lr_schedule=linear is unknown; use one of cosine, wsd"),
+    ("config", ["train.cooldown_frac=0"], "train.cooldown_frac=0.0 must be > 0.0"),
+    ("config", ["train.cooldown_frac=1.5"], "train.cooldown_frac=1.5 must be <= 1.0"),
+    ("config", ["wandb.mode=on"], "wandb.mode=on is unknown; use one of online, offline, disabled"),
     ("config", ["train.learning_rate.x=1"], "train.learning_rate is a value, not a group of keys, so "
                                             "train.learning_rate.x is not a key"),
     ("config", ["train={max_iterz:2}"], "train.max_iterz is not a key of this config; did you mean train.max_iters?"),
@@ -72,6 +98,12 @@ RULES = [
                                                       "of it"),
     ("config", ["model.pos_emb=rope", "model.n_embd=36", "model.n_head=4"], "model.pos_emb=rope needs an even head "
                                                                             "size; n_embd/n_head is 9"),
+    ("config", ["model.attn_window=4", "model.window_pattern=SXL"], "model.window_pattern=SXL may only hold the "
+                                                                    "letters S (windowed) and L (full)"),
+    ("config", ["model.n_layer=3", "model.attn_window=4", "model.window_pattern=SSSS"], "model.window_pattern=SSSS has "
+                                                                                       "more letters than n_layer=3"),
+    ("config", ["model.attn_window=4", "model.window_pattern=LL"], "model.window_pattern=LL windows no layer; add an "
+                                                                   "S or set attn_window=null"),
 ]
 
 
@@ -79,6 +111,13 @@ RULES = [
 def test_every_rule_of_a_key_is_one_line_naming_it(config: str, overrides: list[str], message: str,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     assert refusal(config, overrides, capsys) == message
+    try:  # the typed config holds the same rule, for train() called from Python and a saved config.yaml
+        composed = compose_config(["out_dir=RUN", *overrides] if config == "sample" else overrides, config_name=config)
+    except ConfigCompositionException:  # an unknown key or a value of another type: Hydra refuses to compose it
+        return
+    with pytest.raises(ConfigError) as refused:
+        typed_config(composed, SCHEMAS[config][0])
+    assert str(refused.value) == message
 
 
 def test_sample_needs_a_run_or_pretrained_weights() -> None:

@@ -47,8 +47,9 @@ def plot_refused(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 
 @pytest.fixture(scope="module")
 def two_run_sweep(tmp_path_factory: pytest.TempPathFactory, corpus_path: Path) -> Path:
+    """configs/experiment/lr_sweep.yaml's grid: a sweep written in a config, at two learning rates."""
     tmp = tmp_path_factory.mktemp("sweep")
-    result = sweep(tmp, corpus_path, "model.n_layer=1,2")
+    result = sweep(tmp, corpus_path, "experiment=lr_sweep", "device=cpu")
     assert result.returncode == 0, result.stderr
     return tmp / "sweep"
 
@@ -76,10 +77,10 @@ def test_a_sweep_writes_one_complete_run_per_job_and_plot_py_draws_it_with_a_sum
     stdout, _ = plot_ok(capsys, str(two_run_sweep), "-o", str(out), "--x", x_axis)
     header, *rows = stdout.strip().splitlines()
     assert header.split()[:3] == ["run", "differing", "keys"] and len(rows) == 2
-    assert "model.n_layer=1" in rows[0] and "model.n_layer=2" in rows[1]
-    for row, job, n_layer in zip(rows, ("0", "1"), (1, 2), strict=True):
+    assert "train.learning_rate=0.001" in rows[0] and "train.learning_rate=0.003" in rows[1]
+    for row, job, rate in zip(rows, ("0", "1"), (1e-3, 3e-3), strict=True):
         run = two_run_sweep / job
-        assert (run / "ckpt.pt").is_file() and OmegaConf.load(run / "config.yaml").model.n_layer == n_layer
+        assert (run / "ckpt.pt").is_file() and OmegaConf.load(run / "config.yaml").train.learning_rate == rate
         evals = [record for record in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
                  if "val_loss" in record]
         assert [r["iter"] for r in evals] == [0, 5, 10]
@@ -103,13 +104,6 @@ def test_plot_py_names_the_file_it_writes_and_refuses_what_it_cant(
     ]:
         stderr = plot_refused(capsys, str(runs), "-o", str(out))
         assert message in stderr and "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
-
-
-def test_a_sweep_written_in_a_config_runs_its_grid(tmp_path: Path, corpus_path: Path) -> None:
-    result = sweep(tmp_path, corpus_path, "experiment=lr_sweep", "device=cpu")
-    assert result.returncode == 0, result.stderr
-    rates = [OmegaConf.load(tmp_path / "sweep" / job / "config.yaml").train.learning_rate for job in ("0", "1")]
-    assert rates == [1e-3, 3e-3]
 
 
 def test_plot_py_tells_repeats_apart_wraps_long_keys_and_reports_wall_time(

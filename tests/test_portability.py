@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from filelock import FileLock
+from test_crash_safety import _tiny_checkpoint
 
 import common.files
 import train as train_command
@@ -23,13 +24,7 @@ from common.files import CKPT_NAME
 from common.runtime import Runtime, make_runtime
 from conftest import compose_config, sample_py, save_checkpoint, tiny_run_overrides, train_py, user_error
 from model import GPT, GPTConfig
-from model.checkpoint import Checkpoint, Progress, load_checkpoint
-
-
-def _checkpoint() -> Checkpoint:
-    config = GPTConfig(vocab_size=10, block_size=4, n_layer=1, n_head=1, n_embd=4)
-    tokenizer = {"kind": "char", "chars": list("abcdefghij")}
-    return Checkpoint(config, GPT(config).state_dict(), tokenizer, {}, Progress(), {}, {}, [])
+from model.checkpoint import load_checkpoint
 
 
 def test_a_checkpoint_goes_through_its_own_temporary_fsynced_with_its_directory_where_that_can_be(
@@ -53,17 +48,17 @@ def test_a_checkpoint_goes_through_its_own_temporary_fsynced_with_its_directory_
 
     monkeypatch.setattr(common.files.os, "fsync", fsync)
     monkeypatch.setattr(common.files.os, "replace", lambda src, dst: (renamed.append(src), real_replace(src, dst)))
-    save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
+    save_checkpoint(tmp_path / CKPT_NAME, _tiny_checkpoint(1.0, 1))
     assert synced == [False, True] and [Path(p).name for p in renamed] == [f"{CKPT_NAME}.tmp"]
     failure = errno.EIO
     with pytest.raises(OSError, match="Input/output error"):
-        save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
+        save_checkpoint(tmp_path / CKPT_NAME, _tiny_checkpoint(1.0, 1))
     failure = errno.EINVAL
-    save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
+    save_checkpoint(tmp_path / CKPT_NAME, _tiny_checkpoint(1.0, 1))
     monkeypatch.setattr(common.files.os, "open", windows_open)
     (tmp_path / CKPT_NAME).unlink()
-    save_checkpoint(tmp_path / CKPT_NAME, _checkpoint())
-    assert load_checkpoint(tmp_path / CKPT_NAME).model.keys() == _checkpoint().model.keys()
+    save_checkpoint(tmp_path / CKPT_NAME, _tiny_checkpoint(1.0, 1))
+    assert load_checkpoint(tmp_path / CKPT_NAME).model.keys() == _tiny_checkpoint(1.0, 1).model.keys()
     assert not list(tmp_path.glob("*.tmp"))
 
 

@@ -15,9 +15,9 @@ import torch
 
 from common.errors import ConfigError
 from common.runtime import make_runtime
-from conftest import REPO, refused, run_in_process, tiny_encoding
+from conftest import REPO, run_in_process, tiny_encoding
 from data.tokenizers import BpeTokenizer, CharTokenizer, Tokenizer
-from inference.sampling import MAX_NEW_TOKENS, SEPARATOR, Sampler, SampleText, stop_strings
+from inference.sampling import SEPARATOR, Sampler, SampleText, stop_strings
 from model import GPT, GPTConfig
 from model.gpt import Decoding
 from sample import SampleConfig
@@ -111,7 +111,7 @@ def test_streamed_samples_arrive_as_drawn_in_order_and_read_as_the_printed_ones(
 
 def test_sample_py_streams_by_default_to_a_terminal_the_text_it_prints_piped(trained_run: Path, tmp_path: Path) -> None:
     """sample.py as its own process on a terminal streams there and writes nothing else (a whole command's stderr
-    is pinned here); the same command piped, in this process, prints the same text, as often as it is run."""
+    is pinned here); the same command piped, in this process, prints the same text."""
     args = [f"out_dir={trained_run}", "num_samples=3", "max_new_tokens=60", "stop=['\\n']", "seed=3"]
     controller, terminal = pty.openpty()
     process = subprocess.Popen(
@@ -125,15 +125,9 @@ def test_sample_py_streams_by_default_to_a_terminal_the_text_it_prints_piped(tra
     os.close(controller)
     status, err = process.wait(timeout=120), process.stderr.read()
     assert status == 0 and err == b"", err.decode()
-    piped = [run_in_process("sample.py", [*args, "stream=false"], cwd=tmp_path).stdout for _ in range(2)]
-    assert shown.decode().replace("\r\n", "\n") == piped[0] == piped[1]
-    samples = piped[0].split(SEPARATOR)
+    piped = run_in_process("sample.py", [*args, "stream=false"], cwd=tmp_path).stdout
+    assert shown.decode().replace("\r\n", "\n") == piped
+    samples = piped.split(SEPARATOR)
     assert len(samples) == 4 and samples[-1] == ""
     assert all(s.startswith("\n") and "\n" not in s[1:] for s in samples[:3])  # the prompt, then one line each
     assert len(set(samples[:3])) == 3  # one batch, three different samples
-
-
-def test_sample_py_refuses_a_max_new_tokens_past_its_bound_in_one_line(trained_run: Path, tmp_path: Path) -> None:
-    """max_new_tokens=1e10 once started a sample that would run for days, its text filling the memory."""
-    result = run_in_process("sample.py", [f"out_dir={trained_run}", "max_new_tokens=10000000000"], cwd=tmp_path)
-    assert refused(result) == f"error: max_new_tokens=10000000000 must be <= {MAX_NEW_TOKENS}" and result.stdout == ""

@@ -45,18 +45,14 @@ def test_the_fused_path_equals_the_math_path_in_values_and_gradients(window: int
         torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_flex_attentions_block_mask_is_the_same_band_eager_or_traced(compiled: bool) -> None:
-    """CUDA runs FlexAttention compiled, its block mask traced into the graph; here the eager backend runs that trace,
-    or FlexAttention runs eagerly (forward only on CPU): either way the mask is checked."""
+def test_flex_attentions_block_mask_is_the_same_band_run_eagerly() -> None:
+    """FlexAttention run eagerly (forward only on CPU); compiled, its block mask traced into the graph as CUDA runs
+    it: the next test."""
     torch.manual_seed(1)
     q, k, v = (torch.randn(1, 2, 130, 16) for _ in range(3))
-    attend = flex_windowed_attention
-    if compiled:
-        attend = torch.compile(attend, backend="eager", fullgraph=True)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "called without torch.compile": expected off CUDA
-        flex = attend(q, k, v, 37)
+        flex = flex_windowed_attention(q, k, v, 37)
     reference, _ = masked_attention(q, k, v, causal_mask(130, 130, window=37))
     torch.testing.assert_close(flex, reference, atol=1e-5, rtol=1e-5)
 
@@ -149,20 +145,6 @@ def test_cached_logits_equal_one_pass_past_block_size_with_the_memory_bounded(
             largest = max(largest, *(layer.buffer.size(3) for layer in cache.layers))
     assert largest <= max(slots, window - 1 + max(sizes))
     assert [layer.buffer.size(3) for layer in cache.layers] == [slots] * SMALL["n_layer"]
-
-
-def test_rotary_positions_stay_exact_far_past_the_table() -> None:
-    rotary = Rotary(head_dim=16, max_positions=32)
-    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
-
-    def score(i: int, j: int) -> torch.Tensor:
-        return (rotary(q, i) * rotary(k, j)).sum()
-
-    # A rolling cache rotates keys at their absolute position; a recompute starts again from 0.
-    for far in (1_000, 100_000):
-        torch.testing.assert_close(score(far + 3, far + 1), score(3, 1), atol=1e-5, rtol=0)
-    x = torch.randn(1, 1, 4, 16)
-    torch.testing.assert_close(rotary(x, 30)[..., :2, :], rotary(x[..., :2, :], 30))  # off the table = on it
 
 
 @pytest.mark.parametrize("attn_impl", ["flash", "math"])

@@ -7,8 +7,6 @@ import os
 import re
 import signal
 import statistics
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from scipy import stats as scipy_stats
 from test_experiments import TINY, plot_ok, plot_refused
 
 import plot
-from conftest import REPO, compose_config
+from conftest import compose_config
 from plot import Group, compare, find_baseline, group_runs, run_value, seeds_per_arm
 from train import train
 
@@ -70,19 +68,20 @@ def test_a_30x_learning_rate_is_found_and_a_key_that_changes_nothing_is_not(
     assert "no difference detected at 3 seeds; an effect of" in null["verdict"]
     assert f"about {null['seeds_needed']:,} seeds per arm" in null["verdict"] and null["seeds_needed"] > 3
     assert strong["verdict"] in stdout and null["verdict"] in stdout and (seed_sweeps / "ab.png").is_file()
-    (settings,) = [r for r in _records(seed_sweeps / "a" / "sweep" / "0") if "settings" in r]  # resolved at start
-    assert settings["iter"] == 0 and settings["settings"]["train.compile"] is False
-    assert settings["settings"]["train.dtype"] in ("float32", "bfloat16") and settings["settings"]["threads"] >= 1
+
+
+def _write_run(path: Path, config: dict, records: list[dict]) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
 
 
 def _fake_run(path: Path, config: dict, val_losses: list[float], settings: dict | None = None) -> Path:
-    path.mkdir(parents=True)
-    (path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
     records = [{"iter": 0, "settings": settings}] if settings else []
     records += [{"iter": 5 * i, "train_loss": v, "val_loss": v, "elapsed_s": 1.0 + i} for i, v in enumerate(val_losses)]
     records.append({"iter": 10, "train_loss": 1.0, "lr": 1e-3, "elapsed_s": 3.0, "tokens_per_sec": 100.0})
-    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
+    return _write_run(path, config, records)
 
 
 def _values_sweep(tmp_path: Path, arms: dict[str, tuple[dict, list[float]]]) -> Path:
@@ -113,10 +112,8 @@ def test_welch_difference_interval_p_value_and_seeds_per_arm_follow_the_formulas
     assert a.ci95[1] > b.ci95[0]  # the groups' intervals overlap, yet the difference's excludes 0: a real difference
     assert comparison.verdict.endswith("p = 0.018, 3 and 4 seeds: worse; the groups' intervals overlap, but the "
                                        "verdict is the difference's interval, which excludes 0")
-    single = Group({}, [Path("x")], [1.0])  # one run: no interval; no spread at all: certain
-    assert single.std is None and single.ci95 is None
     same = compare(Group({}, [Path("a"), Path("b")], [2.0, 2.0]), Group({}, [Path("c"), Path("d")], [2.0, 2.0]), "m")
-    assert same.p_value == 1.0 and same.diff == 0 and same.verdict.endswith("no difference at all")
+    assert same.p_value == 1.0 and same.diff == 0 and same.verdict.endswith("no difference at all")  # no spread at all
     apart = compare(Group({}, [Path("a"), Path("b")], [3.0, 3.0]), Group({}, [Path("c"), Path("d")], [2.0, 2.0]), "m")
     assert apart.p_value == 0.0 and apart.verdict.endswith(": the runs of each group are identical")
     # seeds per arm: the textbook figures for a two-sided two-sample t-test at alpha 0.05 and power 0.8 (equal
@@ -177,7 +174,6 @@ def test_run_value_picks_each_metric() -> None:
 
 @pytest.mark.parametrize(("arms", "args", "message"), [
     ({}, ["--baseline", "k=3"], "error: --baseline k=3 matches no group; the groups: k=1; k=2"),
-    ({}, ["--baseline", "j=3"], "error: --baseline j=3: no run has the key j"),
     ({}, ["--metric", "time_to_target_s"], "error: --metric time_to_target_s: 4 of 4 runs ("),
     ({}, ["--json", "missing/x.json"], "error: --json "),
     ({"b": ({"k": 2}, [1.2, math.nan])}, ["--baseline", "k=1"],
@@ -223,12 +219,9 @@ def _target_sweep(sweep_dir: Path, arms: dict[str, tuple[bool, dict[int, list[fl
     that reached the target or None)}; a run ends at its last evaluation."""
     for name, (qk_norm, evals, target_at) in arms.items():
         for seed in range(len(next(iter(evals.values())))):
-            run = sweep_dir / f"{name}_{seed + 1}"
-            run.mkdir(parents=True)
-            (run / "config.yaml").write_text(OmegaConf.to_yaml({"model": {"qk_norm": qk_norm}, "seed": seed + 1}))
             records = [{"iter": it, "train_loss": v[seed], "val_loss": v[seed], "elapsed_s": it / 10,
                         **({"time_to_target_s": it / 10} if it == target_at else {})} for it, v in evals.items()]
-            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+            _write_run(sweep_dir / f"{name}_{seed + 1}", {"model": {"qk_norm": qk_norm}, "seed": seed + 1}, records)
     return sweep_dir
 
 
@@ -324,7 +317,7 @@ def test_plot_py_baseline_pairs_before_the_runs_lists_absent_keys_and_the_record
 
 
 def _damage(sweep_dir: Path) -> dict[str, str]:
-    """One run of each kind of damaged regular file plot.py must skip, and what its warning says: {run: problem}."""
+    """One run of each kind of damaged or unreadable file plot.py must skip, and its warning: {run: problem}."""
     problems = {
         "string_loss": ('"val_loss": "2.0"', "metrics.jsonl: the line of iter 5 has val_loss='2.0', not a number"),
         "no_train_loss": ('{"iter": 15, "lr": 1e-3}', "metrics.jsonl: the line of iter 15 has no train_loss"),
@@ -343,7 +336,13 @@ def _damage(sweep_dir: Path) -> dict[str, str]:
             metrics.write_text(metrics.read_text() + damage + "\n")
         else:
             (path / "config.yaml").write_bytes(damage if isinstance(damage, bytes) else damage.encode())
-    return {run: problem for run, (_, problem) in problems.items()}
+    (sweep_dir / "fifo").mkdir()  # a read of either would block or never end: within_60_s fails the test instead
+    os.mkfifo(sweep_dir / "fifo" / "metrics.jsonl")
+    (sweep_dir / "zero").mkdir()
+    (sweep_dir / "zero" / "metrics.jsonl").symlink_to("/dev/zero")
+    return {run: problem for run, (_, problem) in problems.items()} | {
+        "fifo": "metrics.jsonl: a FIFO, not a regular file",
+        "zero": "metrics.jsonl: a character device behind a link, not a regular file"}
 
 
 def _skipped(stderr: str, sweep_dir: Path, problems: dict[str, str]) -> None:
@@ -353,20 +352,6 @@ def _skipped(stderr: str, sweep_dir: Path, problems: dict[str, str]) -> None:
     for run, problem in problems.items():
         (line,) = [w for w in warnings if w.startswith(f"warning: {sweep_dir / run}/")]
         assert problem in line and line.endswith("; run skipped"), line
-
-
-def test_plot_py_skips_each_damaged_run_with_one_warning_and_refuses_when_all_are(
-    tmp_path: Path, capsys: CaptureFixture[str]
-) -> None:
-    problems = _damage(tmp_path / "bad")
-    good = _values_sweep(tmp_path, {"a": ({"k": 1}, [1.0, 1.1])})
-    stdout, stderr = plot_ok(capsys, str(good), str(tmp_path / "bad"))
-    _skipped(stderr, tmp_path / "bad", problems)
-    table = stdout.split("\n\n")[0]
-    assert str(good / "a_1") in table and str(good / "a_2") in table and str(tmp_path / "bad") not in table
-    assert (tmp_path / "loss.png").is_file()
-    (line,) = plot_refused(capsys, str(tmp_path / "bad")).splitlines()
-    assert line.startswith(f"error: all {len(problems)} runs are damaged, the first: {tmp_path / 'bad'}/")
 
 
 @pytest.fixture
@@ -383,27 +368,29 @@ def within_60_s() -> Iterator[None]:
     signal.signal(signal.SIGALRM, previous)
 
 
-def test_plot_py_skips_fifos_and_devices_refuses_them_as_outputs_and_replaces_links(
+def test_plot_py_skips_each_damaged_run_with_one_warning_and_refuses_when_all_are(
     tmp_path: Path, capsys: CaptureFixture[str], within_60_s: None
 ) -> None:
-    """The command end to end in a subprocess, whose timeout fails the test rather than hang the suite on a read that
-    would block (a FIFO) or never end (/dev/zero); then in this process (within_60_s). A link at -o or --json is
-    replaced by the new file, the file it pointed to left as it was; a FIFO there is refused before anything opens
-    it; a run that can't be read alone is one line, status 2."""
+    problems = _damage(tmp_path / "bad")
+    good = _values_sweep(tmp_path, {"a": ({"k": 1}, [1.0, 1.1])})
+    stdout, stderr = plot_ok(capsys, str(good), str(tmp_path / "bad"))
+    _skipped(stderr, tmp_path / "bad", problems)
+    table = stdout.split("\n\n")[0]
+    assert str(good / "a_1") in table and str(good / "a_2") in table and str(tmp_path / "bad") not in table
+    assert (tmp_path / "loss.png").is_file()
+    (line,) = plot_refused(capsys, str(tmp_path / "bad")).splitlines()
+    assert line.startswith(f"error: all {len(problems)} runs are damaged, the first: {tmp_path / 'bad'}/")
+    fifo = tmp_path / "bad" / "fifo"
+    alone = plot_refused(capsys, str(fifo))
+    assert alone == f"error: {fifo / 'metrics.jsonl'}: a FIFO, not a regular file; nothing left to plot\n"
+
+
+def test_plot_py_replaces_links_at_its_outputs_and_refuses_fifos_there(
+    tmp_path: Path, capsys: CaptureFixture[str], within_60_s: None
+) -> None:
+    """A link at -o or --json is replaced by the new file, the file it pointed to left as it was; a FIFO there is
+    refused before anything opens it."""
     sweep_dir = _values_sweep(tmp_path, {"a": ({"k": 1}, [1.0, 1.1]), "b": ({"k": 2}, [1.5, 1.6])})
-    (sweep_dir / "fifo").mkdir()
-    os.mkfifo(sweep_dir / "fifo" / "metrics.jsonl")
-    (sweep_dir / "zero").mkdir()
-    (sweep_dir / "zero" / "metrics.jsonl").symlink_to("/dev/zero")
-    result = subprocess.run([sys.executable, str(REPO / "plot.py"), str(sweep_dir)], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    _skipped(result.stderr, sweep_dir, {"fifo": "metrics.jsonl: a FIFO, not a regular file",
-                                        "zero": "metrics.jsonl: a character device behind a link, not a regular file"})
-    table = result.stdout.split("\n\n")[0]
-    assert str(sweep_dir / "a_1") in table and not any(str(sweep_dir / run) in table for run in ("fifo", "zero"))
-    alone = plot_refused(capsys, str(sweep_dir / "fifo"))
-    assert alone == f"error: {sweep_dir / 'fifo' / 'metrics.jsonl'}: a FIFO, not a regular file; nothing left to plot\n"
     kept = tmp_path / "kept.txt"
     kept.write_text("someone's file\n")
     picture, document = tmp_path / "loss.png", tmp_path / "ab.json"
@@ -442,8 +429,7 @@ def test_plot_py_writes_its_picture_into_the_sweep_folder_titled_with_groups_and
     legend = text["Description"].splitlines()
     assert legend[:2] == ["each group: n runs, val_loss at iter 5: mean ± 95% CI half-width",
                           "bars: each evaluation's 95% CI of the mean; bands: the runs' min-max"]
-    half = scipy_stats.t.ppf(0.975, 2) * 0.1 / math.sqrt(3)  # the table's interval, [mean - half, mean + half]
-    assert legend[2] == f"k=1 (baseline): n=3, 1.1000 ± {half:.4f}"
+    assert legend[2].startswith("k=1 (baseline): n=3, 1.1000 ± ")  # the interval itself: the different-lengths test
     (fig,) = drawn
     fig.draw_without_rendering()  # the layout, as savefig ran it
     label, inside = fig.axes[0].yaxis.label.get_window_extent(), fig.bbox

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from common.config import typed_config
 from common.errors import ConfigError, DataError, UserError
@@ -152,6 +151,8 @@ def test_init_from_an_hf_directory_gives_hfs_own_loss_and_hellaswag(
     window ends where the text does, as eval.py's does."""
     monkeypatch.setattr("inference.sampling.GPT2_ENCODING", TINY_BPE)  # GPT-2's BPE stands in offline
     encoding = tiny_encoding()
+    from transformers import GPT2Config, GPT2LMHeadModel  # seconds to import: only in this test
+
     config = GPT2Config(vocab_size=encoding.n_vocab, n_positions=64, n_layer=2, n_head=2, n_embd=32)
     torch.manual_seed(3)
     hf_model = GPT2LMHeadModel(config).eval()

@@ -9,11 +9,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from common.errors import CheckpointError, ConfigError
 from common.files import CKPT_NAME
@@ -34,6 +34,9 @@ from model.checkpoint import Checkpoint, load_checkpoint
 from model.hf_gpt2 import PRETRAINED, PretrainedError, gpt_from_hf, hf_from_gpt, load_pretrained
 from train import train
 
+if TYPE_CHECKING:  # imported in the tests that need it: it takes seconds
+    from transformers import GPT2LMHeadModel
+
 SHAPE = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=97)
 N_POSITIONS = 64
 
@@ -47,9 +50,18 @@ def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
+def _hf_class() -> type[GPT2LMHeadModel]:
+    """transformers' GPT-2, imported where a test needs it: the import takes seconds, which collection would cost."""
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel
+
+
 def _hf_model(seed: int = 0, **config: object) -> GPT2LMHeadModel:
+    from transformers import GPT2Config
+
     hf_config = GPT2Config(**{**SHAPE, "n_positions": N_POSITIONS, "bos_token_id": None, "eos_token_id": None} | config)
-    return _randomize(GPT2LMHeadModel(hf_config), seed)
+    return _randomize(_hf_class()(hf_config), seed)
 
 
 def _gpt(seed: int = 0, **config: object) -> GPT:
@@ -156,7 +168,7 @@ def test_pretrained_names_that_cannot_load_are_one_line_errors(tmp_path: Path, m
     def offline(name: str, **kwargs: object) -> None:  # what from_pretrained raises without network or cache
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.\nCheck your connection.")
 
-    monkeypatch.setattr(GPT2LMHeadModel, "from_pretrained", offline)
+    monkeypatch.setattr("transformers.GPT2LMHeadModel.from_pretrained", offline)
     with pytest.raises(PretrainedError, match="can't load 'gpt2'.*network.*save_pretrained") as info:
         load_pretrained(PRETRAINED[0])
     assert "\n" not in str(info.value)
@@ -185,7 +197,7 @@ def test_pretrained_export_script_writes_a_model_hf_loads_and_refusals_are_one_l
         script.main([str(tmp_path / "none"), str(tmp_path / "other")])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.startswith("error: ") and "no checkpoint" in err and err.count("\n") == 1
-    hf_model = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    hf_model = _hf_class().from_pretrained(tmp_path / "hf")
     assert hf_model.config.activation_function == "gelu_new"
     _assert_same_logits(model, hf_model)
     # As a user runs it, from another directory: its own process.
@@ -206,7 +218,7 @@ def test_pretrained_init_from_trains_from_the_hf_weights_and_resumes(tmp_path: P
     result = train(compose_config(tiny_run_overrides(tmp_path, corpus_path, **extra)))
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     first_val = next(r["val_loss"] for r in map(json.loads, lines) if "val_loss" in r)
-    hf_model = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    hf_model = _hf_class().from_pretrained(hf_dir).eval()
     losses, count = 0.0, 0
     with torch.no_grad():
         for x, y in every_window(TokenFiles((tmp_path / "data" / "val.bin",)), 64, 32):

@@ -185,10 +185,9 @@ def train_runs(args: argparse.Namespace) -> None:
     jobs: dict[str, dict] = {}
     for job, seed in [("warm-up", args.seeds[0]), *((f"seed{seed}", seed) for seed in args.seeds)]:
         warm_up = WARM_UP if job == "warm-up" else []
-        config = run_config([*overrides, f"seed={seed}", f"out_dir={root / job}", *warm_up])
         graphs, began = counters["stats"]["unique_graphs"], time.perf_counter()
         try:
-            train(config)
+            train(run_config([*overrides, f"seed={seed}", f"out_dir={root / job}", *warm_up]))
         except Exception as err:  # a diverged or out-of-memory seed: said, and the next one runs
             jobs[job] = {"error": f"{type(err).__name__}: {err}"[:300]}
         jobs[job] = {**jobs.get(job, {}), "seconds": time.perf_counter() - began,

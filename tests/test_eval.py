@@ -5,6 +5,7 @@ HellaSwag during training. Offline: the HellaSwag examples are written here."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -249,6 +250,9 @@ def test_hellaswag_file_errors_are_one_line_and_a_download_cut_short_is_not_kept
     (tmp_path / "bad.jsonl").write_text('{"ctx": "a", "endings": ["b", "c"], "label": 0}\n')
     with pytest.raises(DataError, match=r"bad\.jsonl:1 is not a HellaSwag example"):
         load_examples(tmp_path / "bad.jsonl", BpeTokenizer(tiny_encoding()))
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"ctx": "caf\xe9"}\n')  # for eval.py and train.hellaswag_file alike
+    with pytest.raises(DataError, match=r"latin1\.jsonl is not UTF-8 text"):
+        load_examples(tmp_path / "latin1.jsonl", BpeTokenizer(tiny_encoding()))
 
     class Short(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (the handler's name)
@@ -292,16 +296,22 @@ def test_eval_mistakes_are_one_line(trained_run: Path, tmp_path: Path, monkeypat
     assert refused(result).startswith("error: HellaSwag needs a BPE model") and result.stdout == ""
 
 
-def test_train_hellaswag_every_writes_accuracy_at_its_evaluations(tmp_path: Path, corpus_path: Path) -> None:
+def test_train_hellaswag_every_writes_accuracy_at_its_evaluations(tmp_path: Path, corpus_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
     hellaswag = _write_hellaswag(tmp_path / "hs.jsonl")
     text = tmp_path / "text.txt"  # a short text: BPE-encoding the whole corpus would take most of the test's time
     text.write_text(corpus_path.read_text(encoding="utf-8")[:50_000], encoding="utf-8")
     extra = {"data.tokenizer": TINY_BPE, "train.hellaswag_every": 20, "train.hellaswag_file": hellaswag,
              "train.max_iters": 20, "train.eval_interval": 10}
-    train(compose_config(tiny_run_overrides(tmp_path, text, **extra)))
+    with caplog.at_level(logging.INFO, logger="train"):
+        train(compose_config(tiny_run_overrides(tmp_path, text, **extra)))
     evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in evals if "val_loss" in r]
     assert [(r["iter"], "hellaswag_acc" in r) for r in evals] == [(0, True), (10, False), (20, True)]
+    said = [m for m in caplog.messages if m.startswith("step ")]
+    assert said == [f"step {r['iter']}: train loss {r['train_loss']:.4f}, val loss {r['val_loss']:.4f}, val "
+                    f"{r['val_bpb']:.4f} bits/byte" + (f", hellaswag acc {r['hellaswag_acc']:.4f} (acc_norm "
+                    f"{r['hellaswag_acc_norm']:.4f})" if "hellaswag_acc" in r else "") for r in evals]
     model = load_checkpoint(tmp_path / "run" / CKPT_NAME).build_model().eval()  # iter 20's weights
     examples = load_examples(hellaswag, BpeTokenizer(tiny_encoding()))
     correct, correct_norm, count = hellaswag_sums(model, ((e, True) for e in examples), 32, torch.device("cpu"))

@@ -622,3 +622,21 @@ def test_data_dir_never_replaces_a_meta_json_it_did_not_write(tmp_path: Path, co
         with pytest.raises(DataError, match=r"holds a meta.json this project didn't write; .* name another data.dir"):
             ensure_prepared(DataConfig(input=str(corpus_path), dir=str(data)))
         assert (data / "meta.json").read_text() == content and (data / "train.bin").read_bytes() == b"\x01\x02"
+
+
+def test_a_checkpoint_s_data_dir_at_another_tool_s_dataset_is_refused_on_resume(
+    trained_run: Path, tmp_path: Path
+) -> None:
+    """A crafted checkpoint's saved data.dir naming nanoGPT's train.bin, val.bin and meta.pkl: they were replaced."""
+    nanogpt, run = tmp_path / "nanogpt", tmp_path / "run"
+    nanogpt.mkdir()
+    for name in ("train.bin", "val.bin", "meta.pkl"):
+        (nanogpt / name).write_bytes(b"\x01\x02")
+    shutil.copytree(trained_run, run)
+    raw = torch.load(run / CKPT_NAME, weights_only=True)
+    raw["config"]["data"]["dir"] = str(nanogpt)
+    torch.save(raw, run / CKPT_NAME)
+    result = run_in_process("train.py", [f"out_dir={run}", "resume=true"], tmp_path)
+    assert refused(result).startswith(f"error: data.dir={nanogpt} holds token files without the meta.json")
+    assert sorted((p.name, p.read_bytes()) for p in nanogpt.iterdir()) == [
+        ("meta.pkl", b"\x01\x02"), ("train.bin", b"\x01\x02"), ("val.bin", b"\x01\x02")]

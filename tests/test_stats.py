@@ -112,6 +112,8 @@ def test_welch_difference_interval_p_value_and_seeds_per_arm_follow_the_formulas
     assert a.ci95[1] > b.ci95[0]  # the groups' intervals overlap, yet the difference's excludes 0: a real difference
     assert comparison.verdict.endswith("p = 0.018, 3 and 4 seeds: worse; the groups' intervals overlap, but the "
                                        "verdict is the difference's interval, which excludes 0")
+    single = Group({}, [Path("x")], [1.0])  # one run: no interval
+    assert single.std is None and single.ci95 is None
     same = compare(Group({}, [Path("a"), Path("b")], [2.0, 2.0]), Group({}, [Path("c"), Path("d")], [2.0, 2.0]), "m")
     assert same.p_value == 1.0 and same.diff == 0 and same.verdict.endswith("no difference at all")  # no spread at all
     apart = compare(Group({}, [Path("a"), Path("b")], [3.0, 3.0]), Group({}, [Path("c"), Path("d")], [2.0, 2.0]), "m")

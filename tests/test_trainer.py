@@ -276,7 +276,9 @@ def test_log_lines_give_the_mean_loss_speed_and_eta_and_mfu_only_against_a_peak(
     checkpoint = load_checkpoint(result.out_dir / CKPT_NAME)
     assert result.dtype == checkpoint.dtype == "float32"
     records = _records(result.out_dir)
-    assert {"device": "cpu", "train.dtype": "float32"}.items() <= records[0]["settings"].items()
+    settings = records[0]["settings"]
+    assert {"device": "cpu", "train.dtype": "float32", "train.compile": False}.items() <= settings.items()
+    assert settings["threads"] == torch.get_num_threads()
     lines = [r for r in records if "lr" in r]
     untimed = {"iter", "train_loss", "lr", "elapsed_s"}
     assert [r["iter"] for r in lines] == [1, 2, 3, 4, 5, 6] and set(lines[0]) == untimed

@@ -34,7 +34,7 @@ from hydra import compose, initialize_config_dir
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from common.config import typed_config
+from common.config import CONFIG_DIR, typed_config
 from common.files import read_records
 from common.runtime import Runtime, datasheet_peak, make_runtime, synchronize
 from data.prepare import TokenFiles, ensure_prepared
@@ -45,7 +45,6 @@ from model.attention import windowed_attention
 from model.gpt import Decoding
 from train import TrainConfig, TrainRunConfig, train
 
-REPO = Path(__file__).resolve().parent
 NANOGPT_SAMPLING = {"temperature": 0.8, "top_k": 200}  # nanoGPT's sample.py defaults, ours too
 
 
@@ -146,7 +145,7 @@ class Measured(Exception):
 
 def run_config(overrides: list[str]) -> TrainRunConfig:
     """train.py's typed config, composed from configs/ with these Hydra overrides as the command composes it."""
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return typed_config(compose(config_name="config", overrides=overrides), TrainRunConfig)
 
 

@@ -93,7 +93,8 @@ def muon_adamw(model: nn.Module, train: TrainConfig, dtype: torch.dtype) -> Muon
     """Muon for the blocks' nn.Linear weights (the hidden matrices); AdamW for embeddings, the head, norms and biases,
     with weight decay on the 2-D ones. Newton-Schulz runs in bfloat16 when training does: it is faster there."""
     hidden = [m.weight for m in model.transformer.h.modules() if isinstance(m, nn.Linear) and m.weight.requires_grad]
-    rest = [p for p in model.parameters() if p.requires_grad and all(p is not h for h in hidden)]
+    hidden_ids = {id(h) for h in hidden}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in hidden_ids]
     adam = {"muon": False, "lr": train.learning_rate, "betas": (train.beta1, train.beta2), "eps": 1e-8}
     groups = [{**adam, "params": [p for p in rest if p.dim() >= 2], "weight_decay": train.weight_decay},
               {**adam, "params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},

@@ -276,7 +276,7 @@ class Trainer:
         if steps:
             tokens_per_sec = train.batch_size * train.grad_accum * self.model.config.block_size * steps / seconds
             record |= {"ms_per_iter": 1000 * seconds / steps, "tokens_per_sec": tokens_per_sec}
-            said += f", {1000 * seconds / steps:.1f} ms/iter, {tokens_per_sec:,.0f} tok/s"
+            said += f", {record['ms_per_iter']:.1f} ms/iter, {tokens_per_sec:,.0f} tok/s"
             if self.peak_flops is not None:
                 record["mfu"] = self.flops_per_token * tokens_per_sec / self.peak_flops
                 said += f", mfu {100 * record['mfu']:.1f}%"

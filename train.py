@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from analysis.diagnostics import HeadProbe
 from common.config import SEED_MAX, check_fields, keys_help, option, presets, run_hydra, typed_config
-from common.errors import CheckpointError, ConfigError, UserError
+from common.errors import ConfigError, UserError
 from common.files import BEST_NAME, CKPT_NAME, CONFIG_NAME, METRICS_NAME, RunDir, make_directory
 from common.runtime import (
     DEVICES,
@@ -46,7 +46,7 @@ from model import GPT, GPTConfig, ModelConfig
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.hf_gpt2 import SETTINGS as PRETRAINED_SETTINGS
 from model.hf_gpt2 import load_pretrained
-from training.resume import CONFIG_GROUPS, check_resume, check_same_shape, resumed_config
+from training.resume import CONFIG_GROUPS, check_resume, resumed_config, resumed_model_config
 from training.trainer import (
     Evaluator,
     HellaSwagEval,
@@ -353,18 +353,13 @@ def check_for_world(train: TrainConfig, world: World) -> None:
 
 def _build_model(config: TrainRunConfig, checkpoint: Checkpoint | None, data: PreparedData, runtime: Runtime,
                  world: World) -> GPT:
-    """A new model from model.*, init_from's pretrained one, or (resume) one of the checkpoint's shape, the settings its
-    weights leave open from the config; another shape is refused."""
+    """A new model from model.*, init_from's pretrained one, or a resume's (resumed_model_config), once it fits."""
     if checkpoint is None and config.init_from is not None:
         return _pretrained_model(config, data)
-    model_config = config.model.with_vocabulary(data.meta["vocab_size"])
-    if checkpoint is not None:
-        if config.init_from is not None:  # a finetune: the shape is the pretrained model's, as saved
-            settings = {k: getattr(config.model, k) for k in ("block_size", *PRETRAINED_SETTINGS)}
-            model_config = dataclasses.replace(checkpoint.model_config, **settings)
-        check_same_shape(checkpoint.model_config, model_config)
-        if checkpoint.tokenizer_for_decoding(Path(config.out_dir) / CKPT_NAME) != data.meta["tokenizer"]:
-            raise CheckpointError("resume=true with data tokenized differently from the checkpoint's; use its data")
+    if checkpoint is None:
+        model_config = config.model.with_vocabulary(data.meta["vocab_size"])
+    else:
+        model_config = resumed_model_config(checkpoint, config, data.meta)
     _check_data_fits(data, model_config.block_size)  # too little text: said before the memory check, as likelier
     check_fits(model_config, config.train, runtime.device, world)  # before allocating it
     return GPT(model_config)

@@ -18,6 +18,7 @@ from common.errors import CheckpointError, ConfigError
 from common.files import CKPT_NAME
 from model import GPTConfig
 from model.checkpoint import Checkpoint, saved_config
+from model.hf_gpt2 import SETTINGS as PRETRAINED_SETTINGS
 
 log = logging.getLogger("train")
 CONFIG_GROUPS = ("experiment", "model", "data")  # train.py's Hydra groups: configs/<group>/NAME.yaml, as group=NAME
@@ -140,6 +141,19 @@ def check_same_shape(saved: GPTConfig, current: GPTConfig) -> None:
         diffs = ", ".join(f"{k}: {old[k]} -> {new[k]}" for k in changed)
         raise CheckpointError(f"resume=true with a model that differs from the checkpoint's ({diffs}); drop the "
                               "model.* overrides that change it (none given: the checkpoint contradicts its config)")
+
+
+def resumed_model_config(checkpoint: Checkpoint, config: Any, data_meta: dict[str, Any]) -> GPTConfig:
+    """The model a resume builds: the checkpoint's shape, the settings its weights leave open from the config. Data
+    of another vocabulary or tokenizer, or a model.* override that changes the shape, is refused."""
+    model_config = config.model.with_vocabulary(data_meta["vocab_size"])
+    if config.init_from is not None:  # a finetune: the shape is the pretrained model's, as saved
+        settings = {k: getattr(config.model, k) for k in ("block_size", *PRETRAINED_SETTINGS)}
+        model_config = dataclasses.replace(checkpoint.model_config, **settings)
+    check_same_shape(checkpoint.model_config, model_config)
+    if checkpoint.tokenizer_for_decoding(Path(config.out_dir) / CKPT_NAME) != data_meta["tokenizer"]:
+        raise CheckpointError("resume=true with data tokenized differently from the checkpoint's; use its data")
+    return model_config
 
 
 def resume_command(out_dir: Path) -> str:

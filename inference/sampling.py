@@ -47,13 +47,13 @@ def load_model(out_dir: str | None, init_from: str | None, ckpt: str, attn_impl:
     path = Path(out_dir) / (BEST_NAME if ckpt == "best" else CKPT_NAME)
     if ckpt == "best" and not path.exists() and path.with_name(CKPT_NAME).is_file():  # a FIFO: load_checkpoint's
         raise CheckpointError(f"no {BEST_NAME} in {out_dir}: train with train.keep_best=true, or use ckpt=latest")
-    checkpoint = load_checkpoint(path)
+    checkpoint = load_checkpoint(path, attn_impl=attn_impl)
     tokenizer = tokenizer_from_metadata(checkpoint.tokenizer_for_decoding(path), path)
     size, tokens, chars = tokenizer.vocab_size, checkpoint.model_config.vocab_size, isinstance(tokenizer, CharTokenizer)
     if size > tokens or chars and size < tokens:  # an id past the model's table; characters it can't have learnt
         raise CheckpointError(f"{path} holds damaged tokenizer metadata ({size} {'characters' if chars else 'tokens'} "
                               f"for a model of {tokens} tokens); use a file train.py wrote")
-    return LoadedModel(checkpoint.build_model(attn_impl), tokenizer, checkpoint)
+    return LoadedModel(checkpoint.build_model(), tokenizer, checkpoint)
 
 
 def read_prompt(start: str) -> str:

@@ -64,7 +64,7 @@ class Checkpoint:
         return flat | {"model_config": dict(vars(self.model_config))}
 
     @classmethod
-    def from_dict(cls, raw: Any, path: Path, resuming: bool = False) -> Checkpoint:
+    def from_dict(cls, raw: Any, path: Path, resuming: bool = False, attn_impl: str | None = None) -> Checkpoint:
         """Every value checked once, before anything is built: a damaged or crafted file is one line naming the field,
         never a traceback or an allocation its weights don't back. The optimizer and rng only when resuming."""
         if not isinstance(raw, dict) or "model" not in raw or "model_config" not in raw:
@@ -78,7 +78,8 @@ class Checkpoint:
         for name, kind in _PLAIN_TYPES.items():
             if not isinstance(raw[name], kind):
                 raise CheckpointError(f"{path} can't be used: its {name} is a {type(raw[name]).__name__}")
-        built = _model_of(raw["model"], model_config, path)
+        run_as = dataclasses.replace(model_config, attn_impl=attn_impl or model_config.attn_impl)
+        built = _model_of(raw["model"], run_as, path)
         raw["optimizer"] = raw["optimizer"] or None  # {}: no step taken, as None says
         if resuming:
             raw["optimizer"] = _named_optimizer(raw["optimizer"], dict(built.named_parameters()), path)
@@ -87,16 +88,9 @@ class Checkpoint:
             raise CheckpointError(f"{path} can't be used: dtype={raw['dtype']} is no precision train.py runs in")
         return cls(model_config=model_config, progress=progress, built=built, **raw)
 
-    def build_model(self, attn_impl: str | None = None) -> GPT:
-        """The trained model (the one from_dict built); attn_impl may differ from the training run's, since both
-        paths share weights."""
-        model = self.built if self.built is not None else _model_of(self.model, self.model_config, Path("weights"))
-        self.built = None  # handed out once: a second call builds its own
-        if attn_impl is not None:
-            model.config = dataclasses.replace(model.config, attn_impl=attn_impl)
-            for block in model.transformer.h:
-                block.attn.attn_impl = attn_impl
-        return model
+    def build_model(self) -> GPT | None:
+        """The model from_dict built and filled with the weights (None in a checkpoint that training is writing)."""
+        return self.built
 
     def tokenizer_for_decoding(self, path: Path) -> dict[str, Any]:
         """The tokenizer's metadata; a checkpoint without one (an export's input needs none) can't sample or resume."""
@@ -110,8 +104,8 @@ class Checkpoint:
         if self.optimizer is None:
             return None
         kernels = [{"fused": group["fused"]} if "fused" in group else {} for group in optimizer.param_groups]
-        groups = zip(self.optimizer["param_groups"], kernels, strict=False)  # a count that differs: load_state_dict's
-        return {**self.optimizer, "param_groups": [{**saved, **kernel} for saved, kernel in groups]}  # to refuse
+        groups = zip(self.optimizer["param_groups"], kernels, strict=False)  # load_state_dict refuses other counts
+        return {**self.optimizer, "param_groups": [{**saved, **kernel} for saved, kernel in groups]}
 
 
 _KEYS = {f.name for f in fields(Checkpoint) if f.name not in ("progress", "built")} | {f.name for f in fields(Progress)}
@@ -126,7 +120,7 @@ def _typed(schema: type[Config], values: Any, path: Path, what: str = "") -> Con
         raise CheckpointError(f"{path} can't be used: its {what}is a {type(values).__name__}, not a mapping")
     try:
         typed = typed_config(values, schema)
-        check_fields(typed)  # bounds GPTConfig checks itself, Progress's
+        check_fields(typed)  # Progress's bounds (GPTConfig checks its own as it is built)
         return typed
     except (ConfigError, OmegaConfBaseException) as err:
         raise CheckpointError(f"{path} can't be used: its {what}{_one_line(err, schema, values)}") from None
@@ -245,24 +239,35 @@ def _upgraded(old: dict[str, Any]) -> dict[str, Any]:
     return new
 
 
-def load_checkpoint(path: Path, resuming: bool = False) -> Checkpoint:
-    """weights_only: a checkpoint holding anything but tensors and plain values is refused, never unpickled."""
+def load_checkpoint(path: Path, resuming: bool = False, attn_impl: str | None = None) -> Checkpoint:
+    """weights_only: a checkpoint holding anything but tensors and plain values is refused, never unpickled. The model
+    runs attn_impl's path if given (both paths share the weights), else the training run's."""
     if not path.is_file():  # nothing there, or a FIFO, which would block torch.load forever
-        if path.exists():
-            raise DataError(f"{path} {why_not_a_file(path)}; a checkpoint is a regular file: remove it")
-        raise CheckpointError(f"no checkpoint at {path}; pass out_dir=RUN, a directory written by train.py")
+        raise _no_file(path)
     try:
         stored = _stored_as_saved(path)
         raw = torch.load(path, map_location="cpu", weights_only=True) if stored else None
     except Exception as err:  # truncated, foreign, or holding objects weights_only won't build
-        why = f"damaged, or not a checkpoint ({type(err).__name__})"
-        if isinstance(err, pickle.UnpicklingError) and "global" in str(err).lower():  # a class or a function
-            why = "it holds objects other than tensors and plain values, and unpickling those could run code"
-        raise CheckpointError(f"{path} is not a readable checkpoint: {why}") from None
+        raise _unreadable(path, err) from None
     if not stored:
         raise CheckpointError(f"{path} can't be used: its records are compressed, which torch.save never does, and "
                               "unpacking them could take gigabytes; use the file as train.py wrote it")
-    return Checkpoint.from_dict(raw, path, resuming)
+    return Checkpoint.from_dict(raw, path, resuming, attn_impl)
+
+
+def _no_file(path: Path) -> DataError | CheckpointError:
+    """No checkpoint at path: nothing there, or something that is not a regular file."""
+    if path.exists():
+        return DataError(f"{path} {why_not_a_file(path)}; a checkpoint is a regular file: remove it")
+    return CheckpointError(f"no checkpoint at {path}; pass out_dir=RUN, a directory written by train.py")
+
+
+def _unreadable(path: Path, err: Exception) -> CheckpointError:
+    """Why torch.load refused the file, in one line."""
+    why = f"damaged, or not a checkpoint ({type(err).__name__})"
+    if isinstance(err, pickle.UnpicklingError) and "global" in str(err).lower():  # a class or a function
+        why = "it holds objects other than tensors and plain values, and unpickling those could run code"
+    return CheckpointError(f"{path} is not a readable checkpoint: {why}")
 
 
 def _stored_as_saved(path: Path) -> bool:

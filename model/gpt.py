@@ -66,13 +66,12 @@ class ModelConfig:
     bigram_embed: bool = False  # add an embedding of (previous token, token); exact for small vocabularies, else hashed
 
     def __post_init__(self) -> None:
-        keys = self.KEYS
-        check_fields(self, keys)
+        check_fields(self, self.KEYS)
         if self.n_embd % self.n_head:
-            raise ConfigError(f"{keys}n_embd={self.n_embd} is not divisible by n_head={self.n_head}; use a multiple of "
-                              "it")
+            raise ConfigError(f"{self.KEYS}n_embd={self.n_embd} is not divisible by n_head={self.n_head}; use a "
+                              "multiple of it")
         if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
-            raise ConfigError(f"{keys}pos_emb=rope needs an even head size; n_embd/n_head is "
+            raise ConfigError(f"{self.KEYS}pos_emb=rope needs an even head size; n_embd/n_head is "
                               f"{self.n_embd // self.n_head}")
         if self.window_pattern is not None:
             self._check_window_pattern()

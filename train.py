@@ -233,7 +233,7 @@ def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, hydra_recor
             make_directory(out_dir / ".hydra", f"out_dir={out_dir}")
             run_dir.write_text(f".hydra/{name}", text)
     run_dir.write_text(CONFIG_NAME, OmegaConf.to_yaml(dataclasses.asdict(config)))
-    trainer.metrics.write_settings(trainer.progress.iter, settings)
+    trainer.metrics.write({"iter": trainer.progress.iter, "settings": settings})  # before wandb: to the file only
     if config.wandb.enabled:
         trainer.metrics.start_wandb(config.wandb, dataclasses.asdict(config))
     evaluating = trainer.eval_due()
@@ -426,13 +426,11 @@ def _compiles_here() -> bool:
     return True
 
 
-KEYS_SET_MOST = ("out_dir", "resume", "resume_with_changes", "data.input", "device", "train.max_iters",
-                 "train.learning_rate", "train.batch_size", "train.grad_accum", "train.eval_interval", "model.n_layer",
-                 "model.n_head", "model.n_embd", "model.block_size", "train.compile")
-
-
 def usage() -> str:
     """`python train.py --help`: the keys set most; every key: --cfg job, docs/reference.md."""
+    most = ("out_dir", "resume", "resume_with_changes", "data.input", "device", "train.max_iters",
+            "train.learning_rate", "train.batch_size", "train.grad_accum", "train.eval_interval", "model.n_layer",
+            "model.n_head", "model.n_embd", "model.block_size", "train.compile")
     return f"""Train a GPT. Settings are Hydra overrides, key=value, no dashes.
 
   python train.py experiment=shakespeare_char_cpu                 # a CPU, about 2 minutes
@@ -444,7 +442,7 @@ Presets (group=NAME):
   data         {", ".join(presets("data"))}
 
 Keys set most, at their defaults:
-{keys_help(TrainRunConfig, KEYS_SET_MOST)}
+{keys_help(TrainRunConfig, most)}
 
 Examples:
   python train.py experiment=shakespeare_char_cpu train.max_iters=500 out_dir=runs/short

@@ -452,10 +452,6 @@ class MetricsLog:
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k not in ("iter", "heads")}, step=record["iter"])
 
-    def write_settings(self, iter: int, settings: dict[str, Any]) -> None:
-        """What the run resolved that its config leaves open, for plot.py's groups: to the file only (rank 0's)."""
-        self.run_dir.append(METRICS_NAME, json.dumps({"iter": iter, "settings": settings}))
-
     def close(self) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()

@@ -78,7 +78,7 @@ class Checkpoint:
         for name, kind in _PLAIN_TYPES.items():
             if not isinstance(raw[name], kind):
                 raise CheckpointError(f"{path} can't be used: its {name} is a {type(raw[name]).__name__}")
-        run_as = dataclasses.replace(model_config, attn_impl=attn_impl or model_config.attn_impl)
+        run_as = dataclasses.replace(model_config, attn_impl=attn_impl) if attn_impl else model_config
         built = _model_of(raw["model"], run_as, path)
         raw["optimizer"] = raw["optimizer"] or None  # {}: no step taken, as None says
         if resuming:
@@ -88,8 +88,10 @@ class Checkpoint:
             raise CheckpointError(f"{path} can't be used: dtype={raw['dtype']} is no precision train.py runs in")
         return cls(model_config=model_config, progress=progress, built=built, **raw)
 
-    def build_model(self) -> GPT | None:
-        """The model from_dict built and filled with the weights (None in a checkpoint that training is writing)."""
+    def build_model(self) -> GPT:
+        """The model load_checkpoint built and filled with the weights (on attn_impl's path, if it was given one)."""
+        if self.built is None:  # a checkpoint made in memory, not loaded
+            self.built = _model_of(self.model, self.model_config, Path("weights"))
         return self.built
 
     def tokenizer_for_decoding(self, path: Path) -> dict[str, Any]:
@@ -104,7 +106,8 @@ class Checkpoint:
         if self.optimizer is None:
             return None
         kernels = [{"fused": group["fused"]} if "fused" in group else {} for group in optimizer.param_groups]
-        groups = zip(self.optimizer["param_groups"], kernels, strict=False)  # load_state_dict refuses other counts
+        # a file's other number of groups is harmless: the state loads by name, restore() sets the groups' settings
+        groups = zip(self.optimizer["param_groups"], kernels, strict=False)
         return {**self.optimizer, "param_groups": [{**saved, **kernel} for saved, kernel in groups]}
 
 

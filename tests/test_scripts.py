@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import refused, run_in_process, run_script, tiny_run_overrides
+from inference.sampling import load_model
 
 
 def test_train_then_sample_end_to_end(trained_run: Path, tmp_path: Path) -> None:
@@ -34,6 +35,9 @@ def test_sample_reads_the_prompt_from_a_file_cropped_to_the_context_on_either_at
     assert flash.returncode == 0 and flash.stdout.startswith("the " * 20), flash.stderr
     assert "warning: the prompt has 80 tokens; the model sees only its last 32" in flash.stderr
     assert flash.stdout == run_in_process("sample.py", [*base, "attn_impl=math"], cwd=tmp_path).stdout
+    loaded = load_model(str(trained_run), None, "latest", "math")  # as sample.py, eval.py and serve.py load it
+    assert {block.attn.attn_impl for block in loaded.model.transformer.h} == {loaded.model.config.attn_impl} == {"math"}
+    assert loaded.checkpoint.model_config.attn_impl == "flash"  # the file's, as trained
     args = [f"out_dir={trained_run}", "start='To be, or not'", "max_new_tokens=5", "num_samples=1"]
     quoted = run_in_process("sample.py", args, cwd=tmp_path)
     assert quoted.returncode == 0 and quoted.stdout.startswith("To be, or not")

@@ -144,10 +144,12 @@ def check_same_shape(saved: GPTConfig, current: GPTConfig) -> None:
 
 
 def resumed_model_config(checkpoint: Checkpoint, config: Any, data_meta: dict[str, Any]) -> GPTConfig:
-    """The model a resume builds: the checkpoint's shape, the settings its weights leave open from the config. Data
-    of another vocabulary or tokenizer, or a model.* override that changes the shape, is refused."""
-    model_config = config.model.with_vocabulary(data_meta["vocab_size"])
-    if config.init_from is not None:  # a finetune: the shape is the pretrained model's, as saved
+    """The model a resume builds: model.*, refused if it changes the checkpoint's shape (a finetune's shape is the
+    pretrained model's as saved, with block_size and the settings its weights leave open from model.*); data of
+    another vocabulary or tokenizer is refused."""
+    if config.init_from is None:
+        model_config = config.model.with_vocabulary(data_meta["vocab_size"])
+    else:
         settings = {k: getattr(config.model, k) for k in ("block_size", *PRETRAINED_SETTINGS)}
         model_config = dataclasses.replace(checkpoint.model_config, **settings)
     check_same_shape(checkpoint.model_config, model_config)

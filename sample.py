@@ -62,7 +62,9 @@ def main(dict_cfg: DictConfig) -> None:
     end_quietly_when_stdout_closes()
     cfg = typed_config(dict_cfg, SampleConfig)
     if cfg.attention_dir:  # before any work: nothing of the user's is overwritten
-        make_attention_dir(cfg.attention_dir)
+        from analysis.attention_maps import check_output_dir
+        check_output_dir(Path(cfg.attention_dir))
+        make_directory(Path(cfg.attention_dir), f"attention_dir={cfg.attention_dir}")  # a file there: one line
     runtime = make_runtime(cfg.device, cfg.dtype)
     loaded = load_model(cfg.out_dir, cfg.init_from, cfg.ckpt, cfg.attn_impl)
     sampler = Sampler(loaded.model.to(runtime.device).eval(), loaded.tokenizer, runtime)
@@ -79,14 +81,6 @@ def main(dict_cfg: DictConfig) -> None:
         sys.stdout.write("".join(sample.text + SEPARATOR for sample in samples))
     if cfg.attention_dir or cfg.check_causal:
         look_inside(cfg, sampler, samples[0].ids, len(prompt))
-
-
-def make_attention_dir(attention_dir: str) -> None:
-    """Made unless it holds files an earlier attention_dir didn't write; a file in its place: one line."""
-    from analysis.attention_maps import check_output_dir
-
-    check_output_dir(Path(attention_dir))
-    make_directory(Path(attention_dir), f"attention_dir={attention_dir}")
 
 
 def look_inside(cfg: SampleConfig, sampler: Sampler, first: list[int], prompt_length: int) -> None:

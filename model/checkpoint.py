@@ -246,31 +246,21 @@ def load_checkpoint(path: Path, resuming: bool = False, attn_impl: str | None = 
     """weights_only: a checkpoint holding anything but tensors and plain values is refused, never unpickled. The model
     runs attn_impl's path if given (both paths share the weights), else the training run's."""
     if not path.is_file():  # nothing there, or a FIFO, which would block torch.load forever
-        raise _no_file(path)
+        if path.exists():
+            raise DataError(f"{path} {why_not_a_file(path)}; a checkpoint is a regular file: remove it")
+        raise CheckpointError(f"no checkpoint at {path}; pass out_dir=RUN, a directory written by train.py")
     try:
         stored = _stored_as_saved(path)
         raw = torch.load(path, map_location="cpu", weights_only=True) if stored else None
     except Exception as err:  # truncated, foreign, or holding objects weights_only won't build
-        raise _unreadable(path, err) from None
+        why = f"damaged, or not a checkpoint ({type(err).__name__})"
+        if isinstance(err, pickle.UnpicklingError) and "global" in str(err).lower():  # a class or a function
+            why = "it holds objects other than tensors and plain values, and unpickling those could run code"
+        raise CheckpointError(f"{path} is not a readable checkpoint: {why}") from None
     if not stored:
         raise CheckpointError(f"{path} can't be used: its records are compressed, which torch.save never does, and "
                               "unpacking them could take gigabytes; use the file as train.py wrote it")
     return Checkpoint.from_dict(raw, path, resuming, attn_impl)
-
-
-def _no_file(path: Path) -> DataError | CheckpointError:
-    """No checkpoint at path: nothing there, or something that is not a regular file."""
-    if path.exists():
-        return DataError(f"{path} {why_not_a_file(path)}; a checkpoint is a regular file: remove it")
-    return CheckpointError(f"no checkpoint at {path}; pass out_dir=RUN, a directory written by train.py")
-
-
-def _unreadable(path: Path, err: Exception) -> CheckpointError:
-    """Why torch.load refused the file, in one line."""
-    why = f"damaged, or not a checkpoint ({type(err).__name__})"
-    if isinstance(err, pickle.UnpicklingError) and "global" in str(err).lower():  # a class or a function
-        why = "it holds objects other than tensors and plain values, and unpickling those could run code"
-    return CheckpointError(f"{path} is not a readable checkpoint: {why}")
 
 
 def _stored_as_saved(path: Path) -> bool:

@@ -186,18 +186,3 @@ def test_a_checkpoint_naming_a_removed_option_loads_when_its_weights_fit_and_is_
     with pytest.raises(CheckpointError, match=f"trained with model.{option}, an option this version no longer has"):
         load_checkpoint(on)
 
-
-def test_a_checkpoint_loaded_with_another_attn_impl_runs_that_path_on_its_weights_and_keeps_its_config(
-    tmp_path: Path,
-) -> None:
-    torch.manual_seed(0)
-    trained = GPT(GPTConfig(**SMALL, attn_impl="flash")).eval()
-    path = tmp_path / "ckpt.pt"
-    torch.save(Checkpoint(trained.config, trained.state_dict(), {}).to_dict(), path)
-    loaded = load_checkpoint(path, attn_impl="math")
-    model = loaded.build_model().eval()
-    assert loaded.model_config.attn_impl == "flash"  # the file's, as saved
-    assert {block.attn.attn_impl for block in model.transformer.h} == {model.config.attn_impl} == {"math"}
-    idx = torch.randint(0, SMALL["vocab_size"], (2, SMALL["block_size"]))
-    torch.testing.assert_close(model(idx)[0], trained(idx)[0], atol=1e-5, rtol=1e-5)
-    assert load_checkpoint(path).build_model().config.attn_impl == "flash"  # by default, the training run's

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from analysis.diagnostics import HeadProbe
 from common.config import SEED_MAX, check_fields, keys_help, option, presets, run_hydra, typed_config
 from common.errors import ConfigError, UserError
-from common.files import BEST_NAME, CKPT_NAME, CONFIG_NAME, METRICS_NAME, RunDir, make_directory
+from common.files import BEST_NAME, CKPT_NAME, CONFIG_NAME, HYDRA_NAME, METRICS_NAME, RunDir, make_directory
 from common.runtime import (
     DEVICES,
     DTYPES,
@@ -228,10 +228,10 @@ def open_run_directory(trainer: Trainer, held: contextlib.ExitStack, hydra_recor
     else:  # a run that died before its first ckpt.pt left these: not this run's
         (out_dir / METRICS_NAME).unlink(missing_ok=True)
         (out_dir / BEST_NAME).unlink(missing_ok=True)
-    if not (config.resume and (out_dir / ".hydra" / "hydra.yaml").is_file()):  # a resume reads its config groups
+    if hydra_record and not (config.resume and (out_dir / HYDRA_NAME / "hydra.yaml").is_file()):  # kept: its groups
+        make_directory(out_dir / HYDRA_NAME, f"out_dir={out_dir}")
         for name, text in hydra_record.items():
-            make_directory(out_dir / ".hydra", f"out_dir={out_dir}")
-            run_dir.write_text(f".hydra/{name}", text)
+            run_dir.write_text(f"{HYDRA_NAME}/{name}", text)
     run_dir.write_text(CONFIG_NAME, OmegaConf.to_yaml(dataclasses.asdict(config)))
     trainer.metrics.write({"iter": trainer.progress.iter, "settings": settings})  # before wandb: to the file only
     if config.wandb.enabled:

@@ -15,7 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from common.config import shown, typed_config
 from common.errors import CheckpointError, ConfigError
-from common.files import CKPT_NAME
+from common.files import CKPT_NAME, HYDRA_NAME
 from model import GPTConfig
 from model.checkpoint import Checkpoint, saved_config
 from model.hf_gpt2 import SETTINGS as PRETRAINED_SETTINGS
@@ -48,7 +48,7 @@ def resumed_config(cfg: DictConfig, overrides: list[str], schema: type) -> DictC
         base.model.vocab_multiple = 1  # those runs' tables were unpadded
     base.resume, base.resume_with_changes = True, False  # asked anew each time, never inherited from a resume
     try:  # the config groups the run was started with (Hydra's runtime.choices, which train.py keeps in .hydra/)
-        recorded = dict(OmegaConf.select(OmegaConf.load(out_dir / ".hydra" / "hydra.yaml"), "hydra.runtime.choices"))
+        recorded = dict(OmegaConf.select(OmegaConf.load(out_dir / HYDRA_NAME / "hydra.yaml"), "hydra.runtime.choices"))
     except Exception:  # missing, unreadable, not YAML, or without choices: no record
         recorded = {}
     for override in OverridesParser.create().parse_overrides(overrides):
